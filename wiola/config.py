@@ -1,0 +1,79 @@
+"""Model configuration and the named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # The paper's smallest model: exactly 12,915,888 parameters with the 32k vocabulary.
+    "13m": dict(vocab_size=32000, d_model=256, n_layers=6, n_heads=8, d_ff=512, max_seq_len=1024),
+    "micro": dict(vocab_size=32000, d_model=384, n_layers=8, n_heads=12, d_ff=768, max_seq_len=1024),
+    "small": dict(vocab_size=32000, d_model=512, n_layers=12, n_heads=16, d_ff=1024, max_seq_len=1024),
+    # For tests and the CPU demo: the 32k tokenizer, four layers of width 128.
+    "tiny": dict(vocab_size=32000, d_model=128, n_layers=4, n_heads=4, d_ff=256, max_seq_len=512),
+}
+
+
+@dataclass
+class WiolaConfig:
+    """Hyper-parameters of a Wiola model (SPEC.md notation in brackets)."""
+
+    vocab_size: int = 32000  # [V] gpt2-32k: GPT-2's first 31,999 ranks + <|endoftext|>
+    d_model: int = 256  # [d] hidden width
+    n_layers: int = 6  # [L]
+    n_heads: int = 8  # [H]; head width d_h = d_model / n_heads must be even (rotation pairs)
+    d_ff: int = 512  # [d_ff] butterfly inner width
+    max_seq_len: int = 1024  # longest sequence (prompt + generation) the model accepts
+    rope_base: float = 10000.0  # base of the rotary frequency schedule
+    helix_alpha: float = 0.05  # helical perturbation; 0 gives standard RoPE
+    gate: bool = True  # False: no gate parameters, every gate is 1 (plain causal attention)
+    gate_pre_rope: bool = True  # gate from the queries before (True) or after rotation
+    norm_eps: float = 1e-6  # RMSNorm epsilon
+    init_std: float = 0.02  # std of the truncated-normal init of linear and embedding weights
+    eos_token_id: int | None = None  # <|endoftext|>; None: the tokenizer's, if any
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an int, got {value!r}")
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head width d_model/n_heads = {self.head_dim} must be even (n_heads={self.n_heads})")
+        if self.rope_base <= 1.0:
+            raise ValueError(f"rope_base must be > 1, got {self.rope_base}")
+        if self.helix_alpha < 0:
+            raise ValueError(f"helix_alpha must be >= 0, got {self.helix_alpha}")
+        if self.norm_eps <= 0:
+            raise ValueError(f"norm_eps must be positive, got {self.norm_eps}")
+        if self.init_std <= 0:
+            raise ValueError(f"init_std must be positive, got {self.init_std}")
+        if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab_size:
+            raise ValueError(f"eos_token_id {self.eos_token_id} is outside [0, vocab_size={self.vocab_size})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> WiolaConfig:
+        """A named configuration (``13m``, ``micro``, ``small``, ``tiny``), optionally overridden."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WiolaConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown WiolaConfig fields: {unknown}")
+        return cls(**data)
