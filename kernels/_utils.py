@@ -1,0 +1,47 @@
+"""Helpers shared by the kernels: interpreter detection, dtype names, and the registry of
+ahead-of-time compile specs that ``tests/test_compile.py`` builds for sm_90 and sm_80."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+TRITON_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def kernels_usable(t: torch.Tensor) -> bool:
+    """Whether a Triton kernel can run on ``t``: on CUDA, or on CPU under the interpreter."""
+    return t.is_cuda or (t.device.type == "cpu" and interpreting())
+
+
+@dataclass(frozen=True)
+class AotSpec:
+    """One ahead-of-time build of a ``@triton.jit`` kernel.
+
+    ``signature`` maps every argument name to a Triton type string (``"*bf16"``, ``"i32"``,
+    ``"fp32"``, ``"constexpr"``); ``constexprs`` gives the values of the ``constexpr`` ones.
+    """
+
+    name: str  # e.g. "attention_fwd[bf16,D32,BM64,BN64]"
+    fn: Any  # the @triton.jit function (not an autotuner wrapper: pass `.fn` for those)
+    signature: dict[str, str]
+    constexprs: dict[str, Any] = field(default_factory=dict)
+    num_warps: int = 4
+    num_stages: int = 3
+    expect_wgmma: bool = False  # sm_90 PTX must contain wgmma (tensor-core attention kernels)
+
+
+# Filled by each kernels/<op>.py at import time: AOT_SPECS["attention"] = [AotSpec(...), ...].
+AOT_SPECS: dict[str, list[AotSpec]] = {}
+
+
+def register_aot(op: str, specs: list[AotSpec]) -> None:
+    AOT_SPECS.setdefault(op, []).extend(specs)
