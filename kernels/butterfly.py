@@ -1,0 +1,426 @@
+"""The butterfly feed-forward block (SPEC.md eq. 14-16), fused: the same function as
+``wiola.ops.butterfly.butterfly``, forward and backward.
+
+Forward, two kernels:
+
+1. ``_up_kernel`` reads each ``(BLOCK_M, BLOCK_K)`` tile of ``x`` once and feeds three
+   accumulators side by side — ``a`` and ``b`` (the two halves of ``W_up``) and ``c``
+   (``W_bp``) — then writes only ``r = SiLU(a) ⊙ b + c``. Eager PyTorch reads ``x`` twice and
+   writes ``[a ‖ b]``, ``c``, ``SiLU(a)``, ``SiLU(a) ⊙ b`` and ``r`` (five ``N × d_ff``-sized
+   intermediates, three of them kept for the backward).
+2. ``_down_kernel``: ``y = r W_downᵀ`` with the residual add in the epilogue. The matmul result
+   is rounded to the branch dtype first and then added in fp32 and stored in the promoted dtype,
+   exactly as the reference's ``F.linear(...) + residual`` does (fp32 residual stream + bf16
+   branch gives fp32). cuBLAS could fuse the add only through ``addmm``'s ``beta·C``, which needs
+   one dtype for C and the product, so it cannot serve the fp32-stream/bf16-branch case without
+   a separate pass over ``y`` (``N·d`` written, read back, and the fp32 sum written). The down
+   projection is small (K = d_ff = 512, N = d = 256 at the paper's shapes): it is bandwidth- not
+   FLOP-bound, so saving that pass is worth more than cuBLAS's better mainloop. Unmeasured:
+   ``bench/test_butterfly.py`` compares it with the eager and ``torch.compile`` references.
+
+What the backward keeps (the memory/time trade-off): only ``x`` and ``r`` (``N·d + N·d_ff``
+elements; ``r`` is needed for ``∂W_down = dyᵀ r`` and exists anyway as the down projection's
+input). ``a`` and ``b`` are **recomputed** in the backward instead of saved: the backward
+kernel already streams over ``d`` (K of ``dr = dy W_down``), so it reads the ``x`` tile of
+the same rows alongside and accumulates ``a``, ``b`` next to ``dr`` — no extra launch, one
+extra read of ``x`` (``N·d``) and ``2·N·d·2d_ff`` FLOPs (≈ 17% of the block's forward+backward
+FLOPs). Saving them instead would cost ``2·N·d_ff`` elements per layer in memory (32 MB per
+layer at N 16,384, d_ff 512, bf16; the eager reference keeps about ``4·N·d_ff``) plus writing
+and reading them back (64 MB of traffic, ~20 µs at H200 bandwidth) — about what the recompute
+costs in tensor-core time, so the recompute wins on memory at no expected loss in time.
+
+Backward: ``_up_bwd_kernel`` computes ``dr = dy W_down`` and recomputes ``a, b`` in one pass
+over K = d, and writes ``[da ‖ db ‖ dc]`` (``dc = dr``) into one ``(N, 3·d_ff)`` buffer. The
+four remaining matmuls go to cuBLAS through ``torch.mm``: the weight gradients reduce over all
+N rows (K = N = 16,384), which cuBLAS splits and schedules well and a hand-written Triton
+kernel would need split-K plus a reduction to match; ``dx = [da ‖ db ‖ dc] [W_up; W_bp]`` is
+one plain GEMM with K = 3·d_ff (one rounding instead of the reference's two partial sums).
+
+fp32 inputs use ``tl.dot(..., input_precision="ieee")`` so fp32 results match the reference to
+~1e-6 relative (interpreter and GPU); bf16/fp16 use tensor cores (wgmma on sm_90).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._utils import TRITON_DTYPE, AotSpec, kernels_usable, register_aot
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _up_kernel(
+    X,  # (N, D)
+    W_UP,  # (2F, D): rows [0, F) give a, rows [F, 2F) give b
+    W_BP,  # (F, D)
+    R,  # (N, F) out: SiLU(a) ⊙ b + c
+    N,
+    D,
+    F,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < N
+    mask_n = offs_n < F
+    rows = offs_m.to(tl.int64)
+    x_ptrs = X + rows[:, None] * D + offs_k[None, :]  # (BM, BK)
+    wa_ptrs = W_UP + offs_n[None, :] * D + offs_k[:, None]  # (BK, BN): W_up[n, k]
+    wb_ptrs = wa_ptrs + F * D
+    wc_ptrs = W_BP + offs_n[None, :] * D + offs_k[:, None]
+    acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_c = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        mask_k = offs_k < D - k0
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w_mask = mask_k[:, None] & mask_n[None, :]
+        wa = tl.load(wa_ptrs, mask=w_mask, other=0.0)
+        wb = tl.load(wb_ptrs, mask=w_mask, other=0.0)
+        wc = tl.load(wc_ptrs, mask=w_mask, other=0.0)
+        acc_a = tl.dot(x, wa, acc_a, input_precision=PRECISION)
+        acc_b = tl.dot(x, wb, acc_b, input_precision=PRECISION)
+        acc_c = tl.dot(x, wc, acc_c, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        wa_ptrs += BLOCK_K
+        wb_ptrs += BLOCK_K
+        wc_ptrs += BLOCK_K
+    r = acc_a * tl.sigmoid(acc_a) * acc_b + acc_c
+    r_ptrs = R + rows[:, None] * F + offs_n[None, :]
+    tl.store(r_ptrs, r.to(R.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    R,  # (N, F)
+    W_DOWN,  # (D, F)
+    RES,  # (N, D) residual (any float dtype), read only when HAS_RESIDUAL
+    Y,  # (N, D) out, in the promoted dtype of (branch, residual)
+    N,
+    D,
+    F,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < N
+    mask_n = offs_n < D
+    rows = offs_m.to(tl.int64)
+    r_ptrs = R + rows[:, None] * F + offs_k[None, :]  # (BM, BK)
+    w_ptrs = W_DOWN + offs_n[None, :] * F + offs_k[:, None]  # (BK, BN): W_down[n, k]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, F, BLOCK_K):
+        mask_k = offs_k < F - k0
+        r = tl.load(r_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(r, w, acc, input_precision=PRECISION)
+        r_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    # Round to the branch dtype like F.linear does, then add the residual in fp32.
+    y = acc.to(R.dtype.element_ty).to(tl.float32)
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    out_offs = rows[:, None] * D + offs_n[None, :]
+    if HAS_RESIDUAL:
+        y += tl.load(RES + out_offs, mask=out_mask, other=0.0).to(tl.float32)
+    tl.store(Y + out_offs, y.to(Y.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _up_bwd_kernel(
+    DY,  # (N, D) gradient of the branch output, in the branch dtype
+    X,  # (N, D)
+    W_UP,  # (2F, D)
+    W_DOWN,  # (D, F)
+    DABC,  # (N, 3F) out: [da ‖ db ‖ dc]
+    N,
+    D,
+    F,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < N
+    mask_n = offs_n < F
+    rows = offs_m.to(tl.int64)
+    x_ptrs = X + rows[:, None] * D + offs_k[None, :]  # (BM, BK)
+    dy_ptrs = DY + rows[:, None] * D + offs_k[None, :]  # (BM, BK)
+    wa_ptrs = W_UP + offs_n[None, :] * D + offs_k[:, None]  # (BK, BN): W_up[n, k]
+    wb_ptrs = wa_ptrs + F * D
+    wd_ptrs = W_DOWN + offs_k[:, None] * F + offs_n[None, :]  # (BK, BN): W_down[k, n]
+    acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_dr = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        mask_k = offs_k < D - k0
+        a_mask = mask_m[:, None] & mask_k[None, :]
+        w_mask = mask_k[:, None] & mask_n[None, :]
+        x = tl.load(x_ptrs, mask=a_mask, other=0.0)
+        dy = tl.load(dy_ptrs, mask=a_mask, other=0.0)
+        wa = tl.load(wa_ptrs, mask=w_mask, other=0.0)
+        wb = tl.load(wb_ptrs, mask=w_mask, other=0.0)
+        wd = tl.load(wd_ptrs, mask=w_mask, other=0.0)
+        acc_a = tl.dot(x, wa, acc_a, input_precision=PRECISION)
+        acc_b = tl.dot(x, wb, acc_b, input_precision=PRECISION)
+        acc_dr = tl.dot(dy, wd, acc_dr, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        dy_ptrs += BLOCK_K
+        wa_ptrs += BLOCK_K
+        wb_ptrs += BLOCK_K
+        wd_ptrs += BLOCK_K * F
+    sig = tl.sigmoid(acc_a)
+    silu = acc_a * sig
+    # d SiLU(a)/da = σ(a) (1 + a (1 − σ(a)))
+    da = acc_dr * acc_b * sig * (1.0 + acc_a * (1.0 - sig))
+    db = acc_dr * silu
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    d_ptrs = DABC + rows[:, None] * (3 * F) + offs_n[None, :]
+    out_ty = DABC.dtype.element_ty
+    tl.store(d_ptrs, da.to(out_ty), mask=out_mask)
+    tl.store(d_ptrs + F, db.to(out_ty), mask=out_mask)
+    tl.store(d_ptrs + 2 * F, acc_dr.to(out_ty), mask=out_mask)
+
+
+# ----------------------------------------------------------------------------- configs
+
+# bf16/fp16 autotune candidates. The up kernels hold three (BM, BN) fp32 accumulators, so their
+# tiles stay at BM·BN = 4096 per 128 threads (96 accumulator registers a thread); BLOCK_M ≥ 64
+# and 4/8 warps let sm_90 use wgmma. Shared memory: (BM + 3·BN)·BK·2 B a stage.
+_UP_CONFIGS = [
+    (64, 64, 64, 4, 3),  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+    (128, 64, 64, 8, 3),
+    (64, 128, 64, 8, 3),
+    (128, 64, 32, 8, 4),
+]
+_DOWN_CONFIGS = [
+    (64, 64, 64, 4, 4),
+    (128, 64, 64, 4, 4),
+    (64, 128, 64, 4, 4),
+    (128, 128, 64, 8, 3),
+]
+# fp32 (ieee, no tensor cores): one small fixed tile; also what the CPU interpreter runs.
+_FP32_CONFIG = (32, 32, 32, 4, 2)
+
+
+def _configs(table: list[tuple[int, int, int, int, int]]) -> list[triton.Config]:
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for m, n, k, w, s in table
+    ]
+
+
+# Tuned on the problem's widths only: every N (batch × sequence) shares one choice.
+_up_tuned = triton.autotune(_configs(_UP_CONFIGS), key=["D", "F"])(_up_kernel)
+_up_bwd_tuned = triton.autotune(_configs(_UP_CONFIGS), key=["D", "F"])(_up_bwd_kernel)
+_down_tuned = triton.autotune(_configs(_DOWN_CONFIGS), key=["D", "F", "HAS_RESIDUAL"])(_down_kernel)
+
+
+def _launch(kernel, tuned, grid_cols: int, N: int, dtype: torch.dtype, *args, **constexprs) -> None:
+    """Launch ``kernel`` over (rows of N) × (columns of ``grid_cols``): autotuned for bf16/fp16 on
+    CUDA, the fixed fp32 tile otherwise (fp32 on CUDA, and everything under the interpreter)."""
+    if dtype == torch.float32 or not args[0].is_cuda:
+        bm, bn, bk, warps, stages = _FP32_CONFIG
+        grid = (triton.cdiv(N, bm), triton.cdiv(grid_cols, bn))
+        kernel[grid](
+            *args, **constexprs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION="ieee",
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+    else:
+        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(grid_cols, meta["BLOCK_N"]))
+        tuned[grid](*args, **constexprs, PRECISION="ieee")
+
+
+# ----------------------------------------------------------------------------- torch ops
+
+
+@torch.library.custom_op("wiola::butterfly_fwd", mutates_args=())
+def _butterfly_fwd(
+    x: torch.Tensor, w_up: torch.Tensor, w_bp: torch.Tensor, w_down: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, d) → ``y`` (N, d) in the promoted dtype, and ``r`` (N, d_ff) kept for the backward."""
+    x, w_up, w_bp, w_down = x.contiguous(), w_up.contiguous(), w_bp.contiguous(), w_down.contiguous()
+    N, D = x.shape
+    F = w_bp.shape[0]
+    r = torch.empty(N, F, dtype=x.dtype, device=x.device)
+    out_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    y = torch.empty(N, D, dtype=out_dtype, device=x.device)
+    if N == 0:
+        return y, r
+    _launch(_up_kernel, _up_tuned, F, N, x.dtype, x, w_up, w_bp, r, N, D, F)
+    res = residual.contiguous() if residual is not None else y  # y: a placeholder never read
+    _launch(_down_kernel, _down_tuned, D, N, x.dtype, r, w_down, res, y, N, D, F, HAS_RESIDUAL=residual is not None)
+    return y, r
+
+
+@_butterfly_fwd.register_fake
+def _(x, w_up, w_bp, w_down, residual):
+    N, D = x.shape
+    out_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    return x.new_empty(N, D, dtype=out_dtype), x.new_empty(N, w_bp.shape[0])
+
+
+@torch.library.custom_op("wiola::butterfly_up_bwd", mutates_args=())
+def _butterfly_up_bwd(dy: torch.Tensor, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """``[da ‖ db ‖ dc]`` (N, 3·d_ff) from the branch gradient ``dy`` (N, d), recomputing a, b."""
+    dy, x, w_up, w_down = dy.contiguous(), x.contiguous(), w_up.contiguous(), w_down.contiguous()
+    N, D = x.shape
+    F = w_down.shape[1]
+    dabc = torch.empty(N, 3 * F, dtype=x.dtype, device=x.device)
+    if N > 0:
+        _launch(_up_bwd_kernel, _up_bwd_tuned, F, N, x.dtype, dy, x, w_up, w_down, dabc, N, D, F)
+    return dabc
+
+
+@_butterfly_up_bwd.register_fake
+def _(dy, x, w_up, w_down):
+    return x.new_empty(x.shape[0], 3 * w_down.shape[1])
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, w_up, w_bp, w_down, residual = inputs
+    _, r = output
+    ctx.mark_non_differentiable(r)
+    ctx.save_for_backward(x, w_up, w_bp, w_down, r)
+    ctx.residual_dtype = None if residual is None else residual.dtype
+
+
+def _backward(ctx, dy: torch.Tensor, _dr: torch.Tensor | None):
+    x, w_up, w_bp, w_down, r = ctx.saved_tensors
+    F = w_bp.shape[0]
+    dy_branch = dy.to(x.dtype)  # the gradient reaching W_down r (the reference's `y` before `+ residual`)
+    dabc = torch.ops.wiola.butterfly_up_bwd(dy_branch, x, w_up, w_down)  # (N, 3F)
+    dx = dabc @ torch.cat([w_up, w_bp])  # (N, D)
+    dw_up = dabc[:, : 2 * F].t() @ x  # (2F, D)
+    dw_bp = dabc[:, 2 * F :].t() @ x  # (F, D)
+    dw_down = dy_branch.t() @ r  # (D, F)
+    dres = None if ctx.residual_dtype is None else dy.to(ctx.residual_dtype)
+    return dx, dw_up, dw_bp, dw_down, dres
+
+
+torch.library.register_autograd("wiola::butterfly_fwd", _backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- public function
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def butterfly(
+    x: torch.Tensor,
+    w_up: torch.Tensor,
+    w_bp: torch.Tensor,
+    w_down: torch.Tensor,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``W_down (SiLU(a) ⊙ b + W_bp x)`` with ``[a ‖ b] = x W_upᵀ``, plus ``residual`` if given.
+
+    Fused twin of ``wiola.ops.butterfly.butterfly`` (same arguments, same result, same gradients).
+
+    Args:
+        x: ``(..., d)``, float32/bfloat16/float16, on CUDA (or CPU under ``TRITON_INTERPRET=1``).
+        w_up: ``(2·d_ff, d)``; w_bp: ``(d_ff, d)``; w_down: ``(d, d_ff)``, all in ``x``'s dtype.
+        residual: optional ``(..., d)`` (float32/bfloat16/float16) added to the output, with
+            torch's type promotion (an fp32 residual stream plus a bf16 branch gives fp32).
+
+    Returns ``(..., d)`` in the matmul dtype, or the promoted dtype with ``residual``. Under
+    ``torch.autocast`` the matmul inputs are cast to the autocast dtype first, as ``F.linear``
+    does in the reference.
+
+    Raises:
+        ValueError: shapes that do not fit together, tensors on different devices, or tensors
+            the kernels cannot run on (CPU without the Triton interpreter).
+        TypeError: a dtype other than float32/bfloat16/float16, or weights whose dtype differs
+            from ``x``'s outside autocast.
+    """
+    tensors = {"x": x, "w_up": w_up, "w_bp": w_bp, "w_down": w_down}
+    if residual is not None:
+        tensors["residual"] = residual
+    for name, t in tensors.items():
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"butterfly: {name} has dtype {t.dtype}; expected float32, bfloat16 or float16")
+        if t.device != x.device:
+            raise ValueError(f"butterfly: {name} is on {t.device} but x is on {x.device}")
+    if x.dim() < 1 or w_up.dim() != 2 or w_bp.dim() != 2 or w_down.dim() != 2:
+        raise ValueError("butterfly: x must be (..., d) and the three weights 2-D")
+    d, d_ff = x.shape[-1], w_bp.shape[0]
+    expected = {"w_up": (2 * d_ff, d), "w_bp": (d_ff, d), "w_down": (d, d_ff)}
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(
+                f"butterfly: {name} has shape {tuple(tensors[name].shape)}, expected {shape} for d={d}, d_ff={d_ff}"
+            )
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"butterfly: residual has shape {tuple(residual.shape)}, x has {tuple(x.shape)}")
+    if not kernels_usable(x):
+        raise ValueError(
+            f"butterfly: the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU ones), got {x.device}; "
+            "use wiola.ops.butterfly there"
+        )
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, w_up, w_bp, w_down = (t.to(dtype) for t in (x, w_up, w_bp, w_down))
+    for name, t in (("w_up", w_up), ("w_bp", w_bp), ("w_down", w_down)):
+        if t.dtype != x.dtype:
+            raise TypeError(f"butterfly: {name} has dtype {t.dtype} but x has {x.dtype}; cast them to one dtype")
+
+    lead = x.shape[:-1]
+    res2d = None if residual is None else residual.reshape(-1, d)
+    y, _ = torch.ops.wiola.butterfly_fwd(x.reshape(-1, d), w_up, w_bp, w_down, res2d)
+    return y.view(*lead, d)
+
+
+# ----------------------------------------------------------------------------- AOT builds
+
+
+def _aot_specs() -> list[AotSpec]:
+    specs: list[AotSpec] = []
+    blocks = {"BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PRECISION": "constexpr"}
+    sizes = {"N": "i32", "D": "i32", "F": "i32"}
+
+    def add(name, fn, pointers, table, dtype, flags=None):
+        for m, n, k, w, s in table:
+            specs.append(
+                AotSpec(
+                    name=f"butterfly_{name},BM{m},BN{n},BK{k},w{w}s{s}]",
+                    fn=fn,
+                    signature={**pointers, **sizes, **{f: "constexpr" for f in flags or {}}, **blocks},
+                    constexprs={**(flags or {}), "BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "PRECISION": "ieee"},
+                    num_warps=w,
+                    num_stages=s,
+                    expect_wgmma=dtype != torch.float32 and m >= 64,
+                )
+            )
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        t, p = TRITON_DTYPE[dtype], f"*{TRITON_DTYPE[dtype]}"
+        up_table = [_FP32_CONFIG] if dtype == torch.float32 else _UP_CONFIGS
+        down_table = [_FP32_CONFIG] if dtype == torch.float32 else _DOWN_CONFIGS
+        add(f"up[{t}", _up_kernel, {"X": p, "W_UP": p, "W_BP": p, "R": p}, up_table, dtype)
+        add(f"up_bwd[{t}", _up_bwd_kernel, {"DY": p, "X": p, "W_UP": p, "W_DOWN": p, "DABC": p}, up_table, dtype)
+        # residual: none, same dtype, and the model's fp32 residual stream under autocast
+        for res in dict.fromkeys([None, t, "fp32"]):
+            pointers = {"R": p, "W_DOWN": p, "RES": f"*{res or t}", "Y": f"*{'fp32' if res == 'fp32' else t}"}
+            tag = "" if res is None else f"+res{res}"
+            add(f"down[{t}{tag}", _down_kernel, pointers, down_table, dtype, {"HAS_RESIDUAL": res is not None})
+    return specs
+
+
+register_aot("butterfly", _aot_specs())
