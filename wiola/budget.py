@@ -41,7 +41,9 @@ class Budget:
     def table(self) -> str:
         """A plain-text table of the budget."""
         c = self.config
-        rows = [f"Wiola budget: d={c.d_model} L={c.n_layers} H={c.n_heads} d_ff={c.d_ff} V={c.vocab_size} T={self.seq_len}"]
+        rows = [
+            f"Wiola budget: d={c.d_model} L={c.n_layers} H={c.n_heads} d_ff={c.d_ff} V={c.vocab_size} T={self.seq_len}"
+        ]
         rows.append(f"{'component':<28}{'parameters':>14}{'share':>9}")
         for name, n in self.params.items():
             rows.append(f"{name:<28}{n:>14,}{n / self.total_params:>9.1%}")

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import wiola.ops as reference_ops
 from wiola.cache import Cache
 from wiola.config import WiolaConfig
+from wiola.ops.linear import linear
 from wiola.ops.rope import helix_frequencies, positions_from_mask, rope_tables
 
 
@@ -27,6 +28,24 @@ class ModelOutput:
     logits: torch.Tensor | None  # (B, T, V) float32, None when the fused loss skipped them
     loss: torch.Tensor | None = None  # float32 scalar when labels were given
     cache: Cache | None = None
+
+
+def inference_cached(owner: nn.Module, key: str, build, *sources: torch.Tensor) -> torch.Tensor:
+    """``build()``, reused across calls during CPU inference until a source tensor changes.
+
+    Decoding one token at a time on a CPU is bound by reading the weights; rebuilding the fused
+    QKV matrix every step costs more than multiplying by it. With gradients on, on GPUs and
+    under tracing, this is plain ``build()``. The cache is keyed on each source's storage and version counter,
+    so in-place updates (optimizer steps, ``load_state_dict``) invalidate it.
+    """
+    if torch.is_grad_enabled() or sources[0].device.type != "cpu" or torch.compiler.is_compiling():
+        return build()
+    stamp = tuple((t.data_ptr(), t._version) for t in sources)
+    store = owner.__dict__.setdefault("_inference_cache", {})
+    hit = store.get(key)
+    if hit is None or hit[0] != stamp:
+        hit = store[key] = (stamp, build())
+    return hit[1]
 
 
 class RMSNorm(nn.Module):
@@ -50,7 +69,8 @@ class GatedHelicalAttention(nn.Module):
 
     def qkv_weight(self) -> torch.Tensor:
         """The three projections as one ``(3d, d)`` matrix: one GEMM, q/k/v as strided views."""
-        return torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
+        weights = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        return inference_cached(self, "qkv", lambda: torch.cat(weights), *weights)
 
 
 class Butterfly(nn.Module):
@@ -97,9 +117,7 @@ class WiolaModel(nn.Module):
                 nn.init.ones_(module.weight)
 
     # ------------------------------------------------------------------ inputs
-    def _check_inputs(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache: Cache | None
-    ) -> None:
+    def _check_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache: Cache | None) -> None:
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
         if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
@@ -118,7 +136,11 @@ class WiolaModel(nn.Module):
                 raise ValueError(f"token id {bad} is outside [0, vocab_size={self.config.vocab_size})")
         if attention_mask is not None:
             past = cache.length if cache is not None else 0
-            if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] not in (T, past + T):
+            if (
+                attention_mask.dim() != 2
+                or attention_mask.shape[0] != B
+                or attention_mask.shape[1] not in (T, past + T)
+            ):
                 raise ValueError(
                     f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids {tuple(input_ids.shape)}"
                 )
@@ -153,6 +175,7 @@ class WiolaModel(nn.Module):
         labels: torch.Tensor | None = None,
         cache: Cache | None = None,
         return_logits: bool | None = None,
+        logits_to_keep: int = 0,
     ) -> ModelOutput:
         """Logits, and the next-token loss when ``labels`` are given.
 
@@ -166,6 +189,8 @@ class WiolaModel(nn.Module):
             cache: a ``Cache``; the new tokens are appended and attend to everything cached.
             return_logits: compute the ``(B, T, V)`` logits. Defaults to True here; the fast
                 model defaults to False when labels are given (fused loss, no logits).
+            logits_to_keep: if positive, logits only for the last ``logits_to_keep`` positions
+                (``(B, logits_to_keep, V)``; what generation needs). Not with ``labels``.
 
         Returns a ``ModelOutput`` with ``logits`` (float32), ``loss`` and ``cache``.
         Raises ``TypeError``/``ValueError`` naming the problem for bad ids, shapes, masks,
@@ -177,10 +202,10 @@ class WiolaModel(nn.Module):
         H, D = cfg.n_heads, cfg.head_dim
         if attention_mask is not None:
             attention_mask = attention_mask[:, -T:].to(torch.bool)
-        start = 0 if cache is None else cache.length
+        start = 0
         if cache is not None:
             positions = positions_from_mask(attention_mask, B, T, offset=cache.n_real)
-            cache.key_mask[:, start : start + T] = True if attention_mask is None else attention_mask
+            start = self._cache_start(cache, T, attention_mask)
         else:
             positions = positions_from_mask(attention_mask, B, T)
         cos, sin = rope_tables(positions.to(input_ids.device), self.rope_freqs)  # (B, T, D/2) fp32
@@ -189,7 +214,7 @@ class WiolaModel(nn.Module):
         x = ops.rms_norm(h, self.layers[0].attn_norm.weight, cfg.norm_eps)
         for i, layer in enumerate(self.layers):
             attn = layer.attn
-            qkv = F.linear(x, attn.qkv_weight()).view(B, T, 3, H, D)
+            qkv = linear(x, attn.qkv_weight()).view(B, T, 3, H, D)
             q, k, v = qkv.unbind(2)  # (B, T, H, D) strided views, not rotated
             if cfg.gate:
                 carry = None if cache is None else (cache.gate_sum[i], cache.gate_count[i])
@@ -207,7 +232,7 @@ class WiolaModel(nn.Module):
                 o = ops.attention(q, k, v, g, cos, sin, attention_mask)
             else:
                 o = ops.decode_attention(q, k, v, g, cos, sin, cache.k[i], cache.v[i], cache.key_mask, start)
-            a = F.linear(o.reshape(B, T, H * D), attn.o_proj.weight)
+            a = linear(o.reshape(B, T, H * D), attn.o_proj.weight)
             x, h = ops.rms_norm(a, layer.ffn_norm.weight, cfg.norm_eps, residual=h)  # h' = h + GSA
             f = layer.ffn
             f_out = ops.butterfly(x, f.up_proj.weight, f.bypass_proj.weight, f.down_proj.weight)
@@ -219,12 +244,16 @@ class WiolaModel(nn.Module):
             cache.n_real += T if attention_mask is None else attention_mask.sum(dim=1)
 
         if labels is not None:
+            if logits_to_keep:
+                raise ValueError("logits_to_keep cannot be combined with labels (the loss needs every position)")
             labels = self._shifted_labels(labels, attention_mask, input_ids)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
         if return_logits is None:
             return_logits = self._default_return_logits(labels)
         logits = loss = None
         if return_logits:
-            logits = F.linear(x, self.embed.weight).float()  # (B, T, V), head tied to E
+            logits = linear(x, self.embed.weight).float()  # (B, T, V), head tied to E
             if labels is not None:
                 loss = F.cross_entropy(logits[:, :-1].reshape(-1, cfg.vocab_size), labels.reshape(-1), reduction="sum")
                 loss = loss / (labels != -100).sum().clamp(min=1)
@@ -234,6 +263,13 @@ class WiolaModel(nn.Module):
 
     def _default_return_logits(self, labels: torch.Tensor | None) -> bool:
         return True
+
+    def _cache_start(self, cache: Cache, T: int, attention_mask: torch.Tensor | None) -> int | torch.Tensor:
+        """Mark the ``T`` new slots in ``cache.key_mask``; return the first one (``decode_attention``'s
+        ``start``). ``wiola.fast`` overrides this to keep the slot on the device for CUDA graphs."""
+        start = cache.length
+        cache.key_mask[:, start : start + T] = True if attention_mask is None else attention_mask
+        return start
 
     def _shifted_labels(
         self, labels: torch.Tensor, attention_mask: torch.Tensor | None, input_ids: torch.Tensor

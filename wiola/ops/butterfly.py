@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from wiola.ops.linear import linear
+
 
 def butterfly(
     x: torch.Tensor,
@@ -21,7 +23,7 @@ def butterfly(
 
     Returns ``(..., d)`` in the dtype of the matmuls (autocast-aware).
     """
-    a, b = F.linear(x, w_up).chunk(2, dim=-1)  # (..., d_ff) each
-    r = F.silu(a) * b + F.linear(x, w_bp)
-    y = F.linear(r, w_down)
+    a, b = linear(x, w_up).chunk(2, dim=-1)  # (..., d_ff) each
+    r = F.silu(a) * b + linear(x, w_bp)
+    y = linear(r, w_down)
     return y if residual is None else y + residual
