@@ -38,6 +38,11 @@ BLOCK_S = 16  # splits merged per step of the reduction
 MIN_SPLIT = 128  # fewest cache slots worth a split of their own
 
 
+def _partial_warps(head_dim: int) -> int:
+    """Warps of the partial kernel: 8 from D = 64 up keeps it under 255 registers (no spills on sm_80)."""
+    return 4 if head_dim <= 32 else 8
+
+
 # --------------------------------------------------------------------------- kernels
 @triton.jit
 def _load_start(START, start, START_IN_MEMORY: tl.constexpr):
@@ -204,6 +209,34 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _launch_write(k, v, cos, sin, k_cache, v_cache, start_tensor, start) -> None:
+    B, T, H, D = k.shape
+    in_memory = start_tensor is not None
+    _decode_write_kernel[(B * T, H)](
+        k, v, cos, sin, k_cache, v_cache, start_tensor if in_memory else cos, start, T, H,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        cos.stride(0), cos.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HEAD_DIM=D, START_IN_MEMORY=in_memory, num_warps=1,
+    )  # fmt: skip
+
+
+@torch.library.custom_op("wiola::decode_write_cache", mutates_args=("k_cache", "v_cache"))
+def _write_cache_op(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start_tensor: torch.Tensor | None,
+    start: int,
+) -> None:
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    _launch_write(k, v, cos.contiguous(), sin.contiguous(), k_cache, v_cache, start_tensor, start)
+
+
 @torch.library.custom_op("wiola::decode_attention", mutates_args=("k_cache", "v_cache"))
 def _decode_attention_op(
     q: torch.Tensor,
@@ -226,15 +259,7 @@ def _decode_attention_op(
     key_mask = key_mask.contiguous().view(torch.uint8)
     in_memory = start_tensor is not None
     start_ptr = start_tensor if in_memory else key_mask  # any pointer; not read when start is an int
-
-    _decode_write_kernel[(B * T, H)](
-        k, v, cos, sin, k_cache, v_cache, start_ptr, start, T, H,
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        cos.stride(0), cos.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HEAD_DIM=D, START_IN_MEMORY=in_memory, num_warps=1,
-    )  # fmt: skip
+    _launch_write(k, v, cos, sin, k_cache, v_cache, start_tensor, start)
 
     q_tiles = triton.cdiv(T, BLOCK_M)
     m_part = torch.empty(B * H, num_splits, T, device=q.device, dtype=torch.float32)
@@ -248,7 +273,7 @@ def _decode_attention_op(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_mask.stride(0),
         HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, START_IN_MEMORY=in_memory,
-        IEEE=k_cache.dtype == torch.float32, num_warps=4, num_stages=2,
+        IEEE=k_cache.dtype == torch.float32, num_warps=_partial_warps(D), num_stages=2,
     )  # fmt: skip
 
     o = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
@@ -348,6 +373,31 @@ def decode_attention(
     return _decode_attention_op(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, None, start, num_splits)
 
 
+def write_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: int | torch.Tensor,
+) -> None:
+    """Only the cache write of ``decode_attention``: rotated ``k`` and ``v`` into slots
+    ``[start, start + T)`` of ``k_cache``/``v_cache`` (``(B, H, S, D)``), in place.
+
+    ``k, v``: ``(B, T, H, D)`` not yet rotated; ``cos, sin``: ``(B, T, D/2)`` float32. Used for a
+    prefill whose attention runs on the training kernel. Raises like ``decode_attention``.
+    """
+    B, T, H, D = k.shape
+    g = torch.empty(B, T, H, device=k.device, dtype=torch.float32)  # shape-checks only
+    mask = torch.empty(B, k_cache.shape[2], device=k.device, dtype=torch.bool)
+    _check(k, k, v, g, cos, sin, k_cache, v_cache, mask, start)
+    if isinstance(start, torch.Tensor):
+        _write_cache_op(k, v, cos, sin, k_cache, v_cache, start.reshape(()), 0)
+    else:
+        _write_cache_op(k, v, cos, sin, k_cache, v_cache, None, start)
+
+
 # --------------------------------------------------------------------------- AOT specs
 def _signature(fn, pointers: dict[str, str], constexprs: dict[str, object]) -> dict[str, str]:
     """Triton types of every argument of ``fn``: pointers as given, ``qk_scale`` fp32, other scalars i32."""
@@ -373,7 +423,7 @@ def _aot_specs() -> list[AotSpec]:
                 ptrs.update(M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32")
                 specs.append(
                     AotSpec(f"decode_partial[{tag},BM{BLOCK_M},BN{BLOCK_N}]", _decode_partial_kernel,
-                            _signature(_decode_partial_kernel, ptrs, consts), consts, num_warps=4, num_stages=2)
+                            _signature(_decode_partial_kernel, ptrs, consts), consts, num_warps=_partial_warps(D), num_stages=2)
                 )  # fmt: skip
             consts = {"HEAD_DIM": D, "BLOCK_S": BLOCK_S}
             ptrs = {"M_IN": "*fp32", "L_IN": "*fp32", "ACC_IN": "*fp32", "O": f"*{dt}"}
