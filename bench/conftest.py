@@ -30,10 +30,15 @@ except ImportError:  # the frame still runs and writes $WIOLA_BENCH_JSONL; see b
 _SESSION: dict[str, Any] = {}
 
 
-def _check_deadline() -> None:
+def _skip(benchmark: Any, reason: str) -> None:
+    benchmark.skipped = True  # tells pytest-benchmark not to warn that the fixture went unused
+    pytest.skip(reason)
+
+
+def _check_deadline(benchmark: Any) -> None:
     deadline = os.environ.get("WIOLA_BENCH_DEADLINE")
     if deadline and time.time() > float(deadline):
-        pytest.skip("time budget of this run (WIOLA_BENCH_DEADLINE) is spent")
+        _skip(benchmark, "time budget of this run (WIOLA_BENCH_DEADLINE) is spent")
 
 
 if not HAVE_PYTEST_BENCHMARK:
@@ -67,8 +72,8 @@ def cuda_bench(benchmark: Any) -> Bench:
     Skips (one line) without a CUDA device. Under ``--benchmark-disable`` no ceilings are measured.
     """
     if not torch.cuda.is_available():
-        pytest.skip("CUDA benchmark: no CUDA device on this machine")
-    _check_deadline()
+        _skip(benchmark, "CUDA benchmark: no CUDA device on this machine")
+    _check_deadline(benchmark)
     torch.manual_seed(0)
     ceil = None if getattr(benchmark, "disabled", False) else ceilings("cuda")
     return Bench(benchmark, "cuda", ceil, os.environ.get("WIOLA_BENCH_JSONL"))
@@ -77,7 +82,7 @@ def cuda_bench(benchmark: Any) -> Bench:
 @pytest.fixture
 def cpu_bench(benchmark: Any) -> Bench:
     """A ``Bench`` on the CPU, same API as ``cuda_bench``."""
-    _check_deadline()
+    _check_deadline(benchmark)
     torch.manual_seed(0)
     ceil = None if getattr(benchmark, "disabled", False) else ceilings("cpu")
     return Bench(benchmark, "cpu", ceil, os.environ.get("WIOLA_BENCH_JSONL"))

@@ -3,7 +3,7 @@
 Benchmarks use it through the ``cuda_bench`` and ``cpu_bench`` fixtures of ``bench/conftest.py``
 (see ``bench/README.md``); nothing here needs pytest except the optional pytest-benchmark stats.
 
-Timing rules (CUDA): every implementation is called once per input set before timing (compile,
+Timing rules (CUDA): every implementation is called three times before timing (compile,
 autotune, allocator warm-up), then timed repetition by repetition with CUDA events, cycling
 through enough freshly generated input sets that one cycle does not fit in L2; the median of
 the repetitions is the result; the host clock is never read without a synchronisation first.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -64,6 +65,15 @@ def _iqr(xs: Sequence[float]) -> float:
 
 
 # ------------------------------------------------------------------------------ timing
+def _reps(estimate: float, target_s: float, min_reps: int, max_reps: int, max_total_s: float = 5.0) -> int:
+    """Repetitions for a call of ``estimate`` seconds: about ``target_s`` in all, at least
+    ``min_reps`` unless that would pass ``max_total_s`` (slow calls: at least 3)."""
+    reps = min(max_reps, max(min_reps, int(target_s / max(estimate, 1e-7))))
+    if reps * estimate > max_total_s:
+        reps = max(3, int(max_total_s / max(estimate, 1e-7)))
+    return reps
+
+
 def time_cuda(
     fn: Callable[..., Any],
     input_sets: Sequence[tuple],
@@ -74,14 +84,15 @@ def time_cuda(
 ) -> list[float]:
     """Per-repetition GPU times in seconds of ``fn(*input_sets[i % n])``, measured with CUDA events.
 
-    Each input set is used once as warm-up first. The number of repetitions is chosen so that
-    the timed loop lasts about ``target_s`` (at least ``min_reps``, at most ``max_reps``).
+    Three warm-up calls and three probe calls come first. The number of repetitions is chosen so that
+    the timed loop lasts about ``target_s`` (at least ``min_reps``, at most ``max_reps``; calls
+    slower than 0.5 s get fewer, at least 3).
     """
     n = len(input_sets)
-    for args in input_sets:  # warm-up: compile, autotune, caches of the allocator
-        fn(*args)
+    for i in range(3):  # warm-up: compile, autotune, the allocator's caches
+        fn(*input_sets[i % n])
     torch.cuda.synchronize()
-    probe = max(3, n)
+    probe = 3
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for i in range(probe):
@@ -89,7 +100,7 @@ def time_cuda(
     end.record()
     torch.cuda.synchronize()
     estimate = start.elapsed_time(end) / 1e3 / probe
-    reps = int(min(max_reps, max(min_reps, target_s / max(estimate, 1e-7))))
+    reps = _reps(estimate, target_s, min_reps, max_reps)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
@@ -114,7 +125,7 @@ def time_cpu(
     t0 = time.perf_counter()
     fn(*input_sets[0])
     estimate = time.perf_counter() - t0
-    reps = int(min(max_reps, max(min_reps, target_s / max(estimate, 1e-7))))
+    reps = _reps(estimate, target_s, min_reps, max_reps)
     times = []
     for i in range(reps):
         args = input_sets[i % n]
@@ -234,7 +245,10 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "cpu": platform.processor() or platform.machine(),
         "cpu_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
     }
+    if hasattr(os, "getloadavg"):  # a shared CPU's numbers depend on what else runs
+        info["load_avg_1m"] = round(os.getloadavg()[0], 2)
     try:
         import triton
 

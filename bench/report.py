@@ -1,0 +1,438 @@
+"""Turn benchmark result JSON into ``BENCHMARKS.md`` tables and PNG bar charts.
+
+    python -m bench.report RESULTS.json [MORE.json ...] --out BENCHMARKS.md [--charts DIR] [--combined-chart PNG]
+
+Inputs are pytest-benchmark ``--benchmark-json`` files or the frame's JSON-lines files
+(``WIOLA_BENCH_JSONL``); a ``env.json`` beside a results file is read as its metadata. Runs are
+grouped by device; the latest run of each device is shown in full, older ones are linked. Every
+number printed comes from the inputs: nothing is estimated or filled in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+UNMEASURED_GPU = "GPU: unmeasured — no GPU run is recorded yet (no GPU was lent to the tasks so far)."
+
+
+@dataclass
+class Run:
+    """One benchmark session: its metadata and its benchmark records (``extra_info`` dicts)."""
+
+    path: Path
+    meta: dict[str, Any]
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def device(self) -> str:
+        gpu = self.meta.get("gpu")
+        devices = {r.get("device") for r in self.records}
+        if gpu and "cuda" in devices:
+            return str(gpu)
+        return "cpu"
+
+    @property
+    def date(self) -> str:
+        return str(self.meta.get("date", ""))
+
+
+# ---------------------------------------------------------------------------------- loading
+def _entries_from_file(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    text = path.read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        data = None
+    if isinstance(data, dict) and "benchmarks" in data:
+        meta = dict(data.get("machine_info", {}).get("wiola", {}))
+        if "date" not in meta and "datetime" in data:
+            meta["date"] = data["datetime"]
+        return data["benchmarks"], meta
+    entries = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entries.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: line {n} is not JSON: {exc}") from exc
+    if not entries and data is None:
+        raise ValueError(f"{path}: neither pytest-benchmark JSON nor JSON lines")
+    return entries, {}
+
+
+def load_run(path: str | Path) -> Run:
+    """Read one results file (and its neighbouring ``env.json``, if any) into a ``Run``.
+
+    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` for one that is not a
+    results file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no results file {path}")
+    entries, meta = _entries_from_file(path)
+    env = path.parent / "env.json"
+    if env.is_file():
+        meta = {**json.loads(env.read_text()), **meta}
+    records = []
+    for e in entries:
+        info = e.get("extra_info") or {}
+        if "op" not in info:
+            continue  # a benchmark that does not use the frame: nothing to tabulate
+        rec = dict(info)
+        if "time_s" not in rec and e.get("stats", {}).get("median") is not None and not rec.get("quick"):
+            rec["time_s"] = e["stats"]["median"]
+        rec["test"] = e.get("fullname") or e.get("name")
+        records.append(rec)
+    return Run(path, meta, records)
+
+
+# ------------------------------------------------------------------------------- formatting
+def fmt_time(seconds: float) -> str:
+    """``0.00123`` -> ``"1.23 ms"``: three significant digits in s, ms or µs."""
+    if seconds >= 1:
+        return f"{seconds:.3g} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} µs"
+
+
+def fmt_rate(x: float) -> str:
+    """Tokens/s with thousands separators (three significant digits under 1000)."""
+    return f"{x:,.0f}" if x >= 1000 else f"{x:.3g}"
+
+
+def fmt_num(x: float) -> str:
+    """Three significant digits, whole numbers with separators from 100 up: ``12.3``, ``456``, ``1,000``."""
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def fmt_speedup(x: float) -> str:
+    return f"{x:.2f}×"
+
+
+def fmt_pct(x: float) -> str:
+    return f"{x:.1f}%" if x < 10 else f"{x:.0f}%"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")
+
+
+def _group_key(rec: dict[str, Any]) -> str:
+    return f"{rec['op']} {rec.get('mode', '')}".strip()
+
+
+def _ours_cell(rec: dict[str, Any]) -> str:
+    if rec.get("quick") or "time_s" not in rec:
+        return "smoke run (not timed)"
+    cell = fmt_time(rec["time_s"])
+    if "tokens_per_s" in rec:
+        cell += f" · {fmt_rate(rec['tokens_per_s'])} tok/s"
+    return cell
+
+
+def speedup(ours: dict[str, Any], baseline: dict[str, Any]) -> float | None:
+    """Baseline time / our time (above 1: ours is faster), from the two measured medians."""
+    if "time_s" not in ours or "time_s" not in baseline or ours.get("quick"):
+        return None
+    return baseline["time_s"] / ours["time_s"]
+
+
+def _baseline_cell(r: dict[str, Any], b: dict[str, Any] | None, notes: list[str]) -> str:
+    if b is None:
+        return "—"
+    if "unavailable" in b:
+        notes.append(b["unavailable"])
+        return f"n/a [{len(notes)}]"
+    if "time_s" not in b:
+        return "ran (not timed)"
+    cell = fmt_time(b["time_s"])
+    if "tokens_per_s" in b:
+        cell += f" · {fmt_rate(b['tokens_per_s'])} tok/s"
+    s = speedup(r, b)
+    if s is not None:
+        cell += f" (ours {fmt_speedup(s)})"
+    return cell
+
+
+def group_table(records: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]], list[str]]:
+    """Header, rows and footnotes of the table of one op group.
+
+    Columns: shape, dtype, implementation, our time (and tokens/s), achieved TFLOP/s and GB/s,
+    % of the roofline floor, then one column per baseline: its time and ``ours N×`` (baseline
+    time / our time: above 1 means ours is faster).
+    """
+    baselines: list[str] = []
+    for r in records:
+        for name in r.get("baselines", {}):
+            if name not in baselines:
+                baselines.append(name)
+    header = ["shape", "dtype", "impl", "ours", "TFLOP/s", "GB/s", "% of floor", *baselines]
+    rows, notes = [], []
+    for r in records:
+        timed = "time_s" in r and not r.get("quick")
+        row = [
+            r.get("shape_id", ""),
+            r.get("dtype", ""),
+            r.get("impl", "ours"),
+            _ours_cell(r),
+            fmt_num(r["tflops"]) if timed and "tflops" in r else "—",
+            fmt_num(r["gbs"]) if timed and "gbs" in r else "—",
+            fmt_pct(r["pct_floor"]) if timed and "pct_floor" in r else "—",
+        ]
+        row += [_baseline_cell(r, r.get("baselines", {}).get(name), notes) for name in baselines]
+        rows.append(row)
+    return header, rows, notes
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _meta_lines(run: Run) -> list[str]:
+    m = run.meta
+    parts = [f"date {m.get('date', '?')}"]
+    if m.get("gpu"):
+        parts.append(f"GPU {m['gpu']}")
+        if m.get("driver"):
+            parts.append(f"driver {m['driver']}")
+        if m.get("cuda"):
+            parts.append(f"CUDA {m['cuda']}")
+    else:
+        cpu = f"CPU {m.get('cpu', '?')}, {m.get('cpu_threads', '?')} torch threads"
+        if m.get("cpu_count"):
+            cpu += f" of {m['cpu_count']} cores"
+        if m.get("load_avg_1m") is not None:
+            cpu += f", load average {m['load_avg_1m']} when the run ended"
+        parts.append(cpu)
+    parts.append(f"torch {m.get('torch', '?')}")
+    parts.append(f"triton {m.get('triton', '?')}")
+    if m.get("commit"):
+        parts.append(f"commit {m['commit']}")
+    lines = ["- " + ", ".join(parts)]
+    ceilings = m.get("ceilings") or {}
+    for c in ceilings.values():
+        lines.append(
+            f"- ceilings measured in this run ({c.get('device_name', '?')}): matmul {c['matmul']} at "
+            f"{fmt_num(c['matmul_tflops'])} TFLOP/s; copy {c['copy']} at {fmt_num(c['copy_gbs'])} GB/s"
+        )
+    if not ceilings:
+        seen = {json.dumps(r["ceilings"], sort_keys=True) for r in run.records if "ceilings" in r}
+        for s in sorted(seen):
+            c = json.loads(s)
+            lines.append(
+                f"- ceilings measured in this run ({c.get('device_name', '?')}): matmul {c['matmul']} at "
+                f"{fmt_num(c['matmul_tflops'])} TFLOP/s; copy {c['copy']} at {fmt_num(c['copy_gbs'])} GB/s"
+            )
+    return lines
+
+
+def run_section(run: Run, level: int = 3, chart_links: dict[str, str] | None = None) -> str:
+    """Markdown for one run: metadata, then one table per op group."""
+    out = _meta_lines(run)
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in run.records:
+        groups.setdefault(_group_key(r), []).append(r)
+    for key, recs in groups.items():
+        header, rows, notes = group_table(recs)
+        out.append("")
+        out.append(f"{'#' * level} {key} ({recs[0].get('device', '?')})")
+        out.append("")
+        out.append(markdown_table(header, rows))
+        for i, n in enumerate(notes, 1):
+            out.append(f"\n[{i}] unavailable: {n}")
+        extra = sorted({n for r in recs for n in r.get("notes", [])})
+        for n in extra:
+            out.append(f"\nNote: {n}")
+        if chart_links and key in chart_links:
+            out.append(f"\n![{key}]({chart_links[key]})")
+    if not run.records:
+        out.append("\n(no benchmark records in this run)")
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------- charts
+def _chart_series(recs: Sequence[dict[str, Any]]) -> tuple[list[str], dict[str, list[float | None]], str]:
+    """x labels (shapes), {implementation: values}, and the unit: tokens/s if every record has it, else ms."""
+    use_tokens = all("tokens_per_s" in r for r in recs)
+    unit = "tokens/s (higher is better)" if use_tokens else "ms (lower is better)"
+    labels = [f"{r.get('shape_id', '')}\n{r.get('impl', '')}" for r in recs]
+    series: dict[str, list[float | None]] = {}
+
+    def value(d: dict[str, Any]) -> float | None:
+        if "time_s" not in d:
+            return None
+        return d["tokens_per_s"] if use_tokens else d["time_s"] * 1e3
+
+    for i, r in enumerate(recs):
+        impls = {"ours": r, **{k: v for k, v in r.get("baselines", {}).items()}}
+        for name, d in impls.items():
+            series.setdefault(name, [None] * len(recs))[i] = value(d)
+    return labels, series, unit
+
+
+def _draw(ax: Any, title: str, recs: Sequence[dict[str, Any]]) -> None:
+    labels, series, unit = _chart_series(recs)
+    n = max(1, len(series))
+    width = 0.8 / n
+    for j, (name, vals) in enumerate(series.items()):
+        xs = [i + (j - (n - 1) / 2) * width for i in range(len(labels))]
+        ax.bar(xs, [v if v is not None else 0.0 for v in vals], width, label=name)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel(unit, fontsize=8)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+
+
+def _timed_groups(run: Run) -> dict[str, list[dict[str, Any]]]:
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in run.records:
+        if "time_s" in r and not r.get("quick"):
+            groups.setdefault(_group_key(r), []).append(r)
+    return groups
+
+
+def write_charts(run: Run, directory: str | Path) -> dict[str, Path]:
+    """One PNG bar chart per op group of ``run`` in ``directory``; returns {group: path}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for key, recs in _timed_groups(run).items():
+        fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(recs) + 2), 3.6))
+        _draw(ax, f"{key} — {run.device}", recs)
+        fig.tight_layout()
+        path = directory / f"{_slug(run.device)}_{_slug(key)}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths[key] = path
+    return paths
+
+
+def write_combined_chart(run: Run, path: str | Path) -> Path | None:
+    """Every op group of ``run`` as subplots of one PNG (for places that take few files)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = _timed_groups(run)
+    if not groups:
+        return None
+    fig, axes = plt.subplots(len(groups), 1, figsize=(10, 3.4 * len(groups)), squeeze=False)
+    for ax, (key, recs) in zip(axes[:, 0], groups.items()):
+        _draw(ax, f"{key} — {run.device}", recs)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------------- report
+def build_markdown(runs: Sequence[Run], out_path: str | Path, charts: dict[str, dict[str, Path]] | None = None) -> str:
+    """The whole ``BENCHMARKS.md``: the latest run of each device in full, the others linked."""
+    out_dir = Path(out_path).resolve().parent
+    by_device: dict[str, list[Run]] = {}
+    for run in runs:
+        by_device.setdefault(run.device, []).append(run)
+    lines = [
+        "# Benchmarks",
+        "",
+        "Generated by `python -m bench.report` from the raw results under `bench/results/`; every number",
+        "below was measured by `pytest bench/` (see `bench/README.md` for how each is timed and counted).",
+        "`ours N×` = baseline time / our time (above 1: ours is faster). `% of floor` = the roofline time",
+        "(from the matmul and copy ceilings measured in the same run) / the measured time.",
+        "",
+    ]
+    if not any(d != "cpu" for d in by_device):
+        lines += [f"**{UNMEASURED_GPU}**", ""]
+    for device in sorted(by_device, key=lambda d: (d == "cpu", d)):
+        ordered = sorted(by_device[device], key=lambda r: r.date, reverse=True)
+        latest = ordered[0]
+        title = "CPU" if device == "cpu" else f"GPU: {device}"
+        lines += [f"## {title} — latest run", ""]
+        links = None
+        if charts and str(latest.path) in charts:
+            links = {k: os.path.relpath(p, out_dir) for k, p in charts[str(latest.path)].items()}
+        lines.append(run_section(latest, chart_links=links))
+        lines.append("")
+        lines.append(f"Raw results: [{os.path.relpath(latest.path, out_dir)}]({os.path.relpath(latest.path, out_dir)})")
+        lines.append("")
+        if len(ordered) > 1:
+            lines += [f"### Earlier {title} runs", ""]
+            for r in ordered[1:]:
+                rel = os.path.relpath(r.path, out_dir)
+                lines.append(f"- {r.date}: [{rel}]({rel}) ({len(r.records)} benchmarks)")
+            lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def summary_lines(runs: Sequence[Run]) -> list[str]:
+    """A short plain-text table (one line per benchmark) for a terminal."""
+    lines = [f"{'benchmark':<34} {'shape':<22} {'impl':<12} {'ours':>20} {'floor':>7}  baselines (ours N×)"]
+    for run in runs:
+        for r in run.records:
+            key = _group_key(r)[:34]
+            pct = fmt_pct(r["pct_floor"]) if "pct_floor" in r else "—"
+            base = []
+            for name, b in r.get("baselines", {}).items():
+                s = speedup(r, b)
+                if s is not None:
+                    base.append(f"{name} {fmt_speedup(s)}")
+                elif "unavailable" in b:
+                    base.append(f"{name} n/a")
+            ours = _ours_cell(r)
+            lines.append(
+                f"{key:<34} {r.get('shape_id', '')[:22]:<22} {r.get('impl', '')[:12]:<12} {ours:>20} {pct:>7}  "
+                + ", ".join(base)
+            )
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="+", help="pytest-benchmark JSON or frame JSON-lines files")
+    parser.add_argument("--out", default="BENCHMARKS.md", help="markdown file to write (default BENCHMARKS.md)")
+    parser.add_argument("--charts", default=None, help="folder for one PNG per op group of each device's latest run")
+    parser.add_argument("--combined-chart", default=None, help="one PNG with every op group of the latest run")
+    parser.add_argument("--summary", action="store_true", help="print a short table to stdout")
+    args = parser.parse_args(argv)
+
+    runs = [load_run(p) for p in args.results]
+    charts: dict[str, dict[str, Path]] = {}
+    if args.charts:
+        latest: dict[str, Run] = {}
+        for run in runs:
+            if run.device not in latest or run.date > latest[run.device].date:
+                latest[run.device] = run
+        for run in latest.values():
+            charts[str(run.path)] = write_charts(run, args.charts)
+    if args.combined_chart:
+        newest = max(runs, key=lambda r: r.date)
+        write_combined_chart(newest, args.combined_chart)
+    text = build_markdown(runs, args.out, charts)
+    Path(args.out).write_text(text)
+    if args.summary:
+        print("\n".join(summary_lines(runs)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
