@@ -1,0 +1,271 @@
+"""The data pipeline: sources, tokenisation round trip, the token cache, batches and positions."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from wiola import data as wdata
+from wiola.corpus import EOT, write_sample_corpus
+from wiola.data import (
+    BatchStream,
+    TokenSplit,
+    eval_batches,
+    iter_documents,
+    num_windows,
+    prepare_data,
+    resolve_source,
+    token_byte_lengths,
+    unigram_entropy,
+)
+
+BPE_FILE = "/work/shared/tokenizers/gpt2.tiktoken"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _offline_tokenizer():
+    if not os.environ.get("WIOLA_BPE_FILE") and os.path.isfile(BPE_FILE):
+        os.environ["WIOLA_BPE_FILE"] = BPE_FILE
+        yield
+        del os.environ["WIOLA_BPE_FILE"]
+    else:
+        yield
+
+
+@pytest.fixture(scope="module")
+def enc():
+    from wiola.tokenizer import get_encoding
+
+    return get_encoding("gpt2-32k")
+
+
+def _quiet(*_: object) -> None:
+    pass
+
+
+def _split(tokens: list[int] | np.ndarray, shard: int | None = None) -> TokenSplit:
+    arr = np.asarray(tokens, dtype=np.uint16)
+    shards = [arr] if shard is None else [arr[i : i + shard] for i in range(0, len(arr), shard)]
+    return TokenSplit(shards, documents=1, text_bytes=0)
+
+
+# ----------------------------------------------------------------------------------- sources
+def test_sources_and_bad_paths(tmp_path) -> None:
+    assert resolve_source(None).kind == "hf"
+    assert resolve_source("sample").kind == "sample"
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_source(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no"):
+        resolve_source(tmp_path / "empty")
+    (tmp_path / "x.csv").write_text("a,b")
+    with pytest.raises(ValueError, match="unsupported file type"):
+        resolve_source(tmp_path / "x.csv")
+    with pytest.raises(ValueError, match="val_fraction"):
+        resolve_source("sample", val_fraction=1.5)
+
+
+def test_folder_with_validation_file(tmp_path) -> None:
+    write_sample_corpus(tmp_path, n_train=7, n_val=3, seed=5)
+    src = resolve_source(tmp_path)
+    assert [p.name for p in src.train_files] == ["train.txt"], f"train files {src.train_files}"
+    assert [p.name for p in src.val_files] == ["validation.txt"], f"val files {src.val_files}"
+    from wiola.corpus import sample_corpus
+
+    train, val = sample_corpus(7, 3, seed=5)
+    assert list(iter_documents(src, "train")[0]) == train, "train documents differ from the written stories"
+    assert list(iter_documents(src, "val")[0]) == val, "validation documents differ from the written stories"
+
+
+def test_text_jsonl_json_parquet_readers(tmp_path) -> None:
+    docs = [f'Story number {i}. It has words, and "quotes" — and ünïcode {i * i}.' for i in range(10)]
+    (tmp_path / "a.txt").write_text(f"\n{EOT}\n".join(docs[:3]))
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs[3:5]) + "\n\n")
+    (tmp_path / "c.json").write_text(json.dumps([{"story": d} for d in docs[5:7]]))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": docs[7:], "id": list(range(3))}), tmp_path / "d.parquet")
+    (tmp_path / "single.txt").write_text("One file without separators\n\nis one document.")
+    src = resolve_source(tmp_path, val_fraction=0.5)  # every 2nd document held out
+    got_train = list(iter_documents(src, "train")[0])
+    got_val = list(iter_documents(src, "val")[0])
+    everything = [*docs, "One file without separators\n\nis one document."]
+    assert sorted(got_train + got_val) == sorted(everything), "documents lost or changed by the readers"
+    assert got_val == everything[1::2] and got_train == everything[0::2], "held-out documents are not every 2nd"
+
+
+def test_reader_errors(tmp_path) -> None:
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
+    src = resolve_source(tmp_path / "bad.jsonl")
+    with pytest.raises(ValueError, match="no text field"):
+        list(iter_documents(src, "train")[0])
+
+
+def test_tinystories_unreachable_message(monkeypatch) -> None:
+    def unavailable(*a, **k):
+        raise ConnectionError("no network")
+
+    import types
+
+    monkeypatch.setitem(__import__("sys").modules, "datasets", types.SimpleNamespace(load_dataset=unavailable))
+    with pytest.raises(RuntimeError, match=r"--data PATH.*--data sample"):
+        iter_documents(resolve_source(None), "train")
+
+
+# ------------------------------------------------------------------------ tokenisation + cache
+def test_round_trip_and_manifest(tmp_path, enc) -> None:
+    write_sample_corpus(tmp_path / "c", n_train=30, n_val=5, seed=1)
+    src = resolve_source(tmp_path / "c")
+    data = prepare_data(src, enc, tmp_path / "cache", progress=False, log=_quiet, shard_tokens=1000)
+    from wiola.corpus import sample_corpus
+
+    train, val = sample_corpus(30, 5, seed=1)
+    for name, split, docs in (("train", data.train, train), ("val", data.val, val)):
+        toks = split.tokens()
+        assert toks.dtype == np.int64 and len(split.shards) == math.ceil(len(toks) / 1000), f"{name}: shard layout"
+        assert int((toks == enc.eot_token).sum()) == len(docs), f"{name}: one <|endoftext|> per story"
+        assert toks[0] == enc.eot_token, f"{name}: the stream starts with a separator"
+        text = enc.decode(toks.tolist())
+        assert text == "".join(EOT + d for d in docs), f"{name}: decoded tokens differ from the documents"
+        assert split.documents == len(docs), f"{name}: document count"
+        assert split.text_bytes == sum(len(d.encode()) for d in docs), f"{name}: byte count"
+    m = data.manifest
+    assert m["tokenizer"] == "gpt2-32k" and m["vocab_size"] == 32000 and m["eot_token"] == 31999
+    assert m["splits"]["train"]["tokens"] == len(data.train) and len(m["fingerprint"]) == 64
+    assert json.loads((data.directory / "manifest.json").read_text()) == m
+    assert not [p for p in data.directory.parent.iterdir() if ".tmp-" in p.name], "temporary folder left behind"
+
+
+def test_second_run_skips_tokenisation(tmp_path, enc, monkeypatch) -> None:
+    write_sample_corpus(tmp_path / "c", n_train=10, n_val=3)
+    src = resolve_source(tmp_path / "c")
+    first = prepare_data(src, enc, tmp_path / "cache", progress=False, log=_quiet)
+    calls = Counter()
+    real = wdata._tokenize_split
+
+    def counting(*a, **k):
+        calls["tokenize"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(wdata, "_tokenize_split", counting)
+    second = prepare_data(src, enc, tmp_path / "cache", progress=False, log=_quiet)
+    assert calls["tokenize"] == 0, "the second run tokenised again instead of using the cache"
+    assert np.array_equal(first.train.tokens(), second.train.tokens()), "cached tokens differ"
+    # Changing the source invalidates the cache.
+    path = tmp_path / "c" / "train.txt"
+    path.write_text(path.read_text() + f"\n{EOT}\nA new story.")
+    third = prepare_data(resolve_source(tmp_path / "c"), enc, tmp_path / "cache", progress=False, log=_quiet)
+    assert calls["tokenize"] == 2, "a changed source did not trigger tokenisation"
+    assert len(third.train) > len(first.train) and third.directory != first.directory
+
+
+def test_empty_corpus_raises(tmp_path, enc) -> None:
+    (tmp_path / "train.txt").write_text(f"  \n{EOT}\n \n")
+    (tmp_path / "val.txt").write_text("a story")
+    with pytest.raises(ValueError, match="empty corpus"):
+        prepare_data(resolve_source(tmp_path), enc, tmp_path / "cache", progress=False, log=_quiet)
+    assert not list((tmp_path / "cache" / "tokens").iterdir()), "a failed run left a cache folder"
+
+
+# -------------------------------------------------------------------------------------- batches
+@pytest.mark.parametrize("shard", [None, 7], ids=["one-shard", "shards-of-7"])
+def test_split_read_across_shards(shard) -> None:
+    tokens = np.arange(50) % 65536
+    split = _split(tokens, shard)
+    for start, n in [(0, 50), (5, 9), (13, 1), (48, 2)]:
+        assert np.array_equal(split.read(start, n), tokens[start : start + n]), f"read({start}, {n})"
+    with pytest.raises(IndexError):
+        split.read(45, 6)
+
+
+@pytest.mark.parametrize("shuffle", [True, False], ids=["random", "sequential"])
+def test_windows_cover_each_token_once_per_epoch(shuffle) -> None:
+    T, tokens = 5, np.arange(3 * 100 + 1)
+    split = _split(tokens, shard=37)
+    stream = BatchStream(split, T, micro_batch=3, grad_accum=2, shuffle=shuffle, seed=4)
+    n = num_windows(len(tokens), T)
+    assert n == 60 and stream.global_batch == 6
+    rows = torch.cat([b for _ in range(n // 6) for b in stream.next_step()])  # one epoch
+    assert rows.shape == (n, T + 1) and rows.dtype == torch.int64
+    starts = rows[:, 0].tolist()
+    assert sorted(starts) == [k * T for k in range(n)], "an epoch does not visit every window once"
+    assert torch.equal(rows, torch.stack([torch.arange(s, s + T + 1) for s in starts])), "window contents"
+    targets = sorted(rows[:, 1:].reshape(-1).tolist())
+    assert targets == list(range(1, n * T + 1)), "every token after the first must be a target exactly once"
+    assert (starts == sorted(starts)) != shuffle, "order: shuffled vs sequential"
+    # The next epoch uses a fresh permutation of the same windows.
+    nxt = torch.cat(stream.next_step())[:, 0].tolist()
+    assert (nxt == starts[:6]) != shuffle and stream.epoch == pytest.approx(66 / 60)
+
+
+@pytest.mark.parametrize("world", [2, 3], ids=["world2", "world3"])
+def test_ranks_disjoint_and_union_is_single_process_batch(world) -> None:
+    split = _split(np.arange(4 * 240 + 1), shard=100)
+    single = BatchStream(split, 4, micro_batch=2 * world, grad_accum=2, seed=9)
+    ranks = [BatchStream(split, 4, micro_batch=2, grad_accum=2, rank=r, world_size=world, seed=9) for r in range(world)]
+    for step in range(3):
+        ref = {tuple(r.tolist()) for b in single.next_step() for r in b}
+        parts = [{tuple(r.tolist()) for b in s.next_step() for r in b} for s in ranks]
+        union = set().union(*parts)
+        assert sum(len(p) for p in parts) == len(union), f"step {step}: ranks share windows"
+        assert union == ref, f"step {step}: the ranks' windows differ from the single-process global batch"
+
+
+def test_position_state_continues_exactly() -> None:
+    split = _split(np.arange(3 * 50 + 1))
+    a = BatchStream(split, 3, micro_batch=4, seed=2)
+    for _ in range(7):  # past the first epoch (50 windows)
+        a.next_step()
+    state = json.loads(json.dumps(a.state_dict()))  # survives JSON (it goes into trainer.json)
+    b = BatchStream(split, 3, micro_batch=4, seed=2)
+    b.load_state_dict(state)
+    for step in range(20):
+        assert torch.equal(torch.cat(a.next_step()), torch.cat(b.next_step())), f"step {step} after restore"
+    c = BatchStream(split, 3, micro_batch=4, seed=3)
+    with pytest.raises(ValueError, match="seed"):
+        c.load_state_dict(state)
+
+
+def test_stream_bad_arguments() -> None:
+    split = _split(np.arange(10))
+    with pytest.raises(ValueError, match="fewer than one window"):
+        BatchStream(split, 10, 1)
+    with pytest.raises(ValueError, match="micro_batch"):
+        BatchStream(split, 3, 0)
+    with pytest.raises(ValueError, match="rank"):
+        BatchStream(split, 3, 1, rank=2, world_size=2)
+
+
+def test_eval_batches_ranks_cover_all() -> None:
+    split = _split(np.arange(4 * 11 + 3))
+    full = torch.cat(list(eval_batches(split, 4, 3)))
+    assert full[:, 0].tolist() == [4 * k for k in range(11)], "validation windows in order"
+    parts = [torch.cat(list(eval_batches(split, 4, 2, rank=r, world_size=3))) for r in range(3)]
+    got = sorted(r[0] for p in parts for r in p.tolist())
+    assert got == full[:, 0].tolist(), "ranks together must read every validation window once"
+    assert len(torch.cat(list(eval_batches(split, 4, 3, max_windows=5)))) == 5
+
+
+# ------------------------------------------------------------------------------------ statistics
+def test_token_byte_lengths_match_decoded_text(enc) -> None:
+    lengths = token_byte_lengths(enc)
+    assert lengths.shape == (32000,) and int(lengths[enc.eot_token]) == 0
+    text = 'Once upon a time, Zoë said "héllo" 🙂 to the cat.\n\nThe end.'
+    ids = enc.encode_ordinary(text)
+    assert int(lengths[ids].sum()) == len(text.encode("utf-8")), "byte lengths do not sum to the text's bytes"
+
+
+def test_unigram_entropy_against_float64() -> None:
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 50, size=5000) ** 2 % 97
+    counts = Counter(tokens.tolist())
+    ref = -sum(c / 5000 * math.log(c / 5000) for c in counts.values())
+    assert abs(unigram_entropy(tokens, 100) - ref) < 1e-12, "unigram entropy"
+    assert unigram_entropy(np.zeros(10, dtype=np.int64), 4) == 0.0

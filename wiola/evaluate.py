@@ -1,0 +1,152 @@
+"""Evaluation: validation loss, perplexity and bits per byte; the mean gate per layer × head.
+
+Bits per byte is the validation stream's code length in bits divided by its text's UTF-8 bytes:
+``Σ_targets nats / ln 2 / Σ_targets bytes(target)``, where a token's bytes are those it decodes
+to and ``<|endoftext|>`` counts 0 bytes (its cost — knowing where a story ends — is part of the
+code length; the text has no byte for it). Both tokenizers put one ``<|endoftext|>`` before every
+story, so the number is comparable across tokenizers, unlike the per-token loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import types
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from wiola.data import TokenSplit, eval_batches, eval_windows
+
+
+@dataclass
+class EvalResult:
+    loss: float  # mean next-token cross-entropy in nats
+    perplexity: float  # exp(loss)
+    bits_per_byte: float
+    tokens: int  # targets scored
+    bytes: int  # UTF-8 bytes of the scored targets' text
+    windows: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return (
+            f"loss {self.loss:.4f}  perplexity {self.perplexity:.3f}  bits/byte {self.bits_per_byte:.4f}  "
+            f"({self.tokens:,} tokens, {self.bytes:,} bytes)"
+        )
+
+
+def autocast_context(device: torch.device | str) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA; nothing (fp32) elsewhere."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    split: TokenSplit,
+    byte_lengths: torch.Tensor,
+    seq_len: int,
+    *,
+    batch_size: int = 8,
+    max_windows: int | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+) -> EvalResult:
+    """Loss, perplexity and bits per byte of ``model`` on the first ``max_windows`` windows of ``split``.
+
+    Args:
+        model: a ``WiolaModel`` (or a wrapper with the same ``forward``), on any device.
+        split: the validation tokens; windows of ``seq_len + 1`` tokens at stride ``seq_len``
+            (every token after the first is a target once).
+        byte_lengths: ``(V,)`` int64 bytes per token (``wiola.data.token_byte_lengths``).
+        rank, world_size: under DDP every rank scores a disjoint share and the sums are
+            all-reduced, so every rank returns the same result.
+
+    Raises ``ValueError`` when the split holds less than one window.
+    """
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    byte_lengths = byte_lengths.to(device)
+    nats = torch.zeros((), dtype=torch.float64, device=device)
+    counts = torch.zeros(2, dtype=torch.int64, device=device)  # targets, bytes
+    try:
+        for batch in eval_batches(
+            split, seq_len, batch_size, max_windows=max_windows, rank=rank, world_size=world_size
+        ):
+            x = batch.to(device, non_blocking=True)
+            with autocast_context(device):
+                loss = model(x, labels=x).loss  # mean over the B·T targets x[:, 1:]
+            n = x[:, 1:].numel()
+            nats += loss.double() * n
+            counts[0] += n
+            counts[1] += byte_lengths[x[:, 1:]].sum()
+    finally:
+        model.train(was_training)
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(nats)
+        dist.all_reduce(counts)
+    total_nats, n_tokens, n_bytes = float(nats), int(counts[0]), int(counts[1])
+    loss = total_nats / max(n_tokens, 1)
+    return EvalResult(
+        loss=loss,
+        perplexity=math.exp(min(loss, 700.0)),
+        bits_per_byte=total_nats / math.log(2) / max(n_bytes, 1),
+        tokens=n_tokens,
+        bytes=n_bytes,
+        windows=eval_windows(split, seq_len, max_windows),
+    )
+
+
+@torch.no_grad()
+def gate_statistics(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mean gate ``g_t^(h)`` per layer and head over the real tokens of a batch: ``(L, H)`` float64.
+
+    Runs the model's own forward once and records what its gate op returns in every layer (the
+    op namespace ``model.ops`` is shadowed on the instance for the duration of the call, so the
+    model's code and weights are untouched). A model built with ``gate=False`` has every gate
+    at 1.
+
+    Args:
+        model: a ``WiolaModel`` (not a DDP or compiled wrapper).
+        input_ids: ``(B, T)`` token ids; attention_mask: ``(B, T)`` 1 for real tokens.
+    """
+    cfg = model.config
+    if not cfg.gate:
+        return torch.ones(cfg.n_layers, cfg.n_heads, dtype=torch.float64)
+    recorded: list[torch.Tensor] = []
+    ops = model.ops
+
+    def recording_gate(*args: Any, **kwargs: Any) -> Any:
+        out = ops.gate(*args, **kwargs)
+        recorded.append(out[0].detach().double())  # (B, T, H)
+        return out
+
+    spied = types.SimpleNamespace(**{k: getattr(ops, k) for k in dir(ops) if not k.startswith("__")})
+    spied.gate = recording_gate
+    was_training = model.training
+    model.eval()
+    model.ops = spied  # instance attribute shadows the class's op namespace
+    try:
+        model(input_ids, attention_mask=attention_mask)
+    finally:
+        del model.ops
+        model.train(was_training)
+    if len(recorded) != cfg.n_layers:
+        raise RuntimeError(f"recorded {len(recorded)} gate calls for {cfg.n_layers} layers")
+    g = torch.stack(recorded)  # (L, B, T, H)
+    real = torch.ones(g.shape[1:3], dtype=torch.float64, device=g.device)
+    if attention_mask is not None:
+        real = attention_mask.to(device=g.device, dtype=torch.float64)
+    return ((g * real[None, :, :, None]).sum(dim=(1, 2)) / real.sum()).cpu()
