@@ -20,7 +20,7 @@ import wiola.ops as reference_ops
 from wiola.cache import Cache
 from wiola.config import WiolaConfig
 from wiola.ops.linear import linear
-from wiola.ops.rope import helix_frequencies, positions_from_mask, rope_tables
+from wiola.ops.rope import helix_frequencies, positions_from_mask, rope_tables, upcast
 
 
 @dataclass
@@ -102,8 +102,8 @@ class WiolaModel(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.d_model)  # also the tied head
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
-        freqs = helix_frequencies(config.head_dim, config.rope_base, config.helix_alpha)
-        self.register_buffer("rope_freqs", freqs, persistent=False)  # (D/2,) fp32
+        # Not a buffer: `model.to(torch.bfloat16)` must not round the frequencies.
+        self._freqs = {}  # (device, dtype) -> (D/2,) helical frequencies
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -115,6 +115,16 @@ class WiolaModel(nn.Module):
                     nn.init.zeros_(module.bias)  # b_2 = 0: every gate starts at 0.5
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+
+    @property
+    def rope_freqs(self) -> torch.Tensor:
+        """``(D/2,)`` helical frequencies θ̃ on the model's device, float32 (float64 for a float64 model)."""
+        w = self.embed.weight
+        key = (w.device, torch.float64 if w.dtype == torch.float64 else torch.float32)
+        if key not in self._freqs:
+            c = self.config
+            self._freqs[key] = helix_frequencies(c.head_dim, c.rope_base, c.helix_alpha, torch.float64).to(*key)
+        return self._freqs[key]
 
     # ------------------------------------------------------------------ inputs
     def _check_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache: Cache | None) -> None:
@@ -204,10 +214,10 @@ class WiolaModel(nn.Module):
             attention_mask = attention_mask[:, -T:].to(torch.bool)
         start = 0
         if cache is not None:
-            positions = positions_from_mask(attention_mask, B, T, offset=cache.n_real)
+            positions = positions_from_mask(attention_mask, B, T, offset=cache.n_real, device=input_ids.device)
             start = self._cache_start(cache, T, attention_mask)
         else:
-            positions = positions_from_mask(attention_mask, B, T)
+            positions = positions_from_mask(attention_mask, B, T, device=input_ids.device)
         cos, sin = rope_tables(positions.to(input_ids.device), self.rope_freqs)  # (B, T, D/2) fp32
 
         h = self.embed(input_ids)  # (B, T, d): the residual stream
@@ -227,7 +237,7 @@ class WiolaModel(nn.Module):
                     cache.gate_sum[i].copy_(gate_sum)
                     cache.gate_count[i].copy_(gate_count)
             else:
-                g = torch.ones(B, T, H, device=x.device, dtype=torch.float32)
+                g = torch.ones(B, T, H, device=x.device, dtype=cos.dtype)
             if cache is None:
                 o = ops.attention(q, k, v, g, cos, sin, attention_mask)
             else:
@@ -253,7 +263,7 @@ class WiolaModel(nn.Module):
             return_logits = self._default_return_logits(labels)
         logits = loss = None
         if return_logits:
-            logits = linear(x, self.embed.weight).float()  # (B, T, V), head tied to E
+            logits = upcast(linear(x, self.embed.weight))  # (B, T, V) fp32, head tied to E
             if labels is not None:
                 loss = F.cross_entropy(logits[:, :-1].reshape(-1, cfg.vocab_size), labels.reshape(-1), reduction="sum")
                 loss = loss / (labels != -100).sum().clamp(min=1)

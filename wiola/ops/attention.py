@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from wiola.ops.rope import apply_rope
+from wiola.ops.rope import apply_rope, upcast
 
 
 def gated_attention(
@@ -31,8 +31,8 @@ def gated_attention(
     """
     B, Tq, H, D = q.shape
     S = k.shape[1]
-    scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) / math.sqrt(D)
-    scores = scores * g.float().permute(0, 2, 1).unsqueeze(-1)  # (B, H, Tq, S)
+    scores = torch.einsum("bthd,bshd->bhts", upcast(q), upcast(k)) / math.sqrt(D)
+    scores = scores * upcast(g).permute(0, 2, 1).unsqueeze(-1)  # (B, H, Tq, S)
     t = torch.arange(Tq, device=q.device).view(-1, 1) + q_start
     s = torch.arange(S, device=q.device).view(1, -1)
     allowed = (s <= t).view(1, 1, Tq, S)
@@ -41,7 +41,7 @@ def gated_attention(
     has_key = allowed.any(dim=-1, keepdim=True)
     scores = scores.masked_fill(~(allowed | ~has_key), float("-inf"))
     p = torch.softmax(scores, dim=-1) * has_key
-    return torch.einsum("bhts,bshd->bthd", p, v.float()).to(q.dtype)
+    return torch.einsum("bhts,bshd->bthd", p, upcast(v)).to(q.dtype)
 
 
 def attention(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from wiola.ops.rope import upcast
+
 
 def linear_cross_entropy(
     h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
@@ -19,7 +21,7 @@ def linear_cross_entropy(
     their number. When every row is ignored the loss is defined as ``0.0`` (with zero
     gradients) instead of ``0/0``.
     """
-    logits = F.linear(h, weight).float()
+    logits = upcast(F.linear(h, weight))
     total = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
     count = (labels != ignore_index).sum().clamp(min=1)
     return total / count

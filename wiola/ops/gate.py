@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from wiola.ops.rope import apply_rope
+from wiola.ops.rope import apply_rope, upcast
 
 
 def gate(
@@ -36,20 +36,20 @@ def gate(
         A query with no real token at or before it (left padding) uses ``c_t = 0``.
     """
     B, T, H, D = q.shape
-    m = q.float().mean(dim=2)  # (B, T, D): head mean
+    m = upcast(q).mean(dim=2)  # (B, T, D): head mean, float32
     if cos is not None:
         m = apply_rope(m.unsqueeze(2), cos, sin).squeeze(2)
     if attention_mask is None:
-        real = torch.ones(B, T, dtype=torch.float32, device=q.device)
+        real = torch.ones(B, T, dtype=m.dtype, device=q.device)
     else:
-        real = attention_mask.to(device=q.device, dtype=torch.float32)
+        real = attention_mask.to(device=q.device, dtype=m.dtype)
         m = m * real.unsqueeze(-1)
     running = torch.cumsum(m, dim=1)  # (B, T, D), fp32
     count = torch.cumsum(real, dim=1)  # (B, T)
     if carry is not None:
-        running = running + carry[0].unsqueeze(1)
-        count = count + carry[1].to(torch.float32).unsqueeze(1)
+        running = running + carry[0].to(m.dtype).unsqueeze(1)
+        count = count + carry[1].to(m.dtype).unsqueeze(1)
     c = running / count.clamp(min=1.0).unsqueeze(-1)
-    hidden = F.silu(c @ w1.float().t())  # (B, T, H)
-    g = torch.sigmoid(hidden @ w2.float().t() + b2.float())
+    hidden = F.silu(c @ upcast(w1).t())  # (B, T, H)
+    g = torch.sigmoid(hidden @ upcast(w2).t() + upcast(b2))
     return g, running[:, -1], count[:, -1].to(torch.int64)

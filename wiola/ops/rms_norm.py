@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from wiola.ops.rope import upcast
+
 
 def rms_norm(
     x: torch.Tensor,
@@ -17,7 +19,7 @@ def rms_norm(
     normalised output and the updated residual stream. Outputs keep the dtype of ``x + residual``.
     """
     h = x if residual is None else x + residual
-    hf = h.float()
-    y = hf * torch.rsqrt(hf.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
+    hf = upcast(h)
+    y = hf * torch.rsqrt(hf.pow(2).mean(dim=-1, keepdim=True) + eps) * upcast(weight)
     y = y.to(h.dtype)
     return y if residual is None else (y, h)

@@ -1,0 +1,164 @@
+"""save_pretrained / from_pretrained: bit-exact round trip, wiola13m import, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from f64_reference import forward_row
+from safetensors.torch import save_file
+
+from wiola import WiolaConfig, WiolaModel
+
+CFG = WiolaConfig(vocab_size=120, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=64)
+
+
+def test_round_trip_is_bit_exact(tmp_path):
+    torch.manual_seed(0)
+    model = WiolaModel(CFG)
+    model.save_pretrained(tmp_path)
+    loaded = WiolaModel.from_pretrained(tmp_path)
+    assert loaded.config == model.config
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    ids = torch.randint(0, 120, (2, 9))
+    assert torch.equal(model(ids).logits, loaded(ids).logits)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def hf_state(seed: int) -> dict[str, torch.Tensor]:
+    """A random state dict under wiola13m's names (the names listed in the issue)."""
+    g = torch.Generator().manual_seed(seed)
+    d, f, H, D = 32, 64, 4, 8
+    rnd = lambda *s: 0.3 * torch.randn(*s, generator=g)
+    state = {"model.embed_tokens.weight": rnd(120, d), "model.norm.weight": 1 + rnd(d)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        state |= {
+            p + "input_layernorm.weight": 1 + rnd(d),
+            p + "post_attention_layernorm.weight": 1 + rnd(d),
+            p + "self_attn.gate_fc1.weight": rnd(H, D),
+            p + "self_attn.gate_fc2.weight": rnd(H, H),
+            p + "self_attn.gate_fc2.bias": rnd(H),
+            p + "mlp.up_proj.weight": rnd(2 * f, d),
+            p + "mlp.bypass_proj.weight": rnd(f, d),
+            p + "mlp.down_proj.weight": rnd(d, f),
+        }
+        for x in "qkvo":
+            state[p + f"self_attn.{x}_proj.weight"] = rnd(d, d)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    return state
+
+
+HF_CONFIG = {
+    "architectures": ["WiolaForCausalLM"],
+    "model_type": "wiola",
+    "vocab_size": 120,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 64,
+    "rope_theta": 10000.0,
+    "spiral_alpha": 0.05,
+    "gate_pre_rope": True,
+    "use_attention_gate": True,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+}
+
+
+def write_hf(tmp_path, state, config=HF_CONFIG, weights="model.safetensors"):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if weights.endswith(".safetensors"):
+        save_file(state, str(tmp_path / weights))
+    else:
+        torch.save(state, tmp_path / weights)
+    return tmp_path
+
+
+@pytest.mark.parametrize("weights", ["model.safetensors", "pytorch_model.bin"])
+def test_wiola13m_directory_matches_float64(tmp_path, weights):
+    state = hf_state(0)
+    model = WiolaModel.from_pretrained(write_hf(tmp_path, state, weights=weights)).double()
+    assert model.config.d_ff == 64 and model.config.helix_alpha == 0.05
+    ids = torch.randint(0, 120, (1, 21))
+    ours = {k.replace("model.", "", 1): v for k, v in state.items()}  # independent renaming for the oracle
+    renamed = {}
+    for k, v in ours.items():
+        k = k.replace("embed_tokens", "embed").replace("input_layernorm", "attn_norm")
+        k = k.replace("post_attention_layernorm", "ffn_norm").replace("self_attn", "attn").replace("mlp", "ffn")
+        k = k.replace("gate_fc1", "gate_w1").replace("gate_fc2", "gate_w2")
+        renamed[k] = v
+    want = forward_row(renamed, model.config, ids[0].tolist())
+    got = model(ids).logits[0]
+    assert (got - want).abs().max() <= 1e-10 * want.abs().max()
+
+
+def test_matches_the_installed_wiola13m_package(tmp_path):
+    pytest.importorskip("wiola13m")
+    from wiola13m import WiolaConfig as HFConfig
+    from wiola13m import WiolaForCausalLM
+
+    torch.manual_seed(0)
+    theirs = WiolaForCausalLM(HFConfig(**{k: v for k, v in HF_CONFIG.items() if k != "architectures"})).eval()
+    theirs.save_pretrained(tmp_path)
+    ours = WiolaModel.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 120, (2, 30))
+    with torch.no_grad():
+        diff = (theirs(ids).logits - ours(ids).logits).abs().max().item()
+    assert diff < 1e-5, f"logits differ from wiola13m's by {diff:.2e}"
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda s: s.pop("model.layers.1.mlp.down_proj.weight"), "missing tensor.*layers.1.ffn.down_proj.weight"),
+        (
+            lambda s: s.__setitem__("model.layers.0.mlp.gate_proj.weight", torch.zeros(2)),
+            "unexpected tensor.*gate_proj",
+        ),
+        (
+            lambda s: s.__setitem__("model.layers.0.self_attn.q_proj.weight", torch.zeros(32, 31)),
+            "layers.0.attn.q_proj.weight.*shape",
+        ),
+        (lambda s: s.__setitem__("lm_head.weight", torch.zeros(120, 32)), "lm_head.weight differs"),
+    ],
+    ids=["missing", "extra", "misshaped", "untied-head"],
+)
+def test_bad_wiola13m_tensors_are_named(tmp_path, mutate, message):
+    state = hf_state(1)
+    mutate(state)
+    with pytest.raises(ValueError, match=message):
+        WiolaModel.from_pretrained(write_hf(tmp_path, state))
+
+
+def test_foreign_and_corrupt_checkpoints(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        WiolaModel.from_pretrained(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        WiolaModel.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 4}))
+    with pytest.raises(ValueError, match="'llama' model"):
+        WiolaModel.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        WiolaModel.from_pretrained(tmp_path)
+    WiolaModel(CFG).save_pretrained(tmp_path)
+    blob = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(ValueError, match="model.safetensors is corrupt"):
+        WiolaModel.from_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no weights"):
+        WiolaModel.from_pretrained(tmp_path)
+
+
+def test_config_of_another_shape_is_caught(tmp_path):
+    WiolaModel(CFG).save_pretrained(tmp_path)
+    meta = json.loads((tmp_path / "config.json").read_text())
+    meta["config"]["d_ff"] = 48
+    (tmp_path / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="ffn.*shape"):
+        WiolaModel.from_pretrained(tmp_path)

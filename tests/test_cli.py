@@ -1,0 +1,40 @@
+"""The wiola console script: budget and generate."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from wiola import WiolaConfig, WiolaModel
+from wiola.cli import main
+
+RANKS = Path(__file__).resolve().parents[2] / "shared" / "tokenizers" / "gpt2.tiktoken"
+
+
+def test_budget_prints_the_13m_table(capsys):
+    assert main(["budget", "--preset", "13m"]) == 0
+    out = capsys.readouterr().out
+    assert "12,915,888" in out and "8,192,000" in out
+
+
+def test_generate_from_a_checkpoint(tmp_path, capsys, monkeypatch):
+    if "WIOLA_BPE_FILE" not in os.environ:
+        if not RANKS.exists():
+            pytest.skip("no GPT-2 rank file")
+        monkeypatch.setenv("WIOLA_BPE_FILE", str(RANKS))
+    torch.manual_seed(0)
+    WiolaModel(WiolaConfig.preset("tiny", n_layers=1)).save_pretrained(tmp_path)
+    code = main(["generate", "--checkpoint", str(tmp_path), "--prompt", "Once upon", "--max-new-tokens", "5",
+                 "--temperature", "0", "--device", "cpu"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0
+    assert captured.out.startswith("Once upon") and len(captured.out) > len("Once upon")
+    assert "5 tokens" in captured.err
+
+
+def test_generate_reports_a_bad_checkpoint(tmp_path, capsys):
+    assert main(["generate", "--checkpoint", str(tmp_path / "none"), "--device", "cpu"]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -1,0 +1,111 @@
+"""Config validation, presets, the exact parameter budget, and bad model input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from wiola import PRESETS, WiolaConfig, WiolaModel, budget
+
+
+def test_13m_preset_has_exactly_12915888_parameters():
+    cfg = WiolaConfig.preset("13m")
+    assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_ff, cfg.vocab_size) == (256, 6, 8, 512, 32000)
+    assert WiolaModel(cfg).num_parameters() == 12_915_888
+    assert budget(cfg).total_params == 12_915_888
+    assert budget(WiolaConfig.preset("13m", vocab_size=50257)).total_params == 17_589_680
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("gate", [True, False])
+def test_budget_equals_numel(name, gate):
+    cfg = WiolaConfig.preset(name, gate=gate)
+    with torch.device("meta"):  # shapes only: counting needs no memory and no init
+        model = WiolaModel(cfg)
+    b = budget(cfg)
+    assert b.total_params == sum(p.numel() for p in model.parameters())
+    per_component = {
+        "embedding (tied head)": model.embed.weight.numel(),
+        "norms": sum(p.numel() for n, p in model.named_parameters() if "norm" in n),
+        "gate W1, W2, b2": sum(p.numel() for n, p in model.named_parameters() if "gate" in n),
+    }
+    for key, n in per_component.items():
+        assert b.params[key] == n, key
+
+
+def test_flops_by_hand_for_a_small_shape():
+    cfg = WiolaConfig(vocab_size=10, d_model=4, n_layers=1, n_heads=2, d_ff=6, max_seq_len=8)
+    b = budget(cfg, seq_len=3)
+    # projections 2·4·4² = 128; scores+values 2·2·4·(3+1)/2 = 32; gate 2·(2·2 + 2·2) = 16;
+    # butterfly 2·4·4·6 = 192; head 2·4·10 = 80  -> 448 forward, 1344 training
+    assert b.forward_flops_per_token == {
+        "attention projections": 128,
+        "attention scores + values": 32,
+        "gate": 16,
+        "butterfly": 192,
+        "head (logits)": 80,
+    }
+    assert b.forward_flops == 448 and b.training_flops == 1344
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(d_model=100, n_heads=8), "d_model"),
+        (dict(d_model=24, n_heads=8), "even"),
+        (dict(vocab_size=0), "vocab_size"),
+        (dict(n_layers=-1), "n_layers"),
+        (dict(d_ff=0), "d_ff"),
+        (dict(max_seq_len=0), "max_seq_len"),
+        (dict(n_heads=2.5), "n_heads"),
+        (dict(helix_alpha=-0.1), "helix_alpha"),
+        (dict(eos_token_id=32000), "eos_token_id"),
+    ],
+)
+def test_invalid_configs_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        WiolaConfig.preset("tiny", **kwargs)
+
+
+def test_presets_and_dict_round_trip():
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        WiolaConfig.preset("huge")
+    cfg = WiolaConfig.preset("micro")
+    assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_ff) == (384, 8, 12, 768)
+    assert WiolaConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="unknown WiolaConfig fields"):
+        WiolaConfig.from_dict({**cfg.to_dict(), "hidden_size": 3})
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return WiolaModel(WiolaConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2, d_ff=16, max_seq_len=12))
+
+
+def test_bad_inputs_raise_clear_errors(tiny):
+    ok = torch.randint(0, 50, (2, 5))
+    with pytest.raises(ValueError, match="token id 50 is outside"):
+        tiny(torch.tensor([[1, 50]]))
+    with pytest.raises(ValueError, match="token id -1 is outside"):
+        tiny(torch.tensor([[-1, 3]]))
+    with pytest.raises(TypeError, match="integer tensor"):
+        tiny(ok.float())
+    with pytest.raises(ValueError, match="past max_seq_len=12"):
+        tiny(torch.randint(0, 50, (1, 13)))
+    with pytest.raises(ValueError, match="attention_mask shape"):
+        tiny(ok, attention_mask=torch.ones(2, 4))
+    with pytest.raises(ValueError, match="labels shape"):
+        tiny(ok, labels=ok[:, :3])
+    with pytest.raises(ValueError, match="label 77 is outside"):
+        tiny(ok, labels=torch.full_like(ok, 77))
+    with pytest.raises(ValueError, match="shape \\(B, T\\)"):
+        tiny(ok[0])
+    cache = tiny.new_cache(3, 8)
+    with pytest.raises(ValueError, match="batch size 3"):
+        tiny(ok, cache=cache)
+    cache = tiny.new_cache(2, 8)
+    tiny(ok, cache=cache)
+    with pytest.raises(ValueError, match="past the cache's max_len=8"):
+        tiny(ok, cache=cache)
+    with pytest.raises(ValueError, match="max_len"):
+        tiny.new_cache(1, 13)

@@ -1,0 +1,102 @@
+"""generate(): greedy equals the argmax of full passes, sampling filters, eos, streaming."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from wiola import WiolaConfig, WiolaModel
+from wiola.generation import filter_logits, sample_next
+
+
+@pytest.fixture(scope="module")
+def model() -> WiolaModel:
+    torch.manual_seed(0)
+    cfg = WiolaConfig(vocab_size=101, d_model=64, n_layers=2, n_heads=4, d_ff=96, max_seq_len=64)
+    m = WiolaModel(cfg).eval()
+    with torch.no_grad():
+        m.embed.weight.normal_(0, 1.0)  # peaked distributions: greedy has no near-ties
+    return m
+
+
+def test_greedy_equals_argmax_of_full_passes(model):
+    prompt = torch.randint(0, 101, (2, 7))
+    out = model.generate(prompt, 15, temperature=0)
+    seq = prompt.clone()
+    with torch.no_grad():
+        for _ in range(15):
+            nxt = model(seq).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], 1)
+    assert torch.equal(out, seq)
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(model):
+    prompt = torch.randint(0, 101, (3, 5))
+    greedy = model.generate(prompt, 10, temperature=0)
+    g = torch.Generator().manual_seed(0)
+    assert torch.equal(model.generate(prompt, 10, temperature=1.0, top_k=1, generator=g), greedy)
+    assert torch.equal(model.generate(prompt, 10, temperature=0.7, top_p=1e-6, generator=g), greedy)
+
+
+def test_sampling_is_reproducible_with_a_generator():
+    torch.manual_seed(1)
+    model = WiolaModel(WiolaConfig(vocab_size=101, d_model=64, n_layers=2, n_heads=4, d_ff=96, max_seq_len=64))
+    prompt = torch.randint(0, 101, (2, 4))
+    a = model.generate(prompt, 20, temperature=1.0, generator=torch.Generator().manual_seed(5))
+    b = model.generate(prompt, 20, temperature=1.0, generator=torch.Generator().manual_seed(5))
+    c = model.generate(prompt, 20, temperature=1.0, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_filter_logits_top_k_and_top_p_by_hand():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    keep = torch.isfinite(filter_logits(logits, top_k=2, top_p=None))
+    assert keep.tolist() == [[True, True, False, False, False]]
+    # nucleus 0.8: 0.5 + 0.2 = 0.7 < 0.8, so the 0.15 token is needed too; 0.85 >= 0.8 stops there
+    keep = torch.isfinite(filter_logits(logits, top_k=None, top_p=0.8))
+    assert keep.tolist() == [[True, True, True, False, False]]
+    keep = torch.isfinite(filter_logits(logits, top_k=None, top_p=0.7))
+    assert keep.tolist() == [[True, True, False, False, False]]
+
+
+def test_sampled_frequencies_follow_the_tempered_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).expand(20000, 4)
+    g = torch.Generator().manual_seed(0)
+    tokens = sample_next(logits, temperature=2.0, generator=g)
+    freq = torch.bincount(tokens, minlength=4).double() / 20000
+    want = torch.softmax(torch.tensor([2.0, 1.0, 0.0, -1.0], dtype=torch.float64) / 2.0, 0)
+    assert (freq - want).abs().max() < 0.015  # 4.5σ for 20,000 draws
+
+
+def test_rows_that_hit_eos_stop_and_are_padded(model):
+    prompt = torch.randint(0, 101, (2, 6))
+    free = model.generate(prompt, 12, temperature=0)
+    eos = int(free[0, 6 + 3])  # row 0 produces this at step 3
+    out = model.generate(prompt, 12, temperature=0, eos_token_id=eos, pad_token_id=100)
+    for row in range(2):
+        new = free[row, 6:].tolist()
+        stop = new.index(eos) if eos in new else None
+        want = new if stop is None else new[: stop + 1] + [100] * (11 - stop)
+        assert out[row, 6:].tolist() == want
+    assert out.shape == (2, 18)
+
+
+def test_streamer_sees_every_token(model):
+    seen = []
+    out = model.generate(torch.randint(0, 101, (1, 3)), 8, temperature=0, streamer=lambda t: seen.append(int(t[0])))
+    assert seen == out[0, 3:].tolist()
+
+
+def test_generate_rejects_bad_arguments(model):
+    p = torch.randint(0, 101, (1, 5))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model.generate(p, 60)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(p, 2, temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        model.generate(p, 2, top_p=1.5)
+    with pytest.raises(ValueError, match="top_k"):
+        model.generate(p, 2, top_k=0)
+    with pytest.raises(ValueError, match="left padding"):
+        model.generate(p, 2, attention_mask=torch.tensor([[1, 1, 1, 1, 0]]))
+    assert torch.equal(model.generate(p, 0), p)
