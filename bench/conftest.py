@@ -6,13 +6,16 @@ large bf16 matmul and a large device-to-device copy on CUDA; an fp32 matmul and 
 on the CPU) are measured once per session. Results go to pytest-benchmark (its statistics are
 the measured times, CUDA-event times on the GPU) and, when ``WIOLA_BENCH_JSONL`` names a file,
 one JSON line per benchmark as soon as it finishes. ``WIOLA_BENCH_DEADLINE`` (Unix time) skips
-the benchmarks that would start after it, so a time-boxed run still ends cleanly.
+the benchmarks that would start after it, so a time-boxed run still ends cleanly;
+``WIOLA_BENCH_SKIP_CPU=1`` skips the CPU benchmarks (the GPU check spends its time on the GPU);
+``WIOLA_BENCH_THREADS=N`` runs the CPU benchmarks on N torch threads (recorded with each result).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -80,12 +83,18 @@ def cuda_bench(benchmark: Any) -> Bench:
 
 
 @pytest.fixture
-def cpu_bench(benchmark: Any) -> Bench:
-    """A ``Bench`` on the CPU, same API as ``cuda_bench``."""
+def cpu_bench(benchmark: Any) -> Iterator[Bench]:
+    """A ``Bench`` on the CPU, same API as ``cuda_bench``. ``WIOLA_BENCH_SKIP_CPU=1`` skips it (GPU runs)."""
+    if os.environ.get("WIOLA_BENCH_SKIP_CPU") == "1":
+        _skip(benchmark, "CPU benchmark: skipped in this run (WIOLA_BENCH_SKIP_CPU=1)")
     _check_deadline(benchmark)
     torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    if os.environ.get("WIOLA_BENCH_THREADS"):  # e.g. 1 on a loaded shared CPU, where OpenMP barriers thrash
+        torch.set_num_threads(int(os.environ["WIOLA_BENCH_THREADS"]))
     ceil = None if getattr(benchmark, "disabled", False) else ceilings("cpu")
-    return Bench(benchmark, "cpu", ceil, os.environ.get("WIOLA_BENCH_JSONL"))
+    yield Bench(benchmark, "cpu", ceil, os.environ.get("WIOLA_BENCH_JSONL"))
+    torch.set_num_threads(threads)
 
 
 def pytest_report_header(config: pytest.Config) -> str:

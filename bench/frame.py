@@ -381,6 +381,8 @@ class Bench:
         }
         if tokens:
             rec["tokens"] = tokens
+        if self.device == "cpu":
+            rec["threads"] = torch.get_num_threads()
         if self.ceilings is not None:
             rec["ceilings"] = self.ceilings.as_dict()
         if hasattr(bm, "group"):
@@ -409,6 +411,8 @@ class Bench:
         rec["baselines"] = {}
         for bname, bfn in (baselines or {}).items():
             rec["baselines"][bname] = self._run_baseline(bfn, sets, cost, tokens, t)
+        if self.device == "cpu" and hasattr(os, "getloadavg"):
+            rec["load_avg_1m"] = round(os.getloadavg()[0], 2)  # other work on a shared CPU skews the times
         _feed_stats(bm, times, f"{self.device}_bench.run")
         bm.extra_info.update(rec)
         self.record = rec

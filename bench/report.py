@@ -251,6 +251,12 @@ def run_section(run: Run, level: int = 3, chart_links: dict[str, str] | None = N
         out.append(markdown_table(header, rows))
         for i, n in enumerate(notes, 1):
             out.append(f"\n[{i}] unavailable: {n}")
+        cpu = [r for r in recs if r.get("device") == "cpu" and "threads" in r]
+        if cpu:
+            loads = [r["load_avg_1m"] for r in cpu if "load_avg_1m" in r]
+            load = f", 1-minute load average {min(loads)}–{max(loads)} on the machine" if loads else ""
+            threads = sorted({r["threads"] for r in cpu})
+            out.append(f"\nCPU: {'/'.join(map(str, threads))} torch thread(s){load}.")
         extra = sorted({n for r in recs for n in r.get("notes", [])})
         for n in extra:
             out.append(f"\nNote: {n}")
