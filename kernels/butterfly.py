@@ -202,23 +202,18 @@ def _up_bwd_kernel(
 
 # ----------------------------------------------------------------------------- configs
 
-# bf16/fp16 autotune candidates. The up kernels hold three (BM, BN) fp32 accumulators, so their
-# tiles stay at BM·BN = 4096 per 128 threads (96 accumulator registers a thread); BLOCK_M ≥ 64
-# and 4/8 warps let sm_90 use wgmma. Shared memory: (BM + 3·BN)·BK·2 B a stage.
-_UP_CONFIGS = [
-    (64, 64, 64, 4, 3),  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
-    (128, 64, 64, 8, 3),
-    (64, 128, 64, 8, 3),
-    (128, 64, 32, 8, 4),
-]
-_DOWN_CONFIGS = [
-    (64, 64, 64, 4, 4),
-    (128, 64, 64, 4, 4),
-    (64, 128, 64, 4, 4),
-    (128, 128, 64, 8, 3),
-]
-# fp32 (ieee, no tensor cores): one small fixed tile; also what the CPU interpreter runs.
-_FP32_CONFIG = (32, 32, 32, 4, 2)
+# bf16/fp16 autotune candidates, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). The up
+# kernels hold three (BM, BN) fp32 accumulators (96 registers a thread at BM·BN = 4,096 per 128
+# threads); BLOCK_M ≥ 64 and 4/8 warps let sm_90 use wgmma. Shared memory a stage: (BM + 3·BN)·BK·2
+# bytes forward, (2·BM + 3·BN)·BK·2 backward. Every entry builds for sm_90 and sm_80 without spills
+# (tests/test_compile.py); the backward's five operand tiles need BK = 32 for that on sm_80.
+_UP_CONFIGS = [(64, 64, 64, 4, 3), (128, 64, 64, 8, 3), (128, 64, 32, 8, 4), (64, 128, 32, 8, 3)]
+_UP_BWD_CONFIGS = [(64, 64, 32, 4, 4), (128, 64, 32, 8, 4), (64, 128, 32, 8, 3)]
+_DOWN_CONFIGS = [(64, 64, 64, 4, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 64, 8, 3)]
+# One small fixed tile for everything else: fp32 (ieee, no tensor cores), the CPU interpreter,
+# and inputs whose widths or addresses are not multiples of 16 (the compiler then cannot
+# vectorise loads, and the large tiles above would spill).
+_SMALL_CONFIG = (32, 32, 32, 4, 2)
 
 
 def _configs(table: list[tuple[int, int, int, int, int]]) -> list[triton.Config]:
@@ -229,23 +224,50 @@ def _configs(table: list[tuple[int, int, int, int, int]]) -> list[triton.Config]
 
 # Tuned on the problem's widths only: every N (batch × sequence) shares one choice.
 _up_tuned = triton.autotune(_configs(_UP_CONFIGS), key=["D", "F"])(_up_kernel)
-_up_bwd_tuned = triton.autotune(_configs(_UP_CONFIGS), key=["D", "F"])(_up_bwd_kernel)
+_up_bwd_tuned = triton.autotune(_configs(_UP_BWD_CONFIGS), key=["D", "F"])(_up_bwd_kernel)
 _down_tuned = triton.autotune(_configs(_DOWN_CONFIGS), key=["D", "F", "HAS_RESIDUAL"])(_down_kernel)
 
 
-def _launch(kernel, tuned, grid_cols: int, N: int, dtype: torch.dtype, *args, **constexprs) -> None:
-    """Launch ``kernel`` over (rows of N) × (columns of ``grid_cols``): autotuned for bf16/fp16 on
-    CUDA, the fixed fp32 tile otherwise (fp32 on CUDA, and everything under the interpreter)."""
-    if dtype == torch.float32 or not args[0].is_cuda:
-        bm, bn, bk, warps, stages = _FP32_CONFIG
-        grid = (triton.cdiv(N, bm), triton.cdiv(grid_cols, bn))
-        kernel[grid](
-            *args, **constexprs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION="ieee",
-            num_warps=warps, num_stages=stages,
-        )  # fmt: skip
-    else:
+def _aligned(D: int, F: int, *tensors: torch.Tensor) -> bool:
+    """Whether Triton's JIT will see every width and address as a multiple of 16 (the case the
+    autotune configs are built and checked for)."""
+    return D % 16 == 0 and F % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _launch(kernel, tuned, grid_cols: int, N: int, D: int, F: int, *args, **constexprs) -> None:
+    """Launch ``kernel`` over (rows of N) × (columns of ``grid_cols``): autotuned for aligned
+    bf16/fp16 on CUDA, the small fixed tile otherwise."""
+    if N == 0:
+        return
+    tensors = [t for t in args if isinstance(t, torch.Tensor)]
+    if tensors[0].is_cuda and tensors[0].dtype != torch.float32 and _aligned(D, F, *tensors):
         grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(grid_cols, meta["BLOCK_N"]))
         tuned[grid](*args, **constexprs, PRECISION="ieee")
+        return
+    bm, bn, bk, warps, stages = _SMALL_CONFIG
+    grid = (triton.cdiv(N, bm), triton.cdiv(grid_cols, bn))
+    kernel[grid](
+        *args, **constexprs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION="ieee", num_warps=warps, num_stages=stages
+    )
+
+
+def _up(x: torch.Tensor, w_up: torch.Tensor, w_bp: torch.Tensor, r: torch.Tensor) -> None:
+    """``r`` (N, F) ← SiLU(a) ⊙ b + c for contiguous ``x`` (N, D) and weights."""
+    (N, D), F = x.shape, w_bp.shape[0]
+    _launch(_up_kernel, _up_tuned, F, N, D, F, x, w_up, w_bp, r, N, D, F)
+
+
+def _down(r: torch.Tensor, w_down: torch.Tensor, residual: torch.Tensor | None, y: torch.Tensor) -> None:
+    """``y`` (N, D) ← r W_downᵀ (+ residual) for contiguous ``r`` (N, F), ``w_down`` (D, F)."""
+    (N, F), D = r.shape, w_down.shape[0]
+    res = y if residual is None else residual  # y: a placeholder never read
+    _launch(_down_kernel, _down_tuned, D, N, D, F, r, w_down, res, y, N, D, F, HAS_RESIDUAL=residual is not None)
+
+
+def _up_bwd(dy: torch.Tensor, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, dabc: torch.Tensor) -> None:
+    """``dabc`` (N, 3F) ← [da ‖ db ‖ dr] for contiguous ``dy``, ``x`` (N, D) and weights."""
+    (N, D), F = x.shape, w_down.shape[1]
+    _launch(_up_bwd_kernel, _up_bwd_tuned, F, N, D, F, dy, x, w_up, w_down, dabc, N, D, F)
 
 
 # ----------------------------------------------------------------------------- torch ops
@@ -262,11 +284,8 @@ def _butterfly_fwd(
     r = torch.empty(N, F, dtype=x.dtype, device=x.device)
     out_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     y = torch.empty(N, D, dtype=out_dtype, device=x.device)
-    if N == 0:
-        return y, r
-    _launch(_up_kernel, _up_tuned, F, N, x.dtype, x, w_up, w_bp, r, N, D, F)
-    res = residual.contiguous() if residual is not None else y  # y: a placeholder never read
-    _launch(_down_kernel, _down_tuned, D, N, x.dtype, r, w_down, res, y, N, D, F, HAS_RESIDUAL=residual is not None)
+    _up(x, w_up, w_bp, r)
+    _down(r, w_down, None if residual is None else residual.contiguous(), y)
     return y, r
 
 
@@ -284,8 +303,7 @@ def _butterfly_up_bwd(dy: torch.Tensor, x: torch.Tensor, w_up: torch.Tensor, w_d
     N, D = x.shape
     F = w_down.shape[1]
     dabc = torch.empty(N, 3 * F, dtype=x.dtype, device=x.device)
-    if N > 0:
-        _launch(_up_bwd_kernel, _up_bwd_tuned, F, N, x.dtype, dy, x, w_up, w_down, dabc, N, D, F)
+    _up_bwd(dy, x, w_up, w_down, dabc)
     return dabc
 
 
@@ -391,35 +409,44 @@ def butterfly(
 
 
 def _aot_specs() -> list[AotSpec]:
+    """Every autotune config, bf16 and fp16, built as the JIT specializes aligned inputs; the small
+    fixed tile for fp32 (aligned and not), and for unaligned bf16/fp16 inputs."""
     specs: list[AotSpec] = []
     blocks = {"BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PRECISION": "constexpr"}
     sizes = {"N": "i32", "D": "i32", "F": "i32"}
 
-    def add(name, fn, pointers, table, dtype, flags=None):
+    def add(name, fn, pointers, table, aligned, flags=None):
         for m, n, k, w, s in table:
+            half = any(v in ("*bf16", "*fp16") for v in pointers.values())
             specs.append(
                 AotSpec(
-                    name=f"butterfly_{name},BM{m},BN{n},BK{k},w{w}s{s}]",
+                    name=f"butterfly_{name}{'' if aligned else ',unaligned'},BM{m},BN{n},BK{k},w{w}s{s}]",
                     fn=fn,
-                    signature={**pointers, **sizes, **{f: "constexpr" for f in flags or {}}, **blocks},
+                    signature={**pointers, **sizes, **dict.fromkeys(flags or {}, "constexpr"), **blocks},
                     constexprs={**(flags or {}), "BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "PRECISION": "ieee"},
                     num_warps=w,
                     num_stages=s,
-                    expect_wgmma=dtype != torch.float32 and m >= 64,
+                    expect_wgmma=half and m >= 64,
+                    divisible_by_16=(*pointers, "D", "F") if aligned else (),
                 )
             )
 
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         t, p = TRITON_DTYPE[dtype], f"*{TRITON_DTYPE[dtype]}"
-        up_table = [_FP32_CONFIG] if dtype == torch.float32 else _UP_CONFIGS
-        down_table = [_FP32_CONFIG] if dtype == torch.float32 else _DOWN_CONFIGS
-        add(f"up[{t}", _up_kernel, {"X": p, "W_UP": p, "W_BP": p, "R": p}, up_table, dtype)
-        add(f"up_bwd[{t}", _up_bwd_kernel, {"DY": p, "X": p, "W_UP": p, "W_DOWN": p, "DABC": p}, up_table, dtype)
-        # residual: none, same dtype, and the model's fp32 residual stream under autocast
-        for res in dict.fromkeys([None, t, "fp32"]):
-            pointers = {"R": p, "W_DOWN": p, "RES": f"*{res or t}", "Y": f"*{'fp32' if res == 'fp32' else t}"}
-            tag = "" if res is None else f"+res{res}"
-            add(f"down[{t}{tag}", _down_kernel, pointers, down_table, dtype, {"HAS_RESIDUAL": res is not None})
+        small = [_SMALL_CONFIG]
+        tables = [(True, small, small, small)] if dtype == torch.float32 else []
+        tables += [(True, _UP_CONFIGS, _UP_BWD_CONFIGS, _DOWN_CONFIGS)] if dtype != torch.float32 else []
+        tables += [(False, small, small, small)]
+        for aligned, up_table, bwd_table, down_table in tables:
+            add(f"up[{t}", _up_kernel, {"X": p, "W_UP": p, "W_BP": p, "R": p}, up_table, aligned)
+            bwd_pointers = {"DY": p, "X": p, "W_UP": p, "W_DOWN": p, "DABC": p}
+            add(f"up_bwd[{t}", _up_bwd_kernel, bwd_pointers, bwd_table, aligned)
+            # residual: none, same dtype, and the model's fp32 residual stream under autocast
+            for res in dict.fromkeys([None, t, "fp32"]):
+                pointers = {"R": p, "W_DOWN": p, "RES": f"*{res or t}", "Y": f"*{'fp32' if res == 'fp32' else t}"}
+                tag = "" if res is None else f"+res{res}"
+                flags = {"HAS_RESIDUAL": res is not None}
+                add(f"down[{t}{tag}", _down_kernel, pointers, down_table, aligned, flags)
     return specs
 
 
