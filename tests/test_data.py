@@ -29,6 +29,15 @@ BPE_FILE = "/work/shared/tokenizers/gpt2.tiktoken"
 
 
 @pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One intra-op thread: on a shared 2-core CI machine two threads contend and run ~5x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", autouse=True)
 def _offline_tokenizer():
     if not os.environ.get("WIOLA_BPE_FILE") and os.path.isfile(BPE_FILE):
         os.environ["WIOLA_BPE_FILE"] = BPE_FILE

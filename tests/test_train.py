@@ -1,0 +1,453 @@
+"""The trainer: exact resume, Ctrl-C, DDP equivalence, gradient accumulation, bad input, CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from wiola.corpus import write_sample_corpus
+from wiola.train import RECIPES, TrainConfig, WarmupCosine, build_optimizer, model_class, train
+
+BPE_FILE = "/work/shared/tokenizers/gpt2.tiktoken"
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = {"d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64, "max_seq_len": 64}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One intra-op thread: on a shared 2-core CI machine two threads contend and run ~5x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _offline_tokenizer():
+    old = os.environ.get("WIOLA_BPE_FILE")
+    if not old and os.path.isfile(BPE_FILE):
+        os.environ["WIOLA_BPE_FILE"] = BPE_FILE
+    yield
+    if not old:
+        os.environ.pop("WIOLA_BPE_FILE", None)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_sample_corpus(tmp_path_factory.mktemp("corpus"), n_train=40, n_val=6, seed=0)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+def _cfg(corpus: Path, cache: Path, out: Path, **kw) -> TrainConfig:
+    settings = dict(
+        preset="tiny",
+        model=dict(SMALL),
+        data=str(corpus),
+        cache_dir=str(cache),
+        seq_len=32,
+        batch_size=4,
+        steps=6,
+        lr=3e-3,
+        warmup=2,
+        eval_every=3,
+        eval_windows=4,
+        log_every=1,
+        save_every=100,
+        out_dir=str(out),
+        progress=False,
+        plots=False,
+        device="cpu",
+    )
+    settings.update(kw)
+    return TrainConfig(**settings)
+
+
+def _quiet(*_: object) -> None:
+    pass
+
+
+def _train_losses(run: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows if r["kind"] == "train"]
+
+
+def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(checkpoint / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, cache, tmp_path_factory):
+    """An uninterrupted 6-step run, and the same run stopped after step 3 and resumed."""
+    tmp = tmp_path_factory.mktemp("runs")
+    full = train(_cfg(corpus, cache, tmp / "full", plots=True), log=_quiet)
+    part = train(_cfg(corpus, cache, tmp / "part"), stop_at=3, log=_quiet)
+    rest = train(_cfg(corpus, cache, tmp / "part"), resume=tmp / "part", log=_quiet)
+    return full, part, rest
+
+
+# ------------------------------------------------------------------------------------ resume
+def test_resume_is_bitwise_exact(runs) -> None:
+    full, part, rest = runs
+    assert not full.interrupted and full.step == 6
+    assert part.interrupted and part.step == 3 and part.checkpoint.name == "step_0000003"
+    assert rest.step == 6 and not rest.interrupted
+    assert [s for s, _ in full.losses] == [1, 2, 3, 4, 5, 6]
+    assert full.losses[0][1] > full.losses[-1][1] + 0.1, f"the loss did not fall: {full.losses}"
+    resumed = part.losses + rest.losses
+    assert resumed == full.losses, f"losses after resume differ:\n{resumed}\n{full.losses}"
+    # The metrics file of the resumed run reads like the uninterrupted one.
+    assert _train_losses(part.out_dir) == _train_losses(full.out_dir), "metrics.jsonl differs after resume"
+    assert rest.eval.loss == full.eval.loss, f"final validation loss {rest.eval.loss} vs {full.eval.loss}"
+    a, b = _weights(full.checkpoint), _weights(rest.checkpoint)
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"weight {name} differs after resume"
+
+
+def test_run_folder_contents(runs) -> None:
+    full, _, _ = runs
+    ckpt = full.checkpoint
+    assert (ckpt.parent / "latest").read_text().strip() == ckpt.name
+    trainer = json.loads((ckpt / "trainer.json").read_text())
+    assert trainer["step"] == 6 and trainer["data"]["position"]["windows_consumed"] == 6 * 4
+    assert trainer["tokenizer"] == "gpt2-32k" and trainer["eval"]["loss"] == full.eval.loss
+    state = torch.load(ckpt / "optimizer.pt", weights_only=False)
+    assert state["scheduler"]["last_epoch"] == 6 and len(state["optimizer"]["state"]) > 0
+    assert not [p for p in ckpt.parent.iterdir() if p.name.startswith(".")], "temporary checkpoint left behind"
+    from wiola import WiolaModel
+
+    model = WiolaModel.from_pretrained(ckpt)
+    assert model.config.d_model == 32, "the checkpoint folder is a loadable model folder"
+    rows = [json.loads(line) for line in (full.out_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [3, 6] and all(len(r["gates"]) == 2 for r in evals)
+    assert all(0 < g < 1 for r in evals for row in r["gates"] for g in row)
+    for r in evals:
+        assert math.isclose(r["perplexity"], math.exp(r["loss"]), rel_tol=1e-9)
+    for name in ("loss_curve", "gates"):
+        assert full.plots[name].read_bytes()[:4] == b"\x89PNG", f"{name} PNG"
+
+
+def test_checkpoint_rotation(corpus, cache, tmp_path) -> None:
+    result = train(
+        _cfg(corpus, cache, tmp_path / "r", steps=5, save_every=1, keep_checkpoints=2, eval_every=100), log=_quiet
+    )
+    kept = sorted(p.name for p in (tmp_path / "r" / "checkpoints").glob("step_*"))
+    assert kept == ["step_0000004", "step_0000005"], f"kept {kept}"
+    assert result.checkpoint.name == "step_0000005"
+
+
+# --------------------------------------------------------------------------------- Ctrl-C
+def test_sigint_saves_checkpoint_and_exits_cleanly(corpus, cache, tmp_path) -> None:
+    out = tmp_path / "sig"
+    cmd = [
+        sys.executable,
+        "-m",
+        "wiola.train",
+        "--preset",
+        "tiny",
+        "--data",
+        str(corpus),
+        "--cache-dir",
+        str(cache),
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--steps",
+        "100000",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "100000",
+        "--save-every",
+        "100000",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--no-plots",
+        "--device",
+        "cpu",
+    ]
+    for kv in ("d_model=32", "n_layers=2", "n_heads=2", "d_ff=64", "max_seq_len=64"):
+        cmd += ["--model", kv]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None:
+            metrics = out / "metrics.jsonl"
+            if metrics.is_file() and '"kind": "train"' in metrics.read_text():
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, f"trainer exited early:\n{proc.stdout.read()}"
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, f"exit code {proc.returncode}:\n{output}"
+    assert "Traceback" not in output and "interrupted at step" in output, output
+    trainer = json.loads(
+        (out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip() / "trainer.json").read_text()
+    )
+    logged = _train_losses(out)
+    assert trainer["step"] == logged[-1][0] >= 1, f"checkpoint step {trainer['step']} vs last logged {logged[-1]}"
+
+
+# ------------------------------------------------------------------------ DDP and accumulation
+def _torchrun(corpus: Path, cache: Path, out: Path, nproc: int, micro: int) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "wiola.train",
+        "--preset",
+        "tiny",
+        "--data",
+        str(corpus),
+        "--cache-dir",
+        str(cache),
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--micro-batch",
+        str(micro),
+        "--steps",
+        "6",
+        "--lr",
+        "3e-3",
+        "--warmup",
+        "2",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "6",
+        "--eval-windows",
+        "6",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--no-plots",
+        "--device",
+        "cpu",
+    ]
+    for kv in ("d_model=32", "n_layers=2", "n_heads=2", "d_ff=64", "max_seq_len=64"):
+        cmd += ["--model", kv]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+
+
+# Tolerance of the DDP and accumulation comparisons (fp32, CPU). With DDP each rank averages the
+# loss over its 2 windows (64 targets) and the all-reduce averages the two gradients; one process
+# averages all 128 targets at once. The math is the same and only the order of the float sums
+# differs: gradients agree to ~1e-7 relative, and over six AdamW steps the losses (about 10 nats)
+# agree to one or two fp32 ulps (measured: 0 or 9.5e-7 at every step, for DDP and for accumulation).
+# 2e-5 allows 20 ulps of drift; a real bug (ranks reading the same windows, a sum instead of a
+# mean, a missed micro-batch) changes the data or the scale of the step and moves the loss by
+# >2e-2 from step 1 on (measured with another data seed below), three orders of magnitude more.
+DDP_TOL = 2e-5
+
+
+def test_ddp_two_gloo_ranks_match_single_process(corpus, cache, tmp_path, runs) -> None:
+    proc = _torchrun(corpus, cache, tmp_path / "ddp", nproc=2, micro=2)
+    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    ddp = _train_losses(tmp_path / "ddp")
+    single = runs[0].losses  # batch 4 × 32 in one process, same seed and schedule
+    assert [s for s, _ in ddp] == [s for s, _ in single]
+    for (step, a), (_, b) in zip(ddp, single):
+        assert abs(a - b) <= DDP_TOL, f"step {step}: DDP loss {a} vs single-process {b} (diff {abs(a - b):.2e})"
+    rows = [json.loads(line) for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
+    run = next(r for r in rows if r["kind"] == "run")
+    assert run["world_size"] == 2 and run["micro_batch"] == 2 and run["grad_accum"] == 1
+
+
+def test_grad_accumulation_matches_full_batch(corpus, cache, tmp_path, runs) -> None:
+    accum = train(_cfg(corpus, cache, tmp_path / "acc", micro_batch=2), log=_quiet)  # 2 micro-steps of 2
+    other = train(_cfg(corpus, cache, tmp_path / "seed", seed=1, steps=2), log=_quiet)
+    single = runs[0].losses
+    for (step, a), (_, b) in zip(accum.losses, single):
+        assert abs(a - b) <= DDP_TOL, f"step {step}: accumulated loss {a} vs full batch {b}"
+    # The tolerance is meaningful: other windows change the loss by far more.
+    assert max(abs(a - b) for (_, a), (_, b) in zip(other.losses, single)) > 100 * DDP_TOL
+
+
+# ------------------------------------------------------------------------------------ bad input
+def _fresh_cache_untouched(cache: Path) -> bool:
+    return not (cache / "tokens").exists()
+
+
+def test_missing_data_path(corpus, tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        train(_cfg(tmp_path / "nope", tmp_path / "c", tmp_path / "o"), log=_quiet)
+
+
+def test_empty_corpus(tmp_path) -> None:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.txt").write_text("\n\n")
+    (tmp_path / "data" / "val.txt").write_text("Some text.")
+    with pytest.raises(ValueError, match="empty corpus"):
+        train(_cfg(tmp_path / "data", tmp_path / "c", tmp_path / "o"), log=_quiet)
+
+
+def test_corpus_shorter_than_one_window(tmp_path) -> None:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.txt").write_text("A very short story.")
+    (tmp_path / "data" / "val.txt").write_text("Another one.")
+    with pytest.raises(ValueError, match="fewer than one window"):
+        train(_cfg(tmp_path / "data", tmp_path / "c", tmp_path / "o"), log=_quiet)
+
+
+def test_tokenizer_vocab_mismatch(corpus, tmp_path) -> None:
+    cache = tmp_path / "c"
+    with pytest.raises(ValueError, match=r"50,257 tokens but the model's vocab_size is 32,000"):
+        train(_cfg(corpus, cache, tmp_path / "o", tokenizer="gpt2"), log=_quiet)
+    with pytest.raises(ValueError, match="no tokenizer has a vocabulary of 1000"):
+        train(_cfg(corpus, cache, tmp_path / "o", model={**SMALL, "vocab_size": 1000}), log=_quiet)
+    assert _fresh_cache_untouched(cache), "tokenisation started before the tokenizer was checked"
+
+
+def test_non_writable_output_folder(corpus, tmp_path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    cache = tmp_path / "c"
+    with pytest.raises(ValueError, match="not writable"):
+        train(_cfg(corpus, cache, blocker / "run"), log=_quiet)
+    assert _fresh_cache_untouched(cache), "work started before the output folder was checked"
+
+
+def test_resume_with_other_config_is_refused(runs, corpus, tmp_path) -> None:
+    _, part, _ = runs
+    cache = tmp_path / "c"
+    with pytest.raises(ValueError, match=r"another model configuration \(d_model: checkpoint 32 vs this run 64"):
+        train(_cfg(corpus, cache, tmp_path / "o", model={**SMALL, "d_model": 64}), resume=part.out_dir, log=_quiet)
+    with pytest.raises(ValueError, match=r"training settings differ \(seq_len: checkpoint 32 vs this run 16\)"):
+        train(_cfg(corpus, cache, tmp_path / "o", seq_len=16), resume=part.out_dir, log=_quiet)
+    with pytest.raises(FileNotFoundError, match="neither a training checkpoint"):
+        train(_cfg(corpus, cache, tmp_path / "o"), resume=tmp_path, log=_quiet)
+    assert _fresh_cache_untouched(cache), "work started before the checkpoint was checked"
+
+
+def test_bad_settings() -> None:
+    with pytest.raises(ValueError, match="seq_len"):
+        TrainConfig(seq_len=0)
+    with pytest.raises(ValueError, match="betas"):
+        TrainConfig(betas=[0.9])
+    with pytest.raises(ValueError, match="unknown training settings"):
+        TrainConfig.from_dict({"learning_rate": 1.0})
+
+
+def test_batch_and_window_checks(corpus, tmp_path) -> None:
+    with pytest.raises(ValueError, match="not a multiple of micro_batch 3"):
+        train(_cfg(corpus, tmp_path / "c", tmp_path / "o", micro_batch=3), log=_quiet)
+    with pytest.raises(ValueError, match="do not fit max_seq_len=64"):
+        train(_cfg(corpus, tmp_path / "c", tmp_path / "o", seq_len=64), log=_quiet)
+
+
+def test_fast_unavailable_is_a_clear_error(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "wiola.fast", None)  # import of wiola.fast now fails
+    with pytest.raises(RuntimeError, match="--fast needs wiola.fast.*drop --fast"):
+        model_class(True)
+
+
+# --------------------------------------------------------------------------- recipe, schedule, groups
+def test_paper_recipe() -> None:
+    paper = RECIPES["paper"]
+    file = json.loads((ROOT / "recipes" / "paper.json").read_text())
+    file.pop("_comment")
+    assert file == paper, "recipes/paper.json differs from RECIPES['paper']"
+    cfg = TrainConfig.from_dict({**TrainConfig().to_dict(), **paper})
+    assert (cfg.lr, cfg.betas, cfg.weight_decay, cfg.eps, cfg.grad_clip) == (3e-4, [0.9, 0.95], 0.01, 1e-8, 1.0)
+    assert (cfg.steps, cfg.warmup_steps, cfg.batch_size, cfg.seq_len) == (20000, 1000, 32, 512)
+    assert cfg.model_config().vocab_size == 32000 and cfg.preset == "13m"
+
+
+def test_warmup_cosine_schedule() -> None:
+    f = WarmupCosine(warmup=10, total=110, min_ratio=0.1)
+    assert [f(s) for s in (0, 4, 9)] == [0.1, 0.5, 1.0]
+    for step in (10, 35, 60, 85, 110, 500):
+        progress = min(1.0, (step - 10) / 100)
+        ref = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+        assert abs(f(step) - ref) < 1e-15, f"schedule at step {step}"
+    assert f(60) == pytest.approx(0.55) and f(110) == pytest.approx(0.1)
+
+
+def test_weight_decay_on_matrices_only() -> None:
+    from wiola import WiolaConfig, WiolaModel
+
+    model = WiolaModel(WiolaConfig.preset("tiny", **SMALL))
+    opt = build_optimizer(model, TrainConfig(weight_decay=0.01), torch.device("cpu"))
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay = {names[id(p)] for p in opt.param_groups[0]["params"]}
+    no_decay = {names[id(p)] for p in opt.param_groups[1]["params"]}
+    assert opt.param_groups[0]["weight_decay"] == 0.01 and opt.param_groups[1]["weight_decay"] == 0.0
+    assert (
+        "embed.weight" in decay and "layers.0.attn.gate_w1.weight" in decay and "layers.1.ffn.up_proj.weight" in decay
+    )
+    assert no_decay == {"norm.weight"} | {
+        f"layers.{i}.{n}" for i in range(2) for n in ("attn_norm.weight", "ffn_norm.weight", "attn.gate_w2.bias")
+    }
+    assert len(decay) + len(no_decay) == len(names), "a parameter is in no group"
+    assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["eps"] == 1e-8
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def _parse(argv: list[str]):
+    from wiola.cli import build_parser
+
+    return build_parser().parse_args(argv)
+
+
+def test_cli_config_precedence(runs, tmp_path) -> None:
+    from wiola.cli_train import config_from_args
+
+    cfg = config_from_args(_parse(["train", "--recipe", "paper", "--steps", "10", "--model", "d_model=64"]))
+    assert (cfg.steps, cfg.lr, cfg.preset, cfg.model) == (10, 3e-4, "13m", {"d_model": 64})
+    (tmp_path / "c.json").write_text(json.dumps({"lr": 1e-3, "seq_len": 128}))
+    cfg = config_from_args(_parse(["train", "--recipe", "paper", "--config", str(tmp_path / "c.json"), "--lr", "2e-3"]))
+    assert (cfg.lr, cfg.seq_len, cfg.batch_size) == (2e-3, 128, 32), "flags > config file > recipe"
+    part = runs[1]
+    cfg = config_from_args(_parse(["train", "--resume", str(part.out_dir), "--steps", "9"]))
+    assert (cfg.steps, cfg.seq_len, cfg.model, cfg.out_dir) == (9, 32, SMALL, str(part.out_dir)), (
+        "resume keeps saved values"
+    )
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        config_from_args(_parse(["train", "--model", "width=3"]))
+
+
+def test_cli_eval_and_gates(runs, capsys, tmp_path) -> None:
+    from wiola.cli import main
+
+    full = runs[0]
+    assert main(["eval", "--checkpoint", str(full.out_dir), "--eval-windows", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["loss"] == pytest.approx(full.eval.loss, rel=1e-9) and out["bits_per_byte"] == pytest.approx(
+        full.eval.bits_per_byte, rel=1e-9
+    ), "wiola eval disagrees with the trainer's final evaluation"
+    png = tmp_path / "g.png"
+    assert main(["gates", "--checkpoint", str(full.checkpoint), "--out", str(png), "--windows", "8"]) == 0
+    text = capsys.readouterr().out
+    assert png.read_bytes()[:4] == b"\x89PNG" and "layer" in text
+    rows = json.loads((full.out_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    expected = [f"{g:.3f}" for g in rows["gates"][0]]
+    assert "    0  " + "  ".join(expected) in text, f"gates table {text!r} vs trainer's {expected}"
+    assert main(["eval", "--checkpoint", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
