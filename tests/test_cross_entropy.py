@@ -76,6 +76,31 @@ def test_matches_reference(n, d, v, dtype, nan_buffers):
     check(f"N{n}-d{d}-V{v}-{DTYPE_NAME[dtype]}", got, oracle(h, w, labels, upstream), TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16], ids=["fp16"])
+def test_half_precision_on_any_device(dtype, nan_buffers):
+    """fp16 through the kernels (interpreter included): three chunks, so the fp32 dW
+    accumulator and the final cast run. Against the fp32 oracle."""
+    h, w, labels = make_inputs(300, 64, 1000, dtype)
+    upstream = torch.tensor(0.8, device=DEVICE)
+    got = run(linear_cross_entropy, h, w, labels, upstream)
+    assert got[1].dtype == dtype and got[2].dtype == dtype, "gradients must come back in the input dtype"
+    check("N300-d64-V1000-fp16", got, oracle(h, w, labels, upstream), TOL[dtype])
+
+
+def test_autocast_bf16_with_fp32_weights():
+    """Under autocast h and the fp32 master weight are cast to bf16 as F.linear would; the
+    weight's gradient comes back in fp32. Against the reference under the same autocast."""
+    h, w, labels = make_inputs(40, 64, 1000)
+    upstream = torch.tensor(1.0, device=DEVICE)
+    results = []
+    for fn in (linear_cross_entropy, reference):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            results.append(run(fn, h, w, labels, upstream))
+    (loss, dh, dw), want = results
+    assert dw.dtype == torch.float32, f"dW: {dw.dtype} for an fp32 weight under autocast"
+    check("autocast-bf16", (loss, dh, dw), want, TOL[torch.bfloat16])
+
+
 def test_extreme_logits(nan_buffers):
     """Logits of ±1e4, exact integers (so every matmul agrees bit for bit), labels at the row
     maximum (loss ~0), the minimum (loss ~2e4) and in between."""
