@@ -182,7 +182,7 @@ def _dw_config(dtype: torch.dtype, interpret: bool) -> dict[str, int]:
     if interpret:
         return {"BLOCK_V": V_ALIGN, "BLOCK_D": 64, "BLOCK_R": 64, "num_warps": 1, "num_stages": 1}
     if dtype == torch.float32:
-        return {"BLOCK_V": V_ALIGN, "BLOCK_D": 64, "BLOCK_R": 32, "num_warps": 8, "num_stages": 2}
+        return {"BLOCK_V": V_ALIGN, "BLOCK_D": 64, "BLOCK_R": 32, "num_warps": 8, "num_stages": 3}
     return {"BLOCK_V": V_ALIGN, "BLOCK_D": 64, "BLOCK_R": 64, "num_warps": 8, "num_stages": 3}
 
 
@@ -434,6 +434,12 @@ def linear_cross_entropy(
 # --------------------------------------------------------------------------------------------
 # Ahead-of-time builds for tests/test_compile.py: every kernel variant the wrappers launch
 # --------------------------------------------------------------------------------------------
+def _aligned(*names: str) -> dict[str, tuple[str, ...]]:
+    """Arguments that are multiples of 16 at run time (aligned pointers, the padded row stride,
+    d % 16 == 0), when this checkout's ``AotSpec`` can say so."""
+    return {"divisible_by_16": names} if "divisible_by_16" in AotSpec.__dataclass_fields__ else {}
+
+
 def _aot_specs() -> list[AotSpec]:
     specs = []
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -459,6 +465,7 @@ def _aot_specs() -> list[AotSpec]:
                     constexprs={"BLOCK_ROWS": 1, "BLOCK_V": BLOCK_V, "COMPUTE_GRAD": grad},
                     num_warps=ROW_WARPS,
                     num_stages=1,
+                    **_aligned("LOGITS", "stride_row", "LABELS", "LOSS", "INV_COUNT"),
                 )
             )
         # fp16/bf16 write either the fp32 accumulator or (last chunk) the final gradient
@@ -499,6 +506,7 @@ def _aot_specs() -> list[AotSpec]:
                         num_warps=cfg["num_warps"],
                         num_stages=cfg["num_stages"],
                         expect_wgmma=dtype in _HALF,
+                        **_aligned("G", "H", "ACC", "OUT", "D", "stride_g", "stride_h", "stride_out"),
                     )
                 )
     return specs
