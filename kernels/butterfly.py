@@ -36,8 +36,13 @@ N rows (K = N = 16,384), which cuBLAS splits and schedules well and a hand-writt
 kernel would need split-K plus a reduction to match; ``dx = [da ‖ db ‖ dc] [W_up; W_bp]`` is
 one plain GEMM with K = 3·d_ff (one rounding instead of the reference's two partial sums).
 
-fp32 inputs use ``tl.dot(..., input_precision="ieee")`` so fp32 results match the reference to
-~1e-6 relative (interpreter and GPU); bf16/fp16 use tensor cores (wgmma on sm_90).
+Tiles: bf16/fp16 on CUDA are autotuned over a few configs (keyed on d and d_ff, so every batch
+size shares one choice) when every width and address is a multiple of 16 — the case Triton's
+JIT specializes into vectorised, pipelined loads; each config is built ahead of time for sm_90
+(wgmma) and sm_80 without spills. Anything else (fp32, the CPU interpreter, a width such as
+d = 100) takes one small 32×32×32 tile, also built spill-free. fp32 uses
+``tl.dot(..., input_precision="ieee")``, so fp32 results match the reference to ~1e-6 relative.
+Frozen weights (``requires_grad=False``) skip their gradient GEMMs.
 """
 
 import torch
@@ -324,12 +329,17 @@ def _backward(ctx, dy: torch.Tensor, _dr: torch.Tensor | None):
     x, w_up, w_bp, w_down, r = ctx.saved_tensors
     F = w_bp.shape[0]
     dy_branch = dy.to(x.dtype)  # the gradient reaching W_down r (the reference's `y` before `+ residual`)
-    dabc = torch.ops.wiola.butterfly_up_bwd(dy_branch, x, w_up, w_down)  # (N, 3F)
-    dx = dabc @ torch.cat([w_up, w_bp])  # (N, D)
-    dw_up = dabc[:, : 2 * F].t() @ x  # (2F, D)
-    dw_bp = dabc[:, 2 * F :].t() @ x  # (F, D)
-    dw_down = dy_branch.t() @ r  # (D, F)
-    dres = None if ctx.residual_dtype is None else dy.to(ctx.residual_dtype)
+    need_x, need_up, need_bp, need_down, _ = ctx.needs_input_grad  # frozen weights skip their GEMMs
+    dx = dw_up = dw_bp = dw_down = dres = None
+    if need_x or need_up or need_bp:
+        dabc = torch.ops.wiola.butterfly_up_bwd(dy_branch, x, w_up, w_down)  # (N, 3F)
+        dx = dabc @ torch.cat([w_up, w_bp]) if need_x else None  # (N, D)
+        dw_up = dabc[:, : 2 * F].t() @ x if need_up else None  # (2F, D)
+        dw_bp = dabc[:, 2 * F :].t() @ x if need_bp else None  # (F, D)
+    if need_down:
+        dw_down = dy_branch.t() @ r  # (D, F)
+    if ctx.residual_dtype is not None:
+        dres = dy.to(ctx.residual_dtype)
     return dx, dw_up, dw_bp, dw_down, dres
 
 

@@ -131,6 +131,21 @@ def test_torch_compile_fullgraph_forward_backward():
         assert_close(name, r, g, TOL[torch.float32])
 
 
+def test_frozen_weights_get_no_gradient():
+    """Only x requires a gradient: it is still exact, and no weight gradient is produced."""
+    x, w, _ = _inputs((17,), 64, 128, torch.float32, "none")
+    w = [t.detach() for t in w]
+    grad_out = torch.randn(17, 64, device=DEVICE)
+    out = kb.butterfly(x, *w)
+    (dx,) = torch.autograd.grad(out, [x], grad_out)
+    (dx_ref,) = torch.autograd.grad(reference(x, *w), [x], grad_out)
+    assert_close("dx", dx_ref, dx, TOL[torch.float32])
+    out = kb.butterfly(x.detach(), w[0], w[1], w[2].requires_grad_())
+    (dw_down,) = torch.autograd.grad(out, [w[2]], grad_out)
+    (dw_down_ref,) = torch.autograd.grad(reference(x.detach(), *w), [w[2]], grad_out)
+    assert_close("dw_down", dw_down_ref, dw_down, TOL[torch.float32])
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="autocast to bf16 needs real bf16 matmuls (CUDA)")
 def test_autocast_casts_like_f_linear():
     x, w, _ = _inputs((4, 33), 256, 512, torch.float32, "none")
