@@ -200,8 +200,9 @@ def fwd_bwd(f: Callable[..., Any], *, seed: int = 0) -> Callable[..., Any]:
 
 
 def shape_id(shape: Mapping[str, Any]) -> str:
-    """``{"B": 32, "T": 512}`` -> ``"B32-T512"`` (the test-id style of the project)."""
-    return "-".join(f"{k}{v}" for k, v in shape.items())
+    """``{"B": 32, "T": 512}`` -> ``"B32-T512"`` (the test-id style of the project); a value that
+    is not a number stands alone (``{"preset": "13m", "B": 32}`` -> ``"13m-B32"``)."""
+    return "-".join(f"{k}{v}" if isinstance(v, (int, float)) else str(v) for k, v in shape.items())
 
 
 def _nbytes(args: Any) -> int:

@@ -209,9 +209,9 @@ def _meta_lines(run: Run) -> list[str]:
         if m.get("cuda"):
             parts.append(f"CUDA {m['cuda']}")
     else:
-        cpu = f"CPU {m.get('cpu', '?')}, {m.get('cpu_threads', '?')} torch threads"
+        cpu = f"CPU {m.get('cpu', '?')}"
         if m.get("cpu_count"):
-            cpu += f" of {m['cpu_count']} cores"
+            cpu += f", {m['cpu_count']} cores"
         if m.get("load_avg_1m") is not None:
             cpu += f", load average {m['load_avg_1m']} when the run ended"
         parts.append(cpu)

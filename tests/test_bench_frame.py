@@ -1,0 +1,137 @@
+"""The benchmark frame (bench/frame.py) on the CPU: input rotation, repetition counts, the
+forward+backward wrapper, and the record ``Bench.run`` writes (derived metrics recomputed here)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # bench/ is not an installed package
+    sys.path.insert(0, str(ROOT))
+
+from bench import frame  # noqa: E402
+from bench.roofline import Cost  # noqa: E402
+
+
+class FakeBenchmark:
+    """The attributes of pytest-benchmark's fixture that the frame uses."""
+
+    def __init__(self, disabled: bool = False) -> None:
+        self.name = self.fullname = "fake"
+        self.group = None
+        self.extra_info: dict = {}
+        self.disabled = disabled
+
+
+def test_input_rotation_counts() -> None:
+    calls = []
+
+    def make(nbytes: int):
+        def inputs():
+            calls.append(1)
+            return (torch.randn(nbytes // 4),)
+
+        return inputs
+
+    # 100-byte sets, L2 of 1000 bytes: ceil(3 · 1000 / 100) = 30 sets, each made fresh
+    assert len(frame.make_input_sets(make(100), 1000)) == 30 and len(calls) == 30
+    assert len(frame.make_input_sets(make(8), 1000)) == frame.MAX_INPUT_SETS  # 375 capped at 32
+    assert len(frame.make_input_sets(make(4000), 1000)) == 1  # larger than 3× L2: no rotation
+    assert len(frame.make_input_sets(make(100), 0)) == 1  # CPU: no L2 given
+    assert frame.make_input_sets(None, 1000) == [()]
+    sets = frame.make_input_sets(make(400), 1000)
+    assert not torch.equal(sets[0][0], sets[1][0]), "input sets must be fresh random data, not copies"
+
+
+@pytest.mark.parametrize(
+    "estimate, expected",
+    [
+        (0.01, 200),  # 3 s / 0.01 s = 300, capped at max_reps 200 (2 s in all)
+        (0.5, 6),  # 3 s / 0.5 s = 6
+        (2.0, 3),  # min_reps 3 would take 6 s > 5 s: int(5 / 2) = 2, raised to the floor of 3
+        (1e-9, 200),
+    ],
+)
+def test_repetition_count(estimate: float, expected: int) -> None:
+    assert frame._reps(estimate, target_s=3.0, min_reps=3, max_reps=200) == expected
+
+
+def test_fwd_bwd_matches_autograd() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(5, 7, requires_grad=True)
+    w = torch.randn(7, 3, requires_grad=True)
+    f = lambda x, w: torch.tanh(x @ w)
+    got = frame.fwd_bwd(f, seed=3)(x, w)
+    upstream = torch.randn((5, 3), generator=torch.Generator().manual_seed(3))
+    want = torch.autograd.grad(f(x, w), (x, w), upstream)
+    for name, g, r in zip(("dx", "dw"), got, want):
+        assert torch.allclose(g, r), f"{name}: fwd_bwd gradient differs from autograd"
+    assert x.grad is None and w.grad is None, "fwd_bwd must not accumulate into .grad"
+
+
+def test_run_record_metrics_and_baselines() -> None:
+    bm = FakeBenchmark()
+    ceilings = frame.Ceilings("cpu", "fake cpu", 1e11, 1e10, "fp32 test", "test copy")
+    bench = frame.Bench(bm, "cpu", ceilings)
+    x = torch.randn(64, 64)
+    cost = Cost(2 * 64**3, 3 * 64 * 64 * 4)
+
+    def broken(a):
+        raise ImportError("liger_kernel is not installed")
+
+    rec = bench.run(
+        lambda a: a @ a,
+        op="matmul",
+        cost=cost,
+        shape={"N": 64},
+        dtype=torch.float32,
+        inputs=lambda: x,
+        tokens=64,
+        baselines={"twice": lambda a: (a @ a, a @ a), "liger": broken, "flex": "flex_attention missing"},
+    )
+    assert bm.extra_info is not None and bm.extra_info["op"] == "matmul" and bm.group == "matmul fwd"
+    t = rec["time_s"]
+    assert rec["tflops"] == pytest.approx(cost.flops / t / 1e12)
+    assert rec["gbs"] == pytest.approx(cost.bytes / t / 1e9)
+    floor = max(cost.flops / 1e11, cost.bytes / 1e10)
+    assert rec["floor_s"] == pytest.approx(floor) and rec["pct_floor"] == pytest.approx(100 * floor / t)
+    assert rec["tokens_per_s"] == pytest.approx(64 / t)
+    twice = rec["baselines"]["twice"]
+    assert twice["speedup"] == pytest.approx(twice["time_s"] / t)
+    assert rec["baselines"]["liger"]["unavailable"] == "ImportError: liger_kernel is not installed"
+    assert rec["baselines"]["flex"] == {"unavailable": "flex_attention missing"}
+    assert rec["shape_id"] == "N64" and rec["dtype"] == "float32" and rec["threads"] == torch.get_num_threads()
+
+
+def test_run_smoke_mode_calls_each_once() -> None:
+    calls = {"ours": 0, "ref": 0}
+
+    def counted(name):
+        def fn():
+            calls[name] += 1
+
+        return fn
+
+    bench = frame.Bench(FakeBenchmark(disabled=True), "cpu", None)
+    assert bench.quick
+    rec = bench.run(counted("ours"), op="x", cost=Cost(1, 1), shape={"N": 1}, dtype="float32",
+                    baselines={"ref": counted("ref")})  # fmt: skip
+    assert calls == {"ours": 1, "ref": 1}
+    assert rec["quick"] and "time_s" not in rec and rec["baselines"]["ref"] == {"ran": True}
+
+
+def test_our_errors_propagate() -> None:
+    def ours():
+        raise RuntimeError("kernel failed")
+
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        frame.Bench(FakeBenchmark(), "cpu", None).run(ours, op="x", cost=Cost(1, 1), shape={}, dtype="float32")
+
+
+def test_shape_id() -> None:
+    assert frame.shape_id({"B": 32, "T": 512, "H": 8, "D": 32}) == "B32-T512-H8-D32"
+    assert frame.shape_id({"preset": "13m", "B": 64, "T": 512}) == "13m-B64-T512"
