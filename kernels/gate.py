@@ -1,0 +1,744 @@
+"""Fused causal cumulative-mean gate (SPEC.md eq. 8-10), forward and backward, in Triton.
+
+Computes exactly what ``wiola.ops.gate.gate`` computes::
+
+    m_s = mean_h q_s^(h)               (rotated by cos/sin when given)
+    c_t = (carry + Σ_{s≤t, s real} m_s) / max(n_t, 1)
+    g_t = sigmoid(W_2 · SiLU(W_1 · c_t) + b_2)
+
+Layout of the work. Every program owns one row ``b`` and one *span* of ``SPAN`` consecutive
+tokens, which it walks in blocks of ``BLOCK_T`` tokens: per block it reads the ``H`` head rows
+of ``q`` once (strided, straight out of the fused QKV projection), forms the head mean in fp32,
+rotates it in registers, takes the causal prefix sum with ``tl.cumsum`` on top of a running
+sum carried from block to block, divides by the real-token count and runs the two small
+matrices head by head (no ``tl.dot``: ``H`` is 1-32 and fp32 accuracy must be exact). When a
+row is split into several spans (short batches, long ``T``, so that the GPU has enough
+programs), a small pre-pass first writes each span's sum and count; every span then starts
+from the carry plus the sums of the spans before it — a two-level scan with no atomics and no
+inter-program waiting. With one span per row (decoding, large batches) the pre-pass is skipped
+and the forward is a single kernel.
+
+The backward recomputes the forward block by block from the span prefixes saved by the
+forward, and needs two kernels:
+
+1. ``_gate_bwd_kernel``: ``dz = dg·g(1-g)``, ``dW_2``, ``db_2``, ``dW_1`` (per-program partials,
+   summed afterwards in a fixed order: deterministic) and ``e_t = (W_1^T da_t) / max(n_t, 1)``,
+   the gradient of the running sum at ``t``; writes ``e`` and each span's ``Σ e``.
+2. ``_gate_bwd_scan_kernel``: the reverse scan ``d(sum)_s = d(sum_out) + Σ_{t≥s} e_t``, zeroed at
+   padding, inverse-rotated, divided by ``H`` and broadcast to every head of ``dq``; span 0
+   also writes the gradient of the carried sum.
+
+Gradients: ``q``, ``w1``, ``w2``, ``b2`` and the carried fp32 sum (if it requires grad — a cache
+normally does not). None for cos/sin, the mask and the integer counts.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._utils import TRITON_DTYPE, AotSpec, kernels_usable, register_aot
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _masked_mean_block(
+    Q, COS, SIN, MASK, b, offs_t, t_ok, offs_d, d_ok, H, HALF,
+    stride_qb, stride_qt, stride_qh, stride_cb, stride_ct, stride_mb, stride_mt,
+    ROTATE: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    """Head mean of one block of queries, rotated if ROTATE, zero at padding.
+
+    Returns the two halves ``m1, m2`` ``(BLOCK_T, BLOCK_HALF)`` fp32 and ``real`` ``(BLOCK_T,)``
+    int32 (1 for a real token inside the sequence, else 0).
+    """
+    ok = t_ok[:, None] & d_ok[None, :]
+    ptr = Q + b.to(tl.int64) * stride_qb + offs_t[:, None] * stride_qt + offs_d[None, :]
+    m1 = tl.zeros([BLOCK_T, BLOCK_HALF], dtype=tl.float32)
+    m2 = tl.zeros([BLOCK_T, BLOCK_HALF], dtype=tl.float32)
+    for h in range(H):
+        m1 += tl.load(ptr + h * stride_qh, mask=ok, other=0.0).to(tl.float32)
+        m2 += tl.load(ptr + h * stride_qh + HALF, mask=ok, other=0.0).to(tl.float32)
+    m1 = m1 / H
+    m2 = m2 / H
+    if ROTATE:
+        rot = b.to(tl.int64) * stride_cb + offs_t[:, None] * stride_ct + offs_d[None, :]
+        cos = tl.load(COS + rot, mask=ok, other=1.0)
+        sin = tl.load(SIN + rot, mask=ok, other=0.0)
+        m1, m2 = m1 * cos - m2 * sin, m1 * sin + m2 * cos
+    if HAS_MASK:
+        real = (tl.load(MASK + b.to(tl.int64) * stride_mb + offs_t * stride_mt, mask=t_ok, other=0) != 0).to(tl.int32)
+    else:
+        real = t_ok.to(tl.int32)
+    realf = real.to(tl.float32)[:, None]
+    return m1 * realf, m2 * realf, real
+
+
+@triton.jit
+def _gate_weights(W1, W2, B2, H, HALF, offs_h, h_ok, offs_d, d_ok):
+    """W_1 as two ``(BLOCK_H, BLOCK_HALF)`` halves, W_2 ``(BLOCK_H, BLOCK_H)``, b_2; zero-padded."""
+    w_ok = h_ok[:, None] & d_ok[None, :]
+    w1 = W1 + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+    w1a = tl.load(w1, mask=w_ok, other=0.0)
+    w1b = tl.load(w1 + HALF, mask=w_ok, other=0.0)
+    w2 = tl.load(W2 + offs_h[:, None] * H + offs_h[None, :], mask=h_ok[:, None] & h_ok[None, :], other=0.0)
+    b2 = tl.load(B2 + offs_h, mask=h_ok, other=0.0)
+    return w1a, w1b, w2, b2
+
+
+@triton.jit
+def _gate_span_sums_kernel(
+    Q, COS, SIN, MASK, SPAN_SUM, SPAN_COUNT,
+    T, H, HALF, SPAN, NS,
+    stride_qb, stride_qt, stride_qh, stride_cb, stride_ct, stride_mb, stride_mt,
+    ROTATE: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    """Pre-pass of the two-level scan: Σ m_s and the real-token count of span ``s`` of row ``b``."""
+    s = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_ok = offs_d < HALF
+    acc1 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+    n = tl.full([], 0, tl.int32)
+    t_end = tl.minimum(s * SPAN + SPAN, T)
+    for i in range(0, tl.cdiv(t_end - s * SPAN, BLOCK_T)):
+        offs_t = s * SPAN + i * BLOCK_T + tl.arange(0, BLOCK_T)
+        m1, m2, real = _masked_mean_block(
+            Q, COS, SIN, MASK, b, offs_t, offs_t < t_end, offs_d, d_ok, H, HALF,
+            stride_qb, stride_qt, stride_qh, stride_cb, stride_ct, stride_mb, stride_mt,
+            ROTATE, HAS_MASK, BLOCK_T, BLOCK_HALF,
+        )  # fmt: skip
+        acc1 += tl.sum(m1, 0)
+        acc2 += tl.sum(m2, 0)
+        n += tl.sum(real, 0)
+    out = SPAN_SUM + (b * NS + s).to(tl.int64) * (2 * HALF) + offs_d
+    tl.store(out, acc1, mask=d_ok)
+    tl.store(out + HALF, acc2, mask=d_ok)
+    tl.store(SPAN_COUNT + b * NS + s, n)
+
+
+@triton.jit
+def _span_start(
+    SPAN_SUM, SPAN_COUNT, CARRY_SUM, CARRY_COUNT, b, s, NS, HALF, offs_d, d_ok,
+    HAS_CARRY: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    """Running sum (two halves) and count at the first token of span ``s``: carry + earlier spans."""
+    if HAS_CARRY:
+        run1 = tl.load(CARRY_SUM + b * (2 * HALF) + offs_d, mask=d_ok, other=0.0)
+        run2 = tl.load(CARRY_SUM + b * (2 * HALF) + HALF + offs_d, mask=d_ok, other=0.0)
+        n = tl.load(CARRY_COUNT + b).to(tl.int32)
+    else:
+        run1 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+        run2 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+        n = tl.full([], 0, tl.int32)
+    for p in range(0, s):
+        row = SPAN_SUM + (b * NS + p).to(tl.int64) * (2 * HALF) + offs_d
+        run1 += tl.load(row, mask=d_ok, other=0.0)
+        run2 += tl.load(row + HALF, mask=d_ok, other=0.0)
+        n += tl.load(SPAN_COUNT + b * NS + p)
+    return run1, run2, n
+
+
+@triton.jit
+def _gate_fwd_kernel(
+    Q, COS, SIN, MASK, W1, W2, B2, CARRY_SUM, CARRY_COUNT, SPAN_SUM, SPAN_COUNT,
+    G, SUM_OUT, COUNT_OUT, PREFIX_SUM, PREFIX_COUNT,
+    T, H, HALF, SPAN, NS,
+    stride_qb, stride_qt, stride_qh, stride_cb, stride_ct, stride_mb, stride_mt,
+    ROTATE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_CARRY: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    """g for span ``s`` of row ``b``; the last span also writes the final running sum and count."""
+    s = tl.program_id(0)
+    b = tl.program_id(1)
+    D = 2 * HALF
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_ok = offs_d < HALF
+    offs_h = tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    run1, run2, n = _span_start(
+        SPAN_SUM, SPAN_COUNT, CARRY_SUM, CARRY_COUNT, b, s, NS, HALF, offs_d, d_ok, HAS_CARRY, BLOCK_HALF
+    )
+    # Saved for the backward, which recomputes this span from here.
+    prefix = PREFIX_SUM + (b * NS + s).to(tl.int64) * D + offs_d
+    tl.store(prefix, run1, mask=d_ok)
+    tl.store(prefix + HALF, run2, mask=d_ok)
+    tl.store(PREFIX_COUNT + b * NS + s, n)
+    w1a, w1b, w2, b2 = _gate_weights(W1, W2, B2, H, HALF, offs_h, h_ok, offs_d, d_ok)
+
+    t_end = tl.minimum(s * SPAN + SPAN, T)
+    for i in range(0, tl.cdiv(t_end - s * SPAN, BLOCK_T)):
+        offs_t = s * SPAN + i * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = offs_t < t_end
+        m1, m2, real = _masked_mean_block(
+            Q, COS, SIN, MASK, b, offs_t, t_ok, offs_d, d_ok, H, HALF,
+            stride_qb, stride_qt, stride_qh, stride_cb, stride_ct, stride_mb, stride_mt,
+            ROTATE, HAS_MASK, BLOCK_T, BLOCK_HALF,
+        )  # fmt: skip
+        count = tl.maximum(tl.cumsum(real, 0) + n, 1).to(tl.float32)[:, None]  # (BLOCK_T, 1)
+        c1 = tl.fdiv(tl.cumsum(m1, 0) + run1[None, :], count, ieee_rounding=False)  # (BLOCK_T, BLOCK_HALF)
+        c2 = tl.fdiv(tl.cumsum(m2, 0) + run2[None, :], count, ieee_rounding=False)
+        a = tl.dot(c1, tl.trans(w1a), input_precision="ieee")  # (BLOCK_T, BLOCK_H) = c W_1^T
+        a = tl.dot(c2, tl.trans(w1b), a, input_precision="ieee")
+        z = tl.dot(a * tl.sigmoid(a), tl.trans(w2), input_precision="ieee")
+        g = tl.sigmoid(z + b2[None, :])
+        g_ptr = G + (b.to(tl.int64) * T + offs_t[:, None]) * H + offs_h[None, :]
+        tl.store(g_ptr, g, mask=t_ok[:, None] & h_ok[None, :])
+        run1 += tl.sum(m1, 0)
+        run2 += tl.sum(m2, 0)
+        n += tl.sum(real, 0)
+
+    last = d_ok & (s == NS - 1)  # masked stores, not a branch: fewer live predicates across the loop
+    tl.store(SUM_OUT + b * D + offs_d, run1, mask=last)
+    tl.store(SUM_OUT + b * D + HALF + offs_d, run2, mask=last)
+    tl.store(COUNT_OUT + b, n.to(tl.int64), mask=s == NS - 1)
+
+
+@triton.jit
+def _gate_bwd_kernel(
+    Q, COS, SIN, MASK, W1, W2, B2, PREFIX_SUM, PREFIX_COUNT, DG,
+    E, E_SPAN, C, DA, DW2_PART, DB2_PART,
+    T, H, HALF, SPAN, NS,
+    stride_qb, stride_qt, stride_qh, stride_cb, stride_ct, stride_mb, stride_mt,
+    stride_gb, stride_gt, stride_gh,
+    ROTATE: tl.constexpr, HAS_MASK: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    """Recompute span ``s`` of row ``b``: writes c_t, da_t (for dW_1), e_t = dc_t / max(n_t, 1) and
+    the span's partial dW_2, db_2 (dW_1 = Σ da ⊗ c is one matmul afterwards: holding it here spills)."""
+    s = tl.program_id(0)
+    b = tl.program_id(1)
+    D = 2 * HALF
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_ok = offs_d < HALF
+    offs_h = tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    prefix = PREFIX_SUM + (b * NS + s).to(tl.int64) * D + offs_d
+    run1 = tl.load(prefix, mask=d_ok, other=0.0)
+    run2 = tl.load(prefix + HALF, mask=d_ok, other=0.0)
+    n = tl.load(PREFIX_COUNT + b * NS + s)
+    dw2 = tl.zeros([BLOCK_H, BLOCK_H], dtype=tl.float32)
+    db2 = tl.zeros([BLOCK_H], dtype=tl.float32)
+    esum1 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+    esum2 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+
+    t_end = tl.minimum(s * SPAN + SPAN, T)
+    for i in range(0, tl.cdiv(t_end - s * SPAN, BLOCK_T)):
+        offs_t = s * SPAN + i * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = offs_t < t_end
+        m1, m2, real = _masked_mean_block(
+            Q, COS, SIN, MASK, b, offs_t, t_ok, offs_d, d_ok, H, HALF,
+            stride_qb, stride_qt, stride_qh, stride_cb, stride_ct, stride_mb, stride_mt,
+            ROTATE, HAS_MASK, BLOCK_T, BLOCK_HALF,
+        )  # fmt: skip
+        # Weights reloaded per block (L1-resident) rather than held live across the loop.
+        w1a, w1b, w2, b2 = _gate_weights(W1, W2, B2, H, HALF, offs_h, h_ok, offs_d, d_ok)
+        count = tl.maximum(tl.cumsum(real, 0) + n, 1).to(tl.float32)[:, None]
+        c1 = tl.fdiv(tl.cumsum(m1, 0) + run1[None, :], count, ieee_rounding=False)
+        c2 = tl.fdiv(tl.cumsum(m2, 0) + run2[None, :], count, ieee_rounding=False)
+        a = tl.dot(c1, tl.trans(w1a), input_precision="ieee")  # forward again
+        a = tl.dot(c2, tl.trans(w1b), a, input_precision="ieee")
+        sig = tl.sigmoid(a)
+        act = a * sig  # SiLU(a), (BLOCK_T, BLOCK_H)
+        g = tl.sigmoid(tl.dot(act, tl.trans(w2), input_precision="ieee") + b2[None, :])
+        dg_ptr = DG + b.to(tl.int64) * stride_gb + offs_t[:, None] * stride_gt + offs_h[None, :] * stride_gh
+        dg = tl.load(dg_ptr, mask=t_ok[:, None] & h_ok[None, :], other=0.0)
+        dz = dg * g * (1.0 - g)  # (BLOCK_T, BLOCK_H), zero outside the span and past H
+        db2 += tl.sum(dz, 0)
+        dw2 = tl.dot(tl.trans(dz), act, dw2, input_precision="ieee")  # Σ_t dz_t ⊗ SiLU(a_t)
+        da = tl.dot(dz, w2, input_precision="ieee") * sig * (1.0 + a * (1.0 - sig))  # SiLU' = σ(1 + a(1-σ))
+        row = b.to(tl.int64) * T + offs_t[:, None]
+        tl.store(DA + row * H + offs_h[None, :], da, mask=t_ok[:, None] & h_ok[None, :])
+        c_ok = t_ok[:, None] & d_ok[None, :]
+        tl.store(C + row * D + offs_d[None, :], c1, mask=c_ok)
+        tl.store(C + row * D + HALF + offs_d[None, :], c2, mask=c_ok)
+        dc1 = tl.dot(da, w1a, input_precision="ieee")  # W_1^T da, (BLOCK_T, BLOCK_HALF)
+        dc2 = tl.dot(da, w1b, input_precision="ieee")
+        e1 = tl.fdiv(dc1, count, ieee_rounding=False)  # d loss / d running_t
+        e2 = tl.fdiv(dc2, count, ieee_rounding=False)
+        tl.store(E + row * D + offs_d[None, :], e1, mask=c_ok)
+        tl.store(E + row * D + HALF + offs_d[None, :], e2, mask=c_ok)
+        esum1 += tl.sum(e1, 0)
+        esum2 += tl.sum(e2, 0)
+        run1 += tl.sum(m1, 0)
+        run2 += tl.sum(m2, 0)
+        n += tl.sum(real, 0)
+
+    pid = (b * NS + s).to(tl.int64)
+    tl.store(E_SPAN + pid * D + offs_d, esum1, mask=d_ok)
+    tl.store(E_SPAN + pid * D + HALF + offs_d, esum2, mask=d_ok)
+    tl.store(DW2_PART + pid * H * H + offs_h[:, None] * H + offs_h[None, :], dw2, mask=h_ok[:, None] & h_ok[None, :])
+    tl.store(DB2_PART + pid * H + offs_h, db2, mask=h_ok)
+
+
+@triton.jit
+def _gate_bwd_scan_kernel(
+    COS, SIN, MASK, E, E_SPAN, DSUM, DQ, DCARRY,
+    T, H, HALF, SPAN, NS,
+    stride_cb, stride_ct, stride_mb, stride_mt,
+    ROTATE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DSUM: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    """Reverse scan of e over span ``s`` of row ``b``, written to every head of dq (/H)."""
+    s = tl.program_id(0)
+    b = tl.program_id(1)
+    D = 2 * HALF
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_ok = offs_d < HALF
+    # Gradient reaching the running sum at the end of this span: d(sum_out) + Σ e of later spans.
+    if HAS_DSUM:
+        acc1 = tl.load(DSUM + b * D + offs_d, mask=d_ok, other=0.0)
+        acc2 = tl.load(DSUM + b * D + HALF + offs_d, mask=d_ok, other=0.0)
+    else:
+        acc1 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+    for p in range(s + 1, NS):
+        row = E_SPAN + (b * NS + p).to(tl.int64) * D + offs_d
+        acc1 += tl.load(row, mask=d_ok, other=0.0)
+        acc2 += tl.load(row + HALF, mask=d_ok, other=0.0)
+
+    t_start = s * SPAN
+    t_end = tl.minimum(t_start + SPAN, T)
+    n_blocks = tl.cdiv(t_end - t_start, BLOCK_T)
+    for i in range(0, n_blocks):
+        offs_t = t_start + (n_blocks - 1 - i) * BLOCK_T + tl.arange(0, BLOCK_T)  # last block first
+        t_ok = offs_t < t_end
+        ok = t_ok[:, None] & d_ok[None, :]
+        e_ptr = E + (b.to(tl.int64) * T + offs_t[:, None]) * D + offs_d[None, :]
+        e1 = tl.load(e_ptr, mask=ok, other=0.0)
+        e2 = tl.load(e_ptr + HALF, mask=ok, other=0.0)
+        dm1 = tl.cumsum(e1, 0, reverse=True) + acc1[None, :]  # Σ_{t≥s} e_t
+        dm2 = tl.cumsum(e2, 0, reverse=True) + acc2[None, :]
+        acc1 += tl.sum(e1, 0)
+        acc2 += tl.sum(e2, 0)
+        if HAS_MASK:
+            real = tl.load(MASK + b.to(tl.int64) * stride_mb + offs_t * stride_mt, mask=t_ok, other=0) != 0
+            dm1 = tl.where(real[:, None], dm1, 0.0)
+            dm2 = tl.where(real[:, None], dm2, 0.0)
+        if ROTATE:  # transpose of the rotation
+            rot = b.to(tl.int64) * stride_cb + offs_t[:, None] * stride_ct + offs_d[None, :]
+            cos = tl.load(COS + rot, mask=ok, other=1.0)
+            sin = tl.load(SIN + rot, mask=ok, other=0.0)
+            dm1, dm2 = dm1 * cos + dm2 * sin, dm2 * cos - dm1 * sin
+        dq1 = (dm1 / H).to(DQ.dtype.element_ty)
+        dq2 = (dm2 / H).to(DQ.dtype.element_ty)
+        dq_ptr = DQ + (b.to(tl.int64) * T + offs_t[:, None]) * H * D + offs_d[None, :]
+        for h in range(H):
+            tl.store(dq_ptr + h * D, dq1, mask=ok)
+            tl.store(dq_ptr + h * D + HALF, dq2, mask=ok)
+
+    if s == 0:
+        tl.store(DCARRY + b * D + offs_d, acc1, mask=d_ok)
+        tl.store(DCARRY + b * D + HALF + offs_d, acc2, mask=d_ok)
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configuration
+# --------------------------------------------------------------------------------------------
+
+NUM_STAGES = 2
+
+
+class _Config(NamedTuple):
+    """Block sizes and warps for one ``(H, D)``; ``tests/test_compile.py`` builds each of them."""
+
+    block_t: int  # tokens per block: forward pre-pass, forward and reverse scan
+    block_t_bwd: int  # tokens per block in the recomputing backward (smaller: more live tensors)
+    block_h: int
+    block_half: int
+    warps: int
+    warps_bwd: int
+
+
+def _config(H: int, D: int, dtype: torch.dtype) -> _Config:
+    """Chosen so that every build compiles without spills for sm_80 and sm_90 (tests/test_compile.py).
+
+    tl.dot needs every dimension >= 16; the fp32 ``ieee`` dots run on FMA units and hold whole
+    operand rows per thread, so wide H x D tiles get 8 warps.
+    """
+    block_half = max(16, triton.next_power_of_2(D // 2))
+    block_h = max(16, triton.next_power_of_2(H))
+    warps = 8 if block_h * block_half >= 2048 else 4
+    warps_bwd = 4 if block_h == 16 and block_half <= 32 else 8
+    block_t = 16 if dtype == torch.float32 and block_h * block_half <= 256 else 32  # fp32: else 8 B of stack
+    return _Config(block_t, 16, block_h, block_half, warps, warps_bwd)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _span_tokens(B: int, T: int, block_t: int, device: torch.device) -> int:
+    """Tokens per program: split rows along T until there are about two programs per SM.
+
+    Under the interpreter the target is 4 programs, so small tests exercise the multi-span scan.
+    """
+    if device.type == "cuda":
+        target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        target = 4
+    n_blocks = triton.cdiv(T, block_t)
+    spans = min(n_blocks, max(1, triton.cdiv(target, B)))
+    return triton.cdiv(n_blocks, spans) * block_t
+
+
+def _flag_args(q, cos, sin, mask):
+    """Kernel arguments for the optional rotation and mask (dummy pointers when absent)."""
+    if cos is not None:
+        cos, sin = cos.float(), sin.float()
+        cos, sin = cos.expand(q.shape[0], q.shape[1], q.shape[3] // 2), sin.expand_as(cos)
+        if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+            cos, sin = cos.contiguous(), sin.contiguous()
+        rot = (cos, sin, cos.stride(0), cos.stride(1))
+    else:
+        rot = (q, q, 0, 0)
+    if mask is not None:
+        mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+        masks = (mask, mask.stride(0), mask.stride(1))
+    else:
+        masks = (q, 0, 0)
+    return rot, masks
+
+
+def _q_strides(q: torch.Tensor) -> torch.Tensor:
+    return q if q.stride(-1) == 1 else q.contiguous()
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library custom ops
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("wiola::gate_fwd", mutates_args=())
+def _gate_fwd(
+    q: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    carry_sum: torch.Tensor | None,
+    carry_count: torch.Tensor | None,
+    span: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``g, sum, count`` and, for the backward, each span's starting sum and count."""
+    B, T, H, D = q.shape
+    ns = triton.cdiv(T, span)
+    dev = q.device
+    g = torch.empty(B, T, H, device=dev, dtype=torch.float32)
+    total = torch.empty(B, D, device=dev, dtype=torch.float32)
+    count = torch.empty(B, device=dev, dtype=torch.int64)
+    prefix_sum = torch.empty(B, ns, D, device=dev, dtype=torch.float32)
+    prefix_count = torch.empty(B, ns, device=dev, dtype=torch.int32)
+    if B == 0:
+        return g, total, count, prefix_sum, prefix_count
+    q = _q_strides(q)
+    w1, w2, b2 = w1.float().contiguous(), w2.float().contiguous(), b2.float().contiguous()
+    (cos, sin, s_cb, s_ct), (mask, s_mb, s_mt) = _flag_args(q, cos, sin, mask)
+    has_carry = carry_sum is not None
+    if has_carry:
+        carry_sum, carry_count = carry_sum.float().contiguous(), carry_count.contiguous()
+    else:
+        carry_sum, carry_count = total, count  # dummies, never read
+    cfg = _config(H, D, q.dtype)
+    strides = (q.stride(0), q.stride(1), q.stride(2), s_cb, s_ct, s_mb, s_mt)
+    flags = {"ROTATE": cos is not q, "HAS_MASK": mask is not q}
+    launch = {"BLOCK_T": cfg.block_t, "BLOCK_HALF": cfg.block_half, "num_warps": cfg.warps, "num_stages": NUM_STAGES}
+    span_sum, span_count = prefix_sum, prefix_count  # read only when ns > 1
+    if ns > 1:
+        span_sum = torch.empty(B, ns, D, device=dev, dtype=torch.float32)
+        span_count = torch.empty(B, ns, device=dev, dtype=torch.int32)
+        _gate_span_sums_kernel[(ns, B)](
+            q, cos, sin, mask, span_sum, span_count, T, H, D // 2, span, ns, *strides, **flags, **launch
+        )
+    _gate_fwd_kernel[(ns, B)](
+        q, cos, sin, mask, w1, w2, b2, carry_sum, carry_count, span_sum, span_count,
+        g, total, count, prefix_sum, prefix_count,
+        T, H, D // 2, span, ns, *strides,
+        **flags, HAS_CARRY=has_carry, BLOCK_H=cfg.block_h, **launch,
+    )  # fmt: skip
+    return g, total, count, prefix_sum, prefix_count
+
+
+@_gate_fwd.register_fake
+def _(q, w1, w2, b2, cos, sin, mask, carry_sum, carry_count, span):
+    B, T, H, D = q.shape
+    ns = (T + span - 1) // span
+    return (
+        q.new_empty(B, T, H, dtype=torch.float32),
+        q.new_empty(B, D, dtype=torch.float32),
+        q.new_empty(B, dtype=torch.int64),
+        q.new_empty(B, ns, D, dtype=torch.float32),
+        q.new_empty(B, ns, dtype=torch.int32),
+    )
+
+
+@torch.library.custom_op("wiola::gate_bwd", mutates_args=())
+def _gate_bwd(
+    dg: torch.Tensor,
+    dsum: torch.Tensor | None,
+    q: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    prefix_sum: torch.Tensor,
+    prefix_count: torch.Tensor,
+    span: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``dq`` (q's dtype, contiguous), ``dw1, dw2, db2`` (the weights' dtypes), ``dcarry_sum``."""
+    B, T, H, D = q.shape
+    ns = triton.cdiv(T, span)
+    dev = q.device
+    dq = torch.empty(B, T, H, D, device=dev, dtype=q.dtype)
+    dcarry = torch.empty(B, D, device=dev, dtype=torch.float32)
+    if B == 0:
+        return dq, torch.zeros_like(w1), torch.zeros_like(w2), torch.zeros_like(b2), dcarry
+    q = _q_strides(q)
+    w1f, w2f, b2f = w1.float().contiguous(), w2.float().contiguous(), b2.float().contiguous()
+    (cos, sin, s_cb, s_ct), (mask, s_mb, s_mt) = _flag_args(q, cos, sin, mask)
+    dg = dg.float()
+    cfg = _config(H, D, q.dtype)
+    e = torch.empty(B, T, D, device=dev, dtype=torch.float32)
+    e_span = torch.empty(B, ns, D, device=dev, dtype=torch.float32)
+    c = torch.empty(B, T, D, device=dev, dtype=torch.float32)
+    da = torch.empty(B, T, H, device=dev, dtype=torch.float32)
+    dw2_part = torch.empty(B * ns, H, H, device=dev, dtype=torch.float32)
+    db2_part = torch.empty(B * ns, H, device=dev, dtype=torch.float32)
+    flags = {"ROTATE": cos is not q, "HAS_MASK": mask is not q}
+    launch = {"BLOCK_T": cfg.block_t, "BLOCK_HALF": cfg.block_half, "num_warps": cfg.warps, "num_stages": NUM_STAGES}
+    _gate_bwd_kernel[(ns, B)](
+        q, cos, sin, mask, w1f, w2f, b2f, prefix_sum, prefix_count, dg,
+        e, e_span, c, da, dw2_part, db2_part,
+        T, H, D // 2, span, ns,
+        q.stride(0), q.stride(1), q.stride(2), s_cb, s_ct, s_mb, s_mt, dg.stride(0), dg.stride(1), dg.stride(2),
+        **flags, BLOCK_T=cfg.block_t_bwd, BLOCK_H=cfg.block_h, BLOCK_HALF=cfg.block_half,
+        num_warps=cfg.warps_bwd, num_stages=NUM_STAGES,
+    )  # fmt: skip
+    has_dsum = dsum is not None
+    dsum = dsum.float().contiguous() if has_dsum else dcarry  # dummy when absent
+    _gate_bwd_scan_kernel[(ns, B)](
+        cos, sin, mask, e, e_span, dsum, dq, dcarry, T, H, D // 2, span, ns, s_cb, s_ct, s_mb, s_mt,
+        **flags, HAS_DSUM=has_dsum, **launch,
+    )  # fmt: skip
+    # Fixed-order sums of the per-program partials: deterministic, no atomics.
+    dw1 = (da.view(B * T, H).t() @ c.view(B * T, D)).to(w1.dtype)  # Σ_t da_t ⊗ c_t
+    dw2 = dw2_part.sum(0).to(w2.dtype)
+    db2 = db2_part.sum(0).to(b2.dtype)
+    return dq, dw1, dw2, db2, dcarry
+
+
+@_gate_bwd.register_fake
+def _(dg, dsum, q, w1, w2, b2, cos, sin, mask, prefix_sum, prefix_count, span):
+    B, T, H, D = q.shape
+    return (
+        q.new_empty(B, T, H, D),
+        torch.empty_like(w1),
+        torch.empty_like(w2),
+        torch.empty_like(b2),
+        q.new_empty(B, D, dtype=torch.float32),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    q, w1, w2, b2, cos, sin, mask, carry_sum, carry_count, span = inputs
+    _, _, _, prefix_sum, prefix_count = output
+    ctx.save_for_backward(q, w1, w2, b2, cos, sin, mask, prefix_sum, prefix_count)
+    ctx.span = span
+
+
+def _backward(ctx, dg, dsum, dcount, dprefix_sum, dprefix_count):
+    q, w1, w2, b2, cos, sin, mask, prefix_sum, prefix_count = ctx.saved_tensors
+    if dg is None:
+        dg = q.new_zeros(q.shape[:3], dtype=torch.float32)
+    dq, dw1, dw2, db2, dcarry = _gate_bwd(dg, dsum, q, w1, w2, b2, cos, sin, mask, prefix_sum, prefix_count, ctx.span)
+    need = ctx.needs_input_grad
+    return (
+        dq if need[0] else None,
+        dw1 if need[1] else None,
+        dw2 if need[2] else None,
+        db2 if need[3] else None,
+        None,
+        None,
+        None,
+        dcarry if need[7] else None,
+        None,
+        None,
+    )
+
+
+_gate_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# Public function
+# --------------------------------------------------------------------------------------------
+
+
+def _check(q, w1, w2, b2, cos, sin, attention_mask, carry) -> None:
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be a (B, T, H, D) tensor, got {getattr(q, 'shape', type(q))}")
+    if not q.is_floating_point():
+        raise TypeError(f"q must be a floating-point tensor, got {q.dtype}")
+    if q.dtype not in TRITON_DTYPE:
+        raise TypeError(f"q dtype {q.dtype} is not supported (float32, float16, bfloat16)")
+    B, T, H, D = q.shape
+    if T == 0:
+        raise ValueError("q has no tokens (T = 0)")
+    if D % 2:
+        raise ValueError(f"head width D must be even, got {D}")
+    if not kernels_usable(q):
+        raise ValueError(f"q is on {q.device}: the Triton gate needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+    for name, t, shape in (("w1", w1, (H, D)), ("w2", w2, (H, H)), ("b2", b2, (H,))):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} for q of shape {tuple(q.shape)}, got {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    if (cos is None) != (sin is None):
+        raise ValueError("cos and sin must be given together")
+    if cos is not None:
+        for name, t in (("cos", cos), ("sin", sin)):
+            if t.dim() != 3 or t.shape[-1] != D // 2:
+                raise ValueError(f"{name} must have shape (B, T, D/2) = {(B, T, D // 2)}, got {tuple(t.shape)}")
+            try:
+                torch.broadcast_shapes(tuple(t.shape), (B, T, D // 2))
+            except RuntimeError:
+                raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast to {(B, T, D // 2)}") from None
+            if not t.is_floating_point():
+                raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+            if t.device != q.device:
+                raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != (B, T):
+            raise ValueError(f"attention_mask must have shape (B, T) = {(B, T)}, got {tuple(attention_mask.shape)}")
+        if attention_mask.device != q.device:
+            raise ValueError(f"attention_mask is on {attention_mask.device}, q on {q.device}")
+    if carry is not None:
+        if not isinstance(carry, (tuple, list)) or len(carry) != 2:
+            raise ValueError("carry must be a (sum, count) pair")
+        total, count = carry
+        if tuple(total.shape) != (B, D) or total.dtype != torch.float32:
+            raise ValueError(f"carry sum must be float32 of shape {(B, D)}, got {total.dtype} {tuple(total.shape)}")
+        if tuple(count.shape) != (B,) or count.is_floating_point() or count.dtype == torch.bool:
+            raise ValueError(
+                f"carry count must be an integer tensor of shape {(B,)}, got {count.dtype} {tuple(count.shape)}"
+            )
+        if total.device != q.device or count.device != q.device:
+            raise ValueError(f"carry is on {total.device}/{count.device}, q on {q.device}")
+
+
+def gate(
+    q: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+    *,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    carry: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-query, per-head gate ``g_t = sigmoid(W2 · SiLU(W1 · c_t) + b2)``, fused (Triton).
+
+    Same arguments and returns as ``wiola.ops.gate.gate``.
+
+    Args:
+        q: ``(B, T, H, D)`` queries before rotation, float32/float16/bfloat16, any strides with a
+            unit last stride (a view out of a fused QKV projection is read in place).
+        w1: ``(H, D)``; w2: ``(H, H)``; b2: ``(H,)``; any float dtype (computed in float32,
+            gradients returned in the weight's dtype).
+        cos, sin: float ``(B, T, D/2)`` rotation tables (or broadcastable to it). When given, the
+            gate is computed from rotated queries (``gate_pre_rope=False``).
+        attention_mask: ``(B, T)`` bool or integer, nonzero for real tokens; padding (left or
+            right) is left out of the running mean and gets no gradient.
+        carry: ``(sum (B, D) float32, count (B,) integer)`` from earlier chunks of the same rows.
+
+    Returns:
+        ``g`` ``(B, T, H)`` float32, and the new carry ``(sum (B, D) float32, count (B,) int64)``.
+        A query with no real token at or before it uses ``c_t = 0``.
+
+    Differentiable in ``q``, ``w1``, ``w2``, ``b2`` and the carried sum; the returned sum is
+    differentiable too. Raises ``ValueError``/``TypeError`` naming a bad shape, dtype or device,
+    and ``ValueError`` for CPU tensors unless ``TRITON_INTERPRET=1``.
+    """
+    _check(q, w1, w2, b2, cos, sin, attention_mask, carry)
+    B, T, H, D = q.shape
+    span = _span_tokens(B, T, _config(H, D, q.dtype).block_t, q.device)
+    carry_sum, carry_count = (None, None) if carry is None else carry
+    g, total, count, _, _ = _gate_fwd(q, w1, w2, b2, cos, sin, attention_mask, carry_sum, carry_count, span)
+    return g, total, count
+
+
+# --------------------------------------------------------------------------------------------
+# Ahead-of-time builds (tests/test_compile.py): every kernel at every configuration _config
+# picks for H <= 32 and D in {16..128} (block_h 16/32 x block_half 16/32/64), bf16 and fp16 q,
+# plus fp32 q at the paper's shape; all features on, and the forward once with all of them off.
+# --------------------------------------------------------------------------------------------
+
+_ROT = {"COS": "*fp32", "SIN": "*fp32", "MASK": "*u8"}
+_SIZES = {"T": "i32", "H": "i32", "HALF": "i32", "SPAN": "i32", "NS": "i32"}
+_Q_STRIDES = {"stride_qb": "i32", "stride_qt": "i32", "stride_qh": "i32"}
+_RC_STRIDES = {"stride_cb": "i32", "stride_ct": "i32", "stride_mb": "i32", "stride_mt": "i32"}
+
+
+def _spec(name: str, fn, pointers: dict[str, str], scalars: dict[str, str], constexprs: dict, warps: int) -> AotSpec:
+    signature = {**pointers, **scalars, **dict.fromkeys(constexprs, "constexpr")}
+    return AotSpec(name, fn, signature, constexprs, num_warps=warps, num_stages=NUM_STAGES)
+
+
+def _aot_specs() -> list[AotSpec]:
+    specs = []
+    shapes = [(H, D) for H in (8, 32) for D in (32, 64, 128)]  # one per (block_h, block_half)
+    builds = [(dt, H, D) for dt in ("bf16", "fp16") for H, D in shapes] + [("fp32", 8, 32)]
+    dtypes = {name: dtype for dtype, name in TRITON_DTYPE.items()}
+    for dt, H, D in builds:
+        cfg = _config(H, D, dtypes[dt])
+        q, feats = {"Q": f"*{dt}"}, {"ROTATE": True, "HAS_MASK": True}
+        blocks = {"BLOCK_T": cfg.block_t, "BLOCK_HALF": cfg.block_half}
+        scalars = {**_SIZES, **_Q_STRIDES, **_RC_STRIDES}
+        tag = f"{dt},H{cfg.block_h},D{2 * cfg.block_half}"
+        if H == 8:  # the pre-pass and the reverse scan do not depend on H
+            specs.append(
+                _spec(f"gate_span_sums[{dt},BT{cfg.block_t},D{2 * cfg.block_half}]", _gate_span_sums_kernel,
+                      {**q, **_ROT, "SPAN_SUM": "*fp32", "SPAN_COUNT": "*i32"}, scalars, {**feats, **blocks}, cfg.warps)
+            )  # fmt: skip
+            specs.append(
+                _spec(f"gate_bwd_scan[{dt},BT{cfg.block_t},D{2 * cfg.block_half}]", _gate_bwd_scan_kernel,
+                      {**_ROT, "E": "*fp32", "E_SPAN": "*fp32", "DSUM": "*fp32", "DQ": f"*{dt}", "DCARRY": "*fp32"},
+                      {**_SIZES, **_RC_STRIDES}, {**feats, "HAS_DSUM": True, **blocks}, cfg.warps)
+            )  # fmt: skip
+        weights = {"W1": "*fp32", "W2": "*fp32", "B2": "*fp32"}
+        for on in (True, False) if (dt, H, D) == ("bf16", 8, 32) else (True,):
+            fwd_flags = {"ROTATE": on, "HAS_MASK": on, "HAS_CARRY": on, **blocks, "BLOCK_H": cfg.block_h}
+            specs.append(
+                _spec(f"gate_fwd[{tag},BT{cfg.block_t}{'' if on else ',plain'}]", _gate_fwd_kernel,
+                      {**q, **_ROT, **weights, "CARRY_SUM": "*fp32", "CARRY_COUNT": "*i64", "SPAN_SUM": "*fp32",
+                       "SPAN_COUNT": "*i32", "G": "*fp32", "SUM_OUT": "*fp32", "COUNT_OUT": "*i64",
+                       "PREFIX_SUM": "*fp32", "PREFIX_COUNT": "*i32"},
+                      scalars, fwd_flags, cfg.warps)
+            )  # fmt: skip
+        bwd_flags = {**feats, "BLOCK_T": cfg.block_t_bwd, "BLOCK_H": cfg.block_h, "BLOCK_HALF": cfg.block_half}
+        specs.append(
+            _spec(f"gate_bwd[{tag},BT{cfg.block_t_bwd}]", _gate_bwd_kernel,
+                  {**q, **_ROT, **weights, "PREFIX_SUM": "*fp32", "PREFIX_COUNT": "*i32", "DG": "*fp32",
+                   "E": "*fp32", "E_SPAN": "*fp32", "C": "*fp32", "DA": "*fp32", "DW2_PART": "*fp32", "DB2_PART": "*fp32"},
+                  {**scalars, "stride_gb": "i32", "stride_gt": "i32", "stride_gh": "i32"}, bwd_flags, cfg.warps_bwd)
+        )  # fmt: skip
+    return specs
+
+
+register_aot("gate", _aot_specs())
