@@ -5,8 +5,10 @@ Benchmarks use it through the ``cuda_bench`` and ``cpu_bench`` fixtures of ``ben
 
 Timing rules (CUDA): every implementation is called three times before timing (compile,
 autotune, allocator warm-up), then timed repetition by repetition with CUDA events, cycling
-through enough freshly generated input sets that one cycle does not fit in L2; the median of
-the repetitions is the result; the host clock is never read without a synchronisation first.
+through enough freshly generated input sets that one cycle does not fit in L2; a short GPU spin
+before each repetition lets the host queue the whole call first, so the events time the device
+and not the launch rate; the median of the repetitions is the result; no host clock is read as
+a measurement on CUDA (the host clock only sizes the spin).
 CPU: ``time.perf_counter`` around each call, median of the repetitions.
 """
 
@@ -74,6 +76,26 @@ def _reps(estimate: float, target_s: float, min_reps: int, max_reps: int, max_to
     return reps
 
 
+_SLEEP_CYCLES_PER_S: list[float] = []
+
+
+def _gpu_sleep(seconds: float) -> None:
+    """Keep the GPU busy for about ``seconds`` (``torch.cuda._sleep``), so the host can queue the
+    next repetition before the GPU reaches it: the events then time the device, not the launches."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is None or seconds <= 0:
+        return
+    if not _SLEEP_CYCLES_PER_S:  # calibrate once: cycles per second of the spin kernel
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        sleep(1000)  # warm-up
+        start.record()
+        sleep(2_000_000)
+        end.record()
+        torch.cuda.synchronize()
+        _SLEEP_CYCLES_PER_S.append(2_000_000 / max(start.elapsed_time(end) / 1e3, 1e-9))
+    sleep(int(min(seconds, 0.05) * _SLEEP_CYCLES_PER_S[0]))
+
+
 def time_cuda(
     fn: Callable[..., Any],
     input_sets: Sequence[tuple],
@@ -84,9 +106,13 @@ def time_cuda(
 ) -> list[float]:
     """Per-repetition GPU times in seconds of ``fn(*input_sets[i % n])``, measured with CUDA events.
 
-    Three warm-up calls and three probe calls come first. The number of repetitions is chosen so that
-    the timed loop lasts about ``target_s`` (at least ``min_reps``, at most ``max_reps``; calls
-    slower than 0.5 s get fewer, at least 3).
+    Three warm-up calls and three probe calls come first. The number of repetitions is chosen so
+    that the timed loop lasts about ``target_s`` (at least ``min_reps``, at most ``max_reps``;
+    calls slower than 0.5 s get fewer, at least 3). Before each repetition the GPU spins for
+    about as long as the host takes to queue one call (at most 50 ms), so every kernel of the
+    call is queued before the start event fires: the time is the device's execution time, not
+    the launch rate (a call that waits on the host inside, like ``generate`` with a sync per
+    token, still includes those waits).
     """
     n = len(input_sets)
     for i in range(3):  # warm-up: compile, autotune, the allocator's caches
@@ -94,17 +120,21 @@ def time_cuda(
     torch.cuda.synchronize()
     probe = 3
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    host = time.perf_counter()
     start.record()
     for i in range(probe):
         fn(*input_sets[i % n])
     end.record()
+    host = (time.perf_counter() - host) / probe  # host time to queue one call (no sync inside)
     torch.cuda.synchronize()
     estimate = start.elapsed_time(end) / 1e3 / probe
     reps = _reps(estimate, target_s, min_reps, max_reps)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ahead = 1.5 * host if host < 0.05 else 0.0
     for i in range(reps):
         args = input_sets[i % n]
+        _gpu_sleep(ahead)
         starts[i].record()
         fn(*args)
         ends[i].record()
