@@ -374,6 +374,12 @@ def build_markdown(runs: Sequence[Run], out_path: str | Path, charts: dict[str, 
         latest = ordered[0]
         title = "CPU" if device == "cpu" else f"GPU: {device}"
         lines += [f"## {title} — latest run", ""]
+        if device == "cpu":
+            lines += [
+                "CPU times depend on whatever else the machine runs (the load average is given with each",
+                "table): compare implementations within one run, which share the conditions, not across runs.",
+                "",
+            ]
         links = None
         if charts and str(latest.path) in charts:
             links = {k: os.path.relpath(p, out_dir) for k, p in charts[str(latest.path)].items()}
