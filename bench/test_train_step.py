@@ -60,7 +60,7 @@ def test_train_step_cpu(cpu_bench) -> None:
         make_step(model, "cpu"),
         op="train_step",
         mode="fwd_bwd_adamw",
-        name="wiola (reference)",
+        name="reference",
         cost=roofline.train_step(cfg, B, T, torch.float32),
         shape={"preset": "tiny", "B": B, "T": T},
         dtype=torch.float32,
