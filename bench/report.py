@@ -281,7 +281,7 @@ def _chart_series(recs: Sequence[dict[str, Any]]) -> tuple[list[str], dict[str, 
         return d["tokens_per_s"] if use_tokens else d["time_s"] * 1e3
 
     for i, r in enumerate(recs):
-        impls = {"ours": r, **{k: v for k, v in r.get("baselines", {}).items()}}
+        impls = {r.get("impl", "ours"): r, **{k: v for k, v in r.get("baselines", {}).items()}}
         for name, d in impls.items():
             series.setdefault(name, [None] * len(recs))[i] = value(d)
     return labels, series, unit
@@ -292,8 +292,8 @@ def _draw(ax: Any, title: str, recs: Sequence[dict[str, Any]]) -> None:
     n = max(1, len(series))
     width = 0.8 / n
     for j, (name, vals) in enumerate(series.items()):
-        xs = [i + (j - (n - 1) / 2) * width for i in range(len(labels))]
-        ax.bar(xs, [v if v is not None else 0.0 for v in vals], width, label=name)
+        xs = [i + (j - (n - 1) / 2) * width for i, v in enumerate(vals) if v is not None]
+        ax.bar(xs, [v for v in vals if v is not None], width, label=name)  # no bar where nothing was measured
     ax.set_xticks(range(len(labels)))
     ax.set_xticklabels(labels, fontsize=7)
     ax.set_ylabel(unit, fontsize=8)

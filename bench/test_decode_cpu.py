@@ -72,7 +72,7 @@ def test_decode_cpu(cpu_bench, model, hf_model, batch: int) -> None:
         ours,
         op="decode_cpu",
         mode="greedy",
-        name="wiola",
+        name="reference",
         cost=_cost(model.config, batch, new),
         shape={"B": batch, "P": PROMPT, "N": new},
         dtype=torch.float32,
@@ -84,7 +84,7 @@ def test_decode_cpu(cpu_bench, model, hf_model, batch: int) -> None:
         hf = rec["baselines"]["wiola13m"]
         if "speedup" in hf:
             print(
-                f"\ndecode CPU B{batch}: wiola {rec['tokens_per_s']:.1f} tok/s, wiola13m {hf['tokens_per_s']:.1f} tok/s, "
+                f"\ndecode CPU B{batch}: reference {rec['tokens_per_s']:.1f} tok/s, wiola13m {hf['tokens_per_s']:.1f} tok/s, "
                 f"ratio {hf['speedup']:.2f}x (goal at B1: >= 4x)"
             )
 
@@ -115,6 +115,6 @@ def test_decode_cpu_fast(cpu_bench, model, batch: int) -> None:
         shape={"B": batch, "P": PROMPT, "N": new},
         dtype=torch.float32,
         tokens=batch * new,
-        baselines={"wiola (reference)": lambda: model.generate(ids, new, temperature=0)},
+        baselines={"reference": lambda: model.generate(ids, new, temperature=0)},
         notes=["13m preset, random weights; greedy tokens identical to the reference"],
     )

@@ -127,7 +127,7 @@ def test_chart_series_values() -> None:
     decode = [r for r in run.records if r["op"] == "decode"]
     labels, series, unit = report._chart_series(decode)
     assert unit.startswith("tokens/s")
-    assert series == {"ours": [8000.0], "reference": [2000.0], "wiola13m": [500.0]}
+    assert series == {"wiola.fast": [8000.0], "reference": [2000.0], "wiola13m": [500.0]}
     attn = [r for r in run.records if r["op"] == "attention"]
     _, series, unit = report._chart_series(attn)
     assert unit.startswith("ms")
