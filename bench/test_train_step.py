@@ -106,3 +106,108 @@ def test_train_step_cuda(cuda_bench, shape: dict[str, int]) -> None:
         baselines=baselines,
         notes=["bf16 autocast, fp32 master weights, fused AdamW", *notes],
     )
+
+
+# ------------------------------------------------------------------ wiola.fast additions (issue 6)
+def make_graph_step(model: torch.nn.Module, B: int, T: int) -> Callable[[torch.Tensor], None]:
+    """The whole training step of ``model`` (bf16 autocast forward with the fused loss, backward,
+    fused capturable AdamW) captured once as a CUDA graph; each call copies the ids into the
+    static input and replays. Only possible because ``wiola.fast`` never syncs with the host."""
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01, fused=True, capturable=True
+    )
+    static_ids = torch.randint(0, model.config.vocab_size, (B, T), device="cuda")
+
+    def body() -> None:
+        # The autocast weight cache must be off while capturing (PyTorch's CUDA-graph notes).
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            loss = model(static_ids, labels=static_ids).loss
+        loss.backward()
+        opt.step()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: kernel compilation and autotuning stay out of the graph
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        body()
+
+    def step(ids: torch.Tensor) -> None:
+        static_ids.copy_(ids)
+        graph.replay()
+
+    return step
+
+
+@pytest.mark.parametrize("shape", CUDA_SHAPES, ids=lambda s: f"13m-B{s['B']}-T{s['T']}")
+def test_train_step_cuda_graph_fast(cuda_bench, shape: dict[str, int]) -> None:
+    """wiola.fast's training step as one CUDA graph, against the same model eager and torch.compile
+    of the reference."""
+    fast_cls = _fast_model_class()
+    if isinstance(fast_cls, str):
+        pytest.skip(fast_cls)
+    cfg = wiola.WiolaConfig.preset("13m")
+    B, T = shape["B"], shape["T"]
+    torch.manual_seed(0)
+    init = wiola.WiolaModel(cfg).state_dict()
+
+    def fresh(cls: type) -> torch.nn.Module:
+        m = cls(cfg).to("cuda").train()
+        m.load_state_dict(init)
+        return m
+
+    cuda_bench.run(
+        make_graph_step(fresh(fast_cls), B, T),
+        op="train_step",
+        mode="fwd_bwd_adamw",
+        name="wiola.fast + CUDA graph",
+        cost=roofline.train_step(cfg, B, T, torch.bfloat16),
+        shape={"preset": "13m", "B": B, "T": T},
+        dtype=torch.bfloat16,
+        inputs=_random_ids(B, T, cfg.vocab_size, "cuda"),
+        tokens=B * T,
+        baselines={
+            "wiola.fast eager": make_step(fresh(fast_cls), "cuda"),
+            "torch.compile": make_step(fresh(wiola.WiolaModel), "cuda", compiled=True),
+        },
+        notes=["bf16 autocast (cache off), fp32 master weights, fused capturable AdamW, one graph per step"],
+    )
+
+
+def test_train_step_cpu_fast(cpu_bench) -> None:
+    """wiola.fast's PyTorch CPU path (SDPA with the gate folded into the query) against the reference."""
+    fast_cls = _fast_model_class()
+    if isinstance(fast_cls, str):
+        pytest.skip(fast_cls)
+    from wiola.fast import use_kernels
+
+    cfg = wiola.WiolaConfig.preset("tiny")
+    B, T = (1, 32) if cpu_bench.quick else (4, 256)
+    torch.manual_seed(0)
+    ref = wiola.WiolaModel(cfg).train()
+    fast = fast_cls(cfg).train()
+    fast.load_state_dict(ref.state_dict())
+    fast_step = make_step(fast, "cpu")
+
+    def ours(ids: torch.Tensor) -> None:
+        with use_kernels(False):  # the plain-CPU path, also under TRITON_INTERPRET=1
+            fast_step(ids)
+
+    cpu_bench.run(
+        ours,
+        op="train_step",
+        mode="fwd_bwd_adamw",
+        name="wiola.fast (CPU path)",
+        cost=roofline.train_step(cfg, B, T, torch.float32),
+        shape={"preset": "tiny", "B": B, "T": T},
+        dtype=torch.float32,
+        inputs=_random_ids(B, T, cfg.vocab_size, "cpu"),
+        tokens=B * T,
+        baselines={"wiola (reference)": make_step(ref, "cpu")},
+        notes=["fp32, torch.optim.AdamW (foreach)"],
+    )

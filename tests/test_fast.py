@@ -1,0 +1,305 @@
+"""``wiola.fast.WiolaModel`` against the reference ``wiola.WiolaModel`` on the same weights:
+logits, loss, every gradient, cached and padded decoding, greedy generation, state dicts,
+``torch.compile``; on the kernels (interpreter on CPU, CUDA when present) and on the PyTorch
+CPU path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import DEVICE, TOL, assert_close
+
+from wiola import WiolaConfig
+from wiola import WiolaModel as Reference
+from wiola.fast import WiolaModel as Fast
+from wiola.fast import use_kernels
+
+CONFIG = dict(vocab_size=1000, d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=256)
+FP32 = TOL[torch.float32]
+cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+
+
+def _models(seed: int = 0, **overrides) -> tuple[Reference, Fast]:
+    """A reference and a fast model with the same random weights (gate biases and norms perturbed
+    too, so no gate sits at exactly 0.5)."""
+    torch.manual_seed(seed)
+    ref = Reference(WiolaConfig(**{**CONFIG, **overrides}))
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    fast = Fast(ref.config)
+    fast.load_state_dict(ref.state_dict())
+    return ref.to(DEVICE), fast.to(DEVICE)
+
+
+def _batch(B: int, T: int, pad: str | None, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, CONFIG["vocab_size"], (B, T), generator=gen)
+    if pad is None or B == 1:
+        return ids.to(DEVICE), None
+    mask = torch.ones(B, T, dtype=torch.long)
+    lengths = [T, max(1, T - 5), max(1, T // 3)][:B]
+    for row, n in enumerate(lengths):
+        if pad == "left":
+            mask[row, : T - n] = 0
+        else:
+            mask[row, n:] = 0
+    return ids.to(DEVICE), mask.to(DEVICE)
+
+
+def _assert_grads_equal(ref: Reference, fast: Fast, tol: float) -> None:
+    fast_params = dict(fast.named_parameters())
+    for name, p in ref.named_parameters():
+        assert p.grad is not None and fast_params[name].grad is not None, f"grad[{name}] missing"
+        assert_close(f"grad[{name}]", p.grad, fast_params[name].grad, tol)
+
+
+# Gradients where the interpreter affords them; logits and loss everywhere.
+FORWARD_CASES = [
+    (1, 1, None, True),
+    (1, 17, None, True),
+    (1, 130, None, True),
+    (3, 1, None, False),
+    (3, 17, "left", True),
+    (3, 130, "right", False),
+]
+
+
+@pytest.mark.parametrize(
+    "B,T,pad,grads", FORWARD_CASES, ids=[f"B{b}-T{t}-{p or 'nopad'}{'-grads' * g}" for b, t, p, g in FORWARD_CASES]
+)
+def test_forward_and_gradients_match_reference(B, T, pad, grads):
+    ref, fast = _models()
+    ids, mask = _batch(B, T, pad)
+    r = ref(ids, attention_mask=mask, labels=ids)
+    if grads:
+        f = fast(ids, attention_mask=mask, labels=ids)  # fused loss: no logits
+        assert f.logits is None, "logits: the fast model must not materialise them when labels are given"
+        assert_close("loss[fused]", r.loss.detach(), f.loss.detach(), FP32)
+        r.loss.backward()
+        f.loss.backward()
+        _assert_grads_equal(ref, fast, FP32)
+    with torch.no_grad():
+        f = fast(ids, attention_mask=mask, labels=ids, return_logits=True)
+    assert_close("logits", r.logits.detach(), f.logits, FP32)
+    assert_close("loss", r.loss.detach(), f.loss, FP32)
+
+
+@pytest.mark.parametrize(
+    "overrides", [dict(gate_pre_rope=False), dict(helix_alpha=0.0), dict(gate=False)], ids=lambda o: str(o)
+)
+def test_gate_variants_match_reference(overrides):
+    ref, fast = _models(**overrides)
+    ids, mask = _batch(2, 9, "left")
+    with torch.no_grad():
+        assert_close("logits", ref(ids, attention_mask=mask).logits, fast(ids, attention_mask=mask).logits, FP32)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("B,chunks", [(1, (10, 1, 6)), (3, (5, 11, 1))])
+def test_cached_decoding_equals_full_pass(B, chunks):
+    ref, fast = _models()
+    T = sum(chunks)
+    ids, mask = _batch(B, T, "left")
+    full = ref(ids, attention_mask=mask).logits
+    cache = fast.new_cache(B, 64)
+    pieces, at = [], 0
+    for n in chunks:
+        part_mask = None if mask is None else mask[:, : at + n]
+        pieces.append(fast(ids[:, at : at + n], attention_mask=part_mask, cache=cache).logits)
+        at += n
+    got = torch.cat(pieces, dim=1)
+    real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    assert_close("cached logits", full[real], got[real], FP32)
+    assert cache.length == T, f"cache.length {cache.length} != {T}"
+
+
+@torch.no_grad()
+def test_padded_batch_generation_matches_reference_and_rows_alone():
+    """One left-padded greedy generation with eos: identical to the reference's tokens, and row
+    by row to each row alone (the reference's, which equals the fast model's); the padded
+    batch's logits equal each row's alone."""
+    ref, fast = _models()
+    ids, mask = _batch(3, 9, "left")
+    N = 6
+    plain = ref.generate(ids, N, attention_mask=mask, temperature=0)
+    eos = int(plain[0, 9 + 2])  # row 0 produces it at its third step and stops there
+    want = ref.generate(ids, N, attention_mask=mask, temperature=0, eos_token_id=eos, pad_token_id=0)
+    got = fast.generate(ids, N, attention_mask=mask, temperature=0, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(want, got), f"greedy tokens differ from the reference:\n{want}\n{got}"
+    assert (got[0, 9 + 3 :] == 0).all(), "row 0 did not stop at eos"
+    batch_logits = fast(ids, attention_mask=mask).logits
+    for row in range(3):
+        real = mask[row].bool()
+        alone = ids[row, real].unsqueeze(0)
+        tokens = ref.generate(alone, N, temperature=0, eos_token_id=eos, pad_token_id=0)[0, -N:]
+        assert torch.equal(tokens, got[row, -N:]), f"greedy tokens of row {row} differ from the row alone"
+        assert_close(f"logits[row {row}]", fast(alone).logits[0], batch_logits[row, real], FP32)
+
+
+@use_kernels(False)  # about weights and files, not kernels
+def test_state_dicts_and_checkpoints_interchange(tmp_path):
+    ref, fast = _models()
+    assert list(ref.state_dict()) == list(fast.state_dict()), "state-dict keys differ"
+    fresh_fast, fresh_ref = Fast(ref.config).to(DEVICE), Reference(ref.config).to(DEVICE)
+    fresh_fast.load_state_dict(ref.state_dict(), strict=True)
+    fresh_ref.load_state_dict(fast.state_dict(), strict=True)
+    ids, _ = _batch(2, 11, None)
+    with torch.no_grad():
+        want = ref(ids).logits
+        assert_close("logits[fast <- reference state dict]", want, fresh_fast(ids).logits, FP32)
+        assert_close("logits[reference <- fast state dict]", want, fresh_ref(ids).logits, FP32)
+        ref.save_pretrained(tmp_path / "ref")
+        fast.save_pretrained(tmp_path / "fast")
+        loaded_fast = Fast.from_pretrained(tmp_path / "ref", device=DEVICE)
+        loaded_ref = Reference.from_pretrained(tmp_path / "fast", device=DEVICE)
+        assert type(loaded_fast) is Fast and type(loaded_ref) is Reference, "from_pretrained returned the wrong class"
+        assert_close("logits[Fast.from_pretrained]", want, loaded_fast(ids).logits, FP32)
+        assert_close("logits[Reference.from_pretrained]", want, loaded_ref(ids).logits, FP32)
+
+
+def test_return_logits_and_bad_input():
+    _, fast = _models()
+    ids, _ = _batch(1, 5, None)
+    with torch.no_grad():
+        assert fast(ids).logits.shape == (1, 5, 1000), "logits without labels"
+        out = fast(ids, labels=ids, return_logits=True)
+        assert out.logits is not None and out.loss is not None, "return_logits=True must give logits and loss"
+    if DEVICE == "cpu":  # on CUDA the fast model skips host-syncing value checks
+        with pytest.raises(ValueError, match="token id 1000"):
+            fast(torch.tensor([[1, 1000]]))
+    with pytest.raises(ValueError, match="labels shape"):
+        fast(ids, labels=ids[:, :3])
+
+
+def test_torch_compile_fullgraph_forward_backward():
+    """No graph break from our ops: the compiled model (forward + backward) equals eager."""
+    ref, fast = _models(n_layers=1)
+    ids, mask = _batch(2, 17, "right")
+    compiled = torch.compile(fast, fullgraph=True, backend="aot_eager" if DEVICE == "cpu" else "inductor")
+    out = compiled(ids, attention_mask=mask, labels=ids)
+    out.loss.backward()
+    r = ref(ids, attention_mask=mask, labels=ids)
+    r.loss.backward()
+    assert_close("loss[compiled]", r.loss.detach(), out.loss.detach(), FP32)
+    _assert_grads_equal(ref, fast, FP32)
+
+
+# ------------------------------------------------------------------ the PyTorch (CPU) path
+@pytest.mark.parametrize(
+    "B,T,pad", [(1, 1, None), (3, 17, "left"), (3, 130, "right")], ids=["B1-T1", "B3-T17", "B3-T130"]
+)
+def test_torch_path_matches_reference(B, T, pad):
+    ref, fast = _models()
+    ids, mask = _batch(B, T, pad)
+    with use_kernels(False):
+        f = fast(ids, attention_mask=mask, labels=ids)
+        f.loss.backward()
+        with torch.no_grad():
+            f_logits = fast(ids, attention_mask=mask).logits
+    r = ref(ids, attention_mask=mask, labels=ids)
+    r.loss.backward()
+    assert_close("loss", r.loss.detach(), f.loss.detach(), FP32)
+    assert_close("logits", r.logits.detach(), f_logits, FP32)
+    _assert_grads_equal(ref, fast, FP32)
+
+
+@torch.no_grad()
+def test_torch_path_decoding_and_generation():
+    ref, fast = _models()
+    ids, mask = _batch(3, 17, "left")
+    full = ref(ids, attention_mask=mask).logits
+    with use_kernels(False):
+        cache = fast.new_cache(3, 40)
+        first = fast(ids[:, :9], attention_mask=mask[:, :9], cache=cache).logits
+        rest = [fast(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache).logits for t in range(9, 17)]
+        got = fast.generate(ids, 8, attention_mask=mask, temperature=0)
+    real = mask.bool()
+    assert_close("cached logits", full[real], torch.cat([first, *rest], dim=1)[real], FP32)
+    want = ref.generate(ids, 8, attention_mask=mask, temperature=0)
+    assert torch.equal(want, got), f"greedy tokens differ:\n{want}\n{got}"
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU autocast check of the PyTorch path")
+def test_torch_path_under_cpu_autocast():
+    ref, fast = _models()
+    ids, mask = _batch(3, 17, "left")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = ref(ids, attention_mask=mask).logits
+        with use_kernels(False):
+            got = fast(ids, attention_mask=mask).logits
+    assert_close("logits[bf16 autocast]", want, got, TOL[torch.bfloat16])
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="checks the plain-CPU dispatch")
+def test_plain_cpu_without_interpreter_uses_torch_path():
+    """In a fresh process without TRITON_INTERPRET, the fast model runs (no kernel) and matches."""
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from wiola import WiolaConfig, WiolaModel
+        from wiola.fast import WiolaModel as Fast, ops
+        torch.manual_seed(0)
+        ref = WiolaModel(WiolaConfig(**{CONFIG!r}))
+        fast = Fast(ref.config)
+        fast.load_state_dict(ref.state_dict())
+        ids = torch.randint(0, 1000, (3, 17))
+        mask = torch.ones(3, 17, dtype=torch.long)
+        mask[1, :6] = 0
+        assert ops._kernel("attention", ids.float()) is None, "a kernel was picked on a plain CPU"
+        with torch.no_grad():
+            a, b = ref(ids, attention_mask=mask).logits, fast(ids, attention_mask=mask).logits
+        print(float((a - b).abs().max() / a.abs().max()))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"subprocess failed:\n{run.stderr[-3000:]}"
+    err = float(run.stdout.strip().splitlines()[-1])
+    assert err <= FP32, f"logits[plain CPU]: relative error {err:.3e} > {FP32:.1e}"
+
+
+# ------------------------------------------------------------------ CUDA only
+@cuda
+@pytest.mark.parametrize("B,T", [(3, 17), (2, 130)], ids=["B3-T17", "B2-T130"])
+def test_cuda_bf16_autocast_matches_reference(B, T):
+    ref, fast = _models()
+    ids, mask = _batch(B, T, "left")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        r = ref(ids, attention_mask=mask, labels=ids)
+        f = fast(ids, attention_mask=mask, labels=ids)
+        with torch.no_grad():
+            f_logits = fast(ids, attention_mask=mask).logits
+    r.loss.backward()
+    f.loss.backward()
+    tol = TOL[torch.bfloat16]
+    assert_close("loss[bf16]", r.loss.detach(), f.loss.detach(), tol)
+    assert_close("logits[bf16]", r.logits.detach(), f_logits, tol)
+    _assert_grads_equal(ref, fast, tol)
+
+
+@cuda
+@torch.no_grad()
+def test_cuda_graph_generation():
+    ref, fast = _models()
+    ids, mask = _batch(3, 9, "left")
+    want = ref.generate(ids, 20, attention_mask=mask, temperature=0)
+    for _ in range(2):  # the second call replays the captured graph
+        got = fast.generate(ids, 20, attention_mask=mask, temperature=0)
+        assert torch.equal(want, got), f"greedy tokens differ:\n{want}\n{got}"
+    eos = int(want[1, 9 + 3])
+    want = ref.generate(ids, 20, attention_mask=mask, temperature=0, eos_token_id=eos)
+    got = fast.generate(ids, 20, attention_mask=mask, temperature=0, eos_token_id=eos)
+    assert torch.equal(want, got), f"greedy tokens with eos differ:\n{want}\n{got}"
+    draws = [
+        fast.generate(ids, 20, attention_mask=mask, temperature=0.8, top_k=50, top_p=0.9,
+                      generator=torch.Generator("cuda").manual_seed(7))
+        for _ in range(2)
+    ]  # fmt: skip
+    assert torch.equal(draws[0], draws[1]), "sampling with the same generator seed is not reproducible"
+    assert ((draws[0] >= 0) & (draws[0] < 1000)).all(), "sampled ids out of range"

@@ -1,0 +1,248 @@
+"""The op namespace of ``wiola.fast.WiolaModel``: each function has the name and signature of
+its reference in ``wiola.ops`` and dispatches per call.
+
+- Triton kernel (``kernels/<op>.py``) when ``kernels._utils.kernels_usable(tensor)``: on CUDA,
+  or on CPU tensors under ``TRITON_INTERPRET=1`` (how CI tests them). Custom ops do not go
+  through autocast, so under ``torch.autocast`` these wrappers cast the fp32 master weights
+  and activations to the autocast dtype themselves, the way autocast would for the reference.
+- Otherwise (a plain CPU, a missing kernel module, or ``use_kernels(False)``) a PyTorch path
+  at least as fast as the reference: ``scaled_dot_product_attention`` with the gate folded
+  into the rotated query (``g ⟨q̃, k̃⟩ = ⟨g q̃, k̃⟩``) instead of materialised scores, and the
+  reference functions where they are already one or two library calls.
+
+``KERNELS`` names the kernel of every op that was importable; ``MISSING`` gives the reason for
+the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from wiola import ops as reference
+from wiola.ops.rope import apply_rope
+
+try:
+    from kernels._utils import kernels_usable
+except ImportError:  # pragma: no cover - triton-less installs still get the torch path
+
+    def kernels_usable(t: torch.Tensor) -> bool:
+        return False
+
+
+KERNELS: dict[str, Callable[..., Any]] = {}
+MISSING: dict[str, str] = {}
+for _name, _module in (
+    ("rms_norm", "rms_norm"),
+    ("gate", "gate"),
+    ("attention", "attention"),
+    ("decode_attention", "decode"),
+    ("write_cache", "decode"),
+    ("butterfly", "butterfly"),
+    ("linear_cross_entropy", "cross_entropy"),
+):
+    try:
+        KERNELS[_name] = getattr(importlib.import_module(f"kernels.{_module}"), _name)
+    except Exception as exc:  # ImportError, no triton, or a kernel module still being written
+        MISSING[_name] = f"kernels.{_module}.{_name}: {type(exc).__name__}: {exc}"
+
+_enabled = os.environ.get("WIOLA_FAST_KERNELS", "1") not in ("0", "")
+
+
+@contextlib.contextmanager
+def use_kernels(enabled: bool) -> Iterator[None]:
+    """Turn the Triton kernels on or off (the PyTorch path runs instead) inside a ``with`` block.
+
+    The default comes from the environment variable ``WIOLA_FAST_KERNELS`` (``0`` disables).
+    """
+    global _enabled
+    previous, _enabled = _enabled, bool(enabled)
+    try:
+        yield
+    finally:
+        _enabled = previous
+
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _kernel(name: str, t: torch.Tensor) -> Callable[..., Any] | None:
+    if _enabled and t.dtype in _KERNEL_DTYPES and kernels_usable(t):
+        return KERNELS.get(name)
+    return None
+
+
+def _autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
+    device = t.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return None
+
+
+def _cast(dtype: torch.dtype | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    if dtype is None:
+        return tensors
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
+
+
+# --------------------------------------------------------------------------- ops
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``wiola.ops.rms_norm``; fused residual add + RMSNorm kernel where usable."""
+    kernel = _kernel("rms_norm", x)
+    if kernel is None:
+        return reference.rms_norm(x, weight, eps, residual)
+    if residual is not None and residual.dtype != x.dtype:
+        # The reference adds in the promoted dtype (a bf16 autocast output + the fp32 stream).
+        dtype = torch.promote_types(x.dtype, residual.dtype)
+        x, residual = x.to(dtype), residual.to(dtype)
+    return kernel(x, weight, eps, residual)
+
+
+def gate(
+    q: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+    *,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    carry: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``wiola.ops.gate``: the gate kernel (head mean, carried prefix sum, MLP) where usable.
+
+    Computes in fp32 from the queries' dtype, as the reference does; the small gate weights
+    are read as they are (fp32 master weights under autocast).
+    """
+    kernel = _kernel("gate", q)
+    fn = reference.gate if kernel is None else kernel
+    return fn(q, w1, w2, b2, cos=cos, sin=sin, attention_mask=attention_mask, carry=carry)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``wiola.ops.attention``: the fused helical-RoPE gated flash-attention kernel where usable,
+    else SDPA on the rotated, gate-scaled queries."""
+    kernel = _kernel("attention", q)
+    if kernel is not None:
+        return kernel(q, k, v, g, cos, sin, attention_mask)
+    q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    key_mask = None if attention_mask is None else attention_mask.to(torch.bool)
+    return _sdpa(q_rot, k_rot, v, g, key_mask, q_start=0)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key_mask: torch.Tensor,
+    start: int | torch.Tensor,
+) -> torch.Tensor:
+    """``wiola.ops.decode_attention``; ``start`` may be a one-element device tensor (CUDA graphs).
+
+    Kernels: a prefill into an empty cache (``start == 0``, ``T > 1``) writes the cache with the
+    decode write kernel and runs the training attention kernel, so it equals the full pass
+    exactly; everything else (one token, or a chunk after cached tokens) runs the
+    flash-decoding kernel. PyTorch path: slice writes and SDPA over the filled slots.
+    """
+    T = q.shape[1]
+    decode = _kernel("decode_attention", q)
+    if decode is not None:
+        flash = _kernel("attention", q)
+        if flash is not None and isinstance(start, int) and start == 0 and T > 1:
+            KERNELS["write_cache"](k, v, cos, sin, k_cache, v_cache, 0)
+            return flash(q, k, v, g, cos, sin, key_mask[:, :T])
+        return decode(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start)
+    if isinstance(start, torch.Tensor):
+        start = int(start)  # host sync: the PyTorch path is not for CUDA graphs
+    end = start + T
+    k_cache[:, :, start:end] = apply_rope(k, cos, sin).transpose(1, 2)  # (B, H, T, D)
+    v_cache[:, :, start:end] = v.transpose(1, 2)
+    keys = k_cache[:, :, :end].transpose(1, 2)  # (B, end, H, D)
+    values = v_cache[:, :, :end].transpose(1, 2)
+    return _sdpa(apply_rope(q, cos, sin), keys, values, g, key_mask[:, :end], q_start=start)
+
+
+def butterfly(
+    x: torch.Tensor,
+    w_up: torch.Tensor,
+    w_bp: torch.Tensor,
+    w_down: torch.Tensor,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``wiola.ops.butterfly``: the fused up/bypass GEMM with the SiLU-gate epilogue and the down
+    projection where usable (inputs cast to the autocast dtype first)."""
+    kernel = _kernel("butterfly", x)
+    if kernel is None:
+        return reference.butterfly(x, w_up, w_bp, w_down, residual)
+    dtype = _autocast_dtype(x)
+    x, w_up, w_bp, w_down = _cast(dtype, x, w_up, w_bp, w_down)
+    if residual is not None and dtype is not None:
+        (residual,) = _cast(torch.promote_types(dtype, residual.dtype), residual)
+    return kernel(x, w_up, w_bp, w_down, residual)
+
+
+def linear_cross_entropy(
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
+    """``wiola.ops.linear_cross_entropy``: the chunked kernel (no ``(N, V)`` logits) where usable."""
+    kernel = _kernel("linear_cross_entropy", h)
+    if kernel is None:
+        return reference.linear_cross_entropy(h, weight, labels, ignore_index)
+    h, weight = _cast(_autocast_dtype(h), h, weight)
+    return kernel(h, weight, labels, ignore_index)
+
+
+# --------------------------------------------------------------------------- PyTorch path
+def _sdpa(
+    q_rot: torch.Tensor,
+    k_rot: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    q_start: int,
+) -> torch.Tensor:
+    """Gated causal attention through SDPA: ``(B, Tq, H, D)`` rotated queries, ``(B, S, H, D)``
+    rotated keys and values, gate ``(B, Tq, H)``; query ``t`` sits at slot ``q_start + t``.
+
+    Returns ``(B, Tq, H, D)`` in ``q_rot.dtype``; a query with no real key (left padding) gets
+    zeros, as in the reference.
+    """
+    B, Tq, H, D = q_rot.shape
+    S = k_rot.shape[1]
+    q = (q_rot * g.unsqueeze(-1).to(q_rot.dtype)).transpose(1, 2)  # (B, H, Tq, D), gate folded in
+    k, v = k_rot.transpose(1, 2), v.transpose(1, 2)
+    scale = 1.0 / math.sqrt(D)
+    if key_mask is None and q_start == 0 and Tq == S:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=Tq > 1, scale=scale)
+        return o.transpose(1, 2)
+    allowed = torch.ones(1, 1, Tq, S, dtype=torch.bool, device=q.device)
+    if Tq > 1 or q_start + Tq != S:
+        t = torch.arange(Tq, device=q.device).view(-1, 1) + q_start
+        allowed = (torch.arange(S, device=q.device).view(1, -1) <= t).view(1, 1, Tq, S)
+    if key_mask is not None:
+        allowed = allowed & key_mask.view(B, 1, 1, S)
+    has_key = allowed.any(dim=-1, keepdim=True)  # (B|1, 1, Tq, 1)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | ~has_key, scale=scale)
+    return (o * has_key.to(o.dtype)).transpose(1, 2)
