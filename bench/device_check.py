@@ -67,7 +67,13 @@ def summary(out_dir: str | Path, parity_rc: int, bench_rc: int) -> int:
         results = out / "bench.jsonl"
     if results.is_file() and results.stat().st_size > 0:
         try:
-            print("\n".join(report.summary_lines([report.load_run(results)])))
+            run = report.load_run(results)
+            ceil = next((r["ceilings"] for r in run.records if "ceilings" in r), None)
+            if ceil:
+                print(
+                    f"ceilings: matmul {ceil['matmul']} {report.fmt_num(ceil['matmul_tflops'])} TFLOP/s, copy {report.fmt_num(ceil['copy_gbs'])} GB/s"
+                )
+            print("\n".join(report.summary_lines([run])))
         except Exception as exc:
             print(f"could not read {results.name}: {exc}")
     else:

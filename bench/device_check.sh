@@ -7,7 +7,7 @@
 # Writes at most 7 files to OUT_DIR: env.json, parity.log, bench.json, bench.jsonl, bench.log,
 # BENCHMARKS.md, charts.png; prints a short table last. Exit 1 if a parity test failed (or the
 # parity run hit its time limit), 2 if a benchmark failed, else 0. Safe to run twice.
-# Time limits (seconds, env): WIOLA_CHECK_SECONDS total (450), WIOLA_PARITY_SECONDS (200).
+# Time limits (seconds, env): WIOLA_CHECK_SECONDS total (420), WIOLA_PARITY_SECONDS (200).
 # WIOLA_PARITY_TESTS: what the parity stage runs (default "tests/"); WIOLA_COMMIT: recorded commit;
 # WIOLA_SKIP_INSTALL=1: do not pip-install (a machine where the package is installed already).
 set -u -o pipefail
@@ -20,7 +20,7 @@ OUT_DIR=$(cd "$OUT_DIR" && pwd)
 rm -f "$OUT_DIR"/{env.json,parity.log,bench.json,bench.jsonl,bench.log,BENCHMARKS.md,charts.png}
 
 START=$(date +%s)
-TOTAL=${WIOLA_CHECK_SECONDS:-450}
+TOTAL=${WIOLA_CHECK_SECONDS:-420}
 PARITY_SECONDS=${WIOLA_PARITY_SECONDS:-200}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
