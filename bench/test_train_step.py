@@ -208,6 +208,6 @@ def test_train_step_cpu_fast(cpu_bench) -> None:
         dtype=torch.float32,
         inputs=_random_ids(B, T, cfg.vocab_size, "cpu"),
         tokens=B * T,
-        baselines={"wiola (reference)": make_step(ref, "cpu")},
+        baselines={"reference": make_step(ref, "cpu")},
         notes=["fp32, torch.optim.AdamW (foreach)"],
     )
