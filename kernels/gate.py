@@ -395,10 +395,11 @@ def _flag_args(q, cos, sin, mask):
     """Kernel arguments for the optional rotation and mask (dummy pointers when absent)."""
     if cos is not None:
         cos, sin = cos.float(), sin.float()
-        cos, sin = cos.expand(q.shape[0], q.shape[1], q.shape[3] // 2), sin.expand_as(cos)
-        if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        if cos.shape != sin.shape or cos.stride() != sin.stride() or cos.stride(-1) != 1:
+            cos, sin = torch.broadcast_tensors(cos, sin)
             cos, sin = cos.contiguous(), sin.contiguous()
-        rot = (cos, sin, cos.stride(0), cos.stride(1))
+        # A broadcast (size-1) batch or time dimension is read with stride 0, never expanded.
+        rot = (cos, sin, cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1) if cos.shape[1] > 1 else 0)
     else:
         rot = (q, q, 0, 0)
     if mask is not None:
@@ -407,6 +408,11 @@ def _flag_args(q, cos, sin, mask):
     else:
         masks = (q, 0, 0)
     return rot, masks
+
+
+def _empty(*shape: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Every buffer the kernels write comes from here: tests swap in NaN-filled ones."""
+    return torch.empty(*shape, device=device, dtype=dtype)
 
 
 def _q_strides(q: torch.Tensor) -> torch.Tensor:
@@ -435,11 +441,11 @@ def _gate_fwd(
     B, T, H, D = q.shape
     ns = triton.cdiv(T, span)
     dev = q.device
-    g = torch.empty(B, T, H, device=dev, dtype=torch.float32)
-    total = torch.empty(B, D, device=dev, dtype=torch.float32)
-    count = torch.empty(B, device=dev, dtype=torch.int64)
-    prefix_sum = torch.empty(B, ns, D, device=dev, dtype=torch.float32)
-    prefix_count = torch.empty(B, ns, device=dev, dtype=torch.int32)
+    g = _empty(B, T, H, device=dev, dtype=torch.float32)
+    total = _empty(B, D, device=dev, dtype=torch.float32)
+    count = _empty(B, device=dev, dtype=torch.int64)
+    prefix_sum = _empty(B, ns, D, device=dev, dtype=torch.float32)
+    prefix_count = _empty(B, ns, device=dev, dtype=torch.int32)
     if B == 0:
         return g, total, count, prefix_sum, prefix_count
     q = _q_strides(q)
@@ -456,8 +462,8 @@ def _gate_fwd(
     launch = {"BLOCK_T": cfg.block_t, "BLOCK_HALF": cfg.block_half, "num_warps": cfg.warps, "num_stages": NUM_STAGES}
     span_sum, span_count = prefix_sum, prefix_count  # read only when ns > 1
     if ns > 1:
-        span_sum = torch.empty(B, ns, D, device=dev, dtype=torch.float32)
-        span_count = torch.empty(B, ns, device=dev, dtype=torch.int32)
+        span_sum = _empty(B, ns, D, device=dev, dtype=torch.float32)
+        span_count = _empty(B, ns, device=dev, dtype=torch.int32)
         _gate_span_sums_kernel[(ns, B)](
             q, cos, sin, mask, span_sum, span_count, T, H, D // 2, span, ns, *strides, **flags, **launch
         )
@@ -502,8 +508,8 @@ def _gate_bwd(
     B, T, H, D = q.shape
     ns = triton.cdiv(T, span)
     dev = q.device
-    dq = torch.empty(B, T, H, D, device=dev, dtype=q.dtype)
-    dcarry = torch.empty(B, D, device=dev, dtype=torch.float32)
+    dq = _empty(B, T, H, D, device=dev, dtype=q.dtype)
+    dcarry = _empty(B, D, device=dev, dtype=torch.float32)
     if B == 0:
         return dq, torch.zeros_like(w1), torch.zeros_like(w2), torch.zeros_like(b2), dcarry
     q = _q_strides(q)
@@ -511,12 +517,12 @@ def _gate_bwd(
     (cos, sin, s_cb, s_ct), (mask, s_mb, s_mt) = _flag_args(q, cos, sin, mask)
     dg = dg.float()
     cfg = _config(H, D, q.dtype)
-    e = torch.empty(B, T, D, device=dev, dtype=torch.float32)
-    e_span = torch.empty(B, ns, D, device=dev, dtype=torch.float32)
-    c = torch.empty(B, T, D, device=dev, dtype=torch.float32)
-    da = torch.empty(B, T, H, device=dev, dtype=torch.float32)
-    dw2_part = torch.empty(B * ns, H, H, device=dev, dtype=torch.float32)
-    db2_part = torch.empty(B * ns, H, device=dev, dtype=torch.float32)
+    e = _empty(B, T, D, device=dev, dtype=torch.float32)
+    e_span = _empty(B, ns, D, device=dev, dtype=torch.float32)
+    c = _empty(B, T, D, device=dev, dtype=torch.float32)
+    da = _empty(B, T, H, device=dev, dtype=torch.float32)
+    dw2_part = _empty(B * ns, H, H, device=dev, dtype=torch.float32)
+    db2_part = _empty(B * ns, H, device=dev, dtype=torch.float32)
     flags = {"ROTATE": cos is not q, "HAS_MASK": mask is not q}
     launch = {"BLOCK_T": cfg.block_t, "BLOCK_HALF": cfg.block_half, "num_warps": cfg.warps, "num_stages": NUM_STAGES}
     _gate_bwd_kernel[(ns, B)](

@@ -1,0 +1,277 @@
+"""The fused gate (kernels/gate.py) against the reference (wiola/ops/gate.py) and a float64 loop.
+
+Forward (g, sum, count) and every gradient (q, w1, w2, b2, the carried sum) with the same random
+upstream gradients; every buffer the kernels write starts as NaN. Under TRITON_INTERPRET=1 on
+CPU in fp32; on CUDA also in bf16 and fp16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE, KERNEL_DTYPES, TOL, assert_close
+
+import kernels.gate as kgate
+from wiola.ops.gate import gate as ref_gate
+from wiola.ops.rope import helix_frequencies, positions_from_mask, rope_tables
+
+
+@pytest.fixture(autouse=True)
+def nan_buffers(monkeypatch):
+    """Every kernel output and scratch buffer starts as NaN (integers as -7)."""
+
+    def empty(*shape, device, dtype):
+        fill = float("nan") if dtype.is_floating_point else -7
+        return torch.full(shape, fill, device=device, dtype=dtype)
+
+    monkeypatch.setattr(kgate, "_empty", empty)
+
+
+def make_inputs(B, T, H, D, *, dtype=torch.float32, pad="none", rotate=False, alpha=0.05, carry=False, seed=0):
+    """q as a strided view of a fused (B, T, 3, H, D) projection, weights, mask, rope tables, carry."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(B, T, 3, H, D, generator=gen).to(DEVICE, dtype).requires_grad_()
+    w1 = (0.4 * torch.randn(H, D, generator=gen)).to(DEVICE).requires_grad_()
+    w2 = (0.4 * torch.randn(H, H, generator=gen)).to(DEVICE).requires_grad_()
+    b2 = (0.1 * torch.randn(H, generator=gen)).to(DEVICE).requires_grad_()
+    mask = None
+    if pad != "none":
+        mask = torch.ones(B, T, dtype=torch.bool)
+        lengths = torch.randint(0, T // 2 + 1, (B,), generator=gen)
+        for b in range(B):
+            n = int(lengths[b]) if b else max(1, T // 3)  # row 0 always has some padding
+            if pad in ("left", "both"):
+                mask[b, : min(n, T - 1)] = False
+            if pad in ("right", "both"):
+                mask[b, T - max(1, n // 2) :] = False
+        mask = mask.to(DEVICE)
+    rope = {}
+    if rotate:
+        positions = positions_from_mask(mask.cpu() if mask is not None else None, B, T)
+        cos, sin = rope_tables(positions, helix_frequencies(D, alpha=alpha))
+        rope = {"cos": cos.to(DEVICE), "sin": sin.to(DEVICE)}
+    state = None
+    if carry:
+        total = torch.randn(B, D, generator=gen).to(DEVICE).requires_grad_()
+        state = (total, torch.randint(0, 6, (B,), generator=gen).to(DEVICE))
+    return qkv, (w1, w2, b2), mask, rope, state
+
+
+def run(fn, qkv, weights, mask, rope, state, dg, dsum):
+    """Forward with ``fn``, then gradients of <g, dg> + <sum, dsum> for every differentiable input."""
+    q = qkv.unbind(2)[0]  # (B, T, H, D) strided view
+    g, total, count = fn(q, *weights, attention_mask=mask, carry=state, **rope)
+    inputs = [qkv, *weights] + ([state[0]] if state is not None else [])
+    grads = torch.autograd.grad((g * dg).sum() + (total * dsum).sum(), inputs)
+    names = ["dq", "dw1", "dw2", "db2", "dcarry_sum"]
+    return {"g": g, "sum": total, "count": count, **dict(zip(names, grads))}
+
+
+CASES = [
+    # B, T, H, D, rotate, alpha, pad, carry
+    (1, 1, 1, 16, False, 0.05, "none", False),
+    (3, 1, 4, 32, True, 0.05, "none", True),
+    (3, 17, 4, 32, True, 0.05, "left", False),
+    (1, 17, 8, 64, False, 0.05, "right", True),
+    (3, 64, 1, 16, True, 0.0, "both", False),
+    (1, 64, 8, 32, True, 0.05, "none", False),
+    (3, 300, 4, 32, False, 0.05, "left", True),
+    (1, 300, 8, 16, True, 0.05, "right", False),
+    (3, 300, 1, 64, True, 0.0, "none", False),
+    (1, 1000, 2, 16, True, 0.05, "left", True),  # 32 blocks in 4 spans: the two-level scan
+]
+
+
+def case_id(case) -> str:
+    B, T, H, D, rotate, alpha, pad, carry = case
+    rot = f"post-a{alpha}" if rotate else "pre"
+    return f"B{B}-T{T}-H{H}-D{D}-{rot}-pad_{pad}" + ("-carry" if carry else "")
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_gate_matches_reference(case, dtype):
+    B, T, H, D, rotate, alpha, pad, carry = case
+    qkv, weights, mask, rope, state = make_inputs(
+        B, T, H, D, dtype=dtype, pad=pad, rotate=rotate, alpha=alpha, carry=carry
+    )
+    gen = torch.Generator().manual_seed(1)
+    dg = torch.randn(B, T, H, generator=gen).to(DEVICE)
+    dsum = torch.randn(B, D, generator=gen).to(DEVICE)
+    ref = run(ref_gate, qkv, weights, mask, rope, state, dg, dsum)
+    got = run(kgate.gate, qkv, weights, mask, rope, state, dg, dsum)
+    assert got["count"].dtype == torch.int64, f"count: dtype {got['count'].dtype}"
+    assert torch.equal(ref["count"], got["count"]), f"count: {got['count'].tolist()} != {ref['count'].tolist()}"
+    assert got["g"].dtype == torch.float32 and got["sum"].dtype == torch.float32
+    for name in ref:
+        if name != "count":
+            assert_close(name, ref[name], got[name], TOL[dtype])
+
+
+def gate_float64_loop(q, w1, w2, b2, cos, sin, mask):
+    """The SPEC's formulas token by token in float64: an oracle independent of wiola.ops."""
+    B, T, H, D = q.shape
+    half = D // 2
+    q, w1, w2, b2 = q.double(), w1.double(), w2.double(), b2.double()
+    g = torch.zeros(B, T, H, dtype=torch.float64)
+    sums = []
+    for b in range(B):
+        running, n = torch.zeros(D, dtype=torch.float64), 0
+        for t in range(T):
+            m = q[b, t].mean(0)
+            if cos is not None:
+                c, s = cos[b, t].double(), sin[b, t].double()
+                m = torch.cat((m[:half] * c - m[half:] * s, m[:half] * s + m[half:] * c))
+            if mask is None or bool(mask[b, t]):
+                running, n = running + m, n + 1
+            ct = running / max(n, 1)
+            a = w1 @ ct
+            g[b, t] = torch.sigmoid(w2 @ (a * torch.sigmoid(a)) + b2)
+        sums.append(running)
+    return g, torch.stack(sums)
+
+
+def test_gate_matches_float64_loop():
+    B, T, H, D = 2, 23, 4, 16
+    qkv, (w1, w2, b2), mask, rope, _ = make_inputs(B, T, H, D, pad="left", rotate=True, seed=3)
+    q = qkv.detach().unbind(2)[0]
+    g, total, count = kgate.gate(q, w1.detach(), w2.detach(), b2.detach(), attention_mask=mask, **rope)
+    g64, sum64 = gate_float64_loop(
+        q.cpu(), w1.cpu(), w2.cpu(), b2.cpu(), rope["cos"].cpu(), rope["sin"].cpu(), mask.cpu()
+    )
+    assert_close("g", g64, g.cpu(), 1e-5)
+    assert_close("sum", sum64, total.cpu(), 1e-5)
+    assert count.tolist() == mask.sum(1).tolist(), f"count: {count.tolist()}"
+    # Gradients through the float64 loop by autograd.
+    q64 = q.cpu().double().requires_grad_()
+    w64 = [w.detach().cpu().double().requires_grad_() for w in (w1, w2, b2)]
+    dg = torch.randn(B, T, H, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    g_loop, _ = gate_float64_loop(q64, *w64, rope["cos"].cpu(), rope["sin"].cpu(), mask.cpu())
+    ref_grads = torch.autograd.grad((g_loop * dg).sum(), [q64, *w64])
+    qf = q.clone().requires_grad_()
+    wf = [w.detach().clone().requires_grad_() for w in (w1, w2, b2)]
+    g, _, _ = kgate.gate(qf, *wf, attention_mask=mask, **rope)
+    got_grads = torch.autograd.grad((g * dg.float().to(DEVICE)).sum(), [qf, *wf])
+    for name, r, k in zip(("dq", "dw1", "dw2", "db2"), ref_grads, got_grads):
+        assert_close(name, r, k.cpu(), 1e-5)
+
+
+@pytest.mark.parametrize("rotate", [False, True], ids=["pre", "post"])
+def test_prefill_in_chunks_equals_one(rotate):
+    """Two chunks (and then token-by-token decoding) carry (sum, count) exactly like one pass."""
+    B, T, H, D, split = 3, 40, 4, 32, 23
+    qkv, weights, mask, rope, _ = make_inputs(B, T, H, D, pad="left", rotate=rotate, seed=7)
+    q = qkv.detach().unbind(2)[0]
+    weights = [w.detach() for w in weights]
+    g_one, sum_one, count_one = kgate.gate(q, *weights, attention_mask=mask, **rope)
+
+    def chunk(lo, hi, carry):
+        part = {k: v[:, lo:hi] for k, v in rope.items()}
+        return kgate.gate(q[:, lo:hi], *weights, attention_mask=mask[:, lo:hi], carry=carry, **part)
+
+    g_a, sum_a, count_a = chunk(0, split, None)
+    g_b, sum_b, count_b = chunk(split, T - 3, (sum_a, count_a))
+    pieces, carry = [g_a, g_b], (sum_b, count_b)
+    for t in range(T - 3, T):  # decoding steps, T = 1 each
+        g_t, *carry = chunk(t, t + 1, tuple(carry))
+        pieces.append(g_t)
+    assert_close("g", g_one, torch.cat(pieces, dim=1), 1e-5)
+    assert_close("sum", sum_one, carry[0], 1e-5)
+    assert torch.equal(count_one, carry[1]), f"count: {carry[1].tolist()} != {count_one.tolist()}"
+
+
+def test_strided_and_transposed_q():
+    """q in a (B, H, T, D) layout seen as (B, T, H, D), and fp32 tables broadcast over the batch."""
+    B, T, H, D = 2, 33, 4, 32
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(B, H, T, D, generator=gen).to(DEVICE).transpose(1, 2)  # strides (H*T*D, D, T*D, 1)
+    w1, w2, b2 = torch.randn(H, D, generator=gen), torch.randn(H, H, generator=gen), torch.randn(H, generator=gen)
+    w1, w2, b2 = (w.to(DEVICE) for w in (w1, w2, b2))
+    cos, sin = rope_tables(torch.arange(T).view(1, T), helix_frequencies(D))
+    rope = {"cos": cos.to(DEVICE), "sin": sin.to(DEVICE)}  # (1, T, D/2): broadcast over rows
+    got = kgate.gate(q, w1, w2, b2, **rope)
+    ref = ref_gate(q, w1, w2, b2, **rope)
+    for name, r, k in zip(("g", "sum"), ref[:2], got[:2]):
+        assert_close(name, r, k, 1e-5)
+
+
+def test_weights_in_half_precision_get_gradients_in_their_dtype():
+    B, T, H, D = 2, 17, 4, 16
+    qkv, weights, mask, _, _ = make_inputs(B, T, H, D, pad="left", seed=2)
+    weights = [w.detach().to(torch.bfloat16).requires_grad_() for w in weights]
+    dg = torch.randn(B, T, H, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    ref = run(ref_gate, qkv, weights, mask, {}, None, dg, torch.zeros(B, D, device=DEVICE))
+    got = run(kgate.gate, qkv, weights, mask, {}, None, dg, torch.zeros(B, D, device=DEVICE))
+    for name in ("g", "dq"):
+        assert_close(name, ref[name], got[name], 1e-5)
+    for name in ("dw1", "dw2", "db2"):
+        assert got[name].dtype == torch.bfloat16, f"{name}: dtype {got[name].dtype}"
+        assert_close(name, ref[name].float(), got[name].float(), 1e-2)  # one bf16 rounding
+
+
+def test_torch_compile_fullgraph_forward_backward():
+    B, T, H, D = 2, 17, 4, 16
+    qkv, weights, mask, rope, state = make_inputs(B, T, H, D, pad="left", rotate=True, carry=True, seed=9)
+
+    def loss(fn, qkv, w1, w2, b2, carry_sum, carry_count):
+        g, total, _ = fn(qkv.unbind(2)[0], w1, w2, b2, attention_mask=mask, carry=(carry_sum, carry_count), **rope)
+        return (g * g).sum() + total.sum()  # dg not contiguous-friendly: 2g, computed in the graph
+
+    compiled = torch.compile(lambda *a: loss(kgate.gate, *a), fullgraph=True)
+    inputs = [qkv, *weights, *state]
+    got = compiled(*inputs)
+    got_grads = torch.autograd.grad(got, inputs[:5])
+    ref = loss(ref_gate, *inputs)
+    ref_grads = torch.autograd.grad(ref, inputs[:5])
+    assert_close("loss", ref.detach(), got.detach(), 1e-5)
+    for name, r, k in zip(("dq", "dw1", "dw2", "db2", "dcarry_sum"), ref_grads, got_grads):
+        assert_close(name, r, k, 1e-5)
+
+
+def _bad(**change):
+    B, T, H, D = 2, 5, 2, 8
+    args = {
+        "q": torch.randn(B, T, H, D, device=DEVICE),
+        "w1": torch.randn(H, D, device=DEVICE),
+        "w2": torch.randn(H, H, device=DEVICE),
+        "b2": torch.randn(H, device=DEVICE),
+    }
+    kwargs = {}
+    for key, value in change.items():
+        (args if key in args else kwargs)[key] = value(args) if callable(value) else value
+    return args, kwargs
+
+
+BAD = {
+    "q-3d": (ValueError, "q must be a", {"q": torch.randn(2, 5, 8)}),
+    "q-int": (TypeError, "floating-point", {"q": torch.ones(2, 5, 2, 8, dtype=torch.int64)}),
+    "q-float64": (TypeError, "not supported", {"q": torch.randn(2, 5, 2, 8, dtype=torch.float64)}),
+    "q-empty-T": (ValueError, "T = 0", {"q": torch.randn(2, 0, 2, 8)}),
+    "odd-D": (ValueError, "even", {"q": torch.randn(2, 5, 2, 7)}),
+    "w1-shape": (ValueError, "w1 must have shape", {"w1": torch.randn(2, 4)}),
+    "w2-shape": (ValueError, "w2 must have shape", {"w2": torch.randn(3, 2)}),
+    "b2-shape": (ValueError, "b2 must have shape", {"b2": torch.randn(3)}),
+    "cos-without-sin": (ValueError, "together", {"cos": torch.ones(2, 5, 4)}),
+    "cos-shape": (ValueError, "cos must have shape", {"cos": torch.ones(2, 5, 8), "sin": torch.ones(2, 5, 8)}),
+    "mask-shape": (ValueError, "attention_mask must have shape", {"attention_mask": torch.ones(2, 4)}),
+    "carry-not-pair": (ValueError, "pair", {"carry": (torch.zeros(2, 8),)}),
+    "carry-sum-dtype": (ValueError, "carry sum", {"carry": (torch.zeros(2, 8, dtype=torch.float16), torch.zeros(2))}),
+    "carry-count-float": (ValueError, "carry count", {"carry": (torch.zeros(2, 8), torch.zeros(2))}),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_inputs_raise(name):
+    error, message, change = BAD[name]
+    change = {k: (tuple(x.to(DEVICE) for x in v) if isinstance(v, tuple) else v.to(DEVICE)) for k, v in change.items()}
+    args, kwargs = _bad(**change)
+    with pytest.raises(error, match=message):
+        kgate.gate(args["q"], args["w1"], args["w2"], args["b2"], **kwargs)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="checks the CPU-without-interpreter error")
+def test_cpu_without_interpreter_raises(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    args, _ = _bad()
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        kgate.gate(args["q"], args["w1"], args["w2"], args["b2"])
