@@ -37,6 +37,9 @@ class AotSpec:
     num_warps: int = 4
     num_stages: int = 3
     expect_wgmma: bool = False  # sm_90 PTX must contain wgmma (tensor-core attention kernels)
+    # Arguments built as multiples of 16 (pointers 16-byte aligned, ints % 16 == 0), as Triton's JIT
+    # specializes them at run time when true; without it the build models only the unaligned case.
+    divisible_by_16: tuple[str, ...] = ()
 
 
 # Filled by each kernels/<op>.py at import time: AOT_SPECS["attention"] = [AotSpec(...), ...].
