@@ -68,6 +68,9 @@ def _split(tokens: list[int] | np.ndarray, shard: int | None = None) -> TokenSpl
 def test_sources_and_bad_paths(tmp_path) -> None:
     assert resolve_source(None).kind == "hf"
     assert resolve_source("sample").kind == "sample"
+    assert resolve_source("sample:50").sample_size == (50, 100, 0)
+    with pytest.raises(ValueError, match="sample:N"):
+        resolve_source("sample:x")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         resolve_source(tmp_path / "missing")
     (tmp_path / "empty").mkdir()

@@ -451,3 +451,47 @@ def test_cli_eval_and_gates(runs, capsys, tmp_path) -> None:
     assert "    0  " + "  ".join(expected) in text, f"gates table {text!r} vs trainer's {expected}"
     assert main(["eval", "--checkpoint", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_demo_smoke(tmp_path, capsys) -> None:
+    from wiola.cli import main
+
+    out = tmp_path / "demo"
+    assert (
+        main(
+            [
+                "demo",
+                "--steps",
+                "2",
+                "--samples",
+                "1",
+                "--out",
+                str(out),
+                "--cache-dir",
+                str(tmp_path / "c"),
+                "--no-progress",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
+    text = capsys.readouterr().out
+    entropy = float(text.split("unigram entropy of the training tokens: ")[1].split()[0])
+    assert 4.0 < entropy < 7.0, f"unigram entropy {entropy}"
+    assert "[1] " in text and "validation: loss" in text and "training: 2 steps" in text, text
+    for name in ("loss_curve.png", "gates.png", "checkpoints/step_0000002/model.safetensors"):
+        assert (out / name).is_file(), f"demo did not write {name}"
+
+
+def test_demo_tokenizer_error_says_what_to_set(monkeypatch) -> None:
+    from wiola import tokenizer
+    from wiola.cli_train import _demo_tokenizer
+
+    tokenizer.get_encoding.cache_clear()
+    monkeypatch.setenv("WIOLA_BPE_FILE", "/nonexistent/gpt2.tiktoken")
+    try:
+        with pytest.raises(RuntimeError, match="set WIOLA_BPE_FILE"):
+            _demo_tokenizer()
+    finally:
+        tokenizer.get_encoding.cache_clear()

@@ -3,7 +3,8 @@
 Sources (``--data``):
 - ``None`` / ``"tinystories"``: ``roneneldan/TinyStories`` through ``datasets`` (train and
   validation splits); needs network (or the ``datasets`` cache).
-- ``"sample"``: the built-in generated corpus (``wiola.corpus``), no download.
+- ``"sample"`` (or ``"sample:N"`` for N training stories, default 1000): the built-in generated
+  corpus (``wiola.corpus``), no download.
 - a path: text (``.txt``), JSON lines (``.jsonl``, ``.json`` lists), Parquet (``.parquet``)
   files, or a folder of them (searched recursively). In a text file, documents are separated by
   ``<|endoftext|>``; a file without that separator is one document. JSON and Parquet records
@@ -115,10 +116,23 @@ def resolve_source(
         if val_data is not None:
             raise ValueError("--val-data needs --data PATH; TinyStories brings its own validation split")
         return DataSource("hf", DEFAULT_HF_DATASET)
-    if str(data).lower() == "sample":
+    text = str(data).lower()
+    if text == "sample" or text.startswith("sample:"):
         if val_data is not None:
             raise ValueError("--val-data needs --data PATH; the sample corpus brings its own validation split")
-        return DataSource("sample", "sample corpus (wiola.corpus)")
+        n_train = 1000
+        if text.startswith("sample:"):
+            try:
+                n_train = int(text.split(":", 1)[1])
+            except ValueError:
+                n_train = 0
+            if n_train < 1:
+                raise ValueError(f"--data {data!r}: expected sample:N with N a positive number of stories")
+        return DataSource(
+            "sample",
+            f"sample corpus (wiola.corpus, {n_train} stories)",
+            sample_size=(n_train, max(100, n_train // 10), 0),
+        )
     path = Path(data).expanduser()
     if not path.exists():
         raise FileNotFoundError(
