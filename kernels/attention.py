@@ -29,7 +29,9 @@ Layout and kernels
 * Causal structure: the key blocks strictly below the diagonal run without a causal mask; the
   diagonal blocks run with it (``CAUSAL_DIAG``, a constexpr stage flag, selects one body). Padded
   keys (``attention_mask == 0``, any pattern: left, right or holes) are masked only when a mask
-  is given (``HAS_MASK``); every load and store is masked at the ragged end of T.
+  is given (``HAS_MASK``); every load and store is masked at the ragged end of T. In dkdv the
+  key mask is applied once to the finished dk/dv rows (each row depends only on its own key's
+  row of P) instead of to every recomputed probability.
 * Backward: ``_attn_bwd_preprocess`` computes Δ = rowsum(o ⊙ do); ``_attn_bwd_dkdv`` holds one key
   block and walks the query blocks at and after it; ``_attn_bwd_dq`` holds one query block and
   walks the key blocks up to it. Each recomputes P from the saved lse, so neither needs atomics
@@ -51,6 +53,16 @@ a full extra read+write of k, which the brief rules out). cos/sin for keys are f
 ``(BLOCK_N, D/2)`` tiles — more bytes than the bf16 k tile itself — but they are shared by all H
 heads and stay in L2. Query blocks are scheduled heaviest (last) first for load balance in the
 causal triangle. The fp32 path uses ``input_precision="ieee"`` (tf32 would miss the 1e-5 bar).
+
+Costs of this design, for whoever measures it: the fp32 cos/sin key tiles are the largest part
+of each pipelined stage's shared memory (for D = 32, BLOCK_N = 64: 8 KB of tables against 4 KB
+each of k and v), and the held tiles make register pressure the limit, not shared memory — the
+autotune lists (below) keep only configs that compile without spills for both sm_90 and sm_80,
+so wide heads (D = 128) get narrow tiles and, for dq/dkdv, 32-row blocks without wgmma. If a GPU
+shows the table bytes matter, bf16 tables would halve them at the cost of exactness (the
+reference rotates in fp32); computing angles in-kernel from positions would remove them but
+changes the public signature. Backward splits dkdv and dq into two kernels (both recompute P) so
+that neither needs atomics; the launch of each is sized by its own autotuned block.
 """
 
 from __future__ import annotations
@@ -226,13 +238,13 @@ def _attn_bwd_preprocess(
 
 @triton.jit
 def _attn_bwd_dkdv_inner(
-    dk1, dk2, dv, k1, k2, v, offs_n, key_ok,
+    dk1, dk2, dv, k1, k2, v, offs_n,
     Q_bh, DO_bh, G_bh, COS_b, SIN_b, LSE_bh, DELTA_bh,
     stride_qt, stride_dot, stride_gt, stride_ct,
     lo, hi, T, qk_scale,
     offs_m0, offs_h, offs_d,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    CAUSAL_DIAG: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL_DIAG: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Accumulate dk̃ (times sqrt(D)) and dv of one key block over the query blocks in [lo, hi)."""
     for start_m in range(lo, hi, BLOCK_M):
@@ -250,12 +262,7 @@ def _attn_bwd_dkdv_inner(
         qkT = tl.dot(k2, tl.trans(q2), qkT, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         pT = tl.math.exp2(qkT * (g * qk_scale)[None, :] - lse[None, :])
         if CAUSAL_DIAG:
-            allowed = offs_m[None, :] >= offs_n[:, None]
-            if HAS_MASK:
-                allowed = allowed & key_ok[:, None]
-            pT = tl.where(allowed, pT, 0.0)
-        elif HAS_MASK:
-            pT = tl.where(key_ok[:, None], pT, 0.0)
+            pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dsT = (pT * (dpT - delta[None, :]) * g[None, :]).to(q1.dtype)  # g_t · dA_ts
@@ -297,10 +304,6 @@ def _attn_bwd_dkdv(
     k2 = k2.to(K.dtype.element_ty)
     v = tl.load(V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :],
                 mask=n_ok[:, None], other=0.0)  # fmt: skip
-    if HAS_MASK:
-        key_ok = tl.load(KMASK + b * stride_mb + offs_n, mask=n_ok, other=0) != 0
-    else:
-        key_ok = n_ok
     Q_bh = Q + b * stride_qb + h * stride_qh
     DO_bh = DO + b * stride_dob + h * stride_doh
     G_bh = G + b * stride_gb + h * stride_gh
@@ -312,15 +315,23 @@ def _attn_bwd_dkdv(
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     diag_hi = tl.minimum(start_n + BLOCK_N, T)
     # Query blocks on the diagonal (causally masked), then every later query block (unmasked).
-    dk1, dk2, dv = _attn_bwd_dkdv_inner(dk1, dk2, dv, k1, k2, v, offs_n, key_ok, Q_bh, DO_bh, G_bh, COS_b, SIN_b,
+    dk1, dk2, dv = _attn_bwd_dkdv_inner(dk1, dk2, dv, k1, k2, v, offs_n, Q_bh, DO_bh, G_bh, COS_b, SIN_b,
                                         LSE_bh, DELTA_bh, stride_qt, stride_dot, stride_gt, stride_ct, start_n,
                                         diag_hi, T, qk_scale, offs_m0, offs_h, offs_d, HALF, HALF_PAD, BLOCK_M,
-                                        True, HAS_MASK, DOT_PRECISION)  # fmt: skip
-    dk1, dk2, dv = _attn_bwd_dkdv_inner(dk1, dk2, dv, k1, k2, v, offs_n, key_ok, Q_bh, DO_bh, G_bh, COS_b, SIN_b,
+                                        True, DOT_PRECISION)  # fmt: skip
+    dk1, dk2, dv = _attn_bwd_dkdv_inner(dk1, dk2, dv, k1, k2, v, offs_n, Q_bh, DO_bh, G_bh, COS_b, SIN_b,
                                         LSE_bh, DELTA_bh, stride_qt, stride_dot, stride_gt, stride_ct,
                                         start_n + BLOCK_N, T, T, qk_scale, offs_m0, offs_h, offs_d, HALF, HALF_PAD,
-                                        BLOCK_M, False, HAS_MASK, DOT_PRECISION)  # fmt: skip
+                                        BLOCK_M, False, DOT_PRECISION)  # fmt: skip
 
+    if HAS_MASK:
+        # Padding keys get no probability, so no gradient. Each row of dk/dv depends only on its
+        # own key's row of P, so the mask is applied once here instead of to every score; a
+        # masked key's row may hold inf/NaN from its unnormalised scores, and is replaced.
+        key_ok = tl.load(KMASK + b * stride_mb + offs_n, mask=n_ok, other=0) != 0
+        dv = tl.where(key_ok[:, None], dv, 0.0)
+        dk1 = tl.where(key_ok[:, None], dk1, 0.0)
+        dk2 = tl.where(key_ok[:, None], dk2, 0.0)
     grad_off = b * stride_gradb + h * stride_gradh
     tl.store(DV + grad_off + offs_n[:, None] * stride_gradt + offs_d[None, :], dv.to(DV.dtype.element_ty),
              mask=n_ok[:, None])  # fmt: skip
@@ -464,10 +475,10 @@ FWD_CONFIGS = [
     _Cfg(64, 32, 4, 3, (128,)),
 ]
 DQ_CONFIGS = [
-    _Cfg(128, 32, 4, 3, (16, 32)),
+    _Cfg(128, 32, 4, 3, (32,)),
     _Cfg(128, 64, 8, 3, (16, 32)),
     _Cfg(64, 64, 4, 3, (16, 32)),
-    _Cfg(64, 32, 4, 3, (16, 32, 64)),
+    _Cfg(64, 32, 4, 3, (16, 32)),
     _Cfg(128, 32, 8, 3, (64,)),
     _Cfg(64, 16, 4, 3, (64,)),
     _Cfg(32, 32, 4, 2, (128,)),
