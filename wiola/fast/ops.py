@@ -99,6 +99,14 @@ def rms_norm(
     """``wiola.ops.rms_norm``; fused residual add + RMSNorm kernel where usable."""
     kernel = _kernel("rms_norm", x)
     if kernel is None:
+        if (
+            x.dtype == torch.float32
+            and weight.dtype == torch.float32
+            and (residual is None or residual.dtype == x.dtype)
+        ):
+            h = x if residual is None else x + residual
+            y = F.rms_norm(h, (h.shape[-1],), weight, eps)  # one fused ATen op, fp32 statistics
+            return y if residual is None else (y, h)
         return reference.rms_norm(x, weight, eps, residual)
     if residual is not None and residual.dtype != x.dtype:
         # The reference adds in the promoted dtype (a bf16 autocast output + the fp32 stream).
@@ -124,8 +132,11 @@ def gate(
     are read as they are (fp32 master weights under autocast).
     """
     kernel = _kernel("gate", q)
-    fn = reference.gate if kernel is None else kernel
-    return fn(q, w1, w2, b2, cos=cos, sin=sin, attention_mask=attention_mask, carry=carry)
+    if kernel is not None:
+        return kernel(q, w1, w2, b2, cos=cos, sin=sin, attention_mask=attention_mask, carry=carry)
+    if q.shape[1] == 1 and carry is not None and cos is None and not torch.is_autocast_enabled(q.device.type):
+        return _gate_step(q, w1, w2, b2, attention_mask, carry)
+    return reference.gate(q, w1, w2, b2, cos=cos, sin=sin, attention_mask=attention_mask, carry=carry)
 
 
 def attention(
@@ -176,6 +187,8 @@ def decode_attention(
         return decode(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start)
     if isinstance(start, torch.Tensor):
         start = int(start)  # host sync: the PyTorch path is not for CUDA graphs
+    if T == 1 and q.dtype == torch.float32 and k_cache.dtype == torch.float32:
+        return _decode_step(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start)
     end = start + T
     k_cache[:, :, start:end] = apply_rope(k, cos, sin).transpose(1, 2)  # (B, H, T, D)
     v_cache[:, :, start:end] = v.transpose(1, 2)
@@ -215,6 +228,59 @@ def linear_cross_entropy(
 
 
 # --------------------------------------------------------------------------- PyTorch path
+def _gate_step(
+    q: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    carry: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference gate for one new token after a carried sum: no scans, half the ops."""
+    m = q.float().mean(dim=2)[:, 0]  # (B, D) head mean
+    if attention_mask is None:
+        running, count = carry[0] + m, carry[1] + 1
+    else:
+        real = attention_mask[:, -1].to(torch.int64)  # (B,)
+        running, count = carry[0] + m * real.unsqueeze(-1).to(m.dtype), carry[1] + real
+    c = running / count.clamp(min=1).to(torch.float32).unsqueeze(-1)
+    g = torch.sigmoid(F.linear(F.silu(F.linear(c, w1.float())), w2.float(), b2.float()))
+    return g.unsqueeze(1), running, count
+
+
+def _decode_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key_mask: torch.Tensor,
+    start: int,
+) -> torch.Tensor:
+    """One new fp32 token: q and k rotated together, one slot written, SDPA over the filled slots.
+
+    The rotation computes the same products and sums as ``apply_rope`` (bitwise equal)."""
+    half = q.shape[-1] // 2
+    qk = torch.stack((q, k))  # (2, B, 1, H, D)
+    c = torch.cat((cos, cos), dim=-1).unsqueeze(-2)  # (B, 1, 1, D)
+    s = torch.cat((sin, sin), dim=-1).unsqueeze(-2)
+    rotated = qk * c + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * s
+    end = start + 1
+    k_cache[:, :, start] = rotated[1, :, 0]  # (B, H, D)
+    v_cache[:, :, start] = v[:, 0]
+    query = (rotated[0] * g.unsqueeze(-1)).transpose(1, 2)  # (B, H, 1, D), gate folded in
+    real = key_mask[:, :end]
+    has_key = real.any(dim=-1).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
+    mask = (real.view(real.shape[0], 1, 1, end) | ~has_key).expand(-1, 1, 1, end)
+    o = F.scaled_dot_product_attention(
+        query, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask, scale=1.0 / math.sqrt(q.shape[-1])
+    )
+    return (o * has_key.to(o.dtype)).transpose(1, 2)  # (B, 1, H, D)
+
+
 def _sdpa(
     q_rot: torch.Tensor,
     k_rot: torch.Tensor,
