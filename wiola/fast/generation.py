@@ -55,6 +55,7 @@ class GraphCache(Cache):
 
 @dataclass(frozen=True)
 class _Mode:
+    capture: bool  # False: the step runs eagerly in graph mode (tests on machines without CUDA)
     batch: int
     greedy: bool
     top_k: int | None
@@ -187,13 +188,26 @@ def _get_step(model: WiolaModel, mode: _Mode) -> _Step:
             temperature=torch.ones((), dtype=torch.float32, device=device),
             top_p=torch.ones((), dtype=torch.float32, device=device),
         )
-        _capture(model, step, mode)
+        if mode.capture:
+            _capture(model, step, mode)
         state.steps[mode] = step
     return step
 
 
+def graph_generate(model: WiolaModel, input_ids: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
+    """``wiola.generation.generate`` with the one-token step replayed as a CUDA graph.
+
+    Same arguments and result, ``(B, T + max_new_tokens)`` int64. Greedy tokens are identical
+    to the reference loop's; sampled tokens follow the same distribution but use the generator
+    differently (one ``Exp(1)`` draw per vocabulary entry and step), so they are not the same
+    draws. ``generator`` must be a generator on the model's device when sampling. ``streamer``
+    receives each step's ``(B,)`` tokens as a device tensor.
+    """
+    return step_generate(model, input_ids, max_new_tokens, capture=True, **kwargs)
+
+
 @torch.inference_mode()
-def graph_generate(
+def step_generate(
     model: WiolaModel,
     input_ids: torch.Tensor,
     max_new_tokens: int,
@@ -206,15 +220,11 @@ def graph_generate(
     pad_token_id: int | None = None,
     generator: torch.Generator | None = None,
     streamer: Callable[[torch.Tensor], None] | None = None,
+    capture: bool = True,
 ) -> torch.Tensor:
-    """``wiola.generation.generate`` with the one-token step replayed as a CUDA graph.
-
-    Same arguments and result, ``(B, T + max_new_tokens)`` int64. Greedy tokens are identical
-    to the reference loop's; sampled tokens follow the same distribution but use the generator
-    differently (one ``Exp(1)`` draw per vocabulary entry and step), so they are not the same
-    draws. ``generator`` must be a CUDA generator when sampling. ``streamer`` receives each
-    step's ``(B,)`` tokens as a device tensor.
-    """
+    """The graph-mode generation loop: with ``capture`` (CUDA) each step is a graph replay;
+    without, the very same step runs eagerly with the cache slot on the device (how tests
+    check the step on a machine without CUDA). See ``graph_generate``."""
     check_sampling(temperature, top_k, top_p)
     model._check_inputs(input_ids, attention_mask, None)
     check_generate_inputs(model, input_ids, max_new_tokens, attention_mask)
@@ -226,6 +236,7 @@ def graph_generate(
         return out
     greedy = temperature == 0
     mode = _Mode(
+        capture=capture,
         batch=B,
         greedy=greedy,
         top_k=None if greedy or top_k is None or top_k >= V else top_k,
@@ -256,7 +267,14 @@ def graph_generate(
             out[:, T + done :] = mode.pad
             break
         fill_noise()
-        step.graph.replay()
+        if step.graph is not None:
+            step.graph.replay()
+        else:
+            step.cache.device_slot = True
+            try:
+                _run_step(model, step, mode)
+            finally:
+                step.cache.device_slot = False
         out[:, T + done].copy_(step.token)
         if streamer is not None:
             streamer(step.token.clone())
