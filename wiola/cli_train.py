@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -49,8 +50,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "demo", help="train the tiny model on the built-in sample corpus (~2 minutes), then generate"
     )
     p.add_argument("--out", default="runs/demo", help="run folder (checkpoint, metrics, PNGs)")
-    p.add_argument("--seconds", type=float, default=120.0, help="training time to aim for (steps are calibrated)")
-    p.add_argument("--steps", type=int, help="train exactly this many steps instead of calibrating")
+    p.add_argument(
+        "--steps", type=int, help="training steps (default 300 on CPU, ~2 minutes on 2 idle cores; 1500 on GPU)"
+    )
+    p.add_argument("--seconds", type=float, help="instead of --steps: calibrate the steps to this much training time")
     p.add_argument("--samples", type=int, default=3, help="stories to generate at the end")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--cache-dir", help="token cache folder (default $WIOLA_CACHE or ~/.cache/wiola)")
@@ -134,7 +137,8 @@ def _parse_model_overrides(items: list[str] | None) -> dict[str, Any]:
 
 def config_from_args(args: argparse.Namespace) -> Any:
     """The ``TrainConfig`` of a ``wiola train`` command line (see ``add_train_arguments``)."""
-    from wiola.train import RECIPES, TrainConfig, find_checkpoint, load_config_file
+    from wiola.run_folder import find_checkpoint
+    from wiola.train import RECIPES, TrainConfig, load_config_file
 
     settings = TrainConfig().to_dict()
     if args.resume:
@@ -187,7 +191,8 @@ def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
 def _load_for_eval(args: argparse.Namespace) -> tuple[Any, Any, Any, int, Path]:
     """(model, encoding, token data, seq_len, model folder) for ``eval``/``gates``."""
     from wiola.data import prepare_data, resolve_source
-    from wiola.train import TRAINER_FILE, find_checkpoint, model_class, resolve_device, tokenizer_for
+    from wiola.run_folder import TRAINER_FILE, find_checkpoint
+    from wiola.train import model_class, resolve_device, tokenizer_for
 
     path = Path(args.checkpoint)
     if not (path / "config.json").is_file():
@@ -300,6 +305,12 @@ def run_demo(args: argparse.Namespace) -> int:
 
     t_start = time.perf_counter()
     device = resolve_device(args.device)
+    cores = os.cpu_count() or 1
+    if device.type == "cpu" and hasattr(os, "getloadavg") and os.getloadavg()[0] >= cores:
+        # Other processes already keep every core busy: several intra-op threads would only wait
+        # for each other (measured 6x slower on a loaded 2-core machine).
+        torch.set_num_threads(1)
+        print(f"the CPU is busy (load {os.getloadavg()[0]:.1f} on {cores} cores): training on one thread")
     encoding = _demo_tokenizer()
     fast = False
     if device.type == "cuda":
@@ -340,13 +351,18 @@ def run_demo(args: argparse.Namespace) -> int:
         f"{len(data.train):,} tokens), {data.val.documents:,} validation stories"
     )
     print(f"unigram entropy of the training tokens: {entropy:.3f} nats/token (the loss of a context-free model)")
-    if args.steps is not None:
-        steps, per_step = args.steps, float("nan")
-    else:
+    if args.seconds is not None:
+        if args.steps is not None:
+            raise ValueError("give --steps or --seconds, not both")
         steps, per_step = _calibrate(cfg, args.seconds, device)
         epochs = 8  # more passes over the corpus only overfit
         steps = min(steps, max(30, epochs * len(data.train) // (cfg.batch_size * cfg.seq_len)))
         print(f"calibrated: {per_step * 1e3:.0f} ms/step -> {steps} steps for ~{args.seconds:.0f} s of training")
+    else:
+        # A fixed default makes the demo's losses the same on every machine (only the time varies).
+        steps = args.steps if args.steps is not None else (1500 if gpu else 300)
+        if steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {steps}")
     cfg.steps = steps
     cfg.eval_every = max(1, steps // 4)
     t_train = time.perf_counter()

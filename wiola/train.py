@@ -1,7 +1,7 @@
 """The trainer: AdamW with a warm-up + cosine schedule, bf16 autocast on GPU, gradient
 accumulation, DDP through ``torchrun``, evaluation, plots, and checkpoints that resume exactly.
 
-A run folder holds ``metrics.jsonl`` (one JSON object per log line and evaluation),
+A run folder (``wiola.run_folder``) holds ``metrics.jsonl`` (one JSON object per log line and evaluation),
 ``loss_curve.png``, ``gates.png`` (mean gate per layer × head at the latest evaluation) and
 ``checkpoints/step_NNNNNNN/`` with
 
@@ -13,12 +13,16 @@ Each checkpoint is written into a temporary folder and renamed into place, and
 ``checkpoints/latest`` names the newest, so a crash never leaves a half checkpoint behind.
 ``train(..., resume=DIR)`` continues bit for bit: model, optimizer, schedule, data position and
 RNG states are restored, and the losses of an interrupted and resumed run equal those of an
-uninterrupted one. SIGINT/SIGTERM stop after the current step with a checkpoint.
+uninterrupted one. SIGINT/SIGTERM stop after the current step with a checkpoint (under DDP,
+after the next logging step, where the ranks agree). On resumption ``steps`` may be raised (the
+cosine then stretches to the new end) and ``micro_batch`` changed (the same global batch,
+accumulated differently); settings that change the numbers otherwise must match.
 
 Weight decay applies to every matrix (``p.dim() >= 2``): the projections, the butterfly, the
-gate's ``W_1``/``W_2`` and the embedding, which is also the tied output head (the Hugging Face
-convention the published run used: only biases and norm weights are exempt). RMSNorm γ and the
-gate bias ``b_2`` are not decayed.
+gate's ``W_1``/``W_2`` and the embedding, which is also the tied output head. That is the paper's
+"matrices only" read literally, and the Hugging Face Trainer's default (only biases and norm
+weights exempt) for a model like ``wiola13m``. RMSNorm γ and the gate bias ``b_2`` are not
+decayed.
 """
 
 from __future__ import annotations
@@ -28,8 +32,6 @@ import dataclasses
 import json
 import math
 import os
-import random
-import shutil
 import signal
 import sys
 import time
@@ -38,21 +40,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from wiola.config import WiolaConfig
 from wiola.data import BatchStream, TokenData, check_split, prepare_data, resolve_source, token_byte_lengths
 from wiola.evaluate import EvalResult, evaluate, gate_statistics
+from wiola.run_folder import (
+    METRICS_FILE,
+    OPTIMIZER_FILE,
+    TRAINER_FILE,
+    MetricsLog,
+    find_checkpoint,
+    save_checkpoint,
+    set_rng_state,
+)
 
-TRAINER_FILE = "trainer.json"
-OPTIMIZER_FILE = "optimizer.pt"
-LATEST_FILE = "latest"
-METRICS_FILE = "metrics.jsonl"
-
-# The published 13M run (the paper's recipe). Cosine decay to 0 after a 5 % linear warm-up, as
-# the Hugging Face "cosine" schedule the published run used.
+# The published 13M run (the paper's recipe). The paper gives no final learning rate: the cosine
+# decays to 0 after the 5 % linear warm-up, as Hugging Face's "cosine" schedule does.
 RECIPES: dict[str, dict[str, Any]] = {
     "paper": {
         "preset": "13m",
@@ -305,75 +310,6 @@ def peak_flops_per_device(device: torch.device) -> float | None:
     return next((flops for key, flops in table if key in name), None)
 
 
-def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def find_checkpoint(path: str | os.PathLike) -> Path:
-    """A checkpoint folder from either itself or a run folder (its ``checkpoints/latest``).
-
-    Raises ``FileNotFoundError`` naming what is missing.
-    """
-    path = Path(path)
-    if (path / TRAINER_FILE).is_file():
-        return path
-    latest = path / "checkpoints" / LATEST_FILE
-    if latest.is_file():
-        ckpt = path / "checkpoints" / latest.read_text().strip()
-        if (ckpt / TRAINER_FILE).is_file():
-            return ckpt
-        raise FileNotFoundError(f"{latest} names {ckpt.name}, which holds no {TRAINER_FILE}")
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint path {str(path)!r} does not exist")
-    raise FileNotFoundError(
-        f"{path} is neither a training checkpoint (no {TRAINER_FILE}) nor a run folder (no checkpoints/latest)"
-    )
-
-
-def read_trainer_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
-    """The ``trainer.json`` of a checkpoint folder (or of a run folder's latest checkpoint)."""
-    return json.loads((find_checkpoint(checkpoint) / TRAINER_FILE).read_text())
-
-
-class MetricsLog:
-    """``metrics.jsonl`` (rank 0): one JSON object per line, flushed at once."""
-
-    def __init__(self, path: Path, enabled: bool, resume_step: int | None) -> None:
-        self.path, self.enabled = path, enabled
-        self.records: list[dict[str, Any]] = []
-        if not enabled:
-            return
-        if resume_step is not None and path.is_file():
-            # Keep what happened up to the checkpoint; drop what a crashed run logged after it.
-            old = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            self.records = [r for r in old if r.get("step", 0) <= resume_step]
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
-        os.replace(tmp, path)
-        self._file = path.open("a")
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.enabled:
-            self.records.append(record)
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self._file.close()
-
-
 @dataclass
 class TrainResult:
     step: int  # optimizer steps done
@@ -461,7 +397,7 @@ def train(
     *,
     resume: str | os.PathLike | None = None,
     stop_at: int | None = None,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] | None = None,
     references: dict[str, float] | None = None,
 ) -> TrainResult:
     """Train (or continue training) a Wiola model as ``cfg`` says.
@@ -473,7 +409,7 @@ def train(
             them otherwise).
         stop_at: stop after this step as an interruption would (checkpoint, ``interrupted``);
             for tests and time-boxed runs.
-        log: where messages go (rank 0 only).
+        log: where messages go (rank 0 only); default ``tqdm.write`` (stdout, below the progress bar).
         references: named horizontal lines for the loss curve (e.g. the unigram entropy).
 
     Under ``torchrun`` every rank calls ``train``; the process group comes from the environment
@@ -483,6 +419,10 @@ def train(
     """
     rank, world, local_rank, own_group = _distributed()
     main = rank == 0
+    if log is None:
+        from tqdm.auto import tqdm
+
+        log = tqdm.write
     say = log if main else (lambda msg: None)
     try:
         return _train(cfg, resume, stop_at, say, references or {}, rank, world, local_rank)
@@ -565,7 +505,7 @@ def _train(
         optimizer.load_state_dict(opt_state["optimizer"])
         scheduler.load_state_dict(opt_state["scheduler"])
         scheduler.lr_lambdas[0] = WarmupCosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)  # a new --steps
-        _set_rng_state(opt_state["rng"])
+        set_rng_state(opt_state["rng"])
         stream.load_state_dict(saved["data"]["position"])
         step = int(saved["step"])
         log(f"resumed from {checkpoint} at step {step:,}")
@@ -646,7 +586,7 @@ def _train(
     def save() -> None:
         nonlocal last_ckpt
         if main:
-            last_ckpt = _save_checkpoint(
+            last_ckpt = save_checkpoint(
                 out_dir, raw_model, optimizer, scheduler, stream, cfg, model_config, data, step, last_eval, train_loss
             )
         if world > 1:
@@ -677,13 +617,16 @@ def _train(
             step += 1
             interval_steps += 1
 
-            want_stop = stop.requested or (stop_at is not None and step >= stop_at)
-            if world > 1:  # every rank must agree to stop after the same step
-                flag = torch.tensor([float(want_stop)], device=device)
-                dist.all_reduce(flag)
-                want_stop = bool(flag.item() > 0)
             last = step == cfg.steps
-            if step % cfg.log_every == 0 or last or want_stop:
+            log_now = step % cfg.log_every == 0 or last
+            want_stop = stop_at is not None and step >= stop_at  # the same on every rank
+            if world == 1:
+                want_stop = want_stop or stop.requested
+            elif log_now:  # a signal may reach some ranks only: agree at log steps (one sync per log)
+                flag = torch.tensor([float(stop.requested)], device=device)
+                dist.all_reduce(flag)
+                want_stop = want_stop or bool(flag.item() > 0)
+            if log_now or want_stop:
                 if world > 1:
                     dist.all_reduce(loss_sum)
                     loss_sum /= world
@@ -742,67 +685,6 @@ def _first_val_batch(data: TokenData, seq_len: int, batch_size: int) -> Any:
     from wiola.data import eval_batches
 
     return eval_batches(data.val, seq_len, batch_size, max_windows=batch_size)
-
-
-def _save_checkpoint(
-    out_dir: Path,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    stream: BatchStream,
-    cfg: TrainConfig,
-    model_config: WiolaConfig,
-    data: TokenData,
-    step: int,
-    last_eval: EvalResult | None,
-    train_loss: float | None,
-) -> Path:
-    """Write ``checkpoints/step_NNNNNNN`` atomically, point ``latest`` at it, prune old ones."""
-    root = out_dir / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    name = f"step_{step:07d}"
-    final = root / name
-    tmp = root / f".{name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        model.save_pretrained(tmp)
-        torch.save(
-            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state()},
-            tmp / OPTIMIZER_FILE,
-        )
-        state = {
-            "step": step,
-            "train_config": cfg.to_dict(),
-            "model_config": model_config.to_dict(),
-            "tokenizer": data.tokenizer,
-            "data": {
-                "fingerprint": data.manifest["fingerprint"],
-                "source": data.manifest["source"],
-                "position": stream.state_dict(),
-            },
-            "train_loss": train_loss,
-            "eval": last_eval.to_dict() if last_eval is not None else None,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        }
-        (tmp / TRAINER_FILE).write_text(json.dumps(state, indent=1) + "\n")
-        if final.exists():
-            old = root / f".{name}.old-{os.getpid()}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    latest_tmp = root / f".{LATEST_FILE}.tmp-{os.getpid()}"
-    latest_tmp.write_text(name + "\n")
-    os.replace(latest_tmp, root / LATEST_FILE)
-    kept = sorted(p for p in root.glob("step_*") if p.is_dir())
-    for old in kept[: max(0, len(kept) - cfg.keep_checkpoints)]:
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,166 @@
+"""The run folder of a training run: atomic checkpoints, the ``latest`` pointer, RNG states and
+the metrics log (``wiola.train`` writes it; ``wiola eval``/``gates``/``--resume`` read it).
+
+Layout::
+
+    run/metrics.jsonl                 one JSON object per log line and evaluation
+    run/loss_curve.png, run/gates.png
+    run/checkpoints/latest            the name of the newest checkpoint
+    run/checkpoints/step_NNNNNNN/     config.json + model.safetensors (a model folder),
+                                      trainer.json (settings, step, data position, metrics),
+                                      optimizer.pt (optimizer, scheduler, RNG states)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from wiola.config import WiolaConfig
+    from wiola.data import BatchStream, TokenData
+    from wiola.evaluate import EvalResult
+    from wiola.train import TrainConfig
+
+TRAINER_FILE = "trainer.json"
+OPTIMIZER_FILE = "optimizer.pt"
+LATEST_FILE = "latest"
+METRICS_FILE = "metrics.jsonl"
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def find_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint folder from either itself or a run folder (its ``checkpoints/latest``).
+
+    Raises ``FileNotFoundError`` naming what is missing.
+    """
+    path = Path(path)
+    if (path / TRAINER_FILE).is_file():
+        return path
+    latest = path / "checkpoints" / LATEST_FILE
+    if latest.is_file():
+        ckpt = path / "checkpoints" / latest.read_text().strip()
+        if (ckpt / TRAINER_FILE).is_file():
+            return ckpt
+        raise FileNotFoundError(f"{latest} names {ckpt.name}, which holds no {TRAINER_FILE}")
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint path {str(path)!r} does not exist")
+    raise FileNotFoundError(
+        f"{path} is neither a training checkpoint (no {TRAINER_FILE}) nor a run folder (no checkpoints/latest)"
+    )
+
+
+def read_trainer_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
+    """The ``trainer.json`` of a checkpoint folder (or of a run folder's latest checkpoint)."""
+    return json.loads((find_checkpoint(checkpoint) / TRAINER_FILE).read_text())
+
+
+class MetricsLog:
+    """``metrics.jsonl`` (rank 0): one JSON object per line, flushed at once."""
+
+    def __init__(self, path: Path, enabled: bool, resume_step: int | None) -> None:
+        self.path, self.enabled = path, enabled
+        self.records: list[dict[str, Any]] = []
+        if not enabled:
+            return
+        if resume_step is not None and path.is_file():
+            # Keep what happened up to the checkpoint; drop what a crashed run logged after it.
+            old = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            self.records = [r for r in old if r.get("step", 0) <= resume_step]
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        os.replace(tmp, path)
+        self._file = path.open("a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            self.records.append(record)
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._file.close()
+
+
+def save_checkpoint(
+    out_dir: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    stream: BatchStream,
+    cfg: TrainConfig,
+    model_config: WiolaConfig,
+    data: TokenData,
+    step: int,
+    last_eval: EvalResult | None,
+    train_loss: float | None,
+) -> Path:
+    """Write ``checkpoints/step_NNNNNNN`` atomically, point ``latest`` at it, prune old ones."""
+    root = out_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step_{step:07d}"
+    final = root / name
+    tmp = root / f".{name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp)
+        torch.save(
+            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()},
+            tmp / OPTIMIZER_FILE,
+        )
+        state = {
+            "step": step,
+            "train_config": cfg.to_dict(),
+            "model_config": model_config.to_dict(),
+            "tokenizer": data.tokenizer,
+            "data": {
+                "fingerprint": data.manifest["fingerprint"],
+                "source": data.manifest["source"],
+                "position": stream.state_dict(),
+            },
+            "train_loss": train_loss,
+            "eval": last_eval.to_dict() if last_eval is not None else None,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+        (tmp / TRAINER_FILE).write_text(json.dumps(state, indent=1) + "\n")
+        if final.exists():
+            old = root / f".{name}.old-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    latest_tmp = root / f".{LATEST_FILE}.tmp-{os.getpid()}"
+    latest_tmp.write_text(name + "\n")
+    os.replace(latest_tmp, root / LATEST_FILE)
+    kept = sorted(p for p in root.glob("step_*") if p.is_dir())
+    for old in kept[: max(0, len(kept) - cfg.keep_checkpoints)]:
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
