@@ -156,7 +156,7 @@ def _attn_fwd_inner(
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, G, COS, SIN, KMASK, O, LSE,
+    Q, K, V, G, COS, SIN, KMASK, O, O_RES, LSE,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -165,9 +165,10 @@ def _attn_fwd(
     stride_ob, stride_ot, stride_oh,
     T, H, T_BUCKET, qk_scale,
     D: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
-    """One (BLOCK_M query rows, batch, head) tile of o and lse. T_BUCKET only keys the autotuner."""
+    """One (BLOCK_M query rows, batch, head) tile of o and lse (and o's rounding residual, O_RES,
+    same strides as O, when STORE_RESIDUAL). T_BUCKET only keys the autotuner."""
     HALF: tl.constexpr = D // 2
     start_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest query blocks first
     bh = tl.program_id(1)
@@ -209,30 +210,37 @@ def _attn_fwd(
     o = acc / tl.where(has_key, l_i, 1.0)[:, None]
     lse = tl.where(has_key, m_i + tl.math.log2(tl.where(has_key, l_i, 1.0)), float("inf"))
     tl.store(LSE + bh * T + offs_m, lse, mask=m_ok)
-    o_ptr = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :]
-    tl.store(o_ptr, o.to(O.dtype.element_ty), mask=m_ok[:, None])
+    o_off = b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :]
+    o_low = o.to(O.dtype.element_ty)
+    tl.store(O + o_off, o_low, mask=m_ok[:, None])
+    if STORE_RESIDUAL:
+        # What rounding o to bf16/fp16 lost: the backward's Δ = rowsum(o ⊙ do) needs the fp32 o,
+        # or its error breaks the Σ_s dA_ts = 0 cancellation behind dg (and dk at wide heads).
+        tl.store(O_RES + o_off, (o - o_low.to(tl.float32)).to(O.dtype.element_ty), mask=m_ok[:, None])
 
 
 @triton.jit
 def _attn_bwd_preprocess(
-    O, DO, DELTA,
+    O, O_RES, DO, DELTA,
     stride_ob, stride_ot, stride_oh,
     stride_dob, stride_dot, stride_doh,
     T, H,
-    D: tl.constexpr, BLOCK_M: tl.constexpr,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
-    """Δ[b, h, t] = Σ_d o[b, t, h, d] · do[b, t, h, d] in fp32."""
+    """Δ[b, h, t] = Σ_d o[b, t, h, d] · do[b, t, h, d] in fp32, o = O + O_RES when HAS_RESIDUAL."""
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     m_ok = offs_m < T
-    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
-                mask=m_ok[:, None], other=0.0)  # fmt: skip
+    o_off = b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :]
+    o = tl.load(O + o_off, mask=m_ok[:, None], other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        o += tl.load(O_RES + o_off, mask=m_ok[:, None], other=0.0).to(tl.float32)
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
                  mask=m_ok[:, None], other=0.0)  # fmt: skip
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    delta = tl.sum(o * do.to(tl.float32), 1)
     tl.store(DELTA + bh * T + offs_m, delta, mask=m_ok)
 
 
@@ -244,7 +252,7 @@ def _attn_bwd_dkdv_inner(
     lo, hi, T, qk_scale,
     offs_m0, offs_h, offs_d,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    CAUSAL_DIAG: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL_DIAG: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Accumulate dk̃ (times sqrt(D)) and dv of one key block over the query blocks in [lo, hi)."""
     for start_m in range(lo, hi, BLOCK_M):
@@ -263,6 +271,10 @@ def _attn_bwd_dkdv_inner(
         pT = tl.math.exp2(qkT * (g * qk_scale)[None, :] - lse[None, :])
         if CAUSAL_DIAG:
             pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
+        if HAS_MASK:
+            # A padding key's row is zeroed after the loop; until then keep its unnormalised
+            # "probabilities" finite (a real one is ≤ 1) so nothing overflows fp16.
+            pT = tl.minimum(pT, 1.0)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dsT = (pT * (dpT - delta[None, :]) * g[None, :]).to(q1.dtype)  # g_t · dA_ts
@@ -318,16 +330,15 @@ def _attn_bwd_dkdv(
     dk1, dk2, dv = _attn_bwd_dkdv_inner(dk1, dk2, dv, k1, k2, v, offs_n, Q_bh, DO_bh, G_bh, COS_b, SIN_b,
                                         LSE_bh, DELTA_bh, stride_qt, stride_dot, stride_gt, stride_ct, start_n,
                                         diag_hi, T, qk_scale, offs_m0, offs_h, offs_d, HALF, HALF_PAD, BLOCK_M,
-                                        True, DOT_PRECISION)  # fmt: skip
+                                        True, HAS_MASK, DOT_PRECISION)  # fmt: skip
     dk1, dk2, dv = _attn_bwd_dkdv_inner(dk1, dk2, dv, k1, k2, v, offs_n, Q_bh, DO_bh, G_bh, COS_b, SIN_b,
                                         LSE_bh, DELTA_bh, stride_qt, stride_dot, stride_gt, stride_ct,
                                         start_n + BLOCK_N, T, T, qk_scale, offs_m0, offs_h, offs_d, HALF, HALF_PAD,
-                                        BLOCK_M, False, DOT_PRECISION)  # fmt: skip
+                                        BLOCK_M, False, HAS_MASK, DOT_PRECISION)  # fmt: skip
 
     if HAS_MASK:
         # Padding keys get no probability, so no gradient. Each row of dk/dv depends only on its
-        # own key's row of P, so the mask is applied once here instead of to every score; a
-        # masked key's row may hold inf/NaN from its unnormalised scores, and is replaced.
+        # own key's row of P, so the mask is applied once here instead of to every score.
         key_ok = tl.load(KMASK + b * stride_mb + offs_n, mask=n_ok, other=0) != 0
         dv = tl.where(key_ok[:, None], dv, 0.0)
         dk1 = tl.where(key_ok[:, None], dk1, 0.0)
@@ -587,18 +598,22 @@ def attention_fwd_launch(
     attention_mask: torch.Tensor | None,
     o: torch.Tensor,
     lse: torch.Tensor,
+    o_res: torch.Tensor | None = None,
     config: _Cfg | None = None,
 ) -> None:
     """Write ``o`` (B, T, H, D; any strides with unit last stride) and ``lse`` ((B, H, T) contiguous
-    fp32, base 2) for already validated inputs. ``config`` forces one block configuration."""
+    fp32, base 2) for already validated inputs; ``o_res`` (same shape, dtype and strides as ``o``),
+    when given, receives ``o_fp32 − o`` for the backward. ``config`` forces one block configuration."""
     B, T, H, D = q.shape
     if q.numel() == 0:
         return
+    if o_res is not None and (o_res.stride() != o.stride() or o_res.dtype != o.dtype):
+        raise ValueError("o_res must have the dtype and strides of o")
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     cos, sin = _tables(cos, sin)
     km, stride_mb = _key_mask(attention_mask, q)
     args = [
-        q, k, v, g, cos, sin, km, o, lse,
+        q, k, v, g, cos, sin, km, o, o if o_res is None else o_res, lse,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -607,7 +622,8 @@ def attention_fwd_launch(
         o.stride(0), o.stride(1), o.stride(2),
         T, H, _t_bucket(T), LOG2E / math.sqrt(D),
     ]  # fmt: skip
-    _launch(_attn_fwd_tuned, _attn_fwd, INTERPRET_FWD, config, T, B * H, args, _meta(q, attention_mask is not None))
+    meta = {**_meta(q, attention_mask is not None), "STORE_RESIDUAL": o_res is not None}
+    _launch(_attn_fwd_tuned, _attn_fwd, INTERPRET_FWD, config, T, B * H, args, meta)
 
 
 def attention_bwd_launch(
@@ -625,25 +641,30 @@ def attention_bwd_launch(
     dk: torch.Tensor,
     dv: torch.Tensor,
     dg: torch.Tensor,
+    o_res: torch.Tensor | None = None,
     dq_config: _Cfg | None = None,
     dkdv_config: _Cfg | None = None,
 ) -> None:
     """Write ``dq, dk, dv`` (B, T, H, D; one shared set of strides, unit last stride) and ``dg``
-    (B, T, H) fp32 from the upstream gradient ``do`` and the forward's ``o`` and ``lse``."""
+    (B, T, H) fp32 from the upstream gradient ``do`` and the forward's ``o``, ``lse`` and, for
+    bf16/fp16, ``o_res`` (without it Δ uses the rounded ``o``: less exact dg and dk)."""
     B, T, H, D = q.shape
     if q.numel() == 0:
         return
     if not (dq.stride() == dk.stride() == dv.stride()) or dq.stride(-1) != 1:
         raise ValueError("dq, dk, dv must share strides with a unit last stride")
     q, k, v, do, o = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(do), _unit_last(o)
+    if o_res is not None and o_res.stride() != o.stride():
+        o, o_res = o.contiguous(), o_res.contiguous()
     cos, sin = _tables(cos, sin)
     km, stride_mb = _key_mask(attention_mask, q)
     meta = _meta(q, attention_mask is not None)
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     pre_grid = (triton.cdiv(T, PREPROCESS_BLOCK_M), B * H)
     _attn_bwd_preprocess[pre_grid](
-        o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2), T, H,
-        D=D, BLOCK_M=PREPROCESS_BLOCK_M, num_warps=4, num_stages=1,
+        o, o if o_res is None else o_res, do, delta, o.stride(0), o.stride(1), o.stride(2),
+        do.stride(0), do.stride(1), do.stride(2), T, H,
+        D=D, BLOCK_M=PREPROCESS_BLOCK_M, HAS_RESIDUAL=o_res is not None, num_warps=4, num_stages=1,
     )  # fmt: skip
     common = [
         q.stride(0), q.stride(1), q.stride(2),
@@ -675,18 +696,21 @@ def _attention_fwd_op(
     cos: torch.Tensor,
     sin: torch.Tensor,
     attention_mask: Optional[torch.Tensor],  # noqa: UP045 (torch.library reads the annotation)
-) -> tuple[torch.Tensor, torch.Tensor]:
+    store_residual: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, T, H, D = q.shape
     o = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    attention_fwd_launch(q, k, v, g, cos, sin, attention_mask, o, lse)
-    return o, lse
+    o_res = torch.empty((B, T, H, D) if store_residual else (0,), dtype=q.dtype, device=q.device)
+    attention_fwd_launch(q, k, v, g, cos, sin, attention_mask, o, lse, o_res if store_residual else None)
+    return o, lse, o_res
 
 
 @_attention_fwd_op.register_fake
-def _(q, k, v, g, cos, sin, attention_mask):
+def _(q, k, v, g, cos, sin, attention_mask, store_residual):
     B, T, H, D = q.shape
-    return q.new_empty((B, T, H, D)), q.new_empty((B, H, T), dtype=torch.float32)
+    o_res = q.new_empty((B, T, H, D) if store_residual else (0,))
+    return q.new_empty((B, T, H, D)), q.new_empty((B, H, T), dtype=torch.float32), o_res
 
 
 @torch.library.custom_op("wiola::attention_bwd", mutates_args=())
@@ -701,31 +725,33 @@ def _attention_bwd_op(
     attention_mask: Optional[torch.Tensor],  # noqa: UP045
     o: torch.Tensor,
     lse: torch.Tensor,
+    o_res: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     B, T, H, D = q.shape
     dq, dk, dv = (torch.empty((B, T, H, D), dtype=q.dtype, device=q.device) for _ in range(3))
     dg = torch.empty((B, T, H), dtype=torch.float32, device=q.device)
-    attention_bwd_launch(do, q, k, v, g, cos, sin, attention_mask, o, lse, dq, dk, dv, dg)
+    res = o_res if o_res.numel() > 0 else None
+    attention_bwd_launch(do, q, k, v, g, cos, sin, attention_mask, o, lse, dq, dk, dv, dg, res)
     return dq, dk, dv, dg
 
 
 @_attention_bwd_op.register_fake
-def _(do, q, k, v, g, cos, sin, attention_mask, o, lse):
+def _(do, q, k, v, g, cos, sin, attention_mask, o, lse, o_res):
     B, T, H, D = q.shape
     return (*(q.new_empty((B, T, H, D)) for _ in range(3)), q.new_empty((B, T, H), dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, cos, sin, attention_mask = inputs
-    o, lse = output
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, g, cos, sin, attention_mask, o, lse)
+    q, k, v, g, cos, sin, attention_mask, _ = inputs
+    o, lse, o_res = output
+    ctx.mark_non_differentiable(lse, o_res)
+    ctx.save_for_backward(q, k, v, g, cos, sin, attention_mask, o, lse, o_res)
 
 
-def _backward(ctx, do, _dlse):
-    q, k, v, g, cos, sin, attention_mask, o, lse = ctx.saved_tensors
-    dq, dk, dv, dg = torch.ops.wiola.attention_bwd(do, q, k, v, g, cos, sin, attention_mask, o, lse)
-    return dq, dk, dv, dg, None, None, None
+def _backward(ctx, do, _dlse, _do_res):
+    q, k, v, g, cos, sin, attention_mask, o, lse, o_res = ctx.saved_tensors
+    dq, dk, dv, dg = torch.ops.wiola.attention_bwd(do, q, k, v, g, cos, sin, attention_mask, o, lse, o_res)
+    return dq, dk, dv, dg, None, None, None, None
 
 
 _attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -812,7 +838,10 @@ def attention(
     _check_inputs(q, k, v, g, cos, sin, attention_mask)
     if cos.shape[0] != q.shape[0]:
         cos, sin = cos.expand(q.shape[0], -1, -1), sin.expand(q.shape[0], -1, -1)
-    o, _ = torch.ops.wiola.attention_fwd(q, k, v, g, cos, sin, attention_mask)
+    # bf16/fp16 with a backward ahead: also keep what rounding o lost (exact Δ for dg and dk).
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g))
+    store_residual = needs_grad and q.dtype != torch.float32
+    o, _, _ = torch.ops.wiola.attention_fwd(q, k, v, g, cos, sin, attention_mask, store_residual)
     return o
 
 
@@ -869,7 +898,7 @@ def _aot_specs() -> list[AotSpec]:
                     name=f"attention_bwd_preprocess[{dtype},D{D},BM{PREPROCESS_BLOCK_M}]",
                     fn=_attn_bwd_preprocess,
                     signature=_signature(_attn_bwd_preprocess, dtype),
-                    constexprs={"D": D, "BLOCK_M": PREPROCESS_BLOCK_M},
+                    constexprs={"D": D, "BLOCK_M": PREPROCESS_BLOCK_M, "HAS_RESIDUAL": True},
                     num_warps=4,
                     num_stages=1,
                     divisible_by_16=_divisible(_attn_bwd_preprocess, D),
@@ -884,6 +913,8 @@ def _aot_specs() -> list[AotSpec]:
                     for has_mask in (False, True) if dtype == "bf16" else (False,):
                         constexprs = {"D": D, "HALF_PAD": max(16, D // 2), "HAS_MASK": has_mask,
                                       "DOT_PRECISION": "tf32", **cfg.kwargs()}  # fmt: skip
+                        if fn is _attn_fwd:
+                            constexprs["STORE_RESIDUAL"] = True  # the training path: the larger build
                         specs.append(
                             AotSpec(
                                 name=f"{name}[{dtype},D{D},{cfg.tag()}{',mask' if has_mask else ''}]",

@@ -104,11 +104,14 @@ def _kernel_forward_backward(q, k, v, g, cos, sin, mask, do, fwd_cfg=None, dq_cf
     """Run the launchers directly into NaN-poisoned buffers: any element never written stays NaN."""
     B, T, H, D = q.shape
     o, lse = poisoned(B, T, H, D, dtype=q.dtype), poisoned(B, H, T)
-    K.attention_fwd_launch(q, k, v, g, cos, sin, mask, o, lse, config=fwd_cfg)
+    o_res = None if q.dtype == torch.float32 else poisoned(B, T, H, D, dtype=q.dtype)  # as the op does
+    K.attention_fwd_launch(q, k, v, g, cos, sin, mask, o, lse, o_res, config=fwd_cfg)
     dq, dk, dv = (poisoned(B, T, H, D, dtype=q.dtype) for _ in range(3))
     dg = poisoned(B, T, H)
-    K.attention_bwd_launch(do, q, k, v, g, cos, sin, mask, o, lse, dq, dk, dv, dg, dq_config=dq_cfg,
+    K.attention_bwd_launch(do, q, k, v, g, cos, sin, mask, o, lse, dq, dk, dv, dg, o_res, dq_config=dq_cfg,
                            dkdv_config=dkdv_cfg)  # fmt: skip
+    if o_res is not None:
+        assert not torch.isnan(o_res).any(), "o_res: NaN in output (an element was never written?)"
     return o, lse, (dq, dk, dv, dg)
 
 
@@ -147,6 +150,22 @@ def test_forward_backward_poisoned(case, dtype):
     q, k, v, g, cos, sin, mask, do = _inputs(*case, dtype)
     o, lse, grads = _kernel_forward_backward(q, k, v, g, cos, sin, mask, do)
     _check_all(_case_id(case), dtype, q, k, v, g, cos, sin, mask, do, o, lse, grads)
+
+
+@pytest.mark.parametrize("case", [CASES[3], CASES[4], CASES[7]], ids=_case_id)
+def test_float16_rounding_path(case):
+    """fp16 runs under the interpreter too (NumPy has float16, not bfloat16): the half-precision
+    roundings and o's rounding residual (o_res, which keeps Δ and so dg and dk exact) at the fp16
+    tolerance; and the residual is at most half an fp16 ulp of o."""
+    q, k, v, g, cos, sin, mask, do = _inputs(*case, torch.float16, seed=8)
+    o, lse, grads = _kernel_forward_backward(q, k, v, g, cos, sin, mask, do)
+    _check_all(_case_id(case), torch.float16, q, k, v, g, cos, sin, mask, do, o, lse, grads)
+    B, T, H, D = q.shape
+    o2, lse2, o_res = poisoned(B, T, H, D, dtype=q.dtype), poisoned(B, H, T), poisoned(B, T, H, D, dtype=q.dtype)
+    K.attention_fwd_launch(q, k, v, g, cos, sin, mask, o2, lse2, o_res)
+    assert torch.equal(o2, o), "o: differs when o_res is stored"
+    ulp = torch.finfo(torch.float16).eps * o.float().abs().clamp_min(torch.finfo(torch.float16).tiny)
+    assert (o_res.float().abs() <= ulp).all(), "o_res: larger than the rounding of o"
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=lambda d: str(d).split(".")[-1])
