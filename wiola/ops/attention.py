@@ -31,8 +31,9 @@ def gated_attention(
     """
     B, Tq, H, D = q.shape
     S = k.shape[1]
-    scores = torch.einsum("bthd,bshd->bhts", upcast(q), upcast(k)) / math.sqrt(D)
-    scores = scores * upcast(g).permute(0, 2, 1).unsqueeze(-1)  # (B, H, Tq, S)
+    qh, kh, vh = (upcast(t).transpose(1, 2) for t in (q, k, v))  # (B, H, ·, D)
+    scores = (qh @ kh.transpose(-1, -2)) / math.sqrt(D)  # (B, H, Tq, S)
+    scores = scores * upcast(g).transpose(1, 2).unsqueeze(-1)  # gate g_t^(h) scales row t of head h
     t = torch.arange(Tq, device=q.device).view(-1, 1) + q_start
     s = torch.arange(S, device=q.device).view(1, -1)
     allowed = (s <= t).view(1, 1, Tq, S)
@@ -41,7 +42,7 @@ def gated_attention(
     has_key = allowed.any(dim=-1, keepdim=True)
     scores = scores.masked_fill(~(allowed | ~has_key), float("-inf"))
     p = torch.softmax(scores, dim=-1) * has_key
-    return torch.einsum("bhts,bshd->bthd", p, upcast(v)).to(q.dtype)
+    return (p @ vh).transpose(1, 2).to(q.dtype)
 
 
 def attention(
