@@ -3,41 +3,12 @@ loaded with exactly the weights of one of our models."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 
 from wiola import WiolaModel
-
-# Our parameter names -> wiola13m's (issue 2's list; the head is tied in both).
-_RENAMES = [
-    (r"embed\.weight", "model.embed_tokens.weight"),
-    (r"layers\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
-    (r"layers\.(\d+)\.attn\.([qkvo])_proj\.weight", r"model.layers.\1.self_attn.\2_proj.weight"),
-    (r"layers\.(\d+)\.attn\.gate_w1\.weight", r"model.layers.\1.self_attn.gate_fc1.weight"),
-    (r"layers\.(\d+)\.attn\.gate_w2\.(weight|bias)", r"model.layers.\1.self_attn.gate_fc2.\2"),
-    (r"layers\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
-    (r"layers\.(\d+)\.ffn\.(up|bypass|down)_proj\.weight", r"model.layers.\1.mlp.\2_proj.weight"),
-    (r"norm\.weight", "model.norm.weight"),
-]
-
-
-def to_wiola13m_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename our state dict to wiola13m's names (plus its tied ``lm_head.weight``).
-
-    Raises ``KeyError`` naming a tensor that has no counterpart.
-    """
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        for pattern, repl in _RENAMES:
-            if re.fullmatch(pattern, name):
-                out[re.sub(pattern, repl, name)] = tensor
-                break
-        else:
-            raise KeyError(f"no wiola13m name for our tensor {name!r}")
-    out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    return out
+from wiola.checkpoint import to_wiola13m_state
 
 
 def wiola13m_like(model: WiolaModel) -> Any:
@@ -67,7 +38,7 @@ def wiola13m_like(model: WiolaModel) -> Any:
     )
     w = model.embed.weight
     hf = wiola13m.WiolaForCausalLM(hf_config).to(device=w.device, dtype=w.dtype).eval()
-    missing, unexpected = hf.load_state_dict(to_wiola13m_state(model.state_dict()), strict=False)
+    missing, unexpected = hf.load_state_dict(to_wiola13m_state(model.state_dict(), c.n_layers), strict=False)
     if missing or unexpected:
         raise ValueError(f"wiola13m weights did not load exactly: missing {missing}, unexpected {unexpected}")
     return hf

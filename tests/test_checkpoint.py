@@ -162,3 +162,14 @@ def test_config_of_another_shape_is_caught(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="ffn.*shape"):
         WiolaModel.from_pretrained(tmp_path)
+
+
+def test_export_to_wiola13m_names_and_back():
+    from wiola.checkpoint import convert_wiola13m_state, to_wiola13m_state
+
+    model = WiolaModel(CFG)
+    theirs = to_wiola13m_state(model.state_dict(), CFG.n_layers)
+    assert set(theirs) == set(hf_state(0))  # exactly the names the published package uses
+    back = convert_wiola13m_state(theirs, CFG.n_layers)
+    assert back.keys() == model.state_dict().keys()
+    assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,17 +42,22 @@ HF_CONFIG_KEYS = {
     "initializer_range": "init_std",
 }
 
-# wiola13m tensor name (regex) -> ours
-HF_WEIGHT_NAMES = [
-    (r"model\.embed_tokens\.weight", "embed.weight"),
-    (r"model\.norm\.weight", "norm.weight"),
-    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.attn_norm.weight"),
-    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.ffn_norm.weight"),
-    (r"model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.weight", r"layers.\1.attn.\2_proj.weight"),
-    (r"model\.layers\.(\d+)\.self_attn\.gate_fc1\.weight", r"layers.\1.attn.gate_w1.weight"),
-    (r"model\.layers\.(\d+)\.self_attn\.gate_fc2\.(weight|bias)", r"layers.\1.attn.gate_w2.\2"),
-    (r"model\.layers\.(\d+)\.mlp\.(up|bypass|down)_proj\.weight", r"layers.\1.ffn.\2_proj.weight"),
-]
+
+def wiola13m_names(n_layers: int) -> dict[str, str]:
+    """``{wiola13m tensor name: ours}`` for a model of ``n_layers`` (the tied ``lm_head`` aside)."""
+    names = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight"}
+    for i in range(n_layers):
+        theirs, ours = f"model.layers.{i}.", f"layers.{i}."
+        names[theirs + "input_layernorm.weight"] = ours + "attn_norm.weight"
+        names[theirs + "post_attention_layernorm.weight"] = ours + "ffn_norm.weight"
+        for x in "qkvo":
+            names[theirs + f"self_attn.{x}_proj.weight"] = ours + f"attn.{x}_proj.weight"
+        names[theirs + "self_attn.gate_fc1.weight"] = ours + "attn.gate_w1.weight"
+        names[theirs + "self_attn.gate_fc2.weight"] = ours + "attn.gate_w2.weight"
+        names[theirs + "self_attn.gate_fc2.bias"] = ours + "attn.gate_w2.bias"
+        for x in ("up", "bypass", "down"):
+            names[theirs + f"mlp.{x}_proj.weight"] = ours + f"ffn.{x}_proj.weight"
+    return names
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -135,21 +139,34 @@ def _read_tensors(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
     raise FileNotFoundError(f"no weights in {directory}: expected {WEIGHTS_FILE} (or pytorch_model.bin)")
 
 
-def convert_wiola13m_state(state: dict[str, torch.Tensor], source: Any = "") -> dict[str, torch.Tensor]:
-    """Rename a ``wiola13m`` state dict to ours; checks that ``lm_head.weight`` is the tied embedding."""
+def convert_wiola13m_state(state: dict[str, torch.Tensor], n_layers: int, source: Any = "") -> dict[str, torch.Tensor]:
+    """Rename a ``wiola13m`` state dict to ours; checks that ``lm_head.weight`` is the tied embedding.
+
+    Raises ``ValueError`` naming a tensor that has no counterpart (missing ones are named by
+    the caller, against the model's own state dict).
+    """
+    names = wiola13m_names(n_layers)
     out: dict[str, torch.Tensor] = {}
-    head = state.get("lm_head.weight")
     for name, tensor in state.items():
         if name == "lm_head.weight":
             continue
-        for pattern, target in HF_WEIGHT_NAMES:
-            if re.fullmatch(pattern, name):
-                out[re.sub(pattern, target, name)] = tensor
-                break
-        else:
+        if name not in names:
             raise ValueError(f"{source}: unexpected tensor {name!r} in a wiola13m checkpoint")
+        out[names[name]] = tensor
+    head = state.get("lm_head.weight")
     if head is not None and "embed.weight" in out and not torch.equal(head, out["embed.weight"]):
         raise ValueError(f"{source}: lm_head.weight differs from model.embed_tokens.weight; Wiola's head is tied")
+    return out
+
+
+def to_wiola13m_state(state: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
+    """Our state dict under ``wiola13m``'s names, with its tied ``lm_head.weight``."""
+    ours_to_theirs = {ours: theirs for theirs, ours in wiola13m_names(n_layers).items()}
+    missing = sorted(set(state) - set(ours_to_theirs))
+    if missing:
+        raise ValueError(f"no wiola13m name for tensor(s) {missing}")
+    out = {ours_to_theirs[name]: tensor for name, tensor in state.items()}
+    out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
 
 
@@ -165,7 +182,7 @@ def load_pretrained(
     config, flavour = read_config(directory)
     state, source = _read_tensors(directory)
     if flavour == "wiola13m":
-        state = convert_wiola13m_state(state, source)
+        state = convert_wiola13m_state(state, config.n_layers, source)
     model = cls(config)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
