@@ -38,3 +38,17 @@ def test_generate_from_a_checkpoint(tmp_path, capsys, monkeypatch):
 def test_generate_reports_a_bad_checkpoint(tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(tmp_path / "none"), "--device", "cpu"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_generate_accepts_a_training_run_folder(tmp_path, capsys):
+    """A run folder (checkpoints/latest -> step_N) resolves to its latest checkpoint."""
+    from wiola.run_folder import LATEST_FILE, TRAINER_FILE
+
+    torch.manual_seed(0)
+    step = tmp_path / "checkpoints" / "step_0000002"
+    WiolaModel(WiolaConfig.preset("tiny", n_layers=1)).save_pretrained(step)
+    (step / TRAINER_FILE).write_text("{}")
+    (tmp_path / "checkpoints" / LATEST_FILE).write_text("step_0000002")
+    code = main(["generate", "--checkpoint", str(tmp_path), "--prompt", "Hi", "--max-new-tokens", "3",
+                 "--temperature", "0", "--device", "cpu"])  # fmt: skip
+    assert code == 0 and "3 tokens" in capsys.readouterr().err

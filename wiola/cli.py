@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -24,7 +25,12 @@ def _load_model(args: argparse.Namespace):
     if getattr(args, "fast", False):
         from wiola.fast import WiolaModel as cls
     if args.checkpoint:
-        return cls.from_pretrained(args.checkpoint, device=args.device)
+        path = Path(args.checkpoint)
+        if not (path / "config.json").is_file() and (path / "checkpoints").is_dir():
+            from wiola.run_folder import find_checkpoint
+
+            path = find_checkpoint(path)  # a training run folder: its latest checkpoint
+        return cls.from_pretrained(path, device=args.device)
     torch.manual_seed(args.seed)
     print(f"no --checkpoint: a randomly initialised {args.preset!r} model (its text is noise)", file=sys.stderr)
     return cls(WiolaConfig.preset(args.preset)).to(args.device)
@@ -82,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_budget)
 
     p = sub.add_parser("generate", help="generate text from a checkpoint")
-    p.add_argument("--checkpoint", help="checkpoint directory (ours or wiola13m's)")
+    p.add_argument("--checkpoint", help="model folder (ours or wiola13m's) or a training run folder")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="random model when no checkpoint")
     p.add_argument("--prompt", default="Once upon a time")
     p.add_argument("--max-new-tokens", type=int, default=100)
