@@ -229,6 +229,22 @@ def fwd_bwd(f: Callable[..., Any], *, seed: int = 0) -> Callable[..., Any]:
     return run
 
 
+def forward_only(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``f`` to run without autograd (the forward-only twin of ``fwd_bwd``)."""
+
+    def run(*args: Any) -> Any:
+        with torch.no_grad():
+            return f(*args)
+
+    return run
+
+
+def rel_err(ref: torch.Tensor, got: torch.Tensor) -> float:
+    """max|ref − got| / max|ref| in float64: the check a benchmark makes once before timing."""
+    ref, got = ref.double(), got.double()
+    return float((ref - got).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
 def shape_id(shape: Mapping[str, Any]) -> str:
     """``{"B": 32, "T": 512}`` -> ``"B32-T512"`` (the test-id style of the project); a value that
     is not a number stands alone (``{"preset": "13m", "B": 32}`` -> ``"13m-B32"``)."""

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import roofline
-from bench.frame import fwd_bwd
+from bench.frame import forward_only, fwd_bwd, rel_err
 from wiola.ops import apply_rope, helix_frequencies, rope_tables
 from wiola.ops import attention as reference
 
@@ -92,19 +92,6 @@ def _flex(gate_in_q: bool = False) -> Callable | str:
     return run
 
 
-def _no_grad(f):
-    def run(*args):
-        with torch.no_grad():
-            return f(*args)
-
-    return run
-
-
-def _rel_err(ref: torch.Tensor, got: torch.Tensor) -> float:
-    ref, got = ref.double(), got.double()
-    return float((ref - got).abs().max() / ref.abs().max().clamp_min(1e-30))
-
-
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"B{s['B']}-T{s['T']}-H{s['H']}-D{s['D']}")
 def test_attention(cuda_bench, shape, mode):
@@ -137,11 +124,11 @@ def test_attention(cuda_bench, shape, mode):
                 failed = f"{name} failed: {type(exc).__name__}: {str(exc)[:200]}"
                 flex, flex_q = (failed, flex_q) if name == "flex" else (flex, failed)
                 continue
-            err = _rel_err(want, got.float())
+            err = rel_err(want, got.float())
             assert err <= CLOSE, f"{name}: relative error {err:.3e} against the reference > {CLOSE}"
         del args, want
 
-    wrap = fwd_bwd if mode == "fwd_bwd" else _no_grad
+    wrap = fwd_bwd if mode == "fwd_bwd" else forward_only
     cuda_bench.run(
         wrap(ours),
         op="attention",

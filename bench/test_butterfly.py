@@ -15,19 +15,11 @@ import pytest
 import torch
 
 from bench import roofline
-from bench.frame import fwd_bwd
+from bench.frame import forward_only, fwd_bwd
 from wiola.ops import butterfly as reference
 
 SHAPES = [dict(N=16384, d=256, d_ff=512)]
 CASES = [("fwd", False), ("fwd_bwd", False), ("fwd_bwd", True)]
-
-
-def _no_grad(f):
-    def run(*args):
-        with torch.no_grad():
-            return f(*args)
-
-    return run
 
 
 @pytest.mark.parametrize(("mode", "residual"), CASES, ids=[f"{m}{'-residual' if r else ''}" for m, r in CASES])
@@ -45,7 +37,7 @@ def test_butterfly(cuda_bench, shape, mode, residual):
         weights = (rand(2 * d_ff, d, scale=0.02), rand(d_ff, d, scale=0.02), rand(d, d_ff, scale=0.02))
         return (x, *weights, rand(N, d)) if residual else (x, *weights)
 
-    wrap = fwd_bwd if mode == "fwd_bwd" else _no_grad
+    wrap = fwd_bwd if mode == "fwd_bwd" else forward_only
     cuda_bench.run(
         wrap(ours),
         op="butterfly",

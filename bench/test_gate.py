@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from bench import roofline
-from bench.frame import fwd_bwd
+from bench.frame import forward_only, fwd_bwd, rel_err
 from wiola.ops import gate as reference
 
 SHAPES = [
@@ -34,14 +34,6 @@ DTYPE = torch.bfloat16
 CLOSE = 2e-2  # bf16 relative max error (tests/conftest.py TOL)
 
 
-def _no_grad(f):
-    def run(*args):
-        with torch.no_grad():
-            return f(*args)
-
-    return run
-
-
 def _copy(times: int):
     def run(q, *_):
         for _ in range(times):
@@ -49,11 +41,6 @@ def _copy(times: int):
         return out
 
     return run
-
-
-def _rel_err(ref: torch.Tensor, got: torch.Tensor) -> float:
-    ref, got = ref.double(), got.double()
-    return float((ref - got).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -76,12 +63,12 @@ def test_gate(cuda_bench, shape, mode):
         args = [a.detach() for a in inputs()]
         want, got = reference(*args), ours(*args)
         for name, r, k in zip(("g", "sum"), want[:2], got[:2]):
-            err = _rel_err(r, k)
+            err = rel_err(r, k)
             assert err <= CLOSE, f"{name}: relative error {err:.3e} against the reference > {CLOSE}"
         assert torch.equal(want[2], got[2]), "count differs from the reference"
         del args, want, got
 
-    wrap = fwd_bwd if grad else _no_grad
+    wrap = fwd_bwd if grad else forward_only
     cuda_bench.run(
         wrap(ours),
         op="gate",
@@ -93,7 +80,7 @@ def test_gate(cuda_bench, shape, mode):
         baselines={
             "reference": wrap(reference),
             "torch.compile": wrap(torch.compile(reference)),
-            "q copy": _no_grad(_copy(2 if grad else 1)),
+            "q copy": forward_only(_copy(2 if grad else 1)),
         },
         notes=["goal: ours within 2x of 'q copy' (its speedup >= 0.5)"],
     )

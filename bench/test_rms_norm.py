@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from bench import roofline
-from bench.frame import fwd_bwd
+from bench.frame import forward_only, fwd_bwd
 from wiola.ops import rms_norm as reference
 
 SHAPES = [dict(N=16384, d=256)]
@@ -35,14 +35,6 @@ def _liger() -> Callable | str:
     except Exception as exc:  # not installed, or an incompatible version
         return f"liger_kernel not available: {type(exc).__name__}: {exc}"
     return lambda x, w, eps: liger_rms_norm(x, w, eps, in_place=False)  # in place would overwrite dy
-
-
-def _no_grad(f):
-    def run(*args):
-        with torch.no_grad():
-            return f(*args)
-
-    return run
 
 
 def _fwd_bwd_both(f):
@@ -82,11 +74,11 @@ def test_rms_norm(cuda_bench, shape, mode, res_dtype):
         if callable(liger):
             liger_fn = liger
             liger = lambda x, w, r: (liger_fn(x + r, w, EPS), x + r)
-        wrap = _fwd_bwd_both if mode == "fwd_bwd" else _no_grad
+        wrap = _fwd_bwd_both if mode == "fwd_bwd" else forward_only
         f = lambda x, w, r: ours(x, w, EPS, residual=r)
         ref = lambda x, w, r: reference(x, w, EPS, residual=r)
     else:
-        wrap = fwd_bwd if mode == "fwd_bwd" else _no_grad
+        wrap = fwd_bwd if mode == "fwd_bwd" else forward_only
         f = lambda x, w: ours(x, w, EPS)
         ref = lambda x, w: reference(x, w, EPS)
         if callable(liger):

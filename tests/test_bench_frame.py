@@ -135,3 +135,12 @@ def test_our_errors_propagate() -> None:
 def test_shape_id() -> None:
     assert frame.shape_id({"B": 32, "T": 512, "H": 8, "D": 32}) == "B32-T512-H8-D32"
     assert frame.shape_id({"preset": "13m", "B": 64, "T": 512}) == "13m-B64-T512"
+
+
+def test_forward_only_and_rel_err():
+    from bench.frame import forward_only, rel_err
+
+    x = torch.ones(3, requires_grad=True)
+    y = forward_only(lambda t: t * 2)(x)
+    assert not y.requires_grad and torch.equal(y, torch.full((3,), 2.0))
+    assert rel_err(torch.tensor([2.0, -4.0]), torch.tensor([2.0, -3.0])) == 0.25
