@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
-import pytest
 import torch
 
 from wiola import WiolaConfig, WiolaModel
 from wiola.cli import main
-
-RANKS = Path(__file__).resolve().parents[2] / "shared" / "tokenizers" / "gpt2.tiktoken"
 
 
 def test_budget_prints_the_13m_table(capsys):
@@ -20,11 +14,7 @@ def test_budget_prints_the_13m_table(capsys):
     assert "12,915,888" in out and "8,192,000" in out
 
 
-def test_generate_from_a_checkpoint(tmp_path, capsys, monkeypatch):
-    if "WIOLA_BPE_FILE" not in os.environ:
-        if not RANKS.exists():
-            pytest.skip("no GPT-2 rank file")
-        monkeypatch.setenv("WIOLA_BPE_FILE", str(RANKS))
+def test_generate_from_a_checkpoint(tmp_path, capsys):
     torch.manual_seed(0)
     WiolaModel(WiolaConfig.preset("tiny", n_layers=1)).save_pretrained(tmp_path)
     code = main(["generate", "--checkpoint", str(tmp_path), "--prompt", "Once upon", "--max-new-tokens", "5",

@@ -218,7 +218,7 @@ class WiolaModel(nn.Module):
             start = self._cache_start(cache, T, attention_mask)
         else:
             positions = positions_from_mask(attention_mask, B, T, device=input_ids.device)
-        cos, sin = rope_tables(positions.to(input_ids.device), self.rope_freqs)  # (B, T, D/2) fp32
+        cos, sin = rope_tables(positions, self.rope_freqs)  # (B, T, D/2) fp32
 
         h = self.embed(input_ids)  # (B, T, d): the residual stream
         x = ops.rms_norm(h, self.layers[0].attn_norm.weight, cfg.norm_eps)
