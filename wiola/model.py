@@ -40,6 +40,8 @@ def inference_cached(owner: nn.Module, key: str, build, *sources: torch.Tensor) 
     """
     if torch.is_grad_enabled() or sources[0].device.type != "cpu" or torch.compiler.is_compiling():
         return build()
+    if any(t.is_inference() for t in sources):  # no version counter to notice in-place updates
+        return build()
     stamp = tuple((t.data_ptr(), t._version) for t in sources)
     store = owner.__dict__.setdefault("_inference_cache", {})
     hit = store.get(key)

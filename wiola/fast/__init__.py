@@ -19,6 +19,8 @@ What runs where:
   values into the static cache and attends over it; the gate kernel carries the running sum
   and count. On CUDA, ``generate`` captures the whole one-token step (every layer, the head,
   sampling) as a CUDA graph once per batch size and replays it (``wiola.fast.generation``).
+  On a plain CPU, each one-token step (fp32, gradients off) is one call of a C++ step that
+  runs every layer and the head (``kernels/decode_step_cpu.py``, compiled on first use).
 - Without a GPU: under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (tests); else a
   PyTorch path (SDPA with the gate folded into the query, the static cache) that is at least
   as fast as the reference. ``use_kernels(False)`` forces that path anywhere.
@@ -49,6 +51,36 @@ class WiolaModel(ReferenceModel):
     """
 
     ops = ops
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        return_logits: bool | None = None,
+        logits_to_keep: int = 0,
+    ) -> ModelOutput:
+        """``wiola.WiolaModel.forward``; a one-token CPU step with a cache runs in C++ (see the module)."""
+        if cache is not None and attention_mask is None and labels is None and return_logits is not False:
+            step = ops.cpu_decode_step(self, input_ids, cache)
+            if step is not None:
+                self._check_inputs(input_ids, None, cache)
+                slot = cache.length
+                logits = step(input_ids.reshape(-1).to(torch.int64).contiguous(), slot)
+                cache.length += 1
+                if getattr(cache, "slot", None) is not None:
+                    cache.slot.fill_(cache.length)
+                return ModelOutput(logits=logits.unsqueeze(1), cache=cache)
+        return super().forward(
+            input_ids,
+            attention_mask=attention_mask,
+            labels=labels,
+            cache=cache,
+            return_logits=return_logits,
+            logits_to_keep=logits_to_keep,
+        )
 
     def _default_return_logits(self, labels: torch.Tensor | None) -> bool:
         return labels is None

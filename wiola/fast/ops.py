@@ -9,6 +9,8 @@ its reference in ``wiola.ops`` and dispatches per call.
   at least as fast as the reference: ``scaled_dot_product_attention`` with the gate folded
   into the rotated query (``g ⟨q̃, k̃⟩ = ⟨g q̃, k̃⟩``) instead of materialised scores, and the
   reference functions where they are already one or two library calls.
+- On a plain CPU, a one-token decoding step (fp32, gradients off) runs as one call of the C++
+  step in ``kernels/decode_step_cpu.py`` (every layer and the head), see ``cpu_decode_step``.
 
 ``KERNELS`` names the kernel of every op that was importable; ``MISSING`` gives the reason for
 the others.
@@ -225,6 +227,49 @@ def linear_cross_entropy(
         return reference.linear_cross_entropy(h, weight, labels, ignore_index)
     h, weight = _cast(_autocast_dtype(h), h, weight)
     return kernel(h, weight, labels, ignore_index)
+
+
+def cpu_decode_step(
+    model: Any, input_ids: torch.Tensor, cache: Any
+) -> Callable[[torch.Tensor, int], torch.Tensor] | None:
+    """The C++ one-token step bound to ``model`` and ``cache``, or None where it does not apply.
+
+    It applies on a plain CPU (not under ``TRITON_INTERPRET=1``, where the Triton kernels run)
+    with the kernels enabled, gradients and CPU autocast off, not while tracing, to one new
+    token per row (``input_ids`` ``(B, 1)``) of an fp32 model and cache, once the library has
+    been built (``kernels.decode_step_cpu.load``; the first call compiles it). The binding is
+    kept on the cache and rebuilt when a weight moves.
+    """
+    if (
+        not _enabled
+        or input_ids.device.type != "cpu"
+        or input_ids.dim() != 2
+        or input_ids.shape[1] != 1
+        or torch.is_grad_enabled()
+        or kernels_usable(input_ids)
+        or torch.is_autocast_enabled("cpu")
+        or torch.compiler.is_compiling()
+        or cache.dtype != torch.float32
+        or cache.device.type != "cpu"
+        or getattr(cache, "device_slot", False)
+        or model.embed.weight.dtype != torch.float32
+    ):
+        return None
+    try:
+        from kernels import decode_step_cpu
+    except ImportError:  # pragma: no cover - a wheel without kernels/
+        return None
+    if decode_step_cpu.load() is None:
+        MISSING.setdefault("decode_step_cpu", f"kernels.decode_step_cpu: {decode_step_cpu.BUILD_ERROR}")
+        return None
+    bound = cache.__dict__.get("_cpu_decode_step")
+    if bound is None or bound[0] is not model or not bound[1].is_current():
+        try:
+            step = decode_step_cpu.DecodeStepCPU(model, cache)
+        except ValueError:  # a non-contiguous or non-fp32 weight: the PyTorch path handles it
+            return None
+        bound = cache.__dict__["_cpu_decode_step"] = (model, step)
+    return bound[1]
 
 
 # --------------------------------------------------------------------------- PyTorch path

@@ -1,0 +1,332 @@
+// One decoding step of the whole Wiola model on a CPU, fp32: every layer and the tied head for
+// B rows of one new token each, reading the model's weights and writing the static cache in place.
+// Built and loaded by kernels/decode_step_cpu.py (g++ -O3 -march=native -fopenmp, ctypes); the
+// math is SPEC.md's, the same as wiola.model.WiolaModel.forward with a cache and T = 1.
+//
+// Why C++: decoding one token is bound by reading the weights (52 MB for the 13m preset), yet the
+// PyTorch path spends as long again on ~2,000 small ATen calls, and MKL's matrix-vector product is
+// single-threaded. Here every product streams its rows once, split between the threads of torch's
+// own OpenMP pool (libgomp is loaded once, by torch, so the two share it), and the small ops run
+// as plain loops between barriers of one parallel region.
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+
+inline v16 load(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float hsum(v16 v) {
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4 __attribute__((vector_size(16)));
+  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  v16 acc = {};
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes) acc += load(a + k) * load(b + k);
+  float s = hsum(acc);
+  for (; k < n; ++k) s += a[k] * b[k];
+  return s;
+}
+
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+// y[b, r] = <W[r, :], x[b, :]> for rows r in [r0, r1) and every b < B: W (N, K) row-major as
+// nn.Linear stores it, so each thread streams one contiguous slice of the matrix exactly once.
+// Four rows at a time (independent FMA chains), the batch in groups of up to four rows of x,
+// which stay in L1 while a group of W rows is reused from L1 for every group of x.
+template <int NR, int NB>
+inline void dot_block(const float* W, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t r) {
+  v16 acc[NR][NB] = {};
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) {
+    v16 xv[NB];
+    for (int b = 0; b < NB; ++b) {
+      xv[b] = load(x + b * ldx + k);
+      asm("" : "+v"(xv[b]));  // keep it in a register: GCC would reload it for every FMA
+    }
+    for (int i = 0; i < NR; ++i) {
+      v16 w = load(W + (r + i) * K + k);
+      asm("" : "+v"(w));
+      for (int b = 0; b < NB; ++b) acc[i][b] += w * xv[b];
+    }
+  }
+  for (int i = 0; i < NR; ++i) {
+    const float* w = W + (r + i) * K;
+    for (int b = 0; b < NB; ++b) {
+      float s = hsum(acc[i][b]);
+      for (int64_t kk = k; kk < K; ++kk) s += w[kk] * x[b * ldx + kk];
+      y[b * ldy + r + i] = s;
+    }
+  }
+}
+
+template <int NR>
+inline void dot_rows(const float* W, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t B,
+                     int64_t r) {
+  for (int64_t b = 0; b < B; b += 4) {
+    const float* xb = x + b * ldx;
+    float* yb = y + b * ldy;
+    switch (B - b < 4 ? B - b : 4) {
+      case 1: dot_block<NR, 1>(W, K, xb, ldx, yb, ldy, r); break;
+      case 2: dot_block<NR, 2>(W, K, xb, ldx, yb, ldy, r); break;
+      case 3: dot_block<NR, 3>(W, K, xb, ldx, yb, ldy, r); break;
+      default: dot_block<NR, 4>(W, K, xb, ldx, yb, ldy, r); break;
+    }
+  }
+}
+
+// Rows [r0, r1) of y = x Wᵀ. With `stream` (the tied head, larger than the last-level cache),
+// the rows 16 ahead are prefetched as non-temporal, which on this machine's EPYC keeps the
+// head from evicting the layers' weights from L3 and halves the step (see the benchmark notes).
+void gemv_rows(const float* W, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t B,
+               int64_t r0, int64_t r1, bool stream) {
+  const char* end = reinterpret_cast<const char*>(W + r1 * K);
+  int64_t r = r0;
+  for (; r + 4 <= r1; r += 4) {
+    if (stream) {
+      const char* p = reinterpret_cast<const char*>(W + (r + 16) * K);
+      for (int64_t off = 0; off < 4 * K * 4 && p + off < end; off += 64) __builtin_prefetch(p + off, 0, 0);
+    }
+    dot_rows<4>(W, K, x, ldx, y, ldy, B, r);
+  }
+  for (; r < r1; ++r) dot_rows<1>(W, K, x, ldx, y, ldy, B, r);
+}
+
+// This thread's share of the rows of an (N, K) product: contiguous, multiples of 4 rows.
+inline void gemv_share(const float* W, int64_t N, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy,
+                       int64_t B, int tid, int nth, bool stream = false) {
+  int64_t blocks = (N + 3) / 4;
+  int64_t b0 = blocks * tid / nth, b1 = blocks * (tid + 1) / nth;
+  int64_t r0 = b0 * 4, r1 = b1 * 4 < N ? b1 * 4 : N;
+  if (r0 < r1) gemv_rows(W, K, x, ldx, y, ldy, B, r0, r1, stream);
+}
+
+// out = h / sqrt(mean(h²) + eps) ⊙ γ   (statistics in fp32, as the reference)
+inline void rms_norm(const float* h, const float* gamma, float* out, int64_t d, float eps) {
+  float ms = dot(h, h, d) / static_cast<float>(d);
+  float inv = 1.0f / std::sqrt(ms + eps);
+  for (int64_t i = 0; i < d; ++i) out[i] = h[i] * inv * gamma[i];
+}
+
+// Rotate-half pair layout: pair i is (x_i, x_{i+D/2}).
+inline void rope(const float* x, const float* cs, const float* sn, float* out, int64_t D) {
+  int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    float x1 = x[i], x2 = x[i + half];
+    out[i] = x1 * cs[i] - x2 * sn[i];
+    out[i + half] = x1 * sn[i] + x2 * cs[i];
+  }
+}
+
+enum Dim { kB, kV, kD, kL, kH, kHd, kF, kS, kGate, kGatePreRope, kNumDims };
+enum Global { kEmbed, kFinalNorm, kFreqs, kNumGlobal };
+enum PerLayer { kAttnNorm, kWq, kWk, kWv, kWo, kGateW1, kGateW2, kGateB2, kFfnNorm, kWUp, kWBp, kWDown, kPerLayer };
+enum State { kK, kVc, kKeyMask, kGateSum, kGateCount, kNReal, kNumState };
+
+struct Workspace {
+  float *h, *x, *qkv, *o, *up, *bp, *cs, *sn, *g, *scores, *qrot;
+  Workspace(const int64_t* n, float* w) {
+    int64_t B = n[kB], d = n[kD], H = n[kH], D = n[kHd], F = n[kF], S = n[kS];
+    h = w; w += B * d;
+    x = w; w += B * d;
+    qkv = w; w += B * 3 * d;
+    o = w; w += B * d;
+    up = w; w += B * 2 * F;
+    bp = w; w += B * F;
+    cs = w; w += B * (D / 2);
+    sn = w; w += B * (D / 2);
+    g = w; w += B * H;
+    scores = w; w += B * H * S;
+    qrot = w; w += B * d;
+  }
+};
+
+}  // namespace
+
+extern "C" {
+
+int64_t wiola_workspace_floats(const int64_t* n) {
+  int64_t B = n[kB], d = n[kD], H = n[kH], D = n[kHd], F = n[kF], S = n[kS];
+  return B * (d * 7 + 3 * F + D + H + H * S);
+}
+
+// dims: kNumDims int64 (see Dim). weights: kNumGlobal + L·kPerLayer fp32 pointers (gate ones may be
+// null without a gate). state: the cache's buffers (k, v (L,B,H,S,D) fp32; key_mask (B,S) bool;
+// gate_sum (L,B,D) fp32; gate_count (L,B) int64; n_real (B,) int64). tokens: (B,) int64 in range.
+// slot: the cache slot of the new tokens (< S). logits: (B, V) out. work: wiola_workspace_floats.
+// The caller has checked every shape, dtype, range and that slot < S.
+int wiola_decode_step(const int64_t* n, const float* const* weights, void* const* state, const int64_t* tokens,
+                      int64_t slot, float eps, float* logits, float* work) {
+  const int64_t B = n[kB], V = n[kV], d = n[kD], L = n[kL], H = n[kH], D = n[kHd], F = n[kF], S = n[kS];
+  const bool gate = n[kGate] != 0, gate_pre_rope = n[kGatePreRope] != 0;
+  const int64_t half = D / 2;
+  const float* embed = weights[kEmbed];
+  const float* freqs = weights[kFreqs];
+  float* k_cache = static_cast<float*>(state[kK]);
+  float* v_cache = static_cast<float*>(state[kVc]);
+  bool* key_mask = static_cast<bool*>(state[kKeyMask]);
+  float* gate_sum = static_cast<float*>(state[kGateSum]);
+  int64_t* gate_count = static_cast<int64_t*>(state[kGateCount]);
+  int64_t* n_real = static_cast<int64_t*>(state[kNReal]);
+  Workspace ws(n, work);
+  const float sqrt_d = std::sqrt(static_cast<float>(D));
+
+  // Per row: the residual stream from the embedding, the rotation tables at the row's position
+  // (fp32 angle = position · θ̃_i, as wiola.ops.rope_tables), the new slot marked real.
+  for (int64_t b = 0; b < B; ++b) {
+    std::memcpy(ws.h + b * d, embed + tokens[b] * d, d * sizeof(float));
+    float pos = static_cast<float>(n_real[b]);
+    for (int64_t i = 0; i < half; ++i) {
+      float angle = pos * freqs[i];
+      ws.cs[b * half + i] = std::cos(angle);
+      ws.sn[b * half + i] = std::sin(angle);
+    }
+    key_mask[b * S + slot] = true;
+    rms_norm(ws.h + b * d, weights[kNumGlobal + kAttnNorm], ws.x + b * d, d, eps);
+  }
+
+#pragma omp parallel
+  {
+    const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+    for (int64_t l = 0; l < L; ++l) {
+      const float* const* w = weights + kNumGlobal + l * kPerLayer;
+      // q, k, v = x W_qᵀ, x W_kᵀ, x W_vᵀ   -> qkv (B, 3d)
+      for (int j = 0; j < 3; ++j)
+        gemv_share(w[kWq + j], d, d, ws.x, d, ws.qkv + j * d, 3 * d, B, tid, nth);
+#pragma omp barrier
+      // The gate from the running mean of the head-mean query, then q and k rotated and k, v
+      // written to the cache: per row, rows split between threads.
+      for (int64_t b = tid; b < B; b += nth) {
+        const float* q = ws.qkv + b * 3 * d;
+        const float* k = q + d;
+        const float* v = q + 2 * d;
+        const float* cs = ws.cs + b * half;
+        const float* sn = ws.sn + b * half;
+        float* g = ws.g + b * H;
+        if (gate) {
+          float m[1024], mr[1024];  // D <= 1024 (checked by the caller)
+          for (int64_t i = 0; i < D; ++i) {
+            float s = 0.0f;
+            for (int64_t hh = 0; hh < H; ++hh) s += q[hh * D + i];
+            m[i] = s / static_cast<float>(H);
+          }
+          const float* mm = m;
+          if (!gate_pre_rope) {
+            rope(m, cs, sn, mr, D);
+            mm = mr;
+          }
+          float* run = gate_sum + (l * B + b) * D;
+          int64_t count = gate_count[l * B + b] + 1;
+          gate_count[l * B + b] = count;
+          float denom = static_cast<float>(count);
+          float c[1024], hidden[1024];
+          for (int64_t i = 0; i < D; ++i) {
+            run[i] = mm[i] + run[i];
+            c[i] = run[i] / denom;
+          }
+          for (int64_t hh = 0; hh < H; ++hh) hidden[hh] = silu(dot(w[kGateW1] + hh * D, c, D));
+          for (int64_t hh = 0; hh < H; ++hh) g[hh] = sigmoid(dot(w[kGateW2] + hh * H, hidden, H) + w[kGateB2][hh]);
+        } else {
+          for (int64_t hh = 0; hh < H; ++hh) g[hh] = 1.0f;
+        }
+        for (int64_t hh = 0; hh < H; ++hh) {
+          int64_t cache_at = (((l * B + b) * H + hh) * S + slot) * D;
+          rope(q + hh * D, cs, sn, ws.qrot + b * d + hh * D, D);
+          rope(k + hh * D, cs, sn, k_cache + cache_at, D);
+          std::memcpy(v_cache + cache_at, v + hh * D, D * sizeof(float));
+        }
+      }
+#pragma omp barrier
+      // Attention of each (row, head) over the cached slots [0, slot], padding left out:
+      // softmax(g · <q̃, k̃_s> / sqrt(D)) v_s, in fp32. (row, head) pairs split between threads.
+      for (int64_t p = tid; p < B * H; p += nth) {
+        int64_t b = p / H, hh = p % H;
+        const float* q = ws.qrot + b * d + hh * D;
+        const float* keys = k_cache + ((l * B + b) * H + hh) * S * D;
+        const float* values = v_cache + ((l * B + b) * H + hh) * S * D;
+        const bool* real = key_mask + b * S;
+        float* sc = ws.scores + p * S;
+        float gh = ws.g[b * H + hh];
+        float mx = -INFINITY;
+        for (int64_t s = 0; s <= slot; ++s) {
+          if (!real[s]) continue;
+          sc[s] = dot(q, keys + s * D, D) / sqrt_d * gh;
+          mx = sc[s] > mx ? sc[s] : mx;
+        }
+        float total = 0.0f;
+        for (int64_t s = 0; s <= slot; ++s) {
+          if (!real[s]) continue;
+          sc[s] = std::exp(sc[s] - mx);
+          total += sc[s];
+        }
+        float* o = ws.o + b * d + hh * D;
+        for (int64_t i = 0; i < D; ++i) o[i] = 0.0f;
+        for (int64_t s = 0; s <= slot; ++s) {
+          if (!real[s]) continue;
+          float ps = sc[s] / total;
+          const float* vs = values + s * D;
+          int64_t i = 0;
+          for (; i + kLanes <= D; i += kLanes) store(o + i, load(o + i) + ps * load(vs + i));
+          for (; i < D; ++i) o[i] += ps * vs[i];
+        }
+      }
+#pragma omp barrier
+      // h' = h + o W_oᵀ; x = RMSNorm(h') γ_ffn
+      gemv_share(w[kWo], d, d, ws.o, d, ws.qkv, 3 * d, B, tid, nth);
+#pragma omp barrier
+      for (int64_t b = tid; b < B; b += nth) {
+        float* hb = ws.h + b * d;
+        const float* a = ws.qkv + b * 3 * d;
+        for (int64_t i = 0; i < d; ++i) hb[i] = a[i] + hb[i];
+        rms_norm(hb, w[kFfnNorm], ws.x + b * d, d, eps);
+      }
+#pragma omp barrier
+      // Butterfly: [a ‖ b] = x W_upᵀ, r = SiLU(a) ⊙ b + x W_bpᵀ, y = r W_downᵀ.
+      gemv_share(w[kWUp], 2 * F, d, ws.x, d, ws.up, 2 * F, B, tid, nth);
+      gemv_share(w[kWBp], F, d, ws.x, d, ws.bp, F, B, tid, nth);
+#pragma omp barrier
+      for (int64_t b = tid; b < B; b += nth) {
+        float* a = ws.up + b * 2 * F;
+        const float* bb = a + F;
+        const float* bp = ws.bp + b * F;
+        for (int64_t i = 0; i < F; ++i) a[i] = silu(a[i]) * bb[i] + bp[i];  // r, over a
+      }
+#pragma omp barrier
+      gemv_share(w[kWDown], d, F, ws.up, 2 * F, ws.qkv, 3 * d, B, tid, nth);
+#pragma omp barrier
+      // h'' = h' + y; x = RMSNorm(h'') with the next layer's γ (the final norm after the last).
+      const float* next_gamma = l + 1 < L ? weights[kNumGlobal + (l + 1) * kPerLayer + kAttnNorm]
+                                          : weights[kFinalNorm];
+      for (int64_t b = tid; b < B; b += nth) {
+        float* hb = ws.h + b * d;
+        const float* y = ws.qkv + b * 3 * d;
+        for (int64_t i = 0; i < d; ++i) hb[i] = y[i] + hb[i];
+        rms_norm(hb, next_gamma, ws.x + b * d, d, eps);
+      }
+#pragma omp barrier
+    }
+    // The tied head: logits = x Eᵀ.
+    gemv_share(embed, V, d, ws.x, d, logits, V, B, tid, nth, true);
+  }
+  for (int64_t b = 0; b < B; ++b) n_real[b] += 1;
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,278 @@
+"""The C++ CPU decoding step (``kernels/decode_step_cpu``) against the reference model's one-token
+forward with a cache: logits and every cache buffer it writes, over odd shapes (row counts that
+are not multiples of the 4-row blocks, widths that are not multiples of the 16 SIMD lanes), every
+gate variant, left padding, long caches, NaN-poisoned slots it must not read, thread counts, and
+its use by ``wiola.fast.WiolaModel`` on a plain CPU (dispatch, rebinding, fallback)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import TOL, assert_close
+
+import wiola
+import wiola.fast
+from wiola.fast import ops as fast_ops
+
+decode_step_cpu = pytest.importorskip("kernels.decode_step_cpu")
+FP32 = TOL[torch.float32]
+
+# Odd shapes: d 40 (K not a multiple of 16), head width 10 (below one SIMD vector), d_ff 72,
+# V 301 (not a multiple of the 4-row blocks).
+ODD = wiola.WiolaConfig(vocab_size=301, d_model=40, n_layers=2, n_heads=4, d_ff=72, max_seq_len=320)
+SMALL = wiola.WiolaConfig(vocab_size=1000, d_model=64, n_layers=2, n_heads=2, d_ff=128, max_seq_len=320)
+VARIANTS = {
+    "odd": ODD,
+    "gate-post-rope": dataclasses.replace(SMALL, gate_pre_rope=False),
+    "no-gate": dataclasses.replace(SMALL, gate=False),
+    "alpha0": dataclasses.replace(SMALL, helix_alpha=0.0),
+    "13m-shape": dataclasses.replace(wiola.WiolaConfig.preset("13m"), vocab_size=2000, n_layers=2),
+}
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    if decode_step_cpu.load() is None:
+        pytest.fail(f"the CPU decode step did not build: {decode_step_cpu.BUILD_ERROR}")
+
+
+def _model(config: wiola.WiolaConfig, seed: int = 0) -> wiola.WiolaModel:
+    torch.manual_seed(seed)
+    model = wiola.WiolaModel(config).eval()
+    with torch.no_grad():  # larger than the init so that attention and the gates are far from uniform
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def _prompt(config: wiola.WiolaConfig, B: int, T: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(B * 100 + T)
+    ids = torch.randint(0, config.vocab_size, (B, T), generator=gen)
+    mask = torch.ones(B, T, dtype=torch.long)
+    if B > 1 and pad:
+        mask[1, :pad] = 0
+        mask[B - 1, : pad // 2] = 0
+    return ids, mask
+
+
+def _assert_caches_equal(ref: wiola.Cache, got: wiola.Cache, upto: int) -> None:
+    real = ref.key_mask[:, :upto]
+    assert torch.equal(ref.key_mask, got.key_mask), "cache.key_mask differs"
+    assert torch.equal(ref.n_real, got.n_real), f"cache.n_real {got.n_real.tolist()} != {ref.n_real.tolist()}"
+    assert torch.equal(ref.gate_count, got.gate_count), "cache.gate_count differs"
+    assert ref.length == got.length, f"cache.length {got.length} != {ref.length}"
+    for name in ("k", "v"):
+        r, g = getattr(ref, name)[:, :, :, :upto], getattr(got, name)[:, :, :, :upto]
+        sel = real[None, :, None, :].expand_as(r[..., 0])
+        assert_close(f"cache.{name}", r[sel], g[sel], FP32)
+    assert_close("cache.gate_sum", ref.gate_sum, got.gate_sum, FP32)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("B,prompt,steps,pad", [(1, 1, 6, 0), (3, 17, 9, 6), (2, 290, 10, 30)], ids=lambda v: str(v))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_step_matches_reference_forward(variant, B, prompt, steps, pad):
+    """Logits and cache after each of ``steps`` one-token steps equal the reference's."""
+    config = VARIANTS[variant]
+    model = _model(config)
+    ids, mask = _prompt(config, B, prompt, pad)
+    S = prompt + steps
+    ref_cache, cache = model.new_cache(B, S), model.new_cache(B, S)
+    model(ids, attention_mask=mask, cache=ref_cache)
+    model(ids, attention_mask=mask, cache=cache)
+    # Slots the step must never read: everything past the current one, and the left padding.
+    unread = ~cache.key_mask.clone()  # (B, S): padding and every slot not yet written
+    for buf in (cache.k, cache.v):
+        buf.masked_fill_(unread[None, :, None, :, None], float("nan"))
+    step = decode_step_cpu.DecodeStepCPU(model, cache)
+    gen = torch.Generator().manual_seed(7)
+    for i in range(steps):
+        tokens = torch.randint(0, config.vocab_size, (B, 1), generator=gen)
+        want = model(tokens, cache=ref_cache).logits[:, 0]
+        got = step(tokens.view(-1), cache.length)
+        cache.length += 1
+        assert_close(f"logits[step {i}]", want, got, FP32)
+    _assert_caches_equal(ref_cache, cache, S)
+
+
+@torch.inference_mode()
+def test_step_matches_float64_oracle():
+    """Independent of the reference model: the float64 computation from SPEC's equations."""
+    from f64_reference import forward_row
+
+    config = ODD
+    model = _model(config, seed=3)
+    ids, mask = _prompt(config, 3, 12, 4)
+    nxt = torch.randint(0, config.vocab_size, (3, 1), generator=torch.Generator().manual_seed(5))
+    cache = model.new_cache(3, 13)
+    model(ids, attention_mask=mask, cache=cache)
+    got = decode_step_cpu.DecodeStepCPU(model, cache)(nxt.view(-1), cache.length)
+    full_ids = torch.cat([ids, nxt], dim=1)
+    full_mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], dim=1)
+    state = model.state_dict()
+    want = torch.stack(
+        [forward_row(state, config, full_ids[b].tolist(), full_mask[b].bool().tolist())[-1] for b in range(3)]
+    )
+    assert_close("logits vs float64", want, got.double(), FP32)
+
+
+@torch.inference_mode()
+def test_thread_count_does_not_change_results():
+    """Each output is one dot product whatever the split between threads: bitwise equal."""
+    model = _model(VARIANTS["13m-shape"])
+    ids, mask = _prompt(model.config, 3, 20, 5)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            cache = model.new_cache(3, 24)
+            model(ids, attention_mask=mask, cache=cache)
+            step = decode_step_cpu.DecodeStepCPU(model, cache)
+            results.append(torch.stack([step(ids[:, t], cache.length + t) for t in range(3)]))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2]), (
+        "logits depend on the thread count"
+    )
+
+
+def test_bad_bindings_name_the_tensor():
+    model = _model(SMALL)
+    with pytest.raises(ValueError, match="weight #0 must be a contiguous torch.float32"):
+        decode_step_cpu.DecodeStepCPU(model.double(), wiola.Cache(SMALL, 1, 4))
+    model = _model(SMALL)
+    cache = model.new_cache(1, 4)
+    cache.gate_count = cache.gate_count.int()
+    with pytest.raises(ValueError, match="cache.gate_count must be a contiguous torch.int64"):
+        decode_step_cpu.DecodeStepCPU(model, cache)
+
+
+# ------------------------------------------------------------------ use by wiola.fast
+@pytest.fixture
+def plain_cpu(monkeypatch):
+    """A plain CPU: without the interpreter, the fast model takes its CPU path (this step)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def _fast_pair(config: wiola.WiolaConfig) -> tuple[wiola.WiolaModel, wiola.fast.WiolaModel]:
+    ref = _model(config)
+    fast = wiola.fast.WiolaModel(config).eval()
+    fast.load_state_dict(ref.state_dict())
+    return ref, fast
+
+
+def _count_calls(monkeypatch) -> list[int]:
+    calls = [0]
+    original = decode_step_cpu.DecodeStepCPU.__call__
+
+    def counted(self, tokens, slot):
+        calls[0] += 1
+        return original(self, tokens, slot)
+
+    monkeypatch.setattr(decode_step_cpu.DecodeStepCPU, "__call__", counted)
+    return calls
+
+
+def test_fast_generate_uses_the_step_and_matches_reference(plain_cpu, monkeypatch):
+    calls = _count_calls(monkeypatch)
+    ref, fast = _fast_pair(VARIANTS["13m-shape"])
+    ids, mask = _prompt(ref.config, 3, 17, 6)
+    want = ref.generate(ids, 12, attention_mask=mask, temperature=0)
+    got = fast.generate(ids, 12, attention_mask=mask, temperature=0)
+    assert calls[0] == 11, f"the C++ step ran {calls[0]} times for 11 one-token steps"
+    assert torch.equal(want, got), f"greedy tokens differ:\n{want}\n{got}"
+    # eos: rows stop and are padded, as in the reference loop
+    eos = int(want[0, 20])
+    want = ref.generate(ids, 12, attention_mask=mask, temperature=0, eos_token_id=eos, pad_token_id=0)
+    got = fast.generate(ids, 12, attention_mask=mask, temperature=0, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(want, got), f"greedy tokens with eos differ:\n{want}\n{got}"
+
+
+def test_fast_forward_dispatch(plain_cpu, monkeypatch):
+    """The step runs only for one-token, gradient-free fp32 CPU calls with a cache; the rest
+    (chunks, masks, gradients, use_kernels(False)) keep the PyTorch path and still agree."""
+    calls = _count_calls(monkeypatch)
+    ref, fast = _fast_pair(SMALL)
+    ids, _ = _prompt(SMALL, 2, 9, 0)
+    ref_cache, cache = ref.new_cache(2, 20), fast.new_cache(2, 20)
+    with torch.no_grad():
+        ref(ids, cache=ref_cache)
+        fast(ids, cache=cache)  # a chunk of 9: PyTorch path
+        assert calls[0] == 0
+        tok = ids[:, :1]
+        assert_close("logits[step]", ref(tok, cache=ref_cache).logits, fast(tok, cache=cache).logits, FP32)
+        assert calls[0] == 1 and cache.length == 10
+        ones = torch.ones(2, 11, dtype=torch.long)
+        assert_close(
+            "logits[masked step]",
+            ref(tok, attention_mask=ones, cache=ref_cache).logits,
+            fast(tok, attention_mask=ones, cache=cache).logits,
+            FP32,
+        )
+        with fast_ops.use_kernels(False):
+            assert_close("logits[kernels off]", ref(tok, cache=ref_cache).logits, fast(tok, cache=cache).logits, FP32)
+    out = fast(tok, cache=cache)  # gradients on: autograd needs the PyTorch path
+    assert out.logits.requires_grad
+    assert calls[0] == 1, "the C++ step ran where it must not"
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="token id 1000 is outside"):
+            fast(torch.tensor([[1], [1000]]), cache=cache)
+        full = fast.new_cache(2, 1)
+        fast(tok, cache=full)
+        with pytest.raises(ValueError, match="past the cache's max_len=1"):
+            fast(tok, cache=full)
+
+
+@torch.no_grad()
+def test_fast_step_follows_weight_changes(plain_cpu):
+    """In-place updates are read live; replaced or moved parameters rebind the step."""
+    ref, fast = _fast_pair(SMALL)
+    ids, _ = _prompt(SMALL, 1, 5, 0)
+    cache = fast.new_cache(1, 20)
+
+    def check(name: str) -> None:
+        ref_cache = ref.new_cache(1, 20)
+        ref(ids, cache=ref_cache)
+        cache.reset()
+        fast(ids, cache=cache)
+        assert_close(name, ref(ids[:, :1], cache=ref_cache).logits, fast(ids[:, :1], cache=cache).logits, FP32)
+
+    check("logits")
+    for p, q in zip(ref.parameters(), fast.parameters()):
+        p.mul_(1.5)
+        q.mul_(1.5)
+    check("logits after an in-place update")
+    other = _model(SMALL, seed=11)
+    ref.load_state_dict(other.state_dict())
+    fast.load_state_dict(other.state_dict(), assign=True)
+    check("logits after load_state_dict(assign=True)")
+
+
+def test_fallback_when_the_compiler_is_missing(plain_cpu, monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    monkeypatch.setenv("WIOLA_CACHE_DIR", str(tmp_path))
+    for name, value in (("_LIB", None), ("_TRIED", False), ("BUILD_ERROR", None)):
+        monkeypatch.setattr(decode_step_cpu, name, value)
+    monkeypatch.delitem(fast_ops.MISSING, "decode_step_cpu", raising=False)
+    assert decode_step_cpu.load() is None
+    assert "`no-such-compiler-xyz` is not on PATH" in decode_step_cpu.BUILD_ERROR
+    ref, fast = _fast_pair(SMALL)
+    ids, _ = _prompt(SMALL, 2, 6, 0)
+    want = ref.generate(ids, 5, temperature=0)
+    assert torch.equal(want, fast.generate(ids, 5, temperature=0)), "the PyTorch fallback differs"
+    assert "no-such-compiler-xyz" in fast_ops.MISSING["decode_step_cpu"]
+
+
+def test_compile_error_is_reported(monkeypatch, tmp_path):
+    bad = tmp_path / "broken.cpp"
+    bad.write_text("this is not C++\n")
+    monkeypatch.setattr(decode_step_cpu, "SOURCE", bad)
+    monkeypatch.setenv("WIOLA_CACHE_DIR", str(tmp_path / "cache"))
+    for name, value in (("_LIB", None), ("_TRIED", False), ("BUILD_ERROR", None)):
+        monkeypatch.setattr(decode_step_cpu, name, value)
+    assert decode_step_cpu.load() is None
+    assert "failed" in decode_step_cpu.BUILD_ERROR and "broken.cpp" in decode_step_cpu.BUILD_ERROR
+    assert not list((tmp_path / "cache").glob("*.so")), "a failed build left a library behind"
