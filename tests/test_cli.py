@@ -15,14 +15,22 @@ def test_budget_prints_the_13m_table(capsys):
 
 
 def test_generate_from_a_checkpoint(tmp_path, capsys):
+    """Greedy text from the default (wiola.fast) and --reference equals the model's own generate."""
+    from wiola.tokenizer import encoding_for_vocab
+
     torch.manual_seed(0)
-    WiolaModel(WiolaConfig.preset("tiny", n_layers=1)).save_pretrained(tmp_path)
-    code = main(["generate", "--checkpoint", str(tmp_path), "--prompt", "Once upon", "--max-new-tokens", "5",
-                 "--temperature", "0", "--device", "cpu"])  # fmt: skip
-    captured = capsys.readouterr()
-    assert code == 0
-    assert captured.out.startswith("Once upon") and len(captured.out) > len("Once upon")
-    assert "5 tokens" in captured.err
+    model = WiolaModel(WiolaConfig.preset("tiny", n_layers=1)).eval()
+    model.save_pretrained(tmp_path)
+    enc = encoding_for_vocab(model.config.vocab_size)
+    prompt = torch.tensor([enc.encode("Once upon")])
+    want = "Once upon" + enc.decode(model.generate(prompt, 5, temperature=0)[0, prompt.shape[1] :].tolist()) + "\n"
+    for flag in ([], ["--reference"]):
+        code = main(["generate", "--checkpoint", str(tmp_path), "--prompt", "Once upon", "--max-new-tokens", "5",
+                     "--temperature", "0", "--device", "cpu", *flag])  # fmt: skip
+        captured = capsys.readouterr()
+        assert code == 0, captured.err
+        assert captured.out == want, f"wiola generate {flag}: {captured.out!r} != {want!r}"
+        assert "5 tokens" in captured.err
 
 
 def test_generate_reports_a_bad_checkpoint(tmp_path, capsys):

@@ -107,3 +107,20 @@ def test_loss_is_shifted_mean_cross_entropy():
     terms = [-logp[b, t, labels[b, t + 1]] for b in range(2) for t in range(11) if labels[b, t + 1] != -100]
     assert out.loss.dtype == torch.float64 or out.loss.dtype == torch.float32
     assert abs(out.loss.item() - torch.stack(terms).mean().item()) < 1e-10
+
+
+def test_model_built_under_inference_mode_decodes():
+    """Parameters created under ``torch.inference_mode`` have no version counter; the CPU
+    inference caches must not read one (this crashed on the first forward)."""
+    torch.manual_seed(0)
+    config = WiolaConfig(vocab_size=100, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=64)
+    ids = torch.randint(0, 100, (2, 9))
+    with torch.inference_mode():
+        model = WiolaModel(config)
+        cache = model.new_cache(2, 9)
+        steps = [model(ids[:, :5], cache=cache).logits] + [
+            model(ids[:, t : t + 1], cache=cache).logits for t in range(5, 9)
+        ]
+        full = model(ids).logits
+    err = float((torch.cat(steps, dim=1) - full).abs().max())
+    assert err <= 1e-5, f"cached logits differ from the full pass by {err:.2e}"

@@ -97,7 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--fast", action="store_true", help="use wiola.fast (fused kernels)")
+    impl = p.add_mutually_exclusive_group()
+    impl.add_argument(
+        "--fast", dest="fast", action="store_true", default=True,
+        help="wiola.fast (the default): fused kernels on CUDA, one C++ call per token on a CPU",
+    )  # fmt: skip
+    impl.add_argument("--reference", dest="fast", action="store_false", help="the readable reference model")
     p.set_defaults(func=_generate)
 
     try:
