@@ -41,10 +41,19 @@ _TRIED = False
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("WIOLA_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "wiola"
-    )
-    return Path(root)
+    """``$WIOLA_CACHE_DIR``, else ``$XDG_CACHE_HOME/wiola`` or ``~/.cache/wiola``; a per-user
+    folder under the temporary directory when that cannot be written (a read-only home)."""
+    explicit = os.environ.get("WIOLA_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "wiola"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if os.access(root, os.W_OK):
+            return root
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"wiola-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
 
 
 def _cpu_signature() -> str:
