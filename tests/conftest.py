@@ -23,7 +23,7 @@ KERNEL_DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE == 
 
 
 def rel_err(ref: torch.Tensor, got: torch.Tensor) -> float:
-    ref, got = ref.double(), got.double()
+    ref, got = ref.detach().double(), got.detach().double()
     return float((ref - got).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
