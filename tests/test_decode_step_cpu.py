@@ -218,6 +218,10 @@ def test_fast_forward_dispatch(plain_cpu, monkeypatch):
     assert out.logits.requires_grad
     assert calls[0] == 1, "the C++ step ran where it must not"
     with torch.no_grad():
+        with pytest.raises(TypeError, match="input_ids must be a torch.Tensor"):
+            fast([[1], [2]], cache=cache)
+        with pytest.raises(TypeError, match="input_ids must be an integer tensor"):
+            fast(torch.ones(2, 1), cache=cache)
         with pytest.raises(ValueError, match="token id 1000 is outside"):
             fast(torch.tensor([[1], [1000]]), cache=cache)
         full = fast.new_cache(2, 1)

@@ -63,7 +63,13 @@ class WiolaModel(ReferenceModel):
         logits_to_keep: int = 0,
     ) -> ModelOutput:
         """``wiola.WiolaModel.forward``; a one-token CPU step with a cache runs in C++ (see the module)."""
-        if cache is not None and attention_mask is None and labels is None and return_logits is not False:
+        if (
+            cache is not None
+            and isinstance(input_ids, torch.Tensor)
+            and attention_mask is None
+            and labels is None
+            and return_logits is not False
+        ):
             step = ops.cpu_decode_step(self, input_ids, cache)
             if step is not None:
                 self._check_inputs(input_ids, None, cache)
