@@ -50,6 +50,25 @@ def _cost(config: wiola.WiolaConfig, batch: int, new: int) -> roofline.Cost:
     return cost
 
 
+def _wiola13m_baseline(hf_model, ids: torch.Tensor, new: int, ours: torch.Tensor):
+    """wiola13m's greedy ``generate`` as a baseline, after asserting it gives our tokens (or the
+    reason it is unavailable)."""
+    if isinstance(hf_model, str):
+        return hf_model
+    mismatch = (hf_greedy(hf_model, ids, new) != ours).nonzero()
+    assert mismatch.numel() == 0, f"greedy tokens differ from wiola13m's first at (row, slot) {mismatch[0].tolist()}"
+    return lambda: hf_greedy(hf_model, ids, new)
+
+
+def _summary(batch: int, name: str, rec: dict) -> None:
+    hf = rec["baselines"]["wiola13m"]
+    if "speedup" in hf:
+        print(
+            f"\ndecode CPU B{batch}: {name} {rec['tokens_per_s']:.1f} tok/s, wiola13m {hf['tokens_per_s']:.1f} tok/s, "
+            f"ratio {hf['speedup']:.2f}x (goal at B1: >= 4x)"
+        )
+
+
 @pytest.mark.parametrize("batch", BATCHES, ids=lambda b: f"B{b}-P{PROMPT}-N{NEW_TOKENS}")
 def test_decode_cpu(cpu_bench, model, hf_model, batch: int) -> None:
     new = SMOKE_TOKENS if cpu_bench.quick else NEW_TOKENS
@@ -61,15 +80,7 @@ def test_decode_cpu(cpu_bench, model, hf_model, batch: int) -> None:
     baselines = {}
     expected = ours()
     assert expected.shape == (batch, PROMPT + new), f"generate returned shape {tuple(expected.shape)}"
-    if isinstance(hf_model, str):
-        baselines["wiola13m"] = hf_model
-    else:
-        theirs = hf_greedy(hf_model, ids, new)
-        mismatch = (theirs != expected).nonzero()
-        assert mismatch.numel() == 0, (
-            f"greedy tokens differ from wiola13m's first at (row, slot) {mismatch[0].tolist()}"
-        )
-        baselines["wiola13m"] = lambda: hf_greedy(hf_model, ids, new)
+    baselines["wiola13m"] = _wiola13m_baseline(hf_model, ids, new, expected)
 
     rec = cpu_bench.run(
         ours,
@@ -84,12 +95,7 @@ def test_decode_cpu(cpu_bench, model, hf_model, batch: int) -> None:
         notes=["13m preset, random weights, same weights in every implementation; greedy tokens identical"],
     )
     if not cpu_bench.quick:
-        hf = rec["baselines"]["wiola13m"]
-        if "speedup" in hf:
-            print(
-                f"\ndecode CPU B{batch}: reference {rec['tokens_per_s']:.1f} tok/s, wiola13m {hf['tokens_per_s']:.1f} tok/s, "
-                f"ratio {hf['speedup']:.2f}x (goal at B1: >= 4x)"
-            )
+        _summary(batch, "reference", rec)
 
 
 @pytest.mark.parametrize("batch", BATCHES, ids=lambda b: f"B{b}-P{PROMPT}-N{NEW_TOKENS}")
@@ -109,15 +115,7 @@ def test_decode_cpu_fast(cpu_bench, model, hf_model, batch: int) -> None:
         f"wiola.fast greedy tokens differ from the reference's first at {mismatch[0].tolist()}"
     )
     baselines = {"reference": lambda: model.generate(ids, new, temperature=0)}
-    if isinstance(hf_model, str):
-        baselines["wiola13m"] = hf_model
-    else:
-        theirs = hf_greedy(hf_model, ids, new)
-        mismatch = (theirs != got).nonzero()
-        assert mismatch.numel() == 0, (
-            f"greedy tokens differ from wiola13m's first at (row, slot) {mismatch[0].tolist()}"
-        )
-        baselines["wiola13m"] = lambda: hf_greedy(hf_model, ids, new)
+    baselines["wiola13m"] = _wiola13m_baseline(hf_model, ids, new, got)
 
     rec = cpu_bench.run(
         lambda: fast_model.generate(ids, new, temperature=0),
@@ -132,9 +130,4 @@ def test_decode_cpu_fast(cpu_bench, model, hf_model, batch: int) -> None:
         notes=["13m preset, random weights; greedy tokens identical to the reference and to wiola13m"],
     )
     if not cpu_bench.quick:
-        hf = rec["baselines"]["wiola13m"]
-        if "speedup" in hf:
-            print(
-                f"\ndecode CPU B{batch}: wiola.fast {rec['tokens_per_s']:.1f} tok/s, wiola13m {hf['tokens_per_s']:.1f} tok/s, "
-                f"ratio {hf['speedup']:.2f}x (goal at B1: >= 4x)"
-            )
+        _summary(batch, "wiola.fast", rec)
