@@ -125,7 +125,7 @@ class DecodeStepCPU:
     """The C++ step bound to one model's weights and one cache (pointers taken once).
 
     Raises ``ValueError`` naming the tensor when a weight or cache buffer is not a contiguous
-    fp32 CPU tensor of the expected shape.
+    CPU tensor of the expected dtype and shape (a cache made for another model, say).
     """
 
     def __init__(self, model: WiolaModel, cache: Cache) -> None:
@@ -137,17 +137,22 @@ class DecodeStepCPU:
             raise ValueError(f"the CPU decode step needs head_dim and n_heads <= {MAX_HEAD}")
         self.lib, self.config = lib, cfg
         self.tensors = step_parameters(model)  # references keep the storage alive
-        for i, t in enumerate(self.tensors):
+        d, H, D, F, L, V = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.d_ff, cfg.n_layers, cfg.vocab_size
+        layer = [(d,), (d, d), (d, d), (d, d), (d, d), (H, D), (H, H), (H,), (d,), (2 * F, d), (F, d), (d, F)]
+        shapes = [(V, d), (d,), (D // 2,), *(layer * L)]
+        for i, (t, shape) in enumerate(zip(self.tensors, shapes, strict=True)):
             if t is not None:
-                _check(t, f"weight #{i}", torch.float32)
+                _check(t, f"weight #{i}", torch.float32, shape)
+        B, S = cache.batch_size, cache.max_len
         self.state = (cache.k, cache.v, cache.key_mask, cache.gate_sum, cache.gate_count, cache.n_real)
-        for name, t, dtype in zip(
+        for name, t, dtype, shape in zip(
             ("k", "v", "key_mask", "gate_sum", "gate_count", "n_real"),
             self.state,
             (torch.float32, torch.float32, torch.bool, torch.float32, torch.int64, torch.int64),
+            ((L, B, H, S, D), (L, B, H, S, D), (B, S), (L, B, D), (L, B), (B,)),
+            strict=True,
         ):
-            _check(t, f"cache.{name}", dtype)
-        B, S = cache.batch_size, cache.max_len
+            _check(t, f"cache.{name}", dtype, shape)
         dims = (B, cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.d_ff, S)
         self.batch_size, self.max_len = B, S
         self.dims = (ctypes.c_int64 * 10)(*dims, int(cfg.gate), int(cfg.gate_pre_rope))
@@ -164,7 +169,7 @@ class DecodeStepCPU:
     def is_current(self) -> bool:
         """Whether the bound weights are still the model's, where they were: False after any
         parameter was replaced (``load_state_dict(assign=True)``, ``module.weight = ...``) or
-        moved (``.to()``, ``.half()``). In-place updates need no rebinding. Costs ~15 µs."""
+        moved (``.to()``, ``.half()``). In-place updates need no rebinding. Costs ~10 µs."""
         return self.registrations == _registrations and self.pointers == self._pointers()
 
     def __call__(self, tokens: torch.Tensor, slot: int) -> torch.Tensor:
@@ -192,9 +197,12 @@ def _count_registration(module: torch.nn.Module, name: str, param: torch.nn.Para
 torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
 
 
-def _check(t: torch.Tensor, name: str, dtype: torch.dtype) -> None:
+def _check(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """The C++ reads raw pointers: anything but the exact layout would read out of bounds."""
     if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
         raise ValueError(
             f"CPU decode step: {name} must be a contiguous {dtype} CPU tensor, got {t.dtype} on {t.device}"
             f"{'' if t.is_contiguous() else ' (not contiguous)'}"
         )
+    if tuple(t.shape) != shape:
+        raise ValueError(f"CPU decode step: {name} has shape {tuple(t.shape)}, the model needs {shape}")

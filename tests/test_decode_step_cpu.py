@@ -148,6 +148,9 @@ def test_bad_bindings_name_the_tensor():
     cache.gate_count = cache.gate_count.int()
     with pytest.raises(ValueError, match="cache.gate_count must be a contiguous torch.int64"):
         decode_step_cpu.DecodeStepCPU(model, cache)
+    other = dataclasses.replace(SMALL, n_layers=3)  # a cache made for another model
+    with pytest.raises(ValueError, match=r"cache.k has shape \(3, 1, 2, 4, 32\), the model needs \(2, 1, 2, 4, 32\)"):
+        decode_step_cpu.DecodeStepCPU(model, wiola.Cache(other, 1, 4))
 
 
 # ------------------------------------------------------------------ use by wiola.fast
