@@ -196,7 +196,9 @@ def _gate_fwd_kernel(
         run2 += tl.sum(m2, 0)
         n += tl.sum(real, 0)
 
-    last = d_ok & (s == NS - 1)  # masked stores, not a branch: fewer live predicates across the loop
+    # Masked stores, not a branch: fewer live predicates across the loop. The scalar test is
+    # broadcast to a block before the `&`: triton 3.9's interpreter rejects block & scalar masks.
+    last = d_ok & ((offs_d * 0 + s) == NS - 1)
     tl.store(SUM_OUT + b * D + offs_d, run1, mask=last)
     tl.store(SUM_OUT + b * D + HALF + offs_d, run2, mask=last)
     tl.store(COUNT_OUT + b, n.to(tl.int64), mask=s == NS - 1)
