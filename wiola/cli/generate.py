@@ -1,4 +1,4 @@
-"""The ``wiola`` command: ``budget`` and ``generate`` here; training sub-commands in ``wiola.cli_train``."""
+"""``wiola generate``: stream text from a checkpoint (``wiola.fast`` by default)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,26 @@ from pathlib import Path
 import torch
 
 
-def _budget(args: argparse.Namespace) -> int:
-    from wiola import WiolaConfig, budget
+def register(sub: argparse._SubParsersAction) -> None:
+    from wiola.config import PRESETS
 
-    config = WiolaConfig.preset(args.preset)
-    print(budget(config, args.seq_len).table())
-    return 0
+    p = sub.add_parser("generate", help="generate text from a checkpoint")
+    p.add_argument("--checkpoint", help="model folder (ours or wiola13m's) or a training run folder")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="random model when no checkpoint")
+    p.add_argument("--prompt", default="Once upon a time")
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    impl = p.add_mutually_exclusive_group()
+    impl.add_argument(
+        "--fast", dest="fast", action="store_true", default=True,
+        help="wiola.fast (the default): fused kernels on CUDA, one C++ call per token on a CPU",
+    )  # fmt: skip
+    impl.add_argument("--reference", dest="fast", action="store_false", help="the readable reference model")
+    p.set_defaults(func=_generate)
 
 
 def _load_model(args: argparse.Namespace):
@@ -27,7 +41,7 @@ def _load_model(args: argparse.Namespace):
     if args.checkpoint:
         path = Path(args.checkpoint)
         if not (path / "config.json").is_file() and (path / "checkpoints").is_dir():
-            from wiola.run_folder import find_checkpoint
+            from wiola.train.run_folder import find_checkpoint
 
             path = find_checkpoint(path)  # a training run folder: its latest checkpoint
         return cls.from_pretrained(path, device=args.device)
@@ -74,54 +88,3 @@ def _generate(args: argparse.Namespace) -> int:
     sys.stdout.write(enc.decode(new)[printed:] + "\n")
     print(f"[{len(new)} tokens in {elapsed:.2f} s, {len(new) / elapsed:.1f} tokens/s]", file=sys.stderr)
     return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from wiola.config import PRESETS
-
-    parser = argparse.ArgumentParser(prog="wiola", description="Wiola small language model")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("budget", help="exact parameter counts and FLOPs per token of a preset")
-    p.add_argument("--preset", default="13m", choices=sorted(PRESETS))
-    p.add_argument("--seq-len", type=int, default=512, help="sequence length for attention FLOPs")
-    p.set_defaults(func=_budget)
-
-    p = sub.add_parser("generate", help="generate text from a checkpoint")
-    p.add_argument("--checkpoint", help="model folder (ours or wiola13m's) or a training run folder")
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="random model when no checkpoint")
-    p.add_argument("--prompt", default="Once upon a time")
-    p.add_argument("--max-new-tokens", type=int, default=100)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    impl = p.add_mutually_exclusive_group()
-    impl.add_argument(
-        "--fast", dest="fast", action="store_true", default=True,
-        help="wiola.fast (the default): fused kernels on CUDA, one C++ call per token on a CPU",
-    )  # fmt: skip
-    impl.add_argument("--reference", dest="fast", action="store_false", help="the readable reference model")
-    p.set_defaults(func=_generate)
-
-    try:
-        from wiola.cli_train import register
-    except ImportError:
-        pass
-    else:
-        register(sub)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, RuntimeError, TypeError) as e:
-        print(f"wiola {args.command}: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

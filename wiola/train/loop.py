@@ -1,9 +1,10 @@
-"""The trainer: AdamW with a warm-up + cosine schedule, bf16 autocast on GPU, gradient
-accumulation, DDP through ``torchrun``, evaluation, plots, and checkpoints that resume exactly.
+"""The training loop: gradient accumulation, DDP through ``torchrun``, evaluation, plots, and
+checkpoints that resume exactly (the optimizer and schedule are in ``wiola.train.optim``, the
+device and precision rules in ``wiola.train.env``).
 
-A run folder (``wiola.run_folder``) holds ``metrics.jsonl`` (one JSON object per log line and evaluation),
-``loss_curve.png``, ``gates.png`` (mean gate per layer × head at the latest evaluation) and
-``checkpoints/step_NNNNNNN/`` with
+A run folder (``wiola.train.run_folder``) holds ``metrics.jsonl`` (one JSON object per log line
+and evaluation), ``loss_curve.png``, ``gates.png`` (mean gate per layer × head at the latest
+evaluation) and ``checkpoints/step_NNNNNNN/`` with
 
 - ``config.json`` + ``model.safetensors`` (``WiolaModel.from_pretrained`` reads the folder),
 - ``trainer.json``: the training configuration, step, data position and latest metrics,
@@ -17,23 +18,13 @@ uninterrupted one. SIGINT/SIGTERM stop after the current step with a checkpoint 
 after the next logging step, where the ranks agree). On resumption ``steps`` may be raised (the
 cosine then stretches to the new end) and ``micro_batch`` changed (the same global batch,
 accumulated differently); settings that change the numbers otherwise must match.
-
-Weight decay applies to every matrix (``p.dim() >= 2``): the projections, the butterfly, the
-gate's ``W_1``/``W_2`` and the embedding, which is also the tied output head. That is the paper's
-"matrices only" read literally, and the Hugging Face Trainer's default (only biases and norm
-weights exempt) for a model like ``wiola13m``. RMSNorm γ and the gate bias ``b_2`` are not
-decayed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
-import math
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,270 +35,40 @@ import torch
 import torch.distributed as dist
 
 from wiola.config import WiolaConfig
-from wiola.data import BatchStream, TokenData, check_split, prepare_data, resolve_source, token_byte_lengths
-from wiola.evaluate import EvalResult, evaluate, gate_statistics
-from wiola.run_folder import (
+from wiola.train.config import RESUMABLE_CHANGES, TrainConfig
+from wiola.train.data import (
+    BatchStream,
+    TokenData,
+    check_split,
+    eval_batches,
+    prepare_data,
+    resolve_source,
+    token_byte_lengths,
+    tokenizer_for,
+)
+from wiola.train.env import (
+    autocast,
+    init_distributed,
+    model_class,
+    peak_flops_per_device,
+    require,
+    resolve_device,
+    uses_bf16,
+)
+from wiola.train.evaluate import EvalResult, evaluate, gate_statistics
+from wiola.train.optim import build_optimizer, build_scheduler, schedule
+from wiola.train.run_folder import (
     METRICS_FILE,
     OPTIMIZER_FILE,
-    TRAINER_FILE,
     MetricsLog,
+    ensure_writable,
     find_checkpoint,
+    read_trainer_state,
     save_checkpoint,
     set_rng_state,
 )
 
-# The published 13M run (the paper's recipe). The paper gives no final learning rate: the cosine
-# decays to 0 after the 5 % linear warm-up, as Hugging Face's "cosine" schedule does.
-RECIPES: dict[str, dict[str, Any]] = {
-    "paper": {
-        "preset": "13m",
-        "data": "tinystories",
-        "seq_len": 512,
-        "batch_size": 32,
-        "steps": 20000,
-        "lr": 3e-4,
-        "min_lr_ratio": 0.0,
-        "warmup": 0.05,
-        "betas": [0.9, 0.95],
-        "eps": 1e-8,
-        "weight_decay": 0.01,
-        "grad_clip": 1.0,
-        "eval_every": 500,
-        "eval_windows": 512,
-        "save_every": 1000,
-    },
-}
-
-
-@dataclass
-class TrainConfig:
-    """Everything a run needs; ``--config FILE.json`` and ``--recipe`` fill it, flags override."""
-
-    # model
-    preset: str = "13m"
-    model: dict[str, Any] = field(default_factory=dict)  # WiolaConfig overrides, e.g. {"d_model": 64}
-    tokenizer: str | None = None  # None: the encoding whose vocabulary equals the model's
-    # data
-    data: str | None = "tinystories"  # "tinystories", "sample", or a path
-    val_data: str | None = None
-    val_fraction: float = 0.01
-    cache_dir: str | None = None
-    seq_len: int = 512  # T: windows hold T + 1 tokens, and T + 1 <= max_seq_len
-    batch_size: int = 32  # global: windows per optimizer step over all ranks and micro-steps
-    micro_batch: int | None = None  # windows per forward on one rank; None: batch_size / world_size
-    shuffle: bool = True
-    seed: int = 0
-    # optimisation
-    steps: int = 20000
-    lr: float = 3e-4
-    min_lr_ratio: float = 0.0  # final lr = lr * min_lr_ratio
-    warmup: float = 0.05  # warm-up: a fraction of steps (< 1) or a number of steps (>= 1)
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0  # 0 disables clipping
-    # evaluation, logging, checkpoints
-    out_dir: str = "runs/wiola"
-    eval_every: int = 500
-    eval_windows: int | None = 512  # validation windows per evaluation (None: all)
-    eval_batch_size: int | None = None  # None: micro_batch
-    log_every: int = 10
-    save_every: int = 1000
-    keep_checkpoints: int = 2
-    plots: bool = True
-    # hardware
-    device: str | None = None  # None: cuda when available, else cpu
-    fast: bool = False  # wiola.fast.WiolaModel (fused Triton kernels)
-    compile: bool = False  # torch.compile
-    precision: str = "auto"  # "auto" (bf16 autocast on CUDA, fp32 on CPU), "bf16", "fp32"
-    progress: bool = True
-    num_threads: int | None = None  # tokeniser threads
-    peak_flops: float | None = None  # per device, for MFU; None: looked up from the GPU name
-
-    def __post_init__(self) -> None:
-        positive = ("seq_len", "batch_size", "steps", "eval_every", "log_every", "save_every", "keep_checkpoints")
-        for name in positive:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name in ("micro_batch", "eval_batch_size", "eval_windows"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be positive, got {self.lr}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
-        if self.weight_decay < 0 or self.grad_clip < 0 or self.eps <= 0:
-            raise ValueError("weight_decay and grad_clip must be >= 0 and eps > 0")
-        if self.precision not in ("auto", "bf16", "fp32"):
-            raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {self.precision!r}")
-        self.betas = [float(b) for b in self.betas]
-
-    @property
-    def warmup_steps(self) -> int:
-        return int(self.warmup) if self.warmup >= 1 else round(self.warmup * self.steps)
-
-    def model_config(self) -> WiolaConfig:
-        return WiolaConfig.preset(self.preset, **self.model)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown training settings {unknown}; known: {sorted(known)}")
-        return cls(**data)
-
-
-# Settings that may differ between a run and its resumption: the rest would change the numbers.
-RESUMABLE_CHANGES = {
-    "out_dir",
-    "eval_every",
-    "eval_windows",
-    "eval_batch_size",
-    "log_every",
-    "save_every",
-    "keep_checkpoints",
-    "plots",
-    "device",
-    "fast",
-    "compile",
-    "progress",
-    "num_threads",
-    "peak_flops",
-    "cache_dir",
-    "micro_batch",
-    "steps",
-}
-
-
-def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """The settings of a JSON config file (keys are ``TrainConfig`` fields)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"config file {path} is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"config file {path} must hold a JSON object of TrainConfig fields")
-    data.pop("_comment", None)
-    return data
-
-
-# ------------------------------------------------------------------------------------ schedule
-class WarmupCosine:
-    """``lr(step) / lr``: linear warm-up from ``1/warmup`` to 1 over ``warmup`` steps, then a
-    cosine from 1 down to ``min_ratio`` at ``total`` steps. A picklable callable for ``LambdaLR``."""
-
-    def __init__(self, warmup: int, total: int, min_ratio: float = 0.0) -> None:
-        self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup:
-            return (step + 1) / self.warmup
-        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
-        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (see the module docstring); fused on CUDA."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    kwargs: dict[str, Any] = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps}
-    if device.type == "cuda":
-        kwargs["fused"] = True
-    return torch.optim.AdamW(groups, **kwargs)
-
-
-# ------------------------------------------------------------------------------------- helpers
-def model_class(fast: bool) -> type:
-    """``wiola.WiolaModel``, or ``wiola.fast.WiolaModel`` when ``fast``.
-
-    Raises ``RuntimeError`` when ``fast`` is asked for and ``wiola.fast`` cannot be imported.
-    """
-    if not fast:
-        from wiola.model import WiolaModel
-
-        return WiolaModel
-    try:
-        from wiola.fast import WiolaModel as FastModel
-    except ImportError as e:
-        raise RuntimeError(
-            f"--fast needs wiola.fast (the fused Triton model), which cannot be imported here ({e}); "
-            "drop --fast to use the reference model"
-        ) from e
-    return FastModel
-
-
-def resolve_device(name: str | None, local_rank: int = 0) -> torch.device:
-    if name is None:
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"device {name!r} asked for, but CUDA is not available")
-        if device.index is None:
-            device = torch.device("cuda", local_rank)
-    return device
-
-
-def ensure_writable(directory: Path) -> None:
-    """Create ``directory`` and check a file can be written there; ``ValueError`` if not."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise ValueError(f"output folder {str(directory)!r} is not writable: {e}") from e
-
-
-def tokenizer_for(config: WiolaConfig, name: str | None) -> Any:
-    """The tiktoken encoding for ``config``. Raises ``ValueError`` when ``name``'s vocabulary
-    differs from the model's, ``RuntimeError`` (saying what to set) when it cannot load."""
-    from wiola.tokenizer import ENCODINGS, encoding_for_vocab, get_encoding
-
-    if name is not None:
-        if name not in ENCODINGS:
-            raise ValueError(f"unknown tokenizer {name!r}; choose one of {sorted(ENCODINGS)}")
-        if ENCODINGS[name] != config.vocab_size:
-            raise ValueError(
-                f"tokenizer {name!r} has {ENCODINGS[name]:,} tokens but the model's vocab_size is "
-                f"{config.vocab_size:,}; use the matching tokenizer or set vocab_size to {ENCODINGS[name]}"
-            )
-        return get_encoding(name)
-    return encoding_for_vocab(config.vocab_size)
-
-
-def peak_flops_per_device(device: torch.device) -> float | None:
-    """Dense bf16 peak of the GPU (from its name), or None when unknown (then no MFU is shown)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device).upper()
-    table = [
-        ("H200", 989e12),
-        ("H100", 989e12),
-        ("H800", 989e12),
-        ("A100", 312e12),
-        ("A800", 312e12),
-        ("L40S", 362e12),
-        ("L4", 121e12),
-        ("A10", 125e12),
-        ("4090", 165e12),
-        ("3090", 71e12),
-    ]
-    return next((flops for key, flops in table if key in name), None)
+Log = Callable[[str], None]
 
 
 @dataclass
@@ -322,49 +83,156 @@ class TrainResult:
     plots: dict[str, Path]
 
 
-class _StopFlag:
-    """SIGINT/SIGTERM: finish the step, save, exit. A second SIGINT raises KeyboardInterrupt."""
+# --------------------------------------------------------------------------------------- train
+def train(
+    cfg: TrainConfig,
+    *,
+    resume: str | os.PathLike | None = None,
+    stop_at: int | None = None,
+    log: Log | None = None,
+    references: dict[str, float] | None = None,
+) -> TrainResult:
+    """Train (or continue training) a Wiola model as ``cfg`` says.
 
-    def __init__(self, log: Callable[[str], None]) -> None:
-        self.requested = False
-        self.log = log
-        self._old: dict[int, Any] = {}
+    Args:
+        cfg: the run's settings.
+        resume: a checkpoint folder, or a run folder (its latest checkpoint), to continue from.
+            Settings that change the numbers must match the checkpoint's (``ValueError`` naming
+            them otherwise).
+        stop_at: stop after this step as an interruption would (checkpoint, ``interrupted``);
+            for tests and time-boxed runs.
+        log: where messages go (rank 0 only); default ``tqdm.write`` (stdout, below the progress bar).
+        references: named horizontal lines for the loss curve (e.g. the unigram entropy).
 
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested = True
-        self.log(
-            f"\n{signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
-            "(Ctrl-C again to abort without saving)"
+    Under ``torchrun`` every rank calls ``train``; the process group comes from the environment
+    (NCCL on GPU, gloo on CPU). Bad settings, a missing or empty corpus, a tokenizer that does
+    not fit the model, a non-writable output folder, a checkpoint of another configuration or a
+    missing package of the ``train`` extra raise ``ValueError``/``FileNotFoundError``/``RuntimeError``
+    before training starts.
+    """
+    tqdm = require("tqdm.auto", "training").tqdm
+    if cfg.plots:
+        require("matplotlib", "training with plots (--no-plots trains without them)")
+    rank, world, local_rank, own_group = init_distributed()
+    say = (log or tqdm.write) if rank == 0 else (lambda msg: None)
+    try:
+        run = _start(cfg, resume, say, references or {}, rank, world, local_rank)
+        return _loop(run, stop_at, tqdm)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+def build_model(cfg: TrainConfig, model_config: WiolaConfig, device: torch.device) -> torch.nn.Module:
+    """The freshly initialised model of ``cfg`` (seeded by ``cfg.seed``) on ``device``, with
+    ``activation_checkpointing`` set as ``cfg`` says."""
+    torch.manual_seed(cfg.seed)
+    model = model_class(cfg.fast)(model_config).to(device)
+    model.activation_checkpointing = cfg.activation_checkpointing
+    return model
+
+
+@dataclass
+class _Run:
+    """One process's share of a run: settings, data, model, optimizer and position."""
+
+    cfg: TrainConfig
+    log: Log
+    rank: int
+    world: int
+    device: torch.device
+    micro: int  # windows per forward on this rank
+    grad_accum: int
+    model_config: WiolaConfig
+    data: TokenData
+    stream: BatchStream
+    byte_lengths: torch.Tensor
+    raw_model: torch.nn.Module
+    model: torch.nn.Module  # raw_model, or its DDP / compiled wrapper
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    metrics: MetricsLog
+    step: int = 0
+    train_loss: float | None = None
+    last_eval: EvalResult | None = None
+    last_ckpt: Path | None = None
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    plots: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.cfg.out_dir)
+
+
+# ----------------------------------------------------------------------------------- set-up
+def _start(
+    cfg: TrainConfig,
+    resume: str | os.PathLike | None,
+    log: Log,
+    references: dict[str, float],
+    rank: int,
+    world: int,
+    local_rank: int,
+) -> _Run:
+    """Check everything that can be wrong before any work, then build the data, model and optimizer."""
+    device = resolve_device(cfg.device, local_rank)
+    micro = cfg.micro_batch or max(1, cfg.batch_size // world)
+    if cfg.batch_size % (micro * world):
+        raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of micro_batch {micro} × world_size {world}")
+    model_config = cfg.model_config()
+    model_class(cfg.fast)  # --fast without wiola.fast raises here
+    checkpoint = saved = None
+    if resume is not None:
+        checkpoint = find_checkpoint(resume)
+        saved = read_trainer_state(checkpoint)
+        _check_resume(saved, cfg, model_config, checkpoint)
+    if rank == 0:
+        ensure_writable(Path(cfg.out_dir))
+    encoding = tokenizer_for(model_config, cfg.tokenizer)
+    data = _load_data(cfg, encoding, rank, world, log)
+    if saved is not None and saved["data"].get("fingerprint") != data.manifest["fingerprint"]:
+        raise ValueError(f"cannot resume {checkpoint} exactly: the training data changed since it was written")
+    grad_accum = cfg.batch_size // (micro * world)
+    stream = BatchStream(
+        data.train, cfg.seq_len, micro, grad_accum, rank=rank, world_size=world, shuffle=cfg.shuffle, seed=cfg.seed
+    )
+    raw_model = build_model(cfg, model_config, device)
+    optimizer = build_optimizer(raw_model, cfg, device)
+    scheduler = build_scheduler(optimizer, cfg)
+    run = _Run(
+        cfg, log, rank, world, device, micro, grad_accum, model_config, data, stream, token_byte_lengths(encoding),
+        raw_model, raw_model, optimizer, scheduler,
+        MetricsLog(Path(cfg.out_dir) / METRICS_FILE, rank == 0, None if checkpoint is None else int(saved["step"])),
+    )  # fmt: skip
+    if checkpoint is not None:
+        _restore(run, checkpoint, saved)
+    elif run.main:
+        _write_run_record(run, references)
+    run.model = _wrap(raw_model, cfg, world, device)
+    _announce(run)
+    return run
+
+
+def _load_data(cfg: TrainConfig, encoding: Any, rank: int, world: int, log: Log) -> TokenData:
+    """Rank 0 tokenises (or opens the cache); the others wait for it and open the cache."""
+    source = resolve_source(cfg.data, cfg.val_data, cfg.val_fraction)
+    data: TokenData | None = None
+    if rank == 0:
+        data = prepare_data(
+            source, encoding, cfg.cache_dir, num_threads=cfg.num_threads, progress=cfg.progress, log=log
         )
-
-    def __enter__(self) -> _StopFlag:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: no handler, no clean stop
-                pass
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
-
-
-def _distributed() -> tuple[int, int, int, bool]:
-    """(rank, world_size, local_rank, initialised_here) from torchrun's environment."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return 0, 1, 0, False
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    if dist.is_initialized():
-        return rank, world, local_rank, False
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend=backend)
-    return dist.get_rank(), dist.get_world_size(), local_rank, True
+    if world > 1:
+        dist.barrier()
+    if rank != 0:
+        data = prepare_data(source, encoding, cfg.cache_dir, progress=False, log=lambda m: None)
+    assert data is not None
+    check_split(data.train, cfg.seq_len, "training")
+    check_split(data.val, cfg.seq_len, "validation")
+    return data
 
 
 def _check_resume(saved: dict[str, Any], cfg: TrainConfig, model_config: WiolaConfig, checkpoint: Path) -> None:
@@ -391,288 +259,228 @@ def _check_resume(saved: dict[str, Any], cfg: TrainConfig, model_config: WiolaCo
         )
 
 
-# --------------------------------------------------------------------------------------- train
-def train(
-    cfg: TrainConfig,
-    *,
-    resume: str | os.PathLike | None = None,
-    stop_at: int | None = None,
-    log: Callable[[str], None] | None = None,
-    references: dict[str, float] | None = None,
-) -> TrainResult:
-    """Train (or continue training) a Wiola model as ``cfg`` says.
+def _restore(run: _Run, checkpoint: Path, saved: dict[str, Any]) -> None:
+    """Model, optimizer, schedule, RNG states and data position from ``checkpoint``."""
+    from wiola.checkpoint import load_pretrained
 
-    Args:
-        cfg: the run's settings.
-        resume: a checkpoint folder, or a run folder (its latest checkpoint), to continue from.
-            Settings that change the numbers must match the checkpoint's (``ValueError`` naming
-            them otherwise).
-        stop_at: stop after this step as an interruption would (checkpoint, ``interrupted``);
-            for tests and time-boxed runs.
-        log: where messages go (rank 0 only); default ``tqdm.write`` (stdout, below the progress bar).
-        references: named horizontal lines for the loss curve (e.g. the unigram entropy).
-
-    Under ``torchrun`` every rank calls ``train``; the process group comes from the environment
-    (NCCL on GPU, gloo on CPU). Bad settings, a missing or empty corpus, a tokenizer that does
-    not fit the model, a non-writable output folder or a checkpoint of another configuration
-    raise ``ValueError``/``FileNotFoundError``/``RuntimeError`` before training starts.
-    """
-    rank, world, local_rank, own_group = _distributed()
-    main = rank == 0
-    if log is None:
-        from tqdm.auto import tqdm
-
-        log = tqdm.write
-    say = log if main else (lambda msg: None)
-    try:
-        return _train(cfg, resume, stop_at, say, references or {}, rank, world, local_rank)
-    finally:
-        if own_group:
-            dist.destroy_process_group()
-
-
-def _train(
-    cfg: TrainConfig,
-    resume: str | os.PathLike | None,
-    stop_at: int | None,
-    log: Callable[[str], None],
-    references: dict[str, float],
-    rank: int,
-    world: int,
-    local_rank: int,
-) -> TrainResult:
-    main = rank == 0
-    device = resolve_device(cfg.device, local_rank)
-    out_dir = Path(cfg.out_dir)
-
-    # ---- everything that can be wrong is checked before any work
-    micro = cfg.micro_batch or max(1, cfg.batch_size // world)
-    if cfg.batch_size % (micro * world):
-        raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of micro_batch {micro} × world_size {world}")
-    grad_accum = cfg.batch_size // (micro * world)
-    model_config = cfg.model_config()
-    if cfg.seq_len + 1 > model_config.max_seq_len:
-        raise ValueError(
-            f"windows of seq_len + 1 = {cfg.seq_len + 1} tokens do not fit max_seq_len={model_config.max_seq_len}; "
-            f"use --seq-len {model_config.max_seq_len - 1} or less"
+    cfg = run.cfg
+    loaded = load_pretrained(model_class(cfg.fast), checkpoint, device=run.device)
+    run.raw_model.load_state_dict(loaded.state_dict())
+    del loaded
+    opt_state = torch.load(checkpoint / OPTIMIZER_FILE, map_location="cpu", weights_only=False)
+    run.optimizer.load_state_dict(opt_state["optimizer"])
+    run.scheduler.load_state_dict(opt_state["scheduler"])
+    run.scheduler.lr_lambdas[0] = schedule(cfg)  # a new --steps stretches the cosine
+    set_rng_state(opt_state["rng"])
+    run.stream.load_state_dict(saved["data"]["position"])
+    run.step = int(saved["step"])
+    run.log(f"resumed from {checkpoint} at step {run.step:,}")
+    if run.step >= cfg.steps:
+        run.log(
+            f"the checkpoint is at step {run.step:,} and the run has {cfg.steps:,} steps: nothing to do (raise --steps)"
         )
-    cls = model_class(cfg.fast)
-    checkpoint = saved = None
-    if resume is not None:
-        checkpoint = find_checkpoint(resume)
-        saved = json.loads((checkpoint / TRAINER_FILE).read_text())
-        _check_resume(saved, cfg, model_config, checkpoint)
-    if main:
-        ensure_writable(out_dir)
-    encoding = tokenizer_for(model_config, cfg.tokenizer)
-    source = resolve_source(cfg.data, cfg.val_data, cfg.val_fraction)
 
-    # ---- data: rank 0 tokenises (or opens the cache), the others wait and open it
-    data: TokenData | None = None
-    if main:
-        data = prepare_data(
-            source, encoding, cfg.cache_dir, num_threads=cfg.num_threads, progress=cfg.progress, log=log
-        )
-    if world > 1:
-        dist.barrier()
-    if not main:
-        data = prepare_data(source, encoding, cfg.cache_dir, progress=False, log=lambda m: None)
-    assert data is not None
-    check_split(data.train, cfg.seq_len, "training")
-    check_split(data.val, cfg.seq_len, "validation")
-    if saved is not None and saved["data"].get("fingerprint") != data.manifest["fingerprint"]:
-        raise ValueError(f"cannot resume {checkpoint} exactly: the training data changed since it was written")
-    stream = BatchStream(
-        data.train, cfg.seq_len, micro, grad_accum, rank=rank, world_size=world, shuffle=cfg.shuffle, seed=cfg.seed
-    )
-    byte_lengths = token_byte_lengths(encoding)
 
-    # ---- model, optimizer, schedule
-    torch.manual_seed(cfg.seed)
-    raw_model = cls(model_config).to(device)
-    optimizer = build_optimizer(raw_model, cfg, device)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, WarmupCosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
-    )
-    step = 0
-    if checkpoint is not None:
-        from wiola.checkpoint import load_pretrained
-
-        loaded = load_pretrained(cls, checkpoint, device=device)
-        raw_model.load_state_dict(loaded.state_dict())
-        del loaded
-        opt_state = torch.load(checkpoint / OPTIMIZER_FILE, map_location="cpu", weights_only=False)
-        optimizer.load_state_dict(opt_state["optimizer"])
-        scheduler.load_state_dict(opt_state["scheduler"])
-        scheduler.lr_lambdas[0] = WarmupCosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)  # a new --steps
-        set_rng_state(opt_state["rng"])
-        stream.load_state_dict(saved["data"]["position"])
-        step = int(saved["step"])
-        log(f"resumed from {checkpoint} at step {step:,}")
-        if step >= cfg.steps:
-            log(
-                f"the checkpoint is at step {step:,} and the run has {cfg.steps:,} steps: nothing to do (raise --steps)"
-            )
-    model: torch.nn.Module = raw_model
+def _wrap(raw_model: torch.nn.Module, cfg: TrainConfig, world: int, device: torch.device) -> torch.nn.Module:
+    """DDP over the ranks, then ``torch.compile``, as ``cfg`` asks."""
+    model = raw_model
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(raw_model, device_ids=[device.index] if device.type == "cuda" else None)
     if cfg.compile:
         model = torch.compile(model)
-    use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
+    return model
 
-    tokens_per_step = cfg.batch_size * cfg.seq_len
-    flops_per_token = _training_flops(model_config, cfg.seq_len)
-    peak = (cfg.peak_flops or peak_flops_per_device(device) or 0.0) * world
-    metrics = MetricsLog(out_dir / METRICS_FILE, main, step if checkpoint is not None else None)
-    if main and checkpoint is None:
-        metrics.write(
-            {
-                "kind": "run",
-                "step": 0,
-                "config": cfg.to_dict(),
-                "model_config": model_config.to_dict(),
-                "world_size": world,
-                "grad_accum": grad_accum,
-                "micro_batch": micro,
-                "parameters": raw_model.num_parameters(),
-                "data": data.manifest["source"],
-            }
-        )
-        for name, value in references.items():
-            metrics.write({"kind": "reference", "step": 0, "name": name, "value": value})
-    log(
-        f"model: {raw_model.num_parameters():,} parameters ({'wiola.fast' if cfg.fast else 'reference'}) on {device}"
-        f"{', bf16 autocast' if use_bf16 else ''}{', compiled' if cfg.compile else ''}; "
-        f"batch {cfg.batch_size} × {cfg.seq_len} = {tokens_per_step:,} tokens/step "
-        f"({world} rank(s) × {micro} × {grad_accum} accumulation); {cfg.steps:,} steps"
+
+def _write_run_record(run: _Run, references: dict[str, float]) -> None:
+    run.metrics.write(
+        {
+            "kind": "run",
+            "step": 0,
+            "config": run.cfg.to_dict(),
+            "model_config": run.model_config.to_dict(),
+            "world_size": run.world,
+            "grad_accum": run.grad_accum,
+            "micro_batch": run.micro,
+            "parameters": run.raw_model.num_parameters(),
+            "data": run.data.manifest["source"],
+        }
+    )
+    for name, value in references.items():
+        run.metrics.write({"kind": "reference", "step": 0, "name": name, "value": value})
+
+
+def _announce(run: _Run) -> None:
+    cfg = run.cfg
+    extras = [", bf16 autocast" if uses_bf16(run.device, cfg.precision) else ""]
+    extras += [
+        ", compiled" if cfg.compile else "",
+        ", activation checkpointing" if cfg.activation_checkpointing else "",
+    ]
+    run.log(
+        f"model: {run.raw_model.num_parameters():,} parameters ({'wiola.fast' if cfg.fast else 'reference'}) "
+        f"on {run.device}{''.join(extras)}; batch {cfg.batch_size} × {cfg.seq_len} = "
+        f"{cfg.batch_size * cfg.seq_len:,} tokens/step ({run.world} rank(s) × {run.micro} × {run.grad_accum} "
+        f"accumulation); {cfg.steps:,} steps"
     )
 
-    plots: dict[str, Path] = {}
-    last_eval: EvalResult | None = None
-    last_ckpt: Path | None = None
-    losses: list[tuple[int, float]] = []
-    train_loss: float | None = None
 
-    def run_eval() -> None:
-        nonlocal last_eval
-        last_eval = evaluate(
-            raw_model,
-            data.val,
-            byte_lengths,
-            cfg.seq_len,
-            batch_size=cfg.eval_batch_size or micro,
-            max_windows=cfg.eval_windows,
-            rank=rank,
-            world_size=world,
-        )
-        if not main:
-            return
-        first = next(iter(_first_val_batch(data, cfg.seq_len, min(8, cfg.eval_batch_size or micro)))).to(device)
-        with autocast():
-            gates = gate_statistics(raw_model, first)
-        metrics.write({"kind": "eval", "step": step, **last_eval.to_dict(), "gates": gates.tolist()})
-        log(f"step {step:,}: validation {last_eval}")
-        if cfg.plots:
-            from wiola.plots import plot_gate_heatmap, plot_loss_curve
-
-            plots["loss_curve"] = plot_loss_curve(metrics.records, out_dir / "loss_curve.png")
-            plots["gates"] = plot_gate_heatmap(
-                gates, out_dir / "gates.png", title=f"mean gate per layer × head, step {step:,}"
-            )
-
-    def save() -> None:
-        nonlocal last_ckpt
-        if main:
-            last_ckpt = save_checkpoint(
-                out_dir, raw_model, optimizer, scheduler, stream, cfg, model_config, data, step, last_eval, train_loss
-            )
-        if world > 1:
-            dist.barrier()
-
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=cfg.steps, initial=step, disable=not (main and cfg.progress), dynamic_ncols=True, unit="step")
+# ------------------------------------------------------------------------------------- the loop
+def _loop(run: _Run, stop_at: int | None, tqdm: Any) -> TrainResult:
+    cfg = run.cfg
+    bar = tqdm(
+        total=cfg.steps, initial=run.step, disable=not (run.main and cfg.progress), dynamic_ncols=True, unit="step"
+    )
+    meter = _Meter(run)
     interrupted = False
-    loss_sum = torch.zeros((), device=device)
-    interval_steps, interval_start = 0, time.perf_counter()
-    with _StopFlag(log) as stop:
-        while step < cfg.steps:
-            batches = stream.next_step()
-            for a, batch in enumerate(batches):
-                x = batch.to(device, non_blocking=True)
-                sync = contextlib.nullcontext() if a + 1 == grad_accum or world == 1 else model.no_sync()
-                with sync:
-                    with autocast():
-                        loss = model(x, labels=x).loss / grad_accum
-                    loss.backward()
-                loss_sum += loss.detach()
-            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip) if cfg.grad_clip else None
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            interval_steps += 1
-
-            last = step == cfg.steps
-            log_now = step % cfg.log_every == 0 or last
-            want_stop = stop_at is not None and step >= stop_at  # the same on every rank
-            if world == 1:
-                want_stop = want_stop or stop.requested
-            elif log_now:  # a signal may reach some ranks only: agree at log steps (one sync per log)
-                flag = torch.tensor([float(stop.requested)], device=device)
-                dist.all_reduce(flag)
-                want_stop = want_stop or bool(flag.item() > 0)
+    with _StopFlag(run.log) as stop:
+        while run.step < cfg.steps:
+            lr, grad_norm = _optimizer_step(run, meter.loss_sum)
+            last = run.step == cfg.steps
+            log_now = run.step % cfg.log_every == 0 or last
+            want_stop = _stop_requested(run, stop, stop_at, log_now)
             if log_now or want_stop:
-                if world > 1:
-                    dist.all_reduce(loss_sum)
-                    loss_sum /= world
-                train_loss = float(loss_sum) / interval_steps
-                elapsed = time.perf_counter() - interval_start
-                tok_s = interval_steps * tokens_per_step / elapsed
-                record = {
-                    "kind": "train",
-                    "step": step,
-                    "loss": train_loss,
-                    "lr": lr,
-                    "tokens": step * tokens_per_step,
-                    "tokens_per_s": tok_s,
-                    "epoch": stream.epoch,
-                }
-                if grad_norm is not None:
-                    record["grad_norm"] = float(grad_norm)
-                postfix = {"loss": f"{train_loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tok_s:,.0f}"}
-                if peak:
-                    record["mfu"] = tok_s * flops_per_token / peak
-                    postfix["MFU"] = f"{record['mfu']:.1%}"
-                metrics.write(record)
-                losses.append((step, train_loss))
-                bar.set_postfix(postfix, refresh=False)
-                loss_sum.zero_()
-                interval_steps, interval_start = 0, time.perf_counter()
+                bar.set_postfix(meter.record(lr, grad_norm), refresh=False)
             bar.update(1)
-            if step % cfg.eval_every == 0 or last:
-                run_eval()
+            if run.step % cfg.eval_every == 0 or last:
+                _evaluate(run)
             if want_stop and not last:
                 interrupted = True
-                save()
+                _save(run)
                 break
-            if step % cfg.save_every == 0 or last:
-                save()
+            if run.step % cfg.save_every == 0 or last:
+                _save(run)
     bar.close()
-    if main and cfg.plots and metrics.records and "loss_curve" not in plots:
-        from wiola.plots import plot_loss_curve
+    if run.main and cfg.plots and run.metrics.records and "loss_curve" not in run.plots:
+        from wiola.train.plots import plot_loss_curve
 
-        plots["loss_curve"] = plot_loss_curve(metrics.records, out_dir / "loss_curve.png")
-    metrics.close()
+        run.plots["loss_curve"] = plot_loss_curve(run.metrics.records, run.out_dir / "loss_curve.png")
+    run.metrics.close()
     if interrupted:
-        log(
-            f"interrupted at step {step:,}; checkpoint saved to {last_ckpt}; continue with: wiola train --resume {out_dir}"
+        run.log(
+            f"interrupted at step {run.step:,}; checkpoint saved to {run.last_ckpt}; "
+            f"continue with: wiola train --resume {run.out_dir}"
         )
-    return TrainResult(step, interrupted, out_dir, last_ckpt, train_loss, last_eval, losses, plots)
+    return TrainResult(
+        run.step, interrupted, run.out_dir, run.last_ckpt, run.train_loss, run.last_eval, run.losses, run.plots
+    )
+
+
+def _optimizer_step(run: _Run, loss_sum: torch.Tensor) -> tuple[float, torch.Tensor | None]:
+    """One optimizer step over ``grad_accum`` micro-batches; adds the loss to ``loss_sum``.
+    Returns the step's learning rate and gradient norm (None without clipping)."""
+    cfg, model = run.cfg, run.model
+    for a, batch in enumerate(run.stream.next_step()):
+        x = batch.to(run.device, non_blocking=True)
+        sync = contextlib.nullcontext() if a + 1 == run.grad_accum or run.world == 1 else model.no_sync()
+        with sync:
+            with autocast(run.device, cfg.precision):
+                loss = model(x, labels=x).loss / run.grad_accum
+            loss.backward()
+        loss_sum += loss.detach()
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), cfg.grad_clip) if cfg.grad_clip else None
+    lr = run.scheduler.get_last_lr()[0]
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.step += 1
+    return lr, grad_norm
+
+
+def _stop_requested(run: _Run, stop: _StopFlag, stop_at: int | None, log_now: bool) -> bool:
+    """Whether to stop after this step, the same answer on every rank."""
+    want_stop = stop_at is not None and run.step >= stop_at
+    if run.world == 1:
+        return want_stop or stop.requested
+    if log_now:  # a signal may reach some ranks only: agree at log steps (one sync per log)
+        flag = torch.tensor([float(stop.requested)], device=run.device)
+        dist.all_reduce(flag)
+        want_stop = want_stop or bool(flag.item() > 0)
+    return want_stop
+
+
+class _Meter:
+    """The training loss, throughput and MFU of the steps since the last log line."""
+
+    def __init__(self, run: _Run) -> None:
+        self.run = run
+        self.loss_sum = torch.zeros((), device=run.device)
+        self.tokens_per_step = run.cfg.batch_size * run.cfg.seq_len
+        self.flops_per_token = _training_flops(run.model_config, run.cfg.seq_len)
+        self.peak = (run.cfg.peak_flops or peak_flops_per_device(run.device) or 0.0) * run.world
+        self.start_step, self.start = run.step, time.perf_counter()
+
+    def record(self, lr: float, grad_norm: torch.Tensor | None) -> dict[str, str]:
+        """Write the interval's metrics line, start a new interval; returns the progress-bar postfix."""
+        run = self.run
+        if run.world > 1:
+            dist.all_reduce(self.loss_sum)
+            self.loss_sum /= run.world
+        steps = run.step - self.start_step
+        run.train_loss = float(self.loss_sum) / steps
+        tok_s = steps * self.tokens_per_step / (time.perf_counter() - self.start)
+        record = {
+            "kind": "train",
+            "step": run.step,
+            "loss": run.train_loss,
+            "lr": lr,
+            "tokens": run.step * self.tokens_per_step,
+            "tokens_per_s": tok_s,
+            "epoch": run.stream.epoch,
+        }
+        if grad_norm is not None:
+            record["grad_norm"] = float(grad_norm)
+        postfix = {"loss": f"{run.train_loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tok_s:,.0f}"}
+        if self.peak:
+            record["mfu"] = tok_s * self.flops_per_token / self.peak
+            postfix["MFU"] = f"{record['mfu']:.1%}"
+        run.metrics.write(record)
+        run.losses.append((run.step, run.train_loss))
+        self.loss_sum.zero_()
+        self.start_step, self.start = run.step, time.perf_counter()
+        return postfix
+
+
+def _evaluate(run: _Run) -> None:
+    """Validation numbers on every rank; gate statistics, the metrics line and the plots on rank 0."""
+    cfg = run.cfg
+    eval_batch = cfg.eval_batch_size or run.micro
+    run.last_eval = evaluate(
+        run.raw_model,
+        run.data.val,
+        run.byte_lengths,
+        cfg.seq_len,
+        batch_size=eval_batch,
+        max_windows=cfg.eval_windows,
+        precision=cfg.precision,
+        rank=run.rank,
+        world_size=run.world,
+    )
+    if not run.main:
+        return
+    first = next(iter(eval_batches(run.data.val, cfg.seq_len, min(8, eval_batch), max_windows=min(8, eval_batch))))
+    with autocast(run.device, cfg.precision):
+        gates = gate_statistics(run.raw_model, first.to(run.device))
+    run.metrics.write({"kind": "eval", "step": run.step, **run.last_eval.to_dict(), "gates": gates.tolist()})
+    run.log(f"step {run.step:,}: validation {run.last_eval}")
+    if cfg.plots:
+        from wiola.train.plots import plot_gate_heatmap, plot_loss_curve
+
+        run.plots["loss_curve"] = plot_loss_curve(run.metrics.records, run.out_dir / "loss_curve.png")
+        run.plots["gates"] = plot_gate_heatmap(
+            gates, run.out_dir / "gates.png", title=f"mean gate per layer × head, step {run.step:,}"
+        )
+
+
+def _save(run: _Run) -> None:
+    if run.main:
+        run.last_ckpt = save_checkpoint(
+            run.out_dir, run.raw_model, run.optimizer, run.scheduler, run.stream, run.cfg, run.model_config,
+            run.data, run.step, run.last_eval, run.train_loss,
+        )  # fmt: skip
+    if run.world > 1:
+        dist.barrier()
 
 
 def _training_flops(config: WiolaConfig, seq_len: int) -> float:
@@ -681,27 +489,31 @@ def _training_flops(config: WiolaConfig, seq_len: int) -> float:
     return budget(config, seq_len + 1).training_flops * (seq_len + 1) / seq_len  # per target token
 
 
-def _first_val_batch(data: TokenData, seq_len: int, batch_size: int) -> Any:
-    from wiola.data import eval_batches
+class _StopFlag:
+    """SIGINT/SIGTERM: finish the step, save, exit. A second SIGINT raises KeyboardInterrupt."""
 
-    return eval_batches(data.val, seq_len, batch_size, max_windows=batch_size)
+    def __init__(self, log: Log) -> None:
+        self.requested = False
+        self.log = log
+        self._old: dict[int, Any] = {}
 
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.log(
+            f"\n{signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
+            "(Ctrl-C again to abort without saving)"
+        )
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m wiola.train ...``: the ``wiola train`` command (for torchrun without the entry point)."""
-    import argparse
+    def __enter__(self) -> _StopFlag:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: no handler, no clean stop
+                pass
+        return self
 
-    from wiola.cli_train import add_train_arguments, run_train
-
-    parser = argparse.ArgumentParser(prog="python -m wiola.train", description="train a Wiola model")
-    add_train_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run_train(args)
-    except (ValueError, FileNotFoundError, RuntimeError, TypeError) as e:
-        print(f"wiola train: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
