@@ -40,7 +40,7 @@ def test_generate_reports_a_bad_checkpoint(tmp_path, capsys):
 
 def test_generate_accepts_a_training_run_folder(tmp_path, capsys):
     """A run folder (checkpoints/latest -> step_N) resolves to its latest checkpoint."""
-    from wiola.run_folder import LATEST_FILE, TRAINER_FILE
+    from wiola.train.run_folder import LATEST_FILE, TRAINER_FILE
 
     torch.manual_seed(0)
     step = tmp_path / "checkpoints" / "step_0000002"

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from wiola.corpus import EOT, generate_stories, sample_corpus, write_sample_corpus
+from wiola.train.corpus import EOT, generate_stories, sample_corpus, write_sample_corpus
 
 
 def _digest(stories: list[str]) -> str:

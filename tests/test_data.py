@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from wiola import data as wdata
-from wiola.corpus import EOT, write_sample_corpus
-from wiola.data import (
+from wiola.train import data as wdata
+from wiola.train.corpus import EOT, write_sample_corpus
+from wiola.train.data import (
     BatchStream,
     TokenSplit,
     eval_batches,
@@ -88,7 +88,7 @@ def test_folder_with_validation_file(tmp_path) -> None:
     src = resolve_source(tmp_path)
     assert [p.name for p in src.train_files] == ["train.txt"], f"train files {src.train_files}"
     assert [p.name for p in src.val_files] == ["validation.txt"], f"val files {src.val_files}"
-    from wiola.corpus import sample_corpus
+    from wiola.train.corpus import sample_corpus
 
     train, val = sample_corpus(7, 3, seed=5)
     assert list(iter_documents(src, "train")[0]) == train, "train documents differ from the written stories"
@@ -136,7 +136,7 @@ def test_round_trip_and_manifest(tmp_path, enc) -> None:
     write_sample_corpus(tmp_path / "c", n_train=30, n_val=5, seed=1)
     src = resolve_source(tmp_path / "c")
     data = prepare_data(src, enc, tmp_path / "cache", progress=False, log=_quiet, shard_tokens=1000)
-    from wiola.corpus import sample_corpus
+    from wiola.train.corpus import sample_corpus
 
     train, val = sample_corpus(30, 5, seed=1)
     for name, split, docs in (("train", data.train, train), ("val", data.val, val)):

@@ -12,11 +12,11 @@ import torch.nn.functional as F
 
 import wiola.ops as ops
 from wiola import WiolaConfig, WiolaModel
-from wiola.corpus import generate_stories
-from wiola.data import TokenSplit, token_byte_lengths
-from wiola.evaluate import evaluate, gate_statistics
 from wiola.ops.rope import positions_from_mask, rope_tables
-from wiola.plots import plot_gate_heatmap, plot_loss_curve
+from wiola.train.corpus import generate_stories
+from wiola.train.data import TokenSplit, token_byte_lengths
+from wiola.train.evaluate import evaluate, gate_statistics
+from wiola.train.plots import plot_gate_heatmap, plot_loss_curve
 
 BPE_FILE = "/work/shared/tokenizers/gpt2.tiktoken"
 SMALL = dict(d_model=32, n_layers=3, n_heads=4, d_ff=48, max_seq_len=64)
@@ -82,6 +82,34 @@ def test_evaluate_matches_float64_per_window(enc) -> None:
     model.train()
     evaluate(model, split, token_byte_lengths(enc), T, max_windows=2)
     assert model.training, "evaluate must restore training mode"
+
+
+def test_evaluate_honours_the_precision(enc) -> None:
+    """``precision="bf16"`` scores under bf16 autocast (on a CPU too), as training does; ``"auto"``
+    on a CPU is fp32."""
+    stories = generate_stories(6, seed=3)
+    tokens = np.array([t for s in stories for t in [enc.eot_token, *enc.encode_ordinary(s)]], dtype=np.uint16)
+    split = TokenSplit([tokens], documents=len(stories), text_bytes=0)
+    T, n_windows = 24, 13
+    model = _model()
+    with torch.no_grad():
+        model.embed.weight.mul_(25)  # large logits: bf16 rounding then moves the loss measurably
+    got = {
+        p: evaluate(model, split, token_byte_lengths(enc), T, batch_size=5, max_windows=n_windows, precision=p).loss
+        for p in ("auto", "fp32", "bf16")
+    }
+    nats = 0.0
+    with torch.no_grad():
+        for k in range(n_windows):
+            window = torch.from_numpy(tokens[k * T : k * T + T + 1].astype(np.int64))[None]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(window).logits[0, :-1]
+            nats += float(F.cross_entropy(logits.double(), window[0, 1:], reduction="sum"))
+    ref = nats / (n_windows * T)
+    assert got["auto"] == got["fp32"], "precision 'auto' on a CPU is fp32"
+    # bf16 autocast vs the same under a float64 loss: ~2e-7 relative; bf16 vs fp32: ~3e-5.
+    assert abs(got["bf16"] - ref) <= 2e-6 * ref, f"bf16 loss {got['bf16']} vs bf16 reference {ref}"
+    assert abs(got["bf16"] - got["fp32"]) >= 1e-5 * ref, "precision='bf16' scored in fp32"
 
 
 @torch.no_grad()

@@ -11,8 +11,11 @@ from typing import Any
 
 import numpy as np
 
+from wiola.train.env import require
+
 
 def _figure(width: float, height: float) -> Any:
+    require("matplotlib", "plotting")  # a clear error naming the extra when matplotlib is missing
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -9,7 +9,6 @@ story, so the number is comparable across tokenizers, unlike the per-token loss.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import types
 from dataclasses import asdict, dataclass
@@ -17,7 +16,8 @@ from typing import Any
 
 import torch
 
-from wiola.data import TokenSplit, eval_batches, eval_windows
+from wiola.train.data import TokenSplit, eval_batches, eval_windows
+from wiola.train.env import autocast
 
 
 @dataclass
@@ -39,14 +39,6 @@ class EvalResult:
         )
 
 
-def autocast_context(device: torch.device | str) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA; nothing (fp32) elsewhere."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module,
@@ -56,6 +48,7 @@ def evaluate(
     *,
     batch_size: int = 8,
     max_windows: int | None = None,
+    precision: str = "auto",
     rank: int = 0,
     world_size: int = 1,
 ) -> EvalResult:
@@ -65,7 +58,8 @@ def evaluate(
         model: a ``WiolaModel`` (or a wrapper with the same ``forward``), on any device.
         split: the validation tokens; windows of ``seq_len + 1`` tokens at stride ``seq_len``
             (every token after the first is a target once).
-        byte_lengths: ``(V,)`` int64 bytes per token (``wiola.data.token_byte_lengths``).
+        byte_lengths: ``(V,)`` int64 bytes per token (``wiola.train.data.token_byte_lengths``).
+        precision: ``"auto"``, ``"bf16"`` or ``"fp32"``, as in training (``wiola.train.env.autocast``).
         rank, world_size: under DDP every rank scores a disjoint share and the sums are
             all-reduced, so every rank returns the same result.
 
@@ -82,7 +76,7 @@ def evaluate(
             split, seq_len, batch_size, max_windows=max_windows, rank=rank, world_size=world_size
         ):
             x = batch.to(device, non_blocking=True)
-            with autocast_context(device):
+            with autocast(device, precision):
                 loss = model(x, labels=x).loss  # mean over the B·T targets x[:, 1:]
             n = x[:, 1:].numel()
             nats += loss.double() * n

@@ -4,7 +4,7 @@ Sources (``--data``):
 - ``None`` / ``"tinystories"``: ``roneneldan/TinyStories`` through ``datasets`` (train and
   validation splits); needs network (or the ``datasets`` cache).
 - ``"sample"`` (or ``"sample:N"`` for N training stories, default 1000): the built-in generated
-  corpus (``wiola.corpus``), no download.
+  corpus (``wiola.train.corpus``), no download.
 - a path: text (``.txt``), JSON lines (``.jsonl``, ``.json`` lists), Parquet (``.parquet``)
   files, or a folder of them (searched recursively). In a text file, documents are separated by
   ``<|endoftext|>``; a file without that separator is one document. JSON and Parquet records
@@ -40,6 +40,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from wiola.config import WiolaConfig
+from wiola.train.env import TRAIN_EXTRA, require
 
 PIPELINE_VERSION = 1  # part of the cache key: bump when tokenisation or the shard layout changes
 TEXT_SUFFIXES = {
@@ -130,7 +133,7 @@ def resolve_source(
                 raise ValueError(f"--data {data!r}: expected sample:N with N a positive number of stories")
         return DataSource(
             "sample",
-            f"sample corpus (wiola.corpus, {n_train} stories)",
+            f"sample corpus (wiola.corpus, {n_train} stories)",  # the module's old name: part of the cache key
             sample_size=(n_train, max(100, n_train // 10), 0),
         )
     path = Path(data).expanduser()
@@ -200,7 +203,7 @@ def _hf_split(name: str, split: str) -> Any:
     except Exception as e:  # not installed, or an incompatible huggingface_hub
         raise RuntimeError(
             f"cannot load {name}: the `datasets` package is not usable ({type(e).__name__}: {e}). "
-            "Install it (pip install 'wiola-slm[train]'), or train on local files with --data PATH "
+            f"Install it ({TRAIN_EXTRA}), or train on local files with --data PATH "
             "(text/JSONL/Parquet files or a folder) or on the built-in sample corpus with --data sample."
         ) from e
     try:
@@ -218,7 +221,7 @@ def iter_documents(source: DataSource, split: str) -> tuple[Iterator[str], int |
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     if source.kind == "sample":
-        from wiola.corpus import sample_corpus
+        from wiola.train.corpus import sample_corpus
 
         n_train, n_val, seed = source.sample_size
         train, val = sample_corpus(n_train, n_val, seed)
@@ -256,7 +259,7 @@ def source_fingerprint(source: DataSource) -> str:
     h = hashlib.sha256()
     h.update(f"wiola-data v{PIPELINE_VERSION} {source.kind} {source.name}".encode())
     if source.kind == "sample":
-        from wiola.corpus import CORPUS_VERSION
+        from wiola.train.corpus import CORPUS_VERSION
 
         h.update(f"corpus v{CORPUS_VERSION} {source.sample_size}".encode())
     elif source.kind == "hf":
@@ -269,6 +272,23 @@ def source_fingerprint(source: DataSource) -> str:
                 st = p.stat()
                 h.update(f"{role} {p.resolve()} {st.st_size} {st.st_mtime_ns}\n".encode())
     return h.hexdigest()
+
+
+def tokenizer_for(config: WiolaConfig, name: str | None) -> Any:
+    """The tiktoken encoding for ``config``. Raises ``ValueError`` when ``name``'s vocabulary
+    differs from the model's, ``RuntimeError`` (saying what to set) when it cannot load."""
+    from wiola.tokenizer import ENCODINGS, encoding_for_vocab, get_encoding
+
+    if name is not None:
+        if name not in ENCODINGS:
+            raise ValueError(f"unknown tokenizer {name!r}; choose one of {sorted(ENCODINGS)}")
+        if ENCODINGS[name] != config.vocab_size:
+            raise ValueError(
+                f"tokenizer {name!r} has {ENCODINGS[name]:,} tokens but the model's vocab_size is "
+                f"{config.vocab_size:,}; use the matching tokenizer or set vocab_size to {ENCODINGS[name]}"
+            )
+        return get_encoding(name)
+    return encoding_for_vocab(config.vocab_size)
 
 
 # --------------------------------------------------------------------------------- token cache
@@ -361,8 +381,7 @@ def _tokenize_split(
     desc: str,
     progress: bool,
 ) -> tuple[int, int, int]:
-    from tqdm.auto import tqdm
-
+    tqdm = require("tqdm.auto", "tokenising a corpus").tqdm
     eot = encoding.eot_token
     n_docs = n_tokens = n_bytes = 0
     bar = tqdm(total=total, desc=desc, unit="doc", disable=not progress, dynamic_ncols=True)

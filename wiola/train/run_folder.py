@@ -1,5 +1,5 @@
 """The run folder of a training run: atomic checkpoints, the ``latest`` pointer, RNG states and
-the metrics log (``wiola.train`` writes it; ``wiola eval``/``gates``/``--resume`` read it).
+the metrics log (``wiola.train.loop`` writes it; ``wiola eval``/``gates``/``--resume`` read it).
 
 Layout::
 
@@ -26,9 +26,9 @@ import torch
 
 if TYPE_CHECKING:
     from wiola.config import WiolaConfig
-    from wiola.data import BatchStream, TokenData
-    from wiola.evaluate import EvalResult
-    from wiola.train import TrainConfig
+    from wiola.train.config import TrainConfig
+    from wiola.train.data import BatchStream, TokenData
+    from wiola.train.evaluate import EvalResult
 
 TRAINER_FILE = "trainer.json"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -72,9 +72,36 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
     )
 
 
+def is_training_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a checkpoint folder of a training run (it holds ``trainer.json``)."""
+    return (Path(path) / TRAINER_FILE).is_file()
+
+
 def read_trainer_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
-    """The ``trainer.json`` of a checkpoint folder (or of a run folder's latest checkpoint)."""
-    return json.loads((find_checkpoint(checkpoint) / TRAINER_FILE).read_text())
+    """The ``trainer.json`` of a checkpoint folder (or of a run folder's latest checkpoint): the
+    settings, step, tokenizer, data position and latest metrics. The one reader of that file.
+
+    Raises ``FileNotFoundError`` (see ``find_checkpoint``) or ``ValueError`` for a damaged file.
+    """
+    path = find_checkpoint(checkpoint) / TRAINER_FILE
+    try:
+        state = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return state
+
+
+def ensure_writable(directory: Path) -> None:
+    """Create ``directory`` and check a file can be written there; ``ValueError`` if not."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"output folder {str(directory)!r} is not writable: {e}") from e
 
 
 class MetricsLog:

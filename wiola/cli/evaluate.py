@@ -1,0 +1,111 @@
+"""``wiola eval`` (validation loss, perplexity, bits per byte) and ``wiola gates`` (the mean gate
+per layer × head as a heat map) of a checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="validation loss, perplexity and bits per byte of a checkpoint")
+    _add_eval_arguments(p)
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=run_eval)
+
+    p = sub.add_parser("gates", help="mean gate per layer × head of a checkpoint, as a heat-map PNG")
+    _add_eval_arguments(p)
+    p.add_argument("--out", help="PNG path (default: gates.png next to the checkpoint)")
+    p.add_argument("--windows", type=int, default=8, help="validation windows to average over")
+    p.set_defaults(func=run_gates)
+
+
+def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="a model folder (config.json + weights) or a run folder")
+    p.add_argument("--data", help="default: the data the checkpoint was trained on (TinyStories if unknown)")
+    p.add_argument("--val-data")
+    p.add_argument("--cache-dir")
+    p.add_argument("--seq-len", type=int, help="default: the training seq_len (or min(512, max_seq_len - 1))")
+    p.add_argument("--eval-windows", type=int, help="validation windows to score (default: all)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--device", help="default: cuda when available")
+    p.add_argument("--precision", choices=["auto", "bf16", "fp32"], help="default: the training precision (or auto)")
+    p.add_argument("--fast", action="store_true", help="wiola.fast (fused Triton kernels)")
+
+
+def _load_for_eval(args: argparse.Namespace) -> tuple[Any, Any, Any, int, str, Path]:
+    """(model, encoding, token data, seq_len, precision, model folder) for ``eval``/``gates``."""
+    from wiola.train.config import default_seq_len
+    from wiola.train.data import prepare_data, resolve_source, tokenizer_for
+    from wiola.train.env import model_class, resolve_device
+    from wiola.train.run_folder import find_checkpoint, is_training_checkpoint, read_trainer_state
+
+    path = Path(args.checkpoint)
+    if not (path / "config.json").is_file():
+        path = find_checkpoint(path)
+    trainer = read_trainer_state(path) if is_training_checkpoint(path) else {}
+    device = resolve_device(args.device)
+    model = model_class(args.fast).from_pretrained(path, device=device)
+    model.eval()
+    saved_cfg = trainer.get("train_config", {})
+    data_arg = args.data or saved_cfg.get("data") or "tinystories"
+    val_arg = args.val_data if args.data else (args.val_data or saved_cfg.get("val_data"))
+    encoding = tokenizer_for(model.config, trainer.get("tokenizer"))
+    source = resolve_source(data_arg, val_arg, saved_cfg.get("val_fraction", 0.01))
+    data = prepare_data(
+        source, encoding, args.cache_dir or saved_cfg.get("cache_dir"), log=lambda m: print(m, file=sys.stderr)
+    )
+    seq_len = args.seq_len or saved_cfg.get("seq_len") or default_seq_len(model.config)
+    if seq_len + 1 > model.config.max_seq_len:
+        raise ValueError(
+            f"--seq-len {seq_len}: windows of {seq_len + 1} tokens exceed max_seq_len={model.config.max_seq_len}"
+        )
+    precision = args.precision or saved_cfg.get("precision") or "auto"
+    return model, encoding, data, seq_len, precision, path
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from wiola.train.data import token_byte_lengths
+    from wiola.train.evaluate import evaluate
+
+    model, encoding, data, seq_len, precision, path = _load_for_eval(args)
+    result = evaluate(
+        model,
+        data.val,
+        token_byte_lengths(encoding),
+        seq_len,
+        batch_size=args.batch_size,
+        max_windows=args.eval_windows,
+        precision=precision,
+    )
+    if args.json:
+        print(json.dumps({"checkpoint": str(path), "seq_len": seq_len, "precision": precision, **result.to_dict()}))
+    else:
+        print(f"{path}: {data.manifest['source']}, {result.windows} windows of {seq_len} tokens ({precision})")
+        print(f"loss {result.loss:.4f}\nperplexity {result.perplexity:.3f}\nbits per byte {result.bits_per_byte:.4f}")
+    return 0
+
+
+def run_gates(args: argparse.Namespace) -> int:
+    from wiola.train.data import eval_batches
+    from wiola.train.env import autocast
+    from wiola.train.evaluate import gate_statistics
+    from wiola.train.plots import plot_gate_heatmap
+
+    if args.windows < 1:
+        raise ValueError(f"--windows must be >= 1, got {args.windows}")
+    model, _, data, seq_len, precision, path = _load_for_eval(args)
+    batch = next(eval_batches(data.val, seq_len, args.windows, max_windows=args.windows))
+    device = next(model.parameters()).device
+    with autocast(device, precision):
+        gates = gate_statistics(model, batch.to(device))
+    out = Path(args.out) if args.out else path / "gates.png"
+    plot_gate_heatmap(gates, out, title=f"mean gate per layer × head ({path.name})")
+    print("layer  " + "  ".join(f"h{h:<4d}" for h in range(gates.shape[1])))
+    for layer, row in enumerate(gates.tolist()):
+        print(f"{layer:>5}  " + "  ".join(f"{g:.3f}" for g in row))
+    print(f"gate heat map: {out}")
+    return 0

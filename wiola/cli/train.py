@@ -1,0 +1,144 @@
+"""``wiola train``: flags, config files and recipes to a ``TrainConfig``, then ``wiola.train.train``.
+
+Under ``torchrun --nproc_per_node N -m wiola train ...`` every rank runs this command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from wiola.train.config import TrainConfig
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a model (TinyStories, local files or the sample corpus)",
+        description="Train a Wiola model. Flags override --config/--recipe; under "
+        "torchrun --nproc_per_node N -m wiola train every rank runs this command.",
+    )
+    add_train_arguments(p)
+    p.set_defaults(func=run_train)
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``wiola train`` flags. Every default is None: an unset flag keeps the value from the
+    checkpoint (``--resume``), the recipe, the config file or ``TrainConfig``, in that order."""
+    from wiola.config import PRESETS
+    from wiola.train.config import recipe_names
+
+    g = p.add_argument_group("setup")
+    g.add_argument("--config", help="JSON file of TrainConfig fields (the recipes' format)")
+    g.add_argument("--recipe", choices=recipe_names(), help="a named recipe; 'paper' is the published 13M run")
+    g.add_argument("--resume", metavar="DIR", help="continue exactly from a checkpoint or a run folder's latest one")
+    g.add_argument(
+        "--out", dest="out_dir", help="run folder (default runs/wiola; with --resume, the checkpoint's run folder)"
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--preset", choices=sorted(PRESETS))
+    g.add_argument("--model", action="append", metavar="KEY=VALUE", help="override a WiolaConfig field (repeatable)")
+    g.add_argument("--tokenizer", help="gpt2 or gpt2-32k (default: the one matching vocab_size)")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", help="'tinystories' (default), 'sample', or text/JSONL/Parquet files or a folder")
+    g.add_argument("--val-data", help="validation files (default: the folder's val files or a held-out share)")
+    g.add_argument("--val-fraction", type=float)
+    g.add_argument("--cache-dir", help="token cache folder (default $WIOLA_CACHE or ~/.cache/wiola)")
+    g.add_argument("--seq-len", type=int, help="T: tokens predicted per window (default min(512, max_seq_len - 1))")
+    g.add_argument("--batch-size", type=int, help="global batch: windows per optimizer step")
+    g.add_argument("--micro-batch", type=int, help="windows per forward per rank (accumulates the rest)")
+    g.add_argument(
+        "--sequential", dest="shuffle", action="store_const", const=False, help="windows in order, not shuffled"
+    )
+    g.add_argument("--seed", type=int)
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--steps", type=int)
+    g.add_argument("--lr", type=float)
+    g.add_argument("--min-lr-ratio", type=float)
+    g.add_argument("--warmup", type=float, help="fraction of steps (< 1) or steps (>= 1)")
+    g.add_argument("--betas", type=float, nargs=2)
+    g.add_argument("--eps", type=float)
+    g.add_argument("--weight-decay", type=float)
+    g.add_argument("--grad-clip", type=float)
+    g = p.add_argument_group("evaluation and checkpoints")
+    g.add_argument("--eval-every", type=int)
+    g.add_argument("--eval-windows", type=int)
+    g.add_argument("--eval-batch-size", type=int)
+    g.add_argument("--log-every", type=int)
+    g.add_argument("--save-every", type=int)
+    g.add_argument("--keep", dest="keep_checkpoints", type=int, help="checkpoints to keep")
+    g.add_argument("--no-plots", dest="plots", action="store_const", const=False)
+    g = p.add_argument_group("hardware")
+    g.add_argument("--device")
+    g.add_argument("--fast", action="store_const", const=True, help="wiola.fast (fused Triton kernels)")
+    g.add_argument("--compile", action="store_const", const=True, help="torch.compile the model")
+    g.add_argument(
+        "--activation-checkpointing",
+        action="store_const",
+        const=True,
+        help="recompute each block in the backward pass: less activation memory, ~1/3 more compute",
+    )
+    g.add_argument("--precision", choices=["auto", "bf16", "fp32"])
+    g.add_argument("--no-progress", dest="progress", action="store_const", const=False)
+    g.add_argument("--num-threads", type=int, help="tokeniser threads")
+    g.add_argument("--peak-flops", type=float, help="peak FLOP/s of one device, for MFU")
+
+
+def _parse_model_overrides(items: list[str] | None) -> dict[str, Any]:
+    from wiola.config import WiolaConfig
+
+    fields = WiolaConfig.__dataclass_fields__
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise ValueError(f"--model {item!r}: expected KEY=VALUE with KEY one of {sorted(fields)}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The ``TrainConfig`` of a ``wiola train`` command line (see ``add_train_arguments``).
+
+    Settings not given anywhere take ``TrainConfig``'s defaults, which follow the preset (the
+    default ``seq_len`` fits the model's ``max_seq_len``).
+    """
+    from wiola.train.config import load_config_file, recipe
+    from wiola.train.run_folder import find_checkpoint, read_trainer_state
+
+    settings: dict[str, Any] = {}
+    if args.resume:
+        checkpoint = find_checkpoint(args.resume)
+        settings.update(read_trainer_state(checkpoint)["train_config"])
+        settings["out_dir"] = str(checkpoint.parent.parent)  # the run folder, wherever it is now
+    if args.recipe:
+        settings.update(recipe(args.recipe))
+    if args.config:
+        settings.update(load_config_file(args.config))
+    skip = {"config", "recipe", "resume", "func", "command", "model"}
+    for key, value in vars(args).items():
+        if key not in skip and value is not None:
+            settings[key] = list(value) if isinstance(value, (list, tuple)) else value
+    if args.model:
+        settings["model"] = {**settings.get("model", {}), **_parse_model_overrides(args.model)}
+    return TrainConfig.from_dict(settings)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from wiola.train import train
+
+    cfg = config_from_args(args)
+    result = train(cfg, resume=args.resume)
+    if result.interrupted:
+        return 130
+    if result.eval is not None:
+        print(f"final validation: {result.eval}")
+    for name, path in result.plots.items():
+        print(f"{name}: {path}")
+    if result.checkpoint is not None:
+        print(f"checkpoint: {result.checkpoint}")
+    return 0

@@ -1,0 +1,184 @@
+"""The settings of a training run (``TrainConfig``) and the named recipes.
+
+A recipe is a JSON file of ``TrainConfig`` fields in ``wiola/train/recipes/`` (package data):
+``--recipe paper`` reads ``recipes/paper.json``, the published 13M run. ``--config FILE.json``
+reads the same format from anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from wiola.config import WiolaConfig
+
+DEFAULT_SEQ_LEN = 512  # the paper's T, where the model allows it
+
+
+def default_seq_len(model_config: WiolaConfig) -> int:
+    """``min(512, max_seq_len - 1)``: windows hold ``T + 1`` tokens and must fit the model."""
+    return min(DEFAULT_SEQ_LEN, model_config.max_seq_len - 1)
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs; ``--config FILE.json`` and ``--recipe`` fill it, flags override."""
+
+    # model
+    preset: str = "13m"
+    model: dict[str, Any] = field(default_factory=dict)  # WiolaConfig overrides, e.g. {"d_model": 64}
+    tokenizer: str | None = None  # None: the encoding whose vocabulary equals the model's
+    activation_checkpointing: bool = False  # recompute each block in the backward pass (less memory)
+    # data
+    data: str | None = "tinystories"  # "tinystories", "sample", or a path
+    val_data: str | None = None
+    val_fraction: float = 0.01
+    cache_dir: str | None = None
+    seq_len: int | None = None  # T: windows hold T + 1 <= max_seq_len tokens; None: min(512, max_seq_len - 1)
+    batch_size: int = 32  # global: windows per optimizer step over all ranks and micro-steps
+    micro_batch: int | None = None  # windows per forward on one rank; None: batch_size / world_size
+    shuffle: bool = True
+    seed: int = 0
+    # optimisation
+    steps: int = 20000
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.0  # final lr = lr * min_lr_ratio
+    warmup: float = 0.05  # warm-up: a fraction of steps (< 1) or a number of steps (>= 1)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0  # 0 disables clipping
+    # evaluation, logging, checkpoints
+    out_dir: str = "runs/wiola"
+    eval_every: int = 500
+    eval_windows: int | None = 512  # validation windows per evaluation (None: all)
+    eval_batch_size: int | None = None  # None: micro_batch
+    log_every: int = 10
+    save_every: int = 1000
+    keep_checkpoints: int = 2
+    plots: bool = True
+    # hardware
+    device: str | None = None  # None: cuda when available, else cpu
+    fast: bool = False  # wiola.fast.WiolaModel (fused Triton kernels)
+    compile: bool = False  # torch.compile
+    precision: str = "auto"  # "auto" (bf16 autocast on CUDA, fp32 on CPU), "bf16", "fp32"
+    progress: bool = True
+    num_threads: int | None = None  # tokeniser threads
+    peak_flops: float | None = None  # per device, for MFU; None: looked up from the GPU name
+
+    def __post_init__(self) -> None:
+        model_config = self.model_config()  # an unknown preset or model field raises here
+        if self.seq_len is None:
+            self.seq_len = default_seq_len(model_config)
+        self._check_counts()
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        if self.weight_decay < 0 or self.grad_clip < 0 or self.eps <= 0:
+            raise ValueError("weight_decay and grad_clip must be >= 0 and eps > 0")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {self.precision!r}")
+        self.betas = [float(b) for b in self.betas]
+        if self.seq_len + 1 > model_config.max_seq_len:
+            raise ValueError(
+                f"windows of seq_len + 1 = {self.seq_len + 1} tokens do not fit "
+                f"max_seq_len={model_config.max_seq_len}; use --seq-len {model_config.max_seq_len - 1} or less"
+            )
+
+    def _check_counts(self) -> None:
+        positive = ("seq_len", "batch_size", "steps", "eval_every", "log_every", "save_every", "keep_checkpoints")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("micro_batch", "eval_batch_size", "eval_windows"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+    @property
+    def warmup_steps(self) -> int:
+        return int(self.warmup) if self.warmup >= 1 else round(self.warmup * self.steps)
+
+    def model_config(self) -> WiolaConfig:
+        return WiolaConfig.preset(self.preset, **self.model)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown training settings {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+
+# Settings that may differ between a run and its resumption: the rest would change the numbers.
+RESUMABLE_CHANGES = {
+    "out_dir",
+    "eval_every",
+    "eval_windows",
+    "eval_batch_size",
+    "log_every",
+    "save_every",
+    "keep_checkpoints",
+    "plots",
+    "device",
+    "fast",
+    "compile",
+    "activation_checkpointing",
+    "progress",
+    "num_threads",
+    "peak_flops",
+    "cache_dir",
+    "micro_batch",
+    "steps",
+}
+
+
+def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """The settings of a JSON config file (keys are ``TrainConfig`` fields; ``_comment`` is ignored).
+
+    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` for one that is not a JSON object.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+    return _parse_settings(path.read_text(), str(path))
+
+
+def _parse_settings(text: str, name: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config file {name} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {name} must hold a JSON object of TrainConfig fields")
+    data.pop("_comment", None)
+    return data
+
+
+def recipe_names() -> list[str]:
+    """The names of the recipes shipped in ``wiola/train/recipes/``."""
+    files = resources.files(__package__).joinpath("recipes").iterdir()
+    return sorted(f.name.removesuffix(".json") for f in files if f.name.endswith(".json"))
+
+
+def recipe(name: str) -> dict[str, Any]:
+    """The ``TrainConfig`` settings of a named recipe (a fresh dict). Raises ``ValueError`` for an unknown name."""
+    if name not in recipe_names():
+        raise ValueError(f"unknown recipe {name!r}; choose one of {recipe_names()}")
+    text = resources.files(__package__).joinpath("recipes", f"{name}.json").read_text()
+    return _parse_settings(text, f"recipes/{name}.json")

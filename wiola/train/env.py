@@ -1,0 +1,116 @@
+"""The environment a run executes in: the device, the precision (one autocast rule for training,
+evaluation and the demo), the data-parallel process group, the model class, and the training
+extra's packages.
+
+Precision: ``"auto"`` is bf16 autocast on CUDA and fp32 elsewhere; ``"bf16"`` is bf16 autocast on
+any device; ``"fp32"`` is no autocast. Parameters, optimizer state and the loss stay fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from types import ModuleType
+
+import torch
+import torch.distributed as dist
+
+PRECISIONS = ("auto", "bf16", "fp32")
+TRAIN_EXTRA = "pip install 'wiola-slm[train]'"
+
+
+def require(module: str, purpose: str) -> ModuleType:
+    """Import ``module`` (a package of the ``train`` extra), or raise ``RuntimeError`` naming the
+    extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise RuntimeError(
+            f"{purpose} needs the `{module.split('.')[0]}` package, which cannot be imported ({e}); "
+            f"install the training extra: {TRAIN_EXTRA} (in a checkout: pip install -e '.[train]')"
+        ) from e
+
+
+def resolve_device(name: str | None, local_rank: int = 0) -> torch.device:
+    """``name`` as a device (default: cuda when available, else cpu); a bare ``cuda`` becomes
+    ``cuda:<local_rank>``. Raises ``RuntimeError`` when CUDA is asked for but absent."""
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device {name!r} asked for, but CUDA is not available")
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
+    return device
+
+
+def uses_bf16(device: torch.device | str, precision: str = "auto") -> bool:
+    """Whether ``precision`` on ``device`` means bf16 autocast (see the module docstring)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    return precision == "bf16" or (precision == "auto" and torch.device(device).type == "cuda")
+
+
+def autocast(device: torch.device | str, precision: str = "auto") -> contextlib.AbstractContextManager:
+    """The autocast context of ``precision`` on ``device``: bf16 autocast or nothing (fp32)."""
+    device = torch.device(device)
+    if uses_bf16(device, precision):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def model_class(fast: bool) -> type:
+    """``wiola.WiolaModel``, or ``wiola.fast.WiolaModel`` when ``fast``.
+
+    Raises ``RuntimeError`` when ``fast`` is asked for and ``wiola.fast`` cannot be imported.
+    """
+    if not fast:
+        from wiola.model import WiolaModel
+
+        return WiolaModel
+    try:
+        from wiola.fast import WiolaModel as FastModel
+    except ImportError as e:
+        raise RuntimeError(
+            f"--fast needs wiola.fast (the fused Triton model), which cannot be imported here ({e}); "
+            "drop --fast to use the reference model"
+        ) from e
+    return FastModel
+
+
+def peak_flops_per_device(device: torch.device) -> float | None:
+    """Dense bf16 peak of the GPU (from its name), or None when unknown (then no MFU is shown)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).upper()
+    table = [
+        ("H200", 989e12),
+        ("H100", 989e12),
+        ("H800", 989e12),
+        ("A100", 312e12),
+        ("A800", 312e12),
+        ("L40S", 362e12),
+        ("L4", 121e12),
+        ("A10", 125e12),
+        ("4090", 165e12),
+        ("3090", 71e12),
+    ]
+    return next((flops for key, flops in table if key in name), None)
+
+
+def init_distributed() -> tuple[int, int, int, bool]:
+    """(rank, world_size, local_rank, initialised_here) from torchrun's environment; the process
+    group is NCCL on GPU, gloo on CPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1, 0, False
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if dist.is_initialized():
+        return rank, world, local_rank, False
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend=backend)
+    return dist.get_rank(), dist.get_world_size(), local_rank, True

@@ -1,0 +1,519 @@
+"""The training loop: gradient accumulation, DDP through ``torchrun``, evaluation, plots, and
+checkpoints that resume exactly (the optimizer and schedule are in ``wiola.train.optim``, the
+device and precision rules in ``wiola.train.env``).
+
+A run folder (``wiola.train.run_folder``) holds ``metrics.jsonl`` (one JSON object per log line
+and evaluation), ``loss_curve.png``, ``gates.png`` (mean gate per layer × head at the latest
+evaluation) and ``checkpoints/step_NNNNNNN/`` with
+
+- ``config.json`` + ``model.safetensors`` (``WiolaModel.from_pretrained`` reads the folder),
+- ``trainer.json``: the training configuration, step, data position and latest metrics,
+- ``optimizer.pt``: optimizer and scheduler state and the RNG states.
+
+Each checkpoint is written into a temporary folder and renamed into place, and
+``checkpoints/latest`` names the newest, so a crash never leaves a half checkpoint behind.
+``train(..., resume=DIR)`` continues bit for bit: model, optimizer, schedule, data position and
+RNG states are restored, and the losses of an interrupted and resumed run equal those of an
+uninterrupted one. SIGINT/SIGTERM stop after the current step with a checkpoint (under DDP,
+after the next logging step, where the ranks agree). On resumption ``steps`` may be raised (the
+cosine then stretches to the new end) and ``micro_batch`` changed (the same global batch,
+accumulated differently); settings that change the numbers otherwise must match.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from wiola.config import WiolaConfig
+from wiola.train.config import RESUMABLE_CHANGES, TrainConfig
+from wiola.train.data import (
+    BatchStream,
+    TokenData,
+    check_split,
+    eval_batches,
+    prepare_data,
+    resolve_source,
+    token_byte_lengths,
+    tokenizer_for,
+)
+from wiola.train.env import (
+    autocast,
+    init_distributed,
+    model_class,
+    peak_flops_per_device,
+    require,
+    resolve_device,
+    uses_bf16,
+)
+from wiola.train.evaluate import EvalResult, evaluate, gate_statistics
+from wiola.train.optim import build_optimizer, build_scheduler, schedule
+from wiola.train.run_folder import (
+    METRICS_FILE,
+    OPTIMIZER_FILE,
+    MetricsLog,
+    ensure_writable,
+    find_checkpoint,
+    read_trainer_state,
+    save_checkpoint,
+    set_rng_state,
+)
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class TrainResult:
+    step: int  # optimizer steps done
+    interrupted: bool
+    out_dir: Path
+    checkpoint: Path | None
+    train_loss: float | None  # loss of the last logged interval
+    eval: EvalResult | None  # last evaluation
+    losses: list[tuple[int, float]]  # (step, loss) of every log line of this process's run
+    plots: dict[str, Path]
+
+
+# --------------------------------------------------------------------------------------- train
+def train(
+    cfg: TrainConfig,
+    *,
+    resume: str | os.PathLike | None = None,
+    stop_at: int | None = None,
+    log: Log | None = None,
+    references: dict[str, float] | None = None,
+) -> TrainResult:
+    """Train (or continue training) a Wiola model as ``cfg`` says.
+
+    Args:
+        cfg: the run's settings.
+        resume: a checkpoint folder, or a run folder (its latest checkpoint), to continue from.
+            Settings that change the numbers must match the checkpoint's (``ValueError`` naming
+            them otherwise).
+        stop_at: stop after this step as an interruption would (checkpoint, ``interrupted``);
+            for tests and time-boxed runs.
+        log: where messages go (rank 0 only); default ``tqdm.write`` (stdout, below the progress bar).
+        references: named horizontal lines for the loss curve (e.g. the unigram entropy).
+
+    Under ``torchrun`` every rank calls ``train``; the process group comes from the environment
+    (NCCL on GPU, gloo on CPU). Bad settings, a missing or empty corpus, a tokenizer that does
+    not fit the model, a non-writable output folder, a checkpoint of another configuration or a
+    missing package of the ``train`` extra raise ``ValueError``/``FileNotFoundError``/``RuntimeError``
+    before training starts.
+    """
+    tqdm = require("tqdm.auto", "training").tqdm
+    if cfg.plots:
+        require("matplotlib", "training with plots (--no-plots trains without them)")
+    rank, world, local_rank, own_group = init_distributed()
+    say = (log or tqdm.write) if rank == 0 else (lambda msg: None)
+    try:
+        run = _start(cfg, resume, say, references or {}, rank, world, local_rank)
+        return _loop(run, stop_at, tqdm)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+def build_model(cfg: TrainConfig, model_config: WiolaConfig, device: torch.device) -> torch.nn.Module:
+    """The freshly initialised model of ``cfg`` (seeded by ``cfg.seed``) on ``device``, with
+    ``activation_checkpointing`` set as ``cfg`` says."""
+    torch.manual_seed(cfg.seed)
+    model = model_class(cfg.fast)(model_config).to(device)
+    model.activation_checkpointing = cfg.activation_checkpointing
+    return model
+
+
+@dataclass
+class _Run:
+    """One process's share of a run: settings, data, model, optimizer and position."""
+
+    cfg: TrainConfig
+    log: Log
+    rank: int
+    world: int
+    device: torch.device
+    micro: int  # windows per forward on this rank
+    grad_accum: int
+    model_config: WiolaConfig
+    data: TokenData
+    stream: BatchStream
+    byte_lengths: torch.Tensor
+    raw_model: torch.nn.Module
+    model: torch.nn.Module  # raw_model, or its DDP / compiled wrapper
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    metrics: MetricsLog
+    step: int = 0
+    train_loss: float | None = None
+    last_eval: EvalResult | None = None
+    last_ckpt: Path | None = None
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    plots: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.cfg.out_dir)
+
+
+# ----------------------------------------------------------------------------------- set-up
+def _start(
+    cfg: TrainConfig,
+    resume: str | os.PathLike | None,
+    log: Log,
+    references: dict[str, float],
+    rank: int,
+    world: int,
+    local_rank: int,
+) -> _Run:
+    """Check everything that can be wrong before any work, then build the data, model and optimizer."""
+    device = resolve_device(cfg.device, local_rank)
+    micro = cfg.micro_batch or max(1, cfg.batch_size // world)
+    if cfg.batch_size % (micro * world):
+        raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of micro_batch {micro} × world_size {world}")
+    model_config = cfg.model_config()
+    model_class(cfg.fast)  # --fast without wiola.fast raises here
+    checkpoint = saved = None
+    if resume is not None:
+        checkpoint = find_checkpoint(resume)
+        saved = read_trainer_state(checkpoint)
+        _check_resume(saved, cfg, model_config, checkpoint)
+    if rank == 0:
+        ensure_writable(Path(cfg.out_dir))
+    encoding = tokenizer_for(model_config, cfg.tokenizer)
+    data = _load_data(cfg, encoding, rank, world, log)
+    if saved is not None and saved["data"].get("fingerprint") != data.manifest["fingerprint"]:
+        raise ValueError(f"cannot resume {checkpoint} exactly: the training data changed since it was written")
+    grad_accum = cfg.batch_size // (micro * world)
+    stream = BatchStream(
+        data.train, cfg.seq_len, micro, grad_accum, rank=rank, world_size=world, shuffle=cfg.shuffle, seed=cfg.seed
+    )
+    raw_model = build_model(cfg, model_config, device)
+    optimizer = build_optimizer(raw_model, cfg, device)
+    scheduler = build_scheduler(optimizer, cfg)
+    run = _Run(
+        cfg, log, rank, world, device, micro, grad_accum, model_config, data, stream, token_byte_lengths(encoding),
+        raw_model, raw_model, optimizer, scheduler,
+        MetricsLog(Path(cfg.out_dir) / METRICS_FILE, rank == 0, None if checkpoint is None else int(saved["step"])),
+    )  # fmt: skip
+    if checkpoint is not None:
+        _restore(run, checkpoint, saved)
+    elif run.main:
+        _write_run_record(run, references)
+    run.model = _wrap(raw_model, cfg, world, device)
+    _announce(run)
+    return run
+
+
+def _load_data(cfg: TrainConfig, encoding: Any, rank: int, world: int, log: Log) -> TokenData:
+    """Rank 0 tokenises (or opens the cache); the others wait for it and open the cache."""
+    source = resolve_source(cfg.data, cfg.val_data, cfg.val_fraction)
+    data: TokenData | None = None
+    if rank == 0:
+        data = prepare_data(
+            source, encoding, cfg.cache_dir, num_threads=cfg.num_threads, progress=cfg.progress, log=log
+        )
+    if world > 1:
+        dist.barrier()
+    if rank != 0:
+        data = prepare_data(source, encoding, cfg.cache_dir, progress=False, log=lambda m: None)
+    assert data is not None
+    check_split(data.train, cfg.seq_len, "training")
+    check_split(data.val, cfg.seq_len, "validation")
+    return data
+
+
+def _check_resume(saved: dict[str, Any], cfg: TrainConfig, model_config: WiolaConfig, checkpoint: Path) -> None:
+    saved_model = WiolaConfig.from_dict(saved["model_config"])
+    if saved_model != model_config:
+        diff = [
+            f"{k}: checkpoint {v!r} vs this run {getattr(model_config, k)!r}"
+            for k, v in saved_model.to_dict().items()
+            if getattr(model_config, k) != v
+        ]
+        raise ValueError(
+            f"cannot resume {checkpoint}: it is a checkpoint of another model configuration ({'; '.join(diff)})"
+        )
+    saved_cfg, now = saved["train_config"], cfg.to_dict()
+    diff = [
+        f"{k}: checkpoint {saved_cfg.get(k)!r} vs this run {now[k]!r}"
+        for k in now
+        if k not in RESUMABLE_CHANGES and k != "model" and saved_cfg.get(k) != now[k]
+    ]
+    if diff:
+        raise ValueError(
+            f"cannot resume {checkpoint} exactly: training settings differ ({'; '.join(diff)}). "
+            "Leave them out to keep the checkpoint's values."
+        )
+
+
+def _restore(run: _Run, checkpoint: Path, saved: dict[str, Any]) -> None:
+    """Model, optimizer, schedule, RNG states and data position from ``checkpoint``."""
+    from wiola.checkpoint import load_pretrained
+
+    cfg = run.cfg
+    loaded = load_pretrained(model_class(cfg.fast), checkpoint, device=run.device)
+    run.raw_model.load_state_dict(loaded.state_dict())
+    del loaded
+    opt_state = torch.load(checkpoint / OPTIMIZER_FILE, map_location="cpu", weights_only=False)
+    run.optimizer.load_state_dict(opt_state["optimizer"])
+    run.scheduler.load_state_dict(opt_state["scheduler"])
+    run.scheduler.lr_lambdas[0] = schedule(cfg)  # a new --steps stretches the cosine
+    set_rng_state(opt_state["rng"])
+    run.stream.load_state_dict(saved["data"]["position"])
+    run.step = int(saved["step"])
+    run.log(f"resumed from {checkpoint} at step {run.step:,}")
+    if run.step >= cfg.steps:
+        run.log(
+            f"the checkpoint is at step {run.step:,} and the run has {cfg.steps:,} steps: nothing to do (raise --steps)"
+        )
+
+
+def _wrap(raw_model: torch.nn.Module, cfg: TrainConfig, world: int, device: torch.device) -> torch.nn.Module:
+    """DDP over the ranks, then ``torch.compile``, as ``cfg`` asks."""
+    model = raw_model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(raw_model, device_ids=[device.index] if device.type == "cuda" else None)
+    if cfg.compile:
+        model = torch.compile(model)
+    return model
+
+
+def _write_run_record(run: _Run, references: dict[str, float]) -> None:
+    run.metrics.write(
+        {
+            "kind": "run",
+            "step": 0,
+            "config": run.cfg.to_dict(),
+            "model_config": run.model_config.to_dict(),
+            "world_size": run.world,
+            "grad_accum": run.grad_accum,
+            "micro_batch": run.micro,
+            "parameters": run.raw_model.num_parameters(),
+            "data": run.data.manifest["source"],
+        }
+    )
+    for name, value in references.items():
+        run.metrics.write({"kind": "reference", "step": 0, "name": name, "value": value})
+
+
+def _announce(run: _Run) -> None:
+    cfg = run.cfg
+    extras = [", bf16 autocast" if uses_bf16(run.device, cfg.precision) else ""]
+    extras += [
+        ", compiled" if cfg.compile else "",
+        ", activation checkpointing" if cfg.activation_checkpointing else "",
+    ]
+    run.log(
+        f"model: {run.raw_model.num_parameters():,} parameters ({'wiola.fast' if cfg.fast else 'reference'}) "
+        f"on {run.device}{''.join(extras)}; batch {cfg.batch_size} × {cfg.seq_len} = "
+        f"{cfg.batch_size * cfg.seq_len:,} tokens/step ({run.world} rank(s) × {run.micro} × {run.grad_accum} "
+        f"accumulation); {cfg.steps:,} steps"
+    )
+
+
+# ------------------------------------------------------------------------------------- the loop
+def _loop(run: _Run, stop_at: int | None, tqdm: Any) -> TrainResult:
+    cfg = run.cfg
+    bar = tqdm(
+        total=cfg.steps, initial=run.step, disable=not (run.main and cfg.progress), dynamic_ncols=True, unit="step"
+    )
+    meter = _Meter(run)
+    interrupted = False
+    with _StopFlag(run.log) as stop:
+        while run.step < cfg.steps:
+            lr, grad_norm = _optimizer_step(run, meter.loss_sum)
+            last = run.step == cfg.steps
+            log_now = run.step % cfg.log_every == 0 or last
+            want_stop = _stop_requested(run, stop, stop_at, log_now)
+            if log_now or want_stop:
+                bar.set_postfix(meter.record(lr, grad_norm), refresh=False)
+            bar.update(1)
+            if run.step % cfg.eval_every == 0 or last:
+                _evaluate(run)
+            if want_stop and not last:
+                interrupted = True
+                _save(run)
+                break
+            if run.step % cfg.save_every == 0 or last:
+                _save(run)
+    bar.close()
+    if run.main and cfg.plots and run.metrics.records and "loss_curve" not in run.plots:
+        from wiola.train.plots import plot_loss_curve
+
+        run.plots["loss_curve"] = plot_loss_curve(run.metrics.records, run.out_dir / "loss_curve.png")
+    run.metrics.close()
+    if interrupted:
+        run.log(
+            f"interrupted at step {run.step:,}; checkpoint saved to {run.last_ckpt}; "
+            f"continue with: wiola train --resume {run.out_dir}"
+        )
+    return TrainResult(
+        run.step, interrupted, run.out_dir, run.last_ckpt, run.train_loss, run.last_eval, run.losses, run.plots
+    )
+
+
+def _optimizer_step(run: _Run, loss_sum: torch.Tensor) -> tuple[float, torch.Tensor | None]:
+    """One optimizer step over ``grad_accum`` micro-batches; adds the loss to ``loss_sum``.
+    Returns the step's learning rate and gradient norm (None without clipping)."""
+    cfg, model = run.cfg, run.model
+    for a, batch in enumerate(run.stream.next_step()):
+        x = batch.to(run.device, non_blocking=True)
+        sync = contextlib.nullcontext() if a + 1 == run.grad_accum or run.world == 1 else model.no_sync()
+        with sync:
+            with autocast(run.device, cfg.precision):
+                loss = model(x, labels=x).loss / run.grad_accum
+            loss.backward()
+        loss_sum += loss.detach()
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), cfg.grad_clip) if cfg.grad_clip else None
+    lr = run.scheduler.get_last_lr()[0]
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.step += 1
+    return lr, grad_norm
+
+
+def _stop_requested(run: _Run, stop: _StopFlag, stop_at: int | None, log_now: bool) -> bool:
+    """Whether to stop after this step, the same answer on every rank."""
+    want_stop = stop_at is not None and run.step >= stop_at
+    if run.world == 1:
+        return want_stop or stop.requested
+    if log_now:  # a signal may reach some ranks only: agree at log steps (one sync per log)
+        flag = torch.tensor([float(stop.requested)], device=run.device)
+        dist.all_reduce(flag)
+        want_stop = want_stop or bool(flag.item() > 0)
+    return want_stop
+
+
+class _Meter:
+    """The training loss, throughput and MFU of the steps since the last log line."""
+
+    def __init__(self, run: _Run) -> None:
+        self.run = run
+        self.loss_sum = torch.zeros((), device=run.device)
+        self.tokens_per_step = run.cfg.batch_size * run.cfg.seq_len
+        self.flops_per_token = _training_flops(run.model_config, run.cfg.seq_len)
+        self.peak = (run.cfg.peak_flops or peak_flops_per_device(run.device) or 0.0) * run.world
+        self.start_step, self.start = run.step, time.perf_counter()
+
+    def record(self, lr: float, grad_norm: torch.Tensor | None) -> dict[str, str]:
+        """Write the interval's metrics line, start a new interval; returns the progress-bar postfix."""
+        run = self.run
+        if run.world > 1:
+            dist.all_reduce(self.loss_sum)
+            self.loss_sum /= run.world
+        steps = run.step - self.start_step
+        run.train_loss = float(self.loss_sum) / steps
+        tok_s = steps * self.tokens_per_step / (time.perf_counter() - self.start)
+        record = {
+            "kind": "train",
+            "step": run.step,
+            "loss": run.train_loss,
+            "lr": lr,
+            "tokens": run.step * self.tokens_per_step,
+            "tokens_per_s": tok_s,
+            "epoch": run.stream.epoch,
+        }
+        if grad_norm is not None:
+            record["grad_norm"] = float(grad_norm)
+        postfix = {"loss": f"{run.train_loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tok_s:,.0f}"}
+        if self.peak:
+            record["mfu"] = tok_s * self.flops_per_token / self.peak
+            postfix["MFU"] = f"{record['mfu']:.1%}"
+        run.metrics.write(record)
+        run.losses.append((run.step, run.train_loss))
+        self.loss_sum.zero_()
+        self.start_step, self.start = run.step, time.perf_counter()
+        return postfix
+
+
+def _evaluate(run: _Run) -> None:
+    """Validation numbers on every rank; gate statistics, the metrics line and the plots on rank 0."""
+    cfg = run.cfg
+    eval_batch = cfg.eval_batch_size or run.micro
+    run.last_eval = evaluate(
+        run.raw_model,
+        run.data.val,
+        run.byte_lengths,
+        cfg.seq_len,
+        batch_size=eval_batch,
+        max_windows=cfg.eval_windows,
+        precision=cfg.precision,
+        rank=run.rank,
+        world_size=run.world,
+    )
+    if not run.main:
+        return
+    first = next(iter(eval_batches(run.data.val, cfg.seq_len, min(8, eval_batch), max_windows=min(8, eval_batch))))
+    with autocast(run.device, cfg.precision):
+        gates = gate_statistics(run.raw_model, first.to(run.device))
+    run.metrics.write({"kind": "eval", "step": run.step, **run.last_eval.to_dict(), "gates": gates.tolist()})
+    run.log(f"step {run.step:,}: validation {run.last_eval}")
+    if cfg.plots:
+        from wiola.train.plots import plot_gate_heatmap, plot_loss_curve
+
+        run.plots["loss_curve"] = plot_loss_curve(run.metrics.records, run.out_dir / "loss_curve.png")
+        run.plots["gates"] = plot_gate_heatmap(
+            gates, run.out_dir / "gates.png", title=f"mean gate per layer × head, step {run.step:,}"
+        )
+
+
+def _save(run: _Run) -> None:
+    if run.main:
+        run.last_ckpt = save_checkpoint(
+            run.out_dir, run.raw_model, run.optimizer, run.scheduler, run.stream, run.cfg, run.model_config,
+            run.data, run.step, run.last_eval, run.train_loss,
+        )  # fmt: skip
+    if run.world > 1:
+        dist.barrier()
+
+
+def _training_flops(config: WiolaConfig, seq_len: int) -> float:
+    from wiola.budget import budget
+
+    return budget(config, seq_len + 1).training_flops * (seq_len + 1) / seq_len  # per target token
+
+
+class _StopFlag:
+    """SIGINT/SIGTERM: finish the step, save, exit. A second SIGINT raises KeyboardInterrupt."""
+
+    def __init__(self, log: Log) -> None:
+        self.requested = False
+        self.log = log
+        self._old: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.log(
+            f"\n{signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
+            "(Ctrl-C again to abort without saving)"
+        )
+
+    def __enter__(self) -> _StopFlag:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: no handler, no clean stop
+                pass
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
