@@ -99,7 +99,7 @@ echo "== headline: pytest ${FILES[*]} -m headline (limit ${budget}s)" | tee "$OU
 WIOLA_BENCH_STAGE=headline WIOLA_BENCH_COMPILED=0 TRITON_CACHE_AUTOTUNING=1 \
   WIOLA_BENCH_DEADLINE=$(( $(now) + budget - 25 )) \
   timeout -s INT -k 20 "$budget" "$PY" -m pytest "${FILES[@]}" -m headline -q -rfEs -p no:cacheprovider \
-  "${BENCH_FLAGS[@]}" $(per_test 90) >>"$OUT_DIR/headline.log" 2>&1
+  "${BENCH_FLAGS[@]}" $(per_test 120) >>"$OUT_DIR/headline.log" 2>&1
 HEADLINE_RC=$?
 stage_done headline "$HEADLINE_RC" "$t0" "$budget" "$([ "$HAVE_CUDA" = 1 ] || echo "no CUDA device: every benchmark skipped")"
 "$PY" -m bench.device_check headline "$OUT_DIR" | tee -a "$OUT_DIR/headline.log"

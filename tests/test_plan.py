@@ -154,3 +154,52 @@ def test_parity_plugin_one_config_per_key() -> None:
     assert {parity_plugin.choose(["c0", "c1", "c2"], k) for k in keys} == {"c0", "c1", "c2"}, "keys spread over configs"
     with pytest.raises(ValueError, match="no autotune config"):
         parity_plugin.choose([], (1,))
+
+
+# ------------------------------------------------------------------ the device check's summary
+def _stages(**rcs):
+    return [{"name": n.replace("_", "-"), "rc": rc, "seconds": 1, "budget": 2, "note": ""} for n, rc in rcs.items()]
+
+
+def test_device_check_exit_codes() -> None:
+    from bench.device_check import SANITIZER_ERRORS, exit_code
+
+    assert exit_code(_stages(setup=0, headline=0, parity=0, extra=None, sanitizer=None)) == 0  # CPU dry run
+    assert exit_code(_stages(headline=0, parity=1)) == 1
+    assert exit_code(_stages(headline=0, parity=124)) == 1, "parity cut by its time limit is not a pass"
+    assert exit_code(_stages(headline=0)) == 1, "parity never ran"
+    assert exit_code(_stages(headline=1, parity=0)) == 2
+    assert exit_code(_stages(headline=0, parity=0, parity_compile=1)) == 1
+    assert exit_code(_stages(headline=0, parity=0, parity_compile=124, extra=124, sanitizer=124)) == 0
+    assert exit_code(_stages(headline=0, parity=0, sanitizer=SANITIZER_ERRORS)) == 3
+    assert exit_code(_stages(headline=0, parity=0, extra=1)) == 4
+
+
+def test_headline_table_reads_only_the_headline_stage(tmp_path: Path) -> None:
+    from bench.device_check import headline_lines, read_stages
+
+    rec = {"op": "decode", "mode": "greedy", "impl": "wiola.fast", "shape_id": "B1-P512-N256", "dtype": "bfloat16",
+           "time_s": 0.5, "tokens_per_s": 512.0, "stage": "headline",
+           "baselines": {"reference": {"time_s": 1.0}}, "baselines_pending": ["wiola13m"],
+           "info": {"greedy_vs_reference": {"rows_identical": 0.0, "prefix_agreement": 0.25,
+                                            "first_divergence": {"row": 0, "step": 14},
+                                            "reference_top2_gap_at_divergence": 0.0625}}}  # fmt: skip
+    other = {**rec, "stage": "extra", "impl": "other-stage"}
+    (tmp_path / "bench.jsonl").write_text(
+        json.dumps({"extra_info": rec}) + "\n" + json.dumps({"extra_info": other}) + "\n"
+    )
+    lines = headline_lines(tmp_path / "bench.jsonl")
+    assert len(lines) == 3 and "other-stage" not in "\n".join(lines)
+    assert (
+        "500 ms" in lines[1]
+        and "512" in lines[1]
+        and "reference 2.00×" in lines[1]
+        and "wiola13m not measured" in lines[1]
+    )
+    assert "first divergence new token 14 (row 0)" in lines[2] and "top-2 gap there 0.0625" in lines[2]
+    assert headline_lines(tmp_path / "missing.jsonl") == ["headline: no results recorded"]
+    (tmp_path / "stages.tsv").write_text("setup\t0\t3\t30\tCUDA device found\nextra\t-\t0\t0\tno CUDA device\n")
+    assert [(s["name"], s["rc"], s["note"]) for s in read_stages(tmp_path)] == [
+        ("setup", 0, "CUDA device found"),
+        ("extra", None, "no CUDA device"),
+    ]
