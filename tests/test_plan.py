@@ -6,6 +6,7 @@ the planner reads them; and the parity plugin's one-config choice."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -203,3 +204,24 @@ def test_headline_table_reads_only_the_headline_stage(tmp_path: Path) -> None:
         ("setup", 0, "CUDA device found"),
         ("extra", None, "no CUDA device"),
     ]
+
+
+def test_declared_workloads_follow_the_tests_they_describe() -> None:
+    """The planner's parity launches are written from the tests: they must change together."""
+    import test_attention
+    import test_butterfly
+    import test_fast
+
+    assert {(T, D, pad != "none") for _, T, _, D, _, pad in test_attention.CASES} == set(plan._ATTENTION_TEST_CASES)
+    assert (test_fast.CONFIG["d_model"] // test_fast.CONFIG["n_heads"], test_fast.CONFIG["d_ff"]) == (16, 128)
+    declared = {(1, 64, 128), (17, 64, 128), (300, 64, 128), (17, 256, 512), (300, 256, 512)}
+    assert {(math.prod(lead), d, f) for lead, d, f in test_butterfly.SHAPES} == declared
+
+
+def test_device_check_selections_exist() -> None:
+    from bench.device_check import BENCH_FILES, HEADLINE_FILES, PARITY_TESTS, PARITY_TESTS_CPU
+
+    for path in [*PARITY_TESTS, *PARITY_TESTS_CPU, *BENCH_FILES]:
+        assert (ROOT / path).is_file(), f"{path} is selected but does not exist"
+    gpu_benchmarks = {f"bench/{p.name}" for p in (ROOT / "bench").glob("test_*.py")} - {"bench/test_decode_cpu.py"}
+    assert set(BENCH_FILES) == gpu_benchmarks and BENCH_FILES[:3] == HEADLINE_FILES
