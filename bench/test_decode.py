@@ -12,8 +12,8 @@ the published ``wiola13m`` (Hugging Face ``generate``, same weights) as baseline
 reference is measured against wiola13m.
 
 Greedy tokens, compared once before timing: in fp32 wiola.fast must give exactly the reference's
-tokens (asserted; the message gives the reference's smallest top-2 logit gap, so a near-tie can
-be told from a bug). In bf16 exact agreement is not a property of either implementation: rounding
+tokens (asserted after the timing is recorded; the message gives the reference's smallest top-2
+logit gap, so a near-tie can be told from a bug). In bf16 exact agreement is not a property of either implementation: rounding
 P to bf16 before P·V (as flash kernels do) flips near-ties within a few dozen tokens on random
 weights. So bf16 records, never asserts, the agreement (``bench.frame.greedy_agreement``: rows
 identical, mean equal prefix, the first divergence) and the reference's top-2 logit gap at that
@@ -106,17 +106,22 @@ def top2_gaps(model: Any, tokens: torch.Tensor, start: int) -> torch.Tensor:
     return top2[..., 0] - top2[..., 1]
 
 
-def _check_tokens(dtype_name: str, ref: Any, expected: torch.Tensor, got: torch.Tensor) -> tuple[dict, list[str]]:
-    """fp32: assert wiola.fast's greedy tokens are the reference's. bf16: the agreement as facts."""
+def _check_tokens(
+    dtype_name: str, ref: Any, expected: torch.Tensor, got: torch.Tensor
+) -> tuple[dict, list[str], str | None]:
+    """The agreement of wiola.fast's greedy tokens with the reference's, notes for the record, and
+    (fp32 only, where they must be identical) the failure to assert once the timing is recorded."""
     agreement = greedy_agreement(expected, got, PROMPT)
     first = agreement["first_divergence"]
     if dtype_name == "fp32":
-        assert first is None, (
+        if first is None:
+            return agreement, ["fp32: wiola.fast greedy tokens identical to the reference's (asserted)"], None
+        failure = (
             f"fp32: wiola.fast greedy tokens differ from the reference's first at row {first['row']}, new token "
             f"{first['step']}; the reference's smallest top-2 logit gap up to there is "
             f"{float(top2_gaps(ref, expected, PROMPT)[:, : first['step'] + 1].min()):.3g}"
         )
-        return agreement, ["fp32: wiola.fast greedy tokens identical to the reference's (asserted)"]
+        return agreement, [f"FAILED: {failure}"], failure
     note = (
         f"bf16 greedy tokens vs the reference: {agreement['rows_identical']:.0%} of rows identical, "
         f"mean equal prefix {agreement['prefix_agreement']:.0%} of the new tokens"
@@ -125,7 +130,7 @@ def _check_tokens(dtype_name: str, ref: Any, expected: torch.Tensor, got: torch.
         gap = float(top2_gaps(ref, expected[first["row"] : first["row"] + 1], PROMPT)[0, first["step"]])
         agreement["reference_top2_gap_at_divergence"] = gap
         note += f"; first divergence at new token {first['step']} (row {first['row']}), reference top-2 logit gap there {gap:.3g}"
-    return agreement, [note]
+    return agreement, [note], None
 
 
 @pytest.mark.parametrize(
@@ -142,12 +147,13 @@ def test_decode_cuda(cuda_bench, models, dtype_name: str, batch: int) -> None:
     expected = fns["reference"]()
     notes: list[str] = []
     info: dict[str, Any] = {}
+    failure = None
     if isinstance(impls["wiola.fast"], str):
         notes.append(impls["wiola.fast"])
     else:
         fm = impls["wiola.fast"]
         fns["wiola.fast"] = lambda: fm.generate(ids, new, temperature=0)
-        info["greedy_vs_reference"], more = _check_tokens(dtype_name, ref, expected, fns["wiola.fast"]())
+        info["greedy_vs_reference"], more, failure = _check_tokens(dtype_name, ref, expected, fns["wiola.fast"]())
         notes += more
     hf = impls["wiola13m"]
     if isinstance(hf, str):
@@ -172,6 +178,7 @@ def test_decode_cuda(cuda_bench, models, dtype_name: str, batch: int) -> None:
         notes=notes,
         info=info,
     )
+    assert failure is None, failure  # after the timing is recorded
 
 
 @pytest.mark.parametrize("shape", PREFILL_SHAPES, ids=lambda s: f"B{s['B']}-T{s['T']}")
