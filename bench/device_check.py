@@ -21,11 +21,11 @@ from typing import Any
 # compile-heavy stage gets what is left. parity_workers: pytest-xdist workers of the parity stage.
 BUDGETS: dict[str, int] = {
     "setup": 30,
-    "headline": 150,
-    "parity": 120,
+    "headline": 160,
+    "parity": 110,
     "sanitizer": 60,
     "report": 20,
-    "parity_workers": 6,
+    "parity_workers": 8,
 }
 # The minimal parity selection on CUDA: the kernel, fast-model and generation tests (the CPU-only
 # tests — torchrun DDP, the demo, the C++ decode step, data, tokenizer — stay in CI), without the

@@ -10,7 +10,7 @@
 #              baselines off; every result appended to bench.jsonl before its baselines run;
 #              the headline table is printed as soon as the stage ends
 #   parity     the kernel and fast-model tests on CUDA (bench.device_check.PARITY_TESTS, no
-#              torch.compile tests), 6 xdist workers sharing one TRITON_CACHE_DIR, one autotune
+#              torch.compile tests), 8 xdist workers sharing one TRITON_CACHE_DIR, one autotune
 #              config per key (bench/parity_plugin.py; WIOLA_PARITY_ONE_CONFIG=0: all); without
 #              CUDA a small selection under the Triton interpreter (PARITY_TESTS_CPU)
 #   extra      (WIOLA_CHECK_EXTRA=0: off) every benchmark with torch.compile / FlexAttention
@@ -96,7 +96,7 @@ budget=$(min "$headline" $(( $(left) - parity - report )))
 # shellcheck disable=SC2046
 read -r -a FILES <<<"$("$PY" -m bench.device_check tests headline)"
 echo "== headline: pytest ${FILES[*]} -m headline (limit ${budget}s)" | tee "$OUT_DIR/headline.log"
-WIOLA_BENCH_STAGE=headline WIOLA_BENCH_COMPILED=0 TRITON_CACHE_AUTOTUNING=1 \
+WIOLA_BENCH_STAGE=headline WIOLA_BENCH_COMPILED=0 TRITON_CACHE_AUTOTUNING=${WIOLA_AUTOTUNE_CACHE:-1} \
   WIOLA_BENCH_DEADLINE=$(( $(now) + budget - 25 )) \
   timeout -s INT -k 20 "$budget" "$PY" -m pytest "${FILES[@]}" -m headline -q -rfEs -p no:cacheprovider \
   "${BENCH_FLAGS[@]}" $(per_test 120) >>"$OUT_DIR/headline.log" 2>&1
@@ -142,7 +142,7 @@ elif [ "$budget" -lt 30 ]; then
 else
   read -r -a FILES <<<"$("$PY" -m bench.device_check tests bench)"
   echo "== extra: pytest ${FILES[*]} with compile-heavy baselines (limit ${budget}s)" | tee "$OUT_DIR/extra.log"
-  WIOLA_BENCH_STAGE=extra WIOLA_BENCH_COMPILED=1 TRITON_CACHE_AUTOTUNING=1 \
+  WIOLA_BENCH_STAGE=extra WIOLA_BENCH_COMPILED=1 TRITON_CACHE_AUTOTUNING=${WIOLA_AUTOTUNE_CACHE:-1} \
     WIOLA_BENCH_DEADLINE=$(( $(now) + budget - 30 )) \
     timeout -s INT -k 20 "$budget" "$PY" -m pytest "${FILES[@]}" -q -rfEs -p no:cacheprovider \
     "${BENCH_FLAGS[@]}" $(per_test 150) >>"$OUT_DIR/extra.log" 2>&1
@@ -175,7 +175,7 @@ elif [ "$budget" -lt 20 ]; then
   stage_done sanitizer - "$t0" "$budget" "no time left"
 else
   echo "== sanitizer: $SANITIZER --tool memcheck (limit ${budget}s)" | tee "$OUT_DIR/sanitizer.log"
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 TRITON_CACHE_AUTOTUNING=1 timeout -s INT -k 10 "$budget" \
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 TRITON_CACHE_AUTOTUNING=${WIOLA_AUTOTUNE_CACHE:-1} timeout -s INT -k 10 "$budget" \
     "$SANITIZER" --tool memcheck --error-exitcode 86 "$PY" -m bench.device_check sanitize-target \
     >>"$OUT_DIR/sanitizer.log" 2>&1
   rc=$?
