@@ -60,7 +60,7 @@ t0=$(now)
       && export PYTHONPATH=/tmp/wiola_site${PYTHONPATH:+:$PYTHONPATH} && echo "carried wheels: $(ls .whl)"
   fi
   # Never repoint an install made elsewhere (a shared environment): PYTHONPATH=$ROOT wins anyway.
-  where=$(cd / && "$PY" -c "import os, wiola; print(os.path.dirname(os.path.dirname(os.path.abspath(wiola.__file__))))" 2>/dev/null)
+  where=$(cd / && env -u PYTHONPATH "$PY" -c "import os, wiola; print(os.path.dirname(os.path.dirname(os.path.abspath(wiola.__file__))))" 2>/dev/null)
   if [ -n "${WIOLA_SKIP_INSTALL:-}" ]; then
     echo "install skipped (WIOLA_SKIP_INSTALL): using PYTHONPATH=$ROOT"
   elif [ -n "$where" ] && [ "$where" != "$ROOT" ]; then
@@ -93,7 +93,6 @@ export WIOLA_BENCH_JSONL=$OUT_DIR/bench.jsonl WIOLA_BENCH_SKIP_CPU=${WIOLA_BENCH
 # -- headline: our numbers first, compile-heavy baselines off; later required stages keep their time
 t0=$(now)
 budget=$(min "$headline" $(( $(left) - parity - report )))
-# shellcheck disable=SC2046
 read -r -a FILES <<<"$("$PY" -m bench.device_check tests headline)"
 echo "== headline: pytest ${FILES[*]} -m headline (limit ${budget}s)" | tee "$OUT_DIR/headline.log"
 WIOLA_BENCH_STAGE=headline WIOLA_BENCH_COMPILED=0 TRITON_CACHE_AUTOTUNING=${WIOLA_AUTOTUNE_CACHE:-1} \
