@@ -8,7 +8,9 @@ the measured times, CUDA-event times on the GPU) and, when ``WIOLA_BENCH_JSONL``
 one JSON line per benchmark as soon as it finishes. ``WIOLA_BENCH_DEADLINE`` (Unix time) skips
 the benchmarks that would start after it, so a time-boxed run still ends cleanly;
 ``WIOLA_BENCH_SKIP_CPU=1`` skips the CPU benchmarks (the GPU check spends its time on the GPU);
-``WIOLA_BENCH_THREADS=N`` runs the CPU benchmarks on N torch threads (recorded with each result).
+``WIOLA_BENCH_THREADS=N`` runs the CPU benchmarks on N torch threads (recorded with each result);
+``WIOLA_BENCH_COMPILED=0`` leaves out the compile-heavy baselines (``bench.frame.compile_heavy``).
+The marker ``headline`` selects the device check's headline benchmarks (``-m headline``).
 """
 
 from __future__ import annotations
@@ -95,6 +97,12 @@ def cpu_bench(benchmark: Any) -> Iterator[Bench]:
     ceil = None if getattr(benchmark, "disabled", False) else ceilings("cpu")
     yield Bench(benchmark, "cpu", ceil, os.environ.get("WIOLA_BENCH_JSONL"))
     torch.set_num_threads(threads)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "headline: the device check's headline stage (train step, decode B1/B8, attention vs SDPA)"
+    )
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -239,10 +240,61 @@ def forward_only(f: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+COMPILED_ENV = "WIOLA_BENCH_COMPILED"
+
+
+def compiled_baselines_enabled() -> bool:
+    """Whether the compile-heavy baselines (``torch.compile``, FlexAttention) run: yes unless
+    ``WIOLA_BENCH_COMPILED=0`` (the device check's headline stage sets it, so its minutes go to
+    our measurements; its last stage runs them)."""
+    return os.environ.get(COMPILED_ENV, "1") != "0"
+
+
+def compile_heavy(factories: Mapping[str, Callable[[], Any]]) -> tuple[dict[str, Any], list[str]]:
+    """Build the compile-heavy baselines from their factories, or none when they are switched off.
+
+    Returns ``(baselines, notes)``: the built baselines, or ``{}`` and a note naming the ones left
+    out (so a table without them says why). Factories keep the work of building them (a second
+    model on the GPU, a ``torch.compile`` wrapper) out of runs that do not use them.
+    """
+    if compiled_baselines_enabled():
+        return {name: make() for name, make in factories.items()}, []
+    names = ", ".join(factories)
+    return {}, [f"{names}: not run here (compile-heavy baselines, {COMPILED_ENV}=0)"]
+
+
 def rel_err(ref: torch.Tensor, got: torch.Tensor) -> float:
     """max|ref − got| / max|ref| in float64: the check a benchmark makes once before timing."""
     ref, got = ref.double(), got.double()
     return float((ref - got).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def greedy_agreement(expected: torch.Tensor, got: torch.Tensor, start: int) -> dict[str, Any]:
+    """How far two greedy continuations ``(B, start + N)`` agree after the first ``start`` tokens.
+
+    Returns ``rows_identical`` (fraction of rows with all N new tokens equal), ``prefix_agreement``
+    (mean over rows of the length of the equal prefix / N: tokens after a row's first difference
+    follow a different context and are not compared) and ``first_divergence``: ``{"row", "step"}``
+    of the earliest differing new token (smallest step, then row), or ``None`` when all agree.
+    """
+    if expected.shape != got.shape or expected.dim() != 2:
+        raise ValueError(
+            f"expected and got must be the same (B, T) shape, got {tuple(expected.shape)} and {tuple(got.shape)}"
+        )
+    if not 0 <= start < expected.shape[1]:
+        raise ValueError(f"start {start} must leave at least one new token of {expected.shape[1]}")
+    diff = (expected[:, start:] != got[:, start:]).cpu()
+    B, N = diff.shape
+    steps = torch.where(diff.any(1), diff.int().argmax(1), torch.full((B,), N))  # first differing step per row
+    first = None
+    if bool(diff.any()):
+        step = int(steps.min())
+        first = {"row": int((steps == step).nonzero()[0, 0]), "step": step}
+    return {
+        "rows_identical": float((steps == N).float().mean()),
+        "prefix_agreement": float(steps.float().mean() / N),
+        "first_divergence": first,
+    }
 
 
 def shape_id(shape: Mapping[str, Any]) -> str:
@@ -385,6 +437,7 @@ class Bench:
         name: str = "ours",
         tokens: int | None = None,
         notes: Sequence[str] = (),
+        info: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Time ``fn`` and every baseline on the same fresh inputs; fill ``benchmark.extra_info``.
 
@@ -404,8 +457,14 @@ class Bench:
             name: the name of ``fn`` in the tables (``"ours"`` by default).
             tokens: tokens processed per call, to report tokens/s.
             notes: free-text remarks stored with the result.
+            info: further facts stored with the result under ``"info"`` (JSON-serialisable), e.g.
+                how far two implementations' greedy tokens agree.
 
-        Returns the record (also in ``benchmark.extra_info``). Errors in ``fn`` itself propagate.
+        Our result is appended to ``WIOLA_BENCH_JSONL`` as soon as it is measured, before any
+        baseline runs, and again after each baseline (same ``record_id``; ``baselines_pending``
+        lists those still to come). Returns the record (also in ``benchmark.extra_info``). Errors
+        in ``fn`` itself propagate; so does an interruption of a baseline (pytest-timeout), after
+        it is recorded as unavailable.
         """
         bm = self.benchmark
         dtype_name = str(dtype).removeprefix("torch.")
@@ -426,6 +485,8 @@ class Bench:
             "input_sets": len(sets),
             "notes": list(notes),
         }
+        if info:
+            rec["info"] = dict(info)
         if tokens:
             rec["tokens"] = tokens
         if self.device == "cpu":
@@ -455,15 +516,31 @@ class Bench:
         mem = self._peak_mem(fn, sets[0])
         if mem is not None:
             rec["peak_mem_bytes"] = mem
-        rec["baselines"] = {}
-        for bname, bfn in (baselines or {}).items():
-            rec["baselines"][bname] = self._run_baseline(bfn, sets, cost, tokens, t)
         if self.device == "cpu" and hasattr(os, "getloadavg"):
             rec["load_avg_1m"] = round(os.getloadavg()[0], 2)  # other work on a shared CPU skews the times
+        # Our result is recorded before any baseline runs: a baseline that hangs, runs out of
+        # memory or trips the per-test timeout cannot take our measurement with it. The same
+        # record (same ``record_id``) is appended again after each baseline; readers keep the last.
+        rec["record_id"] = uuid.uuid4().hex[:12]
+        pending = list(baselines or {})
+        rec["baselines"] = {}
+        rec["baselines_pending"] = pending
         _feed_stats(bm, times, f"{self.device}_bench.run")
         bm.extra_info.update(rec)
         self.record = rec
         self._append_jsonl(rec, times)
+        for bname, bfn in (baselines or {}).items():
+            try:
+                rec["baselines"][bname] = self._run_baseline(bfn, sets, cost, tokens, t)
+            except BaseException as exc:  # pytest-timeout's Failed, KeyboardInterrupt: record, then re-raise
+                rec["baselines"][bname] = {"unavailable": f"interrupted: {_reason(exc)}"}
+                raise
+            finally:
+                pending.remove(bname)
+                bm.extra_info.update(rec)
+                self._append_jsonl(rec, times)
+        del rec["baselines_pending"]
+        bm.extra_info.pop("baselines_pending", None)
         return rec
 
     def _smoke_baseline(self, bfn: Any, args: tuple) -> dict[str, Any]:
@@ -499,9 +576,13 @@ class Bench:
         return out
 
     def _append_jsonl(self, rec: dict[str, Any], times: list[float]) -> None:
-        """Append the result to ``$WIOLA_BENCH_JSONL`` as soon as it exists (survives a killed run)."""
+        """Append the result to ``$WIOLA_BENCH_JSONL`` as soon as it exists (survives a killed run);
+        called again as each baseline finishes (the reader keeps the last line of a ``record_id``)."""
         if not self.jsonl:
             return
+        rec = json.loads(json.dumps(rec))  # a snapshot: the record keeps changing as baselines finish
+        if os.environ.get("WIOLA_BENCH_STAGE"):
+            rec["stage"] = os.environ["WIOLA_BENCH_STAGE"]
         entry = {
             "name": getattr(self.benchmark, "name", None),
             "fullname": getattr(self.benchmark, "fullname", None),

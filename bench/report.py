@@ -81,7 +81,8 @@ def load_run(path: str | Path) -> Run:
     env = path.parent / "env.json"
     if env.is_file():
         meta = {**json.loads(env.read_text()), **meta}
-    records = []
+    records: list[dict[str, Any]] = []
+    where: dict[str, int] = {}  # record_id -> index: a later line of the same record replaces the earlier
     for e in entries:
         info = e.get("extra_info") or {}
         if "op" not in info:
@@ -90,6 +91,12 @@ def load_run(path: str | Path) -> Run:
         if "time_s" not in rec and e.get("stats", {}).get("median") is not None and not rec.get("quick"):
             rec["time_s"] = e["stats"]["median"]
         rec["test"] = e.get("fullname") or e.get("name")
+        rid = rec.get("record_id")
+        if rid is not None and rid in where:
+            records[where[rid]] = rec
+            continue
+        if rid is not None:
+            where[rid] = len(records)
         records.append(rec)
     return Run(path, meta, records)
 
@@ -146,9 +153,15 @@ def speedup(ours: dict[str, Any], baseline: dict[str, Any]) -> float | None:
     return baseline["time_s"] / ours["time_s"]
 
 
+PENDING = "not measured: the run ended before this baseline finished"
+
+
 def _baseline_cell(r: dict[str, Any], b: dict[str, Any] | None, notes: list[str]) -> str:
     if b is None:
         return "—"
+    if b.get("pending"):
+        notes.append(PENDING)
+        return f"n/a [{len(notes)}]"
     if "unavailable" in b:
         notes.append(b["unavailable"])
         return f"n/a [{len(notes)}]"
@@ -163,6 +176,13 @@ def _baseline_cell(r: dict[str, Any], b: dict[str, Any] | None, notes: list[str]
     return cell
 
 
+def _baseline(r: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """The baseline ``name`` of record ``r``; ``{"pending": True}`` when the run ended before it was measured."""
+    if name in r.get("baselines", {}):
+        return r["baselines"][name]
+    return {"pending": True} if name in r.get("baselines_pending", []) else None
+
+
 def group_table(records: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]], list[str]]:
     """Header, rows and footnotes of the table of one op group.
 
@@ -172,7 +192,7 @@ def group_table(records: Sequence[dict[str, Any]]) -> tuple[list[str], list[list
     """
     baselines: list[str] = []
     for r in records:
-        for name in r.get("baselines", {}):
+        for name in [*r.get("baselines", {}), *r.get("baselines_pending", [])]:
             if name not in baselines:
                 baselines.append(name)
     header = ["shape", "dtype", "impl", "ours", "TFLOP/s", "GB/s", "% of floor", *baselines]
@@ -188,7 +208,7 @@ def group_table(records: Sequence[dict[str, Any]]) -> tuple[list[str], list[list
             fmt_num(r["gbs"]) if timed and "gbs" in r else "—",
             fmt_pct(r["pct_floor"]) if timed and "pct_floor" in r else "—",
         ]
-        row += [_baseline_cell(r, r.get("baselines", {}).get(name), notes) for name in baselines]
+        row += [_baseline_cell(r, _baseline(r, name), notes) for name in baselines]
         rows.append(row)
     return header, rows, notes
 
@@ -410,6 +430,7 @@ def summary_lines(runs: Sequence[Run]) -> list[str]:
                     base.append(f"{name} {fmt_speedup(s)}")
                 elif "unavailable" in b:
                     base.append(f"{name} n/a")
+            base += [f"{name} not measured" for name in r.get("baselines_pending", [])]
             ours = _ours_cell(r)
             lines.append(
                 f"{key:<34} {r.get('shape_id', '')[:22]:<22} {r.get('impl', '')[:12]:<12} {ours:>20} {pct:>7}  "

@@ -3,6 +3,7 @@ forward+backward wrapper, and the record ``Bench.run`` writes (derived metrics r
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -144,3 +145,67 @@ def test_forward_only_and_rel_err():
     y = forward_only(lambda t: t * 2)(x)
     assert not y.requires_grad and torch.equal(y, torch.full((3,), 2.0))
     assert rel_err(torch.tensor([2.0, -4.0]), torch.tensor([2.0, -3.0])) == 0.25
+
+
+def test_ours_is_recorded_before_any_baseline_and_an_interrupted_baseline_is_kept(tmp_path, monkeypatch) -> None:
+    """The JSONL holds our result before the first baseline is called; a baseline interrupted the way
+    pytest-timeout interrupts (an exception outside ``Exception``) is recorded, then re-raised; the
+    report keeps the last line of the record."""
+    from bench import report
+
+    jsonl = tmp_path / "bench.jsonl"
+    monkeypatch.setenv("WIOLA_BENCH_STAGE", "headline")
+    seen_before_baseline = []
+
+    def first(a):
+        seen_before_baseline.append([json.loads(line) for line in jsonl.read_text().splitlines()])
+        return a + 1
+
+    def hangs(a):
+        pytest.fail("Timeout >90.0s")  # raises pytest's Failed, a BaseException, as pytest-timeout does
+
+    bench = frame.Bench(FakeBenchmark(), "cpu", None, str(jsonl))
+    with pytest.raises(pytest.fail.Exception, match="Timeout"):
+        bench.run(lambda a: a * 2, op="x", cost=Cost(1, 1), shape={"N": 4}, dtype="float32",
+                  inputs=lambda: torch.ones(4), baselines={"first": first, "hangs": hangs, "never": first})  # fmt: skip
+    early = seen_before_baseline[0]
+    assert len(early) == 1 and early[0]["extra_info"]["baselines"] == {}
+    assert early[0]["extra_info"]["baselines_pending"] == ["first", "hangs", "never"]
+    assert early[0]["extra_info"]["time_s"] > 0 and early[0]["extra_info"]["stage"] == "headline"
+    lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert len(lines) == 3 and len({e["extra_info"]["record_id"] for e in lines}) == 1
+    last = lines[-1]["extra_info"]
+    assert last["baselines"]["hangs"] == {"unavailable": "interrupted: Failed: Timeout >90.0s"}
+    assert last["baselines_pending"] == ["never"] and "speedup" in last["baselines"]["first"]
+    run = report.load_run(jsonl)
+    assert len(run.records) == 1 and run.records[0]["baselines_pending"] == ["never"]
+    header, rows, notes = report.group_table(run.records)
+    assert header[-3:] == ["first", "hangs", "never"] and rows[0][-1] == "n/a [2]" and notes[1] == report.PENDING
+
+
+def test_greedy_agreement_by_hand() -> None:
+    prompt = torch.tensor([[5, 6], [7, 8], [9, 9]])
+    expected = torch.cat((prompt, torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]])), 1)
+    got = torch.cat((prompt, torch.tensor([[1, 2, 3, 4], [1, 9, 3, 4], [1, 2, 9, 9]])), 1)
+    a = frame.greedy_agreement(expected, got, 2)
+    assert a["rows_identical"] == pytest.approx(1 / 3)
+    assert a["prefix_agreement"] == pytest.approx((4 + 1 + 2) / 12)  # equal prefixes 4, 1, 2 of 4 new tokens
+    assert a["first_divergence"] == {"row": 1, "step": 1}
+    assert frame.greedy_agreement(expected, expected, 2)["first_divergence"] is None
+    with pytest.raises(ValueError, match="same"):
+        frame.greedy_agreement(expected, got[:, :-1], 2)
+    with pytest.raises(ValueError, match="start 6"):
+        frame.greedy_agreement(expected, got, 6)
+
+
+def test_compile_heavy_switch(monkeypatch) -> None:
+    built = []
+    factories = {"torch.compile": lambda: built.append(1) or "compiled"}
+    monkeypatch.setenv("WIOLA_BENCH_COMPILED", "0")
+    assert frame.compile_heavy(factories) == (
+        {},
+        ["torch.compile: not run here (compile-heavy baselines, WIOLA_BENCH_COMPILED=0)"],
+    )
+    assert built == [], "a switched-off baseline must not be built"
+    monkeypatch.delenv("WIOLA_BENCH_COMPILED")
+    assert frame.compile_heavy(factories) == ({"torch.compile": "compiled"}, []) and built == [1]

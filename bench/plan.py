@@ -1,0 +1,517 @@
+"""The device check's plan, made on the CPU: what each stage compiles and whether it fits its budget.
+
+    python -m bench.device_check plan [--budget 420] [--aot bench/aot_builds.json] [--factor 1.0]
+
+For each stage of ``bench/device_check.sh`` (in the order it runs) the plan lists the Triton
+kernels it would compile: every autotuned kernel × its autotune configs (read from the
+``triton.autotune`` objects of ``kernels/``, pruned by head width as the autotuner prunes them)
+× the distinct compiled variants (dtype, specialisations, constexprs) its launches need, and
+the autotune keys each process benchmarks. Compile seconds come from ahead-of-time builds
+measured on a CPU (``bench/aot_builds.json``: kernel, arch, dtype, config, seconds, ...) when
+that file is there, else from the fallback per-kernel medians below, measured here and labelled
+as such. Binaries compiled by an earlier stage are not counted again (the stages share one
+``TRITON_CACHE_DIR``); autotune keys are, per process.
+
+What is declared, not introspected: the launches of each stage (which kernels at which dtype,
+head width, sequence length, mask, batch rows: written from the tests and benchmarks the stage
+runs), the count of fixed-config (not autotuned) kernel builds, the autotuner's benchmarking
+cost per config, and each stage's allowance for running its work besides compiling. Those are
+estimates; the plan prints them as such.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Per-kernel medians of ahead-of-time builds (tests/aot_build.build, sm_90, triton 3.6) measured
+# on this project's 2-core CPU machine (load average 3-5) on 2026-11-30: 7 D32 bf16 configs per
+# attention kernel, 4/4/14 butterfly builds, and 11 builds of gate, rms_norm, cross_entropy and
+# decode kernels for every other kernel ("*").
+FALLBACK_SECONDS = {
+    "attention_fwd": 1.34,
+    "attention_bwd_dq": 1.17,
+    "attention_bwd_dkdv": 1.27,
+    "attention_bwd_preprocess": 0.86,
+    "butterfly_up": 0.58,
+    "butterfly_up_bwd": 0.80,
+    "butterfly_down": 0.50,
+    "*": 0.39,
+}
+FALLBACK_LABEL = "fallback: AOT build medians measured on the CPU machine (bench/plan.py FALLBACK_SECONDS)"
+# Triton's autotuner times each config with do_bench (25 ms warm-up + 100 ms of repetitions, plus
+# its first estimating calls and L2 flushes): an assumption per config and key, not a measurement.
+BENCH_SECONDS_PER_CONFIG = 0.2
+DEFAULT_AOT = Path(__file__).with_name("aot_builds.json")
+
+
+# ------------------------------------------------------------------------------- launches
+@dataclass(frozen=True)
+class Launch:
+    """One use of a kernel in a stage.
+
+    ``kernel`` is the family name of the ahead-of-time builds (``attention_fwd``). ``key`` is what
+    the autotuner tunes once per process (``None``: a fixed-config kernel, compiled once, never
+    tuned); ``binary`` is what a compiled variant depends on besides the config (dtype,
+    specialisations of integer arguments, constexprs); ``prune`` is the head width the attention
+    configs are pruned by (``None``: every config).
+    """
+
+    kernel: str
+    dtype: str
+    binary: tuple
+    key: tuple | None = None
+    prune: int | None = None
+
+
+def _spec(n: int) -> str:
+    """Triton specialises integer arguments equal to 1 and multiples of 16."""
+    return "1" if n == 1 else "16k" if n % 16 == 0 else "n"
+
+
+def attention(dtype: str, D: int, T: int, mask: bool, backward: bool) -> list[Launch]:
+    """The launches of one ``kernels.attention`` call (forward, and the backward's three kernels)."""
+    bucket = max(16, 1 << (T - 1).bit_length())
+    key = (bucket, D, mask, dtype)
+    residual = backward and dtype != "fp32"  # STORE_RESIDUAL: a constexpr, not in the key
+    out = [Launch("attention_fwd", dtype, (D, mask, _spec(T), residual), key, D)]
+    if backward:
+        out += [
+            Launch("attention_bwd_preprocess", dtype, (D, _spec(T))),
+            Launch("attention_bwd_dq", dtype, (D, mask, _spec(T)), key, D),
+            Launch("attention_bwd_dkdv", dtype, (D, mask, _spec(T)), key, D),
+        ]
+    return out
+
+
+def butterfly(dtype: str, D: int, F: int, N: int, residual: str | None, backward: bool) -> list[Launch]:
+    """The launches of one ``kernels.butterfly`` call on N rows: autotuned for bf16/fp16, one small
+    fixed tile for fp32. ``residual``: the residual's dtype, or ``None``."""
+    if dtype == "fp32":
+        out = [Launch("butterfly_up", dtype, (_spec(N),)), Launch("butterfly_down", dtype, (_spec(N), residual))]
+        return out + ([Launch("butterfly_up_bwd", dtype, (_spec(N),))] if backward else [])
+    out = [
+        Launch("butterfly_up", dtype, (_spec(N),), (D, F, dtype)),
+        Launch("butterfly_down", dtype, (_spec(N), residual), (D, F, residual is not None, dtype, residual)),
+    ]
+    return out + ([Launch("butterfly_up_bwd", dtype, (_spec(N),), (D, F, dtype))] if backward else [])
+
+
+def fixed(kernel: str, dtype: str, count: int, where: str) -> list[Launch]:
+    """``count`` distinct builds of fixed-config kernels (gate, rms_norm, cross_entropy, decode)
+    made by the work ``where`` (builds of different works are counted as different)."""
+    return [Launch(kernel, dtype, (where, i)) for i in range(count)]
+
+
+def forced(kernel: str, dtype: str, binary: tuple) -> list[Launch]:
+    """Every autotune config of ``kernel`` built once with an explicit config (no tuning): the
+    marker ``("forced",)`` in the key makes ``plan_stage`` count all configs, unpruned, untimed."""
+    return [Launch(kernel, dtype, binary, ("forced",))]
+
+
+# --------------------------------------------------------------------------------- stages
+@dataclass
+class Stage:
+    """One stage of the device check: its launches, its budget and its non-compile allowance."""
+
+    name: str
+    what: str
+    budget_s: float
+    launches: list[Launch]
+    allowance_s: float  # running the work itself (tests, timing loops, model builds): declared
+    allowance_note: str
+    processes: int = 1  # pytest-xdist workers sharing the compiles and the tuning
+    one_config: bool = False  # bench.parity_plugin: each autotuner tries one config per key
+    autotune_cache: bool = False  # TRITON_CACHE_AUTOTUNING=1: keys tuned by an earlier such stage are not re-timed
+    extra_compile_s: float = 0.0  # compiles outside Triton's autotuned kernels (torch.compile): declared
+    extra_note: str = ""
+    optional: bool = False  # runs only in the time left; not required to fit
+
+
+@dataclass
+class StagePlan:
+    stage: Stage
+    rows: list[dict[str, Any]] = field(default_factory=list)  # per kernel: configs, binaries, keys, seconds
+    compile_s: float = 0.0  # CPU seconds of new builds
+    tune_s: float = 0.0  # seconds the autotuners spend timing configs
+    cached_builds: int = 0  # builds an earlier stage already made
+    cached_keys: int = 0  # autotune results an earlier stage left on disk
+    wall_s: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        return self.wall_s <= self.stage.budget_s
+
+
+Tuners = Mapping[str, Callable[[int | None], list[dict[str, Any]]]]
+Seconds = Callable[[str, str, dict[str, Any]], tuple[float, str]]
+
+
+def plan_stage(
+    stage: Stage,
+    tuners: Tuners,
+    seconds: Seconds,
+    built: set[tuple] | None = None,
+    factor: float = 1.0,
+    tuned_on_disk: set[tuple] | None = None,
+) -> StagePlan:
+    """Count the builds and tunings of ``stage`` and estimate its wall time.
+
+    ``tuners[kernel](prune)`` gives the configs the autotuner of ``kernel`` tries at head width
+    ``prune`` (dicts of ``BLOCK_*``, ``num_warps``, ``num_stages``); a kernel not in ``tuners``
+    has one fixed config. ``seconds(kernel, dtype, config)`` gives one build's seconds and where
+    the number comes from. ``built`` holds the builds of earlier stages (updated in place); a
+    build made earlier is counted as cached, one repeated within the stage once. ``tuned_on_disk``
+    holds the keys tuned by earlier stages with ``autotune_cache`` (updated in place when this
+    stage has it too): such a stage does not time them again.
+
+    Per autotuned launch: every config is built for its binary variant (once per stage and
+    variant) and every config is timed once per key, ``BENCH_SECONDS_PER_CONFIG`` each. With
+    ``stage.one_config`` a key builds and times one config (which one depends on the key, so one
+    build per key and variant is counted, at the mean seconds of the configs). Compile seconds are
+    multiplied by ``factor``. Wall = (compile + tuning) / processes + extra compiles + allowance.
+    """
+    built = set() if built is None else built
+    earlier = set(built)
+    out = StagePlan(stage)
+    rows: dict[str, dict[str, Any]] = {}
+    keys_seen: set[tuple] = set()
+    for ln in stage.launches:
+        is_forced = ln.key == ("forced",)
+        configs = tuners[ln.kernel](None if is_forced else ln.prune) if ln.kernel in tuners else [{}]
+        tuned = ln.key is not None and not is_forced and len(configs) > 1
+        row = rows.setdefault(
+            ln.kernel,
+            {"kernel": ln.kernel, "configs": set(), "builds": 0, "keys": 0, "compile_s": 0.0, "tune_s": 0.0,
+             "sources": set()},
+        )  # fmt: skip
+        row["configs"].update(json.dumps(c, sort_keys=True) for c in configs)
+        if tuned and stage.one_config:  # one build per key and variant, at the configs' mean seconds
+            timed = [seconds(ln.kernel, ln.dtype, c) for c in configs]
+            builds = [((ln.kernel, ln.dtype, ln.binary, ("one config", ln.key)), statistics.fmean(t for t, _ in timed),
+                       timed[0][1])]  # fmt: skip
+        else:
+            builds = []
+            for c in configs:
+                s, source = seconds(ln.kernel, ln.dtype, c)
+                builds.append(((ln.kernel, ln.dtype, ln.binary, json.dumps(c, sort_keys=True)), s, source))
+        for build, s, source in builds:
+            if build in earlier:
+                out.cached_builds += 1
+            elif build not in built:
+                built.add(build)
+                row["builds"] += 1
+                row["compile_s"] += s * factor
+                row["sources"].add(source)
+        k = (ln.kernel, ln.dtype, ln.key)
+        if stage.autotune_cache and tuned_on_disk is not None and tuned and k not in keys_seen:
+            if k in tuned_on_disk:
+                keys_seen.add(k)
+                out.cached_keys += 1
+            tuned_on_disk.add(k)
+        if tuned and k not in keys_seen:
+            keys_seen.add(k)
+            row["keys"] += 1
+            row["tune_s"] += (1 if stage.one_config else len(configs)) * BENCH_SECONDS_PER_CONFIG
+    for row in rows.values():
+        row["configs"] = len(row["configs"])
+        row["sources"] = sorted(row["sources"])
+        out.rows.append(row)
+        out.compile_s += row["compile_s"]
+        out.tune_s += row["tune_s"]
+    procs = max(1, stage.processes)
+    out.wall_s = (out.compile_s + out.tune_s) / procs + stage.extra_compile_s + stage.allowance_s
+    return out
+
+
+# ------------------------------------------------------------------------ introspection
+def _config_dict(cfg: Any) -> dict[str, Any]:
+    return {**dict(cfg.kwargs), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
+def kernel_tuners() -> dict[str, Callable[[int | None], list[dict[str, Any]]]]:
+    """The autotuners of ``kernels/``, by the family name of their ahead-of-time builds.
+
+    Found as the ``triton.autotune`` objects among the modules' attributes; each is named after
+    the AOT spec (``kernels._utils.AOT_SPECS``) built from the same ``@triton.jit`` function. The
+    returned function gives its configs after the autotuner's own ``early_config_prune`` at a
+    head width (``None``: every config).
+    """
+    import importlib
+
+    from triton.runtime.autotuner import Autotuner
+
+    from kernels._utils import AOT_SPECS
+
+    tuners: dict[str, Callable[[int | None], list[dict[str, Any]]]] = {}
+    for op in ("attention", "butterfly", "gate", "rms_norm", "cross_entropy", "decode"):
+        mod = importlib.import_module(f"kernels.{op}")
+        for obj in vars(mod).values():
+            if not isinstance(obj, Autotuner):
+                continue
+            names = {s.name.split("[")[0] for s in AOT_SPECS.get(op, []) if s.fn is obj.fn}
+            if len(names) != 1:
+                raise RuntimeError(f"kernels.{op}: no single AOT family for autotuner of {obj.fn}: {names}")
+
+            def configs(prune: int | None, tuner: Autotuner = obj) -> list[dict[str, Any]]:
+                cfgs = list(tuner.configs)
+                if prune is not None and tuner.early_config_prune is not None:
+                    cfgs = tuner.early_config_prune(cfgs, {"D": prune})
+                return [_config_dict(c) for c in cfgs]
+
+            tuners[names.pop()] = configs
+    return tuners
+
+
+# ----------------------------------------------------------------------- build seconds
+_FIELDS = {"BLOCK_M": "BM", "BLOCK_N": "BN", "BLOCK_K": "BK", "num_warps": "w", "num_stages": "s"}
+
+
+def _config_tag(cfg: Mapping[str, Any] | str) -> dict[str, int]:
+    """``{"BM": 128, "BN": 64, "w": 4, "s": 3}`` from a config dict or a spec-style string
+    (``"BM128,BN64,w4,s3"``, ``"BM64,BN64,BK64,w4s3"``)."""
+    if isinstance(cfg, Mapping):
+        return {_FIELDS[k]: int(v) for k, v in cfg.items() if k in _FIELDS}
+    return {k: int(v) for k, v in re.findall(r"(?<![A-Za-z])(BM|BN|BK|w|s)(\d+)", cfg)}
+
+
+def load_aot_records(path: str | Path) -> list[dict[str, Any]]:
+    """Records of ``bench/aot_builds.json``: a list of dicts, or ``{"records": [...]}``.
+
+    Each needs ``kernel`` (family, or a spec name ``family[...]``) and ``seconds``; ``arch``,
+    ``dtype`` and ``config`` (dict or spec-style string) are used when present.
+    """
+    data = json.loads(Path(path).read_text())
+    records = data.get("records") if isinstance(data, dict) else data
+    if not isinstance(records, list):
+        raise ValueError(f"{path}: expected a list of build records or {{'records': [...]}}")
+    out = []
+    for i, r in enumerate(records):
+        if not isinstance(r, dict) or "kernel" not in r or "seconds" not in r:
+            raise ValueError(f"{path}: record {i} needs 'kernel' and 'seconds': {r!r:.200}")
+        name = str(r["kernel"])
+        config = r.get("config", name[name.find("[") :] if "[" in name else "")
+        dtype = r.get("dtype") or (re.search(r"\b(bf16|fp16|fp32)\b", name) or [None, None])[1]
+        out.append(
+            {"kernel": name.split("[")[0], "arch": r.get("arch"), "dtype": dtype, "tag": _config_tag(config),
+             "seconds": float(r["seconds"])}
+        )  # fmt: skip
+    return out
+
+
+def build_seconds(records: Sequence[dict[str, Any]], arch: str = "sm_90") -> Seconds:
+    """``seconds(kernel, dtype, config)``: the measured build of that kernel, dtype and config for
+    ``arch`` (median over variants such as head widths and masks); else the same config in
+    another dtype (fp32 has no AOT builds: it uses the half-precision ones); else the kernel's
+    median; else ``FALLBACK_SECONDS``. The second value names which."""
+    recs = [r for r in records if r["arch"] in (None, arch)]
+
+    def seconds(kernel: str, dtype: str, config: dict[str, Any]) -> tuple[float, str]:
+        tag = _config_tag(config)
+        same = [r["seconds"] for r in recs if r["kernel"] == kernel and r["tag"] == tag]
+        exact = [r["seconds"] for r in recs if r["kernel"] == kernel and r["tag"] == tag and r["dtype"] == dtype]
+        if exact:
+            return statistics.median(exact), "aot_builds.json: this kernel, dtype and config"
+        if same:
+            return statistics.median(same), "aot_builds.json: this kernel and config, another dtype"
+        family = [r["seconds"] for r in recs if r["kernel"] == kernel]
+        if family:
+            return statistics.median(family), "aot_builds.json: this kernel's median"
+        return FALLBACK_SECONDS.get(kernel, FALLBACK_SECONDS["*"]), FALLBACK_LABEL
+
+    return seconds
+
+
+# ------------------------------------------------------------------------ the workloads
+DTYPES = ("fp32", "bf16", "fp16")  # the kernel tests' dtypes on CUDA (tests/conftest.py KERNEL_DTYPES)
+# tests/test_attention.py CASES: (T, D, masked)
+_ATTENTION_TEST_CASES = [(1, 16, False), (17, 32, False), (17, 64, True), (64, 16, True), (64, 32, True),
+                         (300, 32, False), (300, 64, True), (17, 128, True)]  # fmt: skip
+
+
+def parity_launches() -> list[Launch]:
+    """The minimal parity selection on CUDA (``bench.device_check.PARITY_TESTS``)."""
+    out: list[Launch] = []
+    for dtype in DTYPES:  # tests/test_attention.py: every case forward + backward in every dtype
+        for T, D, mask in _ATTENTION_TEST_CASES:
+            out += attention(dtype, D, T, mask, backward=True)
+    out += attention("bf16", 32, 256, True, True)  # CUDA graph capture
+    out += attention("fp32", 32, 33, False, True) + attention("fp32", 16, 50, True, True)  # layouts, determinism
+    for k in ("attention_fwd", "attention_bwd_dq", "attention_bwd_dkdv"):  # every block shape, forced
+        out += forced(k, "fp32", (32, True, "n", False) if k == "attention_fwd" else (32, True, "n"))
+    for dtype in ("fp32", "bf16"):  # tests/test_fast.py: d_model 64, 4 heads (D 16), d_ff 128
+        for T in (1, 17, 130):
+            out += attention(dtype, 16, T, False, True) + attention(dtype, 16, T, True, True)
+            out += butterfly(dtype, 64, 128, 3 * T, "fp32" if dtype == "bf16" else None, True)
+    for dtype in ("bf16", "fp16"):  # tests/test_butterfly.py: shapes x residual none / same / fp32
+        for N, D, F in ((1, 64, 128), (17, 64, 128), (300, 64, 128), (17, 256, 512), (300, 256, 512)):
+            for res in (None, dtype, "fp32"):
+                out += butterfly(dtype, D, F, N, res, True)
+    # gate (7 kernels), rms_norm (2), cross_entropy (2), decode (4) and the fast model's decode
+    # step across the tests' dtypes, widths and flags: a declared count, about 115 builds.
+    for dtype in DTYPES:
+        out += fixed("gate", dtype, 14, "parity") + fixed("rms_norm", dtype, 6, "parity")
+        out += fixed("cross_entropy", dtype, 6, "parity") + fixed("decode", dtype, 12, "parity")
+    return out
+
+
+def headline_launches() -> list[Launch]:
+    """``-m headline``: the 13m train step (B 32/64 × T 512, bf16 autocast: fp32 residual stream),
+    decoding at batch 1 and 8 (bf16 model, 512-token prompt), attention B32 T512 H8 D32 fwd+bwd."""
+    out: list[Launch] = []
+    for B in (32, 64):  # train step
+        out += attention("bf16", 32, 512, False, True) + butterfly("bf16", 256, 512, B * 512, "fp32", True)
+    for B in (1, 8):  # decode: prefill of the prompt (forward only), then one row per sequence a step
+        out += attention("bf16", 32, 512, False, False) + butterfly("bf16", 256, 512, B * 512, "bf16", False)
+        out += butterfly("bf16", 256, 512, B, "bf16", False)
+    out += attention("bf16", 32, 512, False, True)  # attention benchmark: the train step's kernels
+    out += fixed("gate", "bf16", 6, "13m") + fixed("rms_norm", "bf16", 4, "13m")
+    out += fixed("cross_entropy", "bf16", 2, "13m") + fixed("decode", "bf16", 4, "13m")
+    return out
+
+
+def extra_launches() -> list[Launch]:
+    """Everything else in ``bench/`` (compile-heavy baselines switched on): other attention shapes,
+    fp32 and batch-64 decoding, prefill at T 2048, the per-op benchmarks."""
+    out: list[Launch] = []
+    out += attention("bf16", 32, 512, False, False)  # the paper shape, forward only
+    out += attention("bf16", 32, 2048, False, True) + attention("bf16", 32, 2048, False, False)
+    out += attention("bf16", 64, 4096, False, True) + attention("bf16", 64, 4096, False, False)
+    out += attention("bf16", 32, 2048, False, False)  # prefill T 2048
+    for B in (1, 8):  # fp32 decoding
+        out += attention("fp32", 32, 512, False, False) + butterfly("fp32", 256, 512, B * 512, "fp32", False)
+        out += butterfly("fp32", 256, 512, B, "fp32", False)
+    out += butterfly("bf16", 256, 512, 64, "bf16", False)  # decode batch 64
+    for N in (16384, 32768):  # per-op butterfly benchmark shapes
+        out += butterfly("bf16", 256, 512, N, "bf16", True)
+    out += fixed("gate", "bf16", 4, "per-op") + fixed("rms_norm", "bf16", 4, "per-op")
+    out += fixed("cross_entropy", "bf16", 4, "per-op") + fixed("decode", "fp32", 4, "13m fp32")
+    return out
+
+
+def sanitizer_launches() -> list[Launch]:
+    """``compute-sanitizer --tool memcheck``: one 13m train step at B 1 × T 512 and a batch-1
+    generate after a 512-token prompt: the headline's keys and builds (cached)."""
+    return attention("bf16", 32, 512, False, True) + butterfly("bf16", 256, 512, 512, "fp32", True)
+
+
+def default_stages(budget: float = 420.0) -> list[Stage]:
+    """The stages of ``bench/device_check.sh`` in the order they run, with its default budgets."""
+    from bench.device_check import BUDGETS
+
+    b = BUDGETS
+    extra = max(0.0, budget - b["setup"] - b["headline"] - b["parity"] - b["sanitizer"] - b["report"])
+    return [
+        Stage("setup", "editable install, env.json", b["setup"], [], 15, "pip install -e ., one python start"),
+        Stage(
+            "headline", "train step, decode B1/B8, attention vs SDPA (-m headline)", b["headline"],
+            headline_launches(), 75,
+            "ceilings ~5 s; 2 train steps ~10 s each, 2 decodes ~20 s each (reference generate is the slow "
+            "baseline), attention ~5 s; model builds",
+            autotune_cache=True,
+        ),
+        Stage(
+            "parity", "kernel, fast-model tests on CUDA (bench.device_check.PARITY_TESTS)", b["parity"],
+            parity_launches(), 40, "test bodies, f64 oracles, python starts", processes=b["parity_workers"],
+            one_config=True,
+        ),
+        Stage(
+            "extra", "compile-heavy baselines and the rest of bench/", extra, extra_launches(), 120,
+            "about 25 more benchmarks at ~5 s each", extra_compile_s=200,
+            extra_note="torch.compile / FlexAttention: ~10 compiled functions, ~20 s each (assumption)",
+            optional=True, autotune_cache=True,
+        ),
+        Stage(
+            "sanitizer", "compute-sanitizer memcheck: one train step, a short generate", b["sanitizer"],
+            sanitizer_launches(), 40, "memcheck slows kernels 10-100x (assumption)", optional=True,
+            autotune_cache=True,
+        ),
+    ]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ the plan
+def make_plan(stages: Iterable[Stage], tuners: Tuners, seconds: Seconds, factor: float = 1.0) -> list[StagePlan]:
+    """Plan the stages in order; builds of earlier stages count as cached in later ones."""
+    built: set[tuple] = set()
+    tuned: set[tuple] = set()
+    return [plan_stage(s, tuners, seconds, built, factor, tuned) for s in stages]
+
+
+def format_plan(plans: Sequence[StagePlan], budget: float, source: str) -> str:
+    lines = [f"device check plan (budget {budget:.0f} s; build seconds: {source})", ""]
+    required = estimate = 0.0
+    for p in plans:
+        st = p.stage
+        verdict = "fits" if p.fits else "runs in part (the rest skipped)" if st.optional else "DOES NOT FIT"
+        tag = " (optional: runs in the time left)" if st.optional else ""
+        lines.append(f"== {st.name}{tag}: {st.what}")
+        how = f"{st.processes} processes" if st.processes > 1 else "1 process"
+        if st.one_config:
+            how += ", one autotune config per key (bench.parity_plugin)"
+        lines.append(
+            f"   estimate {p.wall_s:.0f} s of {st.budget_s:.0f} s budget: {verdict}  "
+            f"[(compile {p.compile_s:.0f} CPU-s + autotune timing {p.tune_s:.0f} s) / {how}, "
+            f"allowance {st.allowance_s:.0f} s ({st.allowance_note})"
+            + (f", other compiles {st.extra_compile_s:.0f} s ({st.extra_note})" if st.extra_compile_s else "")
+            + "]"
+        )
+        if p.cached_builds:
+            lines.append(f"   {p.cached_builds} builds already made by an earlier stage (shared TRITON_CACHE_DIR)")
+        if p.cached_keys:
+            lines.append(
+                f"   {p.cached_keys} autotune keys already tuned by an earlier stage (TRITON_CACHE_AUTOTUNING=1)"
+            )
+        for r in sorted(p.rows, key=lambda r: -r["compile_s"]):
+            lines.append(
+                f"   {r['kernel']:<26} {r['configs']:>3} configs  {r['builds']:>4} new builds  {r['keys']:>3} tuned keys  "
+                f"{r['compile_s']:6.1f} s compile  {r['tune_s']:5.1f} s tuning"
+            )
+        lines.append("")
+        if not st.optional:
+            required += st.budget_s
+            estimate += p.wall_s
+    ok = all(p.fits for p in plans if not p.stage.optional)
+    lines.append(
+        f"required stages (setup, headline, parity): estimate {estimate:.0f} s, budgets {required:.0f} s "
+        f"of the run's {budget:.0f} s: " + ("each fits its budget" if ok else "a required stage does NOT fit")
+    )
+    lines.append("optional stages run in the time left; what would start too late is skipped and listed as such")
+    lines.append(
+        "declared, not measured: the launches of each stage, fixed-kernel build counts, "
+        f"{BENCH_SECONDS_PER_CONFIG} s of autotune timing per config and key, the allowances."
+    )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m bench.device_check plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--budget", type=float, default=420.0, help="whole-run seconds (WIOLA_CHECK_SECONDS)")
+    parser.add_argument("--aot", default=str(DEFAULT_AOT), help="AOT build records (default bench/aot_builds.json)")
+    parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--factor", type=float, default=1.0, help="multiply build seconds (a slower CPU, JIT loading)")
+    args = parser.parse_args(argv)
+    if Path(args.aot).is_file():
+        records = load_aot_records(args.aot)
+        source = f"{args.aot} ({len(records)} records, {args.arch}), fallback where a kernel is missing"
+    else:
+        records, source = [], f"{args.aot} not found: {FALLBACK_LABEL}"
+    if args.factor != 1.0:
+        source += f", × {args.factor}"
+    tuners, seconds = kernel_tuners(), build_seconds(records, args.arch)
+    plans = make_plan(default_stages(args.budget), tuners, seconds, args.factor)
+    print(format_plan(plans, args.budget, source))
+    slower = make_plan(default_stages(args.budget), tuners, seconds, 2 * args.factor)
+    print(
+        "if builds take twice as long (JIT loading, a slower CPU): "
+        + ", ".join(
+            f"{p.stage.name} {p.wall_s:.0f} s of {p.stage.budget_s:.0f} s" for p in slower if not p.stage.optional
+        )
+    )
+    return 0 if all(p.fits for p in plans if not p.stage.optional) else 1
