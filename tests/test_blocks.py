@@ -213,6 +213,51 @@ def test_kernels_switch_per_model_and_per_context(monkeypatch):
 
 
 @torch.no_grad()
+def test_compiled_model_follows_the_switch_and_blocks_compile_alone(monkeypatch):
+    """``torch.compile`` guards on each module's op table: switching recompiles. A block
+    compiled on its own gives the model's logits."""
+    if "attention" not in fast_ops.KERNELS or not fast_ops.kernels_usable(torch.zeros(1, device=DEVICE)):
+        pytest.skip("the attention kernel does not run on this device")
+    calls = [0]
+    kernel = fast_ops.KERNELS["attention"]
+
+    def counted(*args):
+        calls[0] += 1
+        return kernel(*args)
+
+    monkeypatch.setitem(fast_ops.KERNELS, "attention", counted)
+    config = WiolaConfig(vocab_size=100, d_model=32, n_layers=1, n_heads=2, d_ff=48, max_seq_len=32)
+    model = _model(Fast, config=config)
+    ids = torch.randint(0, 100, (2, 7), device=DEVICE)
+    compiled = torch.compile(model, backend="eager")
+    want = compiled(ids).logits
+    assert calls[0] == 1, "the compiled model did not run the kernel"
+    model.use_kernels(False)
+    assert_close("logits[compiled, kernels off]", want, compiled(ids).logits, FP32)
+    assert calls[0] == 1, "the compiled model kept the kernel after use_kernels(False)"
+    model.use_kernels(True)
+    for block in model.layers:
+        block.compile(backend="eager")
+    assert torch.equal(want, model(ids).logits), "a block compiled alone changed the logits"
+    assert calls[0] == 2
+    torch._dynamo.reset()  # leave no compiled frames (nor their dynamic-shape marks) to later tests
+
+
+@torch.no_grad()
+def test_compiled_forward_with_a_new_length_and_a_mask():
+    """A second length makes dynamo trace the lengths symbolically; the input checks must still
+    trace without a graph break (``mask_len not in (T, past + T)`` raised there)."""
+    torch._dynamo.reset()
+    model = _model(WiolaModel)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    compiled(torch.randint(0, 100, (2, 7), device=DEVICE))
+    ids, mask = _batch(3, 17)
+    assert_close("logits[compiled, second length]", model(ids, attention_mask=mask).logits,
+                 compiled(ids, attention_mask=mask).logits, FP32)  # fmt: skip
+    torch._dynamo.reset()
+
+
+@torch.no_grad()
 @pytest.mark.skipif(DEVICE != "cpu", reason="the derived weights are kept for CPU inference")
 def test_derived_weights_follow_updates_and_stay_off_parameters():
     model = _model(WiolaModel)

@@ -172,7 +172,7 @@ class Steps(Protocol):
 
 
 def decode_loop(
-    steps: Steps,
+    steps: Steps | None,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     max_new_tokens: int,
@@ -183,7 +183,8 @@ def decode_loop(
 ) -> torch.Tensor:
     """The loop both generators run: ``(B, T + max_new_tokens)`` int64 (prompt, new tokens, and
     ``pad_token_id`` after every row has finished). Whether every row has finished is read on
-    the host every ``eos_check_every`` steps (rows that finished emit the pad token meanwhile)."""
+    the host every ``eos_check_every`` steps (rows that finished emit the pad token meanwhile).
+    ``steps`` may be None when ``max_new_tokens`` is 0."""
     B, T = input_ids.shape
     out = torch.empty(B, T + max_new_tokens, dtype=torch.int64, device=input_ids.device)
     out[:, :T] = input_ids
@@ -271,6 +272,7 @@ def generate(
     sampling = check_generate_inputs(model, input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p)
     B, T = input_ids.shape
     pad = eos_token_id if pad_token_id is None else pad_token_id
-    cache = model.new_cache(B, max(T + max_new_tokens, 1))
-    steps = _EagerSteps(model, cache, sampling, eos_token_id, pad, generator)
+    steps = None
+    if max_new_tokens > 0:
+        steps = _EagerSteps(model, model.new_cache(B, T + max_new_tokens), sampling, eos_token_id, pad, generator)
     return decode_loop(steps, input_ids, attention_mask, max_new_tokens, eos_token_id, pad, streamer)

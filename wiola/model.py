@@ -116,7 +116,7 @@ class DerivedWeights:
         return (type(self), ())
 
 
-def _decode_layout_of(derived: DerivedWeights, key: str, *weights: torch.Tensor) -> DecodeLayout:
+def _decode_layout_of(derived: DerivedWeights, key: Hashable, *weights: torch.Tensor) -> DecodeLayout:
     """The ``decode_layout`` of the rows of ``weights`` stacked, kept in ``derived``."""
 
     def build() -> DecodeLayout:
@@ -383,11 +383,8 @@ class WiolaModel(nn.Module):
                 raise ValueError(f"token id {bad} is outside [0, vocab_size={self.config.vocab_size})")
         if attention_mask is not None:
             past = cache.length if cache is not None else 0
-            if (
-                attention_mask.dim() != 2
-                or attention_mask.shape[0] != B
-                or attention_mask.shape[1] not in (T, past + T)
-            ):
+            S = attention_mask.shape[-1]
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != B or (S != T and S != past + T):
                 raise ValueError(
                     f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids {tuple(input_ids.shape)}"
                 )

@@ -54,9 +54,12 @@ KERNELS: dict[str, Callable[..., Any]] = {}
 MISSING: dict[str, str] = {}
 
 
+_HAVE_KERNELS = importlib.util.find_spec("kernels") is not None  # an install may lack kernels/
+
+
 def _import_kernels() -> None:
     """Fill ``KERNELS``, or ``MISSING`` with the reason when triton or ``kernels/`` is absent."""
-    if importlib.util.find_spec("kernels") is None:
+    if not _HAVE_KERNELS:
         reason = "the kernels package is not installed"
     elif importlib.util.find_spec("triton") is None:
         reason = "triton is not installed"
@@ -70,7 +73,7 @@ def _import_kernels() -> None:
 
 
 _import_kernels()
-if importlib.util.find_spec("kernels") is not None:
+if _HAVE_KERNELS:
     from kernels._utils import kernels_usable
 else:  # pragma: no cover - an install without kernels/ still gets the torch path
 
@@ -266,7 +269,7 @@ def cpu_decode_step(
         or cache.device.type != "cpu"
         or getattr(cache, "device_slot", False)
         or model.embed.weight.dtype != torch.float32
-        or importlib.util.find_spec("kernels") is None
+        or not _HAVE_KERNELS
     ):
         return None
     from kernels import decode_step_cpu
