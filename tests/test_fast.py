@@ -279,9 +279,10 @@ def test_graph_mode_step_matches_reference_greedy():
 
 
 def test_exponential_race_sampling_distribution():
-    """``sample_tokens`` draws from the filtered softmax: frequencies over 40,000 rows match the
-    probabilities (3σ ≈ 0.007; the tolerance is 0.0105 at p = 0.7), and top-k / top-p never pick a filtered token."""
-    from wiola.fast.generation import _Mode, sample_tokens
+    """``sample_next`` with a noise buffer and device-tensor settings (what the CUDA graph runs)
+    draws from the filtered softmax: frequencies over 40,000 rows match the probabilities
+    (3σ ≈ 0.007; the tolerance is 0.0105 at p = 0.7), and top-k / top-p never pick a filtered token."""
+    from wiola.generation import sample_next
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0], device=DEVICE).expand(40_000, 5)
@@ -289,18 +290,36 @@ def test_exponential_race_sampling_distribution():
     one = torch.ones((), device=DEVICE)
 
     def draw(top_k, top_p, temperature=1.0):
-        mode = _Mode(capture=False, batch=40_000, greedy=False, top_k=top_k, top_p=top_p < 1, eos=None, pad=None)
-        tokens = sample_tokens(logits, mode, one * temperature, one * top_p, noise)
+        tokens = sample_next(logits, one * temperature, top_k, None if top_p is None else one * top_p, noise=noise)
         return torch.bincount(tokens, minlength=5).double() / tokens.numel()
 
     want = torch.softmax(logits[0].double() / 0.7, dim=0)
-    assert_close("frequencies", want, draw(None, 1.0, temperature=0.7), 0.015)
-    top2 = draw(2, 1.0)
+    assert_close("frequencies", want, draw(None, None, temperature=0.7), 0.015)
+    top2 = draw(2, None)
     assert top2[2:].sum() == 0, f"top_k=2 sampled a filtered token: {top2}"
     p = torch.softmax(logits[0].double(), dim=0)
     assert_close("frequencies[top_k=2]", p[:2] / p[:2].sum(), top2[:2], 0.015)
     nucleus = draw(None, 0.6)  # p = 0.53, 0.20, ...: the first two cover 0.6
     assert nucleus[2:].sum() == 0, f"top_p=0.6 sampled outside the nucleus: {nucleus}"
+
+
+@torch.no_grad()
+def test_graph_mode_sampling_equals_reference_sampling():
+    """One sampler for both loops: with the same generator seed, the graph-mode step (run
+    eagerly here) samples the very tokens the reference loop samples."""
+    from wiola.fast.generation import step_generate
+    from wiola.generation import generate
+
+    ref, fast = _models()
+    ids, mask = _batch(3, 7, "left")
+    kwargs = dict(attention_mask=mask, temperature=0.9, top_k=40, top_p=0.95)
+    want = ref.generate(ids, 6, generator=torch.Generator(DEVICE).manual_seed(3), **kwargs)
+    got = step_generate(fast, ids, 6, generator=torch.Generator(DEVICE).manual_seed(3), capture=False, **kwargs)
+    assert torch.equal(want, got), f"sampled tokens differ:\n{want}\n{got}"
+    again = generate(fast, ids, 6, generator=torch.Generator(DEVICE).manual_seed(3), **kwargs)
+    assert torch.equal(want, again), "the fast model's eager loop samples differently"
+    other = ref.generate(ids, 6, generator=torch.Generator(DEVICE).manual_seed(4), **kwargs)
+    assert not torch.equal(want, other), "another seed gave the same tokens: the test could not fail"
 
 
 # ------------------------------------------------------------------ CUDA only

@@ -100,3 +100,34 @@ def test_generate_rejects_bad_arguments(model):
     with pytest.raises(ValueError, match="left padding"):
         model.generate(p, 2, attention_mask=torch.tensor([[1, 1, 1, 1, 0]]))
     assert torch.equal(model.generate(p, 0), p)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(p, -1)
+
+
+def test_greedy_unless_sampling_is_asked_for():
+    """No temperature, top_k or top_p: greedy. top_k or top_p alone: sampling at temperature 1."""
+    torch.manual_seed(2)  # the initialised model: flat distributions, so samples differ
+    model = WiolaModel(WiolaConfig(vocab_size=101, d_model=64, n_layers=2, n_heads=4, d_ff=96, max_seq_len=64))
+    prompt = torch.randint(0, 101, (2, 5))
+    greedy = model.generate(prompt, 12, temperature=0)
+    assert torch.equal(model.generate(prompt, 12), greedy), "the default must be greedy"
+    assert torch.equal(model.generate(prompt, 12, generator=torch.Generator().manual_seed(1)), greedy)
+    draws = {tuple(model.generate(prompt, 12, top_k=50, generator=torch.Generator().manual_seed(s))[0].tolist())
+             for s in range(4)}  # fmt: skip
+    assert len(draws) > 1, "top_k alone did not sample"
+    assert torch.equal(model.generate(prompt, 12, temperature=0, top_k=50, top_p=0.5), greedy), (
+        "temperature=0 must be greedy whatever the filters"
+    )
+
+
+def test_resolve_sampling():
+    from wiola.generation import Sampling, resolve_sampling
+
+    assert resolve_sampling(None, None, None, 100) == Sampling(0.0)
+    assert resolve_sampling(None, 5, None, 100) == Sampling(1.0, 5, None)
+    assert resolve_sampling(0.7, 100, 1.0, 100) == Sampling(0.7, None, None), "no-op filters are dropped"
+    assert resolve_sampling(0, 5, 0.9, 100) == Sampling(0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        resolve_sampling(float("nan"), None, None, 100)
+    with pytest.raises(ValueError, match="temperature"):
+        resolve_sampling(True, None, None, 100)

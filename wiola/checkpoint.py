@@ -11,15 +11,16 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import torch
+import torch.nn as nn
 
 from wiola.config import WiolaConfig
 
-if TYPE_CHECKING:
-    from wiola.model import WiolaModel
+ModelT = TypeVar("ModelT", bound=nn.Module)
 
 FORMAT = "wiola"
 FORMAT_VERSION = 1
@@ -73,8 +74,9 @@ def _atomic_write(path: Path, write) -> None:
         raise
 
 
-def save_pretrained(model: WiolaModel, directory: str | Path) -> None:
-    """Write ``config.json`` and ``model.safetensors`` into ``directory`` (created if needed)."""
+def save_pretrained(model: nn.Module, directory: str | Path) -> None:
+    """Write ``config.json`` and ``model.safetensors`` of ``model`` (a ``WiolaModel``: a module
+    with a ``config``) into ``directory`` (created if needed)."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
@@ -171,13 +173,14 @@ def to_wiola13m_state(state: dict[str, torch.Tensor], n_layers: int) -> dict[str
 
 
 def load_pretrained(
-    cls: type[WiolaModel],
+    cls: Callable[[WiolaConfig], ModelT],
     directory: str | Path,
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
-) -> WiolaModel:
-    """Build ``cls`` from a checkpoint directory (ours or ``wiola13m``'s); every tensor is checked."""
+) -> ModelT:
+    """Build ``cls(config)`` (a ``WiolaModel`` class) from a checkpoint directory (ours or
+    ``wiola13m``'s); every tensor is checked."""
     directory = Path(directory)
     config, flavour = read_config(directory)
     state, source = _read_tensors(directory)

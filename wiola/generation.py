@@ -1,32 +1,80 @@
-"""Autoregressive generation with the static cache: prefill once, then one token per step."""
+"""Autoregressive generation with the static cache: prefill once, then one token per step.
+
+Greedy unless sampling is asked for: ``generate(model, ids, n)`` takes the argmax at every step
+(reproducible, and the same tokens from ``wiola.WiolaModel`` and ``wiola.fast.WiolaModel``);
+passing ``temperature > 0``, ``top_k`` or ``top_p`` samples. A sample is the winner of an
+exponential race, ``argmax(log p_i − log E_i)`` with ``E_i ~ Exp(1)`` (Gumbel-max), which draws
+from the filtered softmax exactly and needs no host sync, so the CUDA-graph loop of
+``wiola.fast.generation`` runs the very same sampler (and the same bookkeeping and loop below).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from wiola.model import WiolaModel
+from wiola.cache import Cache
+from wiola.config import WiolaConfig
 
 
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Raise ``ValueError`` for sampling settings that mean nothing."""
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+class Decoder(Protocol):
+    """What generation needs of a model (``wiola.WiolaModel`` and ``wiola.fast.WiolaModel``)."""
+
+    config: WiolaConfig
+
+    def check_inputs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache: Cache | None
+    ) -> None: ...
+
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> Cache: ...
+
+    def __call__(self, input_ids: torch.Tensor, **kwargs: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Resolved sampling settings: ``temperature == 0`` is greedy (then no filters)."""
+
+    temperature: float
+    top_k: int | None = None  # None: no top-k filter (also for top_k >= vocab size)
+    top_p: float | None = None  # None: no nucleus filter (also for top_p == 1)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def resolve_sampling(temperature: float | None, top_k: int | None, top_p: float | None, vocab_size: int) -> Sampling:
+    """Check the sampling arguments (``ValueError`` for settings that mean nothing) and resolve
+    them: without ``temperature``, greedy unless ``top_k`` or ``top_p`` is given (then 1.0)."""
+    if temperature is not None and (isinstance(temperature, bool) or not temperature >= 0):
+        raise ValueError(f"temperature must be >= 0 (0 is greedy) or None, got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+    if temperature is None:
+        temperature = 0.0 if top_k is None and top_p is None else 1.0
+    if temperature == 0:
+        return Sampling(0.0)
+    return Sampling(
+        float(temperature),
+        None if top_k is None or top_k >= vocab_size else top_k,
+        None if top_p is None or top_p >= 1.0 else float(top_p),
+    )
 
 
-def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
-    """Set to ``-inf`` every logit outside the top-k and outside the top-p nucleus. ``(B, V)``."""
+def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | torch.Tensor | None) -> torch.Tensor:
+    """Set to ``-inf`` every logit outside the top-k and outside the top-p nucleus. ``(B, V)``.
+
+    ``top_p`` may be a 0-d tensor (read on the device: a CUDA graph replays with new values)."""
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
+    if top_p is not None and (isinstance(top_p, torch.Tensor) or top_p < 1.0):
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token when the tokens ranked above it already cover top_p (the first is kept).
@@ -38,27 +86,64 @@ def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) 
 
 def sample_next(
     logits: torch.Tensor,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     top_k: int | None = None,
-    top_p: float | None = None,
+    top_p: float | torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    *,
+    noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Next token per row from ``(B, V)`` logits: argmax when ``temperature == 0``, else a
-    sample of ``softmax(filtered logits / temperature)``. Returns ``(B,)`` int64, no host sync."""
-    if temperature == 0:
+    """Next token per row from ``(B, V)`` logits: argmax when ``temperature == 0``, else a draw
+    from ``softmax(filtered logits / temperature)``. Returns ``(B,)`` int64, no host sync.
+
+    The draw is ``argmax(logits − log E)`` with ``E`` ``(B, V)`` ``Exp(1)`` noise: drawn here from
+    ``generator``, or given as ``noise`` (a buffer refilled before each CUDA-graph replay).
+    ``temperature`` and ``top_p`` may be 0-d device tensors (then never greedy).
+    """
+    if not isinstance(temperature, torch.Tensor) and temperature == 0:
         return logits.argmax(dim=-1)
     logits = filter_logits(logits.float() / temperature, top_k, top_p)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if noise is None:
+        noise = torch.empty_like(logits).exponential_(generator=generator)
+    return (logits - torch.log(noise.clamp_min(1e-30))).argmax(dim=-1)
+
+
+def next_tokens(
+    logits: torch.Tensor,
+    finished: torch.Tensor,
+    eos_token_id: int | None,
+    pad_token_id: int | None,
+    *,
+    temperature: float | torch.Tensor,
+    top_k: int | None = None,
+    top_p: float | torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One step's ``(B,)`` tokens: ``sample_next`` of the ``(B, V)`` logits, ``pad_token_id`` for
+    rows already finished; rows that emit ``eos_token_id`` are marked in ``finished`` (in place)."""
+    token = sample_next(logits, temperature, top_k, top_p, generator, noise=noise)
+    if eos_token_id is not None:
+        token = token.masked_fill(finished, pad_token_id)
+        finished |= token == eos_token_id
+    return token
 
 
 def check_generate_inputs(
-    model: WiolaModel, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None
-) -> None:
+    model: Decoder,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    attention_mask: torch.Tensor | None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> Sampling:
+    """Every check of a ``generate`` call (the model's input checks, lengths, left padding,
+    the sampling settings); returns the resolved ``Sampling``."""
+    sampling = resolve_sampling(temperature, top_k, top_p, model.config.vocab_size)
+    model.check_inputs(input_ids, attention_mask, None)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must have shape (B, T), got {tuple(input_ids.shape)}")
     total = input_ids.shape[1] + max_new_tokens
     if total > model.config.max_seq_len:
         raise ValueError(
@@ -72,16 +157,92 @@ def check_generate_inputs(
             )
         if not bool(attention_mask[:, -1].all()):
             raise ValueError("generate needs left padding: the last column of attention_mask must be all ones")
+    return sampling
+
+
+class Steps(Protocol):
+    """One generation's steps: ``prefill`` gives the first new tokens, ``step`` each next ones
+    (``(B,)`` int64, eos-padded); ``finished`` ``(B,)`` bool marks rows that emitted eos."""
+
+    finished: torch.Tensor
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor: ...
+
+    def step(self) -> torch.Tensor: ...
+
+
+def decode_loop(
+    steps: Steps | None,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    max_new_tokens: int,
+    eos_token_id: int | None,
+    pad_token_id: int | None,
+    streamer: Callable[[torch.Tensor], None] | None,
+    eos_check_every: int = 1,
+) -> torch.Tensor:
+    """The loop both generators run: ``(B, T + max_new_tokens)`` int64 (prompt, new tokens, and
+    ``pad_token_id`` after every row has finished). Whether every row has finished is read on
+    the host every ``eos_check_every`` steps (rows that finished emit the pad token meanwhile).
+    ``steps`` may be None when ``max_new_tokens`` is 0."""
+    B, T = input_ids.shape
+    out = torch.empty(B, T + max_new_tokens, dtype=torch.int64, device=input_ids.device)
+    out[:, :T] = input_ids
+    for i in range(max_new_tokens):
+        if i == 0:
+            token = steps.prefill(input_ids, attention_mask)
+        elif eos_token_id is not None and i % eos_check_every == 0 and bool(steps.finished.all()):
+            out[:, T + i :] = pad_token_id
+            break
+        else:
+            token = steps.step()
+        out[:, T + i] = token
+        if streamer is not None:
+            streamer(token.clone())
+    return out
+
+
+class _EagerSteps:
+    """The model's forward on a fresh static cache, one token per row and step."""
+
+    def __init__(
+        self,
+        model: Decoder,
+        cache: Cache,
+        sampling: Sampling,
+        eos_token_id: int | None,
+        pad_token_id: int | None,
+        generator: torch.Generator | None,
+    ) -> None:
+        self.model, self.cache, self.sampling, self.generator = model, cache, sampling, generator
+        self.eos, self.pad = eos_token_id, pad_token_id
+        self.finished = torch.zeros(cache.batch_size, dtype=torch.bool, device=cache.device)
+        self.token: torch.Tensor | None = None
+
+    def _next(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        out = self.model(input_ids, attention_mask=attention_mask, cache=self.cache, logits_to_keep=1)
+        s = self.sampling
+        self.token = next_tokens(
+            out.logits[:, -1], self.finished, self.eos, self.pad,
+            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, generator=self.generator,
+        )  # fmt: skip
+        return self.token
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        return self._next(input_ids, attention_mask)
+
+    def step(self) -> torch.Tensor:
+        return self._next(self.token.unsqueeze(1), None)
 
 
 @torch.inference_mode()
 def generate(
-    model: WiolaModel,
+    model: Decoder,
     input_ids: torch.Tensor,
     max_new_tokens: int,
     *,
     attention_mask: torch.Tensor | None = None,
-    temperature: float = 1.0,
+    temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
     eos_token_id: int | None = None,
@@ -95,39 +256,23 @@ def generate(
         input_ids: ``(B, T)`` prompt ids; a batch of unequal prompts is left-padded.
         attention_mask: ``(B, T)``, 0 on the left padding; every row then decodes exactly as
             it would alone.
-        temperature: 0 is greedy; otherwise logits are divided by it before sampling.
-        top_k, top_p: keep only the ``top_k`` most likely tokens / the smallest nucleus of
-            probability ``top_p``.
+        temperature: None (the default) or 0 is greedy, unless ``top_k``/``top_p`` is given
+            (then sampling at 1.0); a positive value samples from ``softmax(logits / temperature)``.
+        top_k, top_p: sample only from the ``top_k`` most likely tokens / the smallest nucleus
+            of probability ``top_p`` (ignored when greedy).
         eos_token_id: a row that produces it stops; its later slots hold ``pad_token_id``
             (default: ``eos_token_id``). Generation ends early once every row has stopped,
             and the result is still ``T + max_new_tokens`` wide.
-        generator: a ``torch.Generator`` for reproducible sampling.
+        generator: a ``torch.Generator`` (on the model's device) for reproducible sampling.
         streamer: called with each step's ``(B,)`` new tokens as soon as they exist.
+
+    Raises ``ValueError``/``TypeError`` naming the problem for bad ids, masks, lengths past
+    ``max_seq_len`` and sampling settings that mean nothing.
     """
-    check_sampling(temperature, top_k, top_p)
-    model._check_inputs(input_ids, attention_mask, None)
-    check_generate_inputs(model, input_ids, max_new_tokens, attention_mask)
+    sampling = check_generate_inputs(model, input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p)
     B, T = input_ids.shape
-    out = torch.empty(B, T + max_new_tokens, dtype=torch.int64, device=input_ids.device)
-    out[:, :T] = input_ids
-    if max_new_tokens == 0:
-        return out
     pad = eos_token_id if pad_token_id is None else pad_token_id
-    cache = model.new_cache(B, T + max_new_tokens)
-    logits = model(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1).logits[:, -1]
-    finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
-    for i in range(max_new_tokens):
-        token = sample_next(logits, temperature, top_k, top_p, generator)
-        if eos_token_id is not None:
-            token = token.masked_fill(finished, pad)
-            finished |= token == eos_token_id
-        out[:, T + i] = token
-        if streamer is not None:
-            streamer(token)
-        if i + 1 == max_new_tokens:
-            break
-        if eos_token_id is not None and bool(finished.all()):
-            out[:, T + i + 1 :] = pad
-            break
-        logits = model(token.unsqueeze(1), cache=cache, logits_to_keep=1).logits[:, -1]
-    return out
+    steps = None
+    if max_new_tokens > 0:
+        steps = _EagerSteps(model, model.new_cache(B, T + max_new_tokens), sampling, eos_token_id, pad, generator)
+    return decode_loop(steps, input_ids, attention_mask, max_new_tokens, eos_token_id, pad, streamer)

@@ -1,25 +1,36 @@
 """The Wiola model (SPEC.md): pre-norm decoder with gated helical attention and butterfly FFN.
 
-The forward pass is written once, in terms of the op functions of ``self.ops`` (``wiola.ops``
-here: readable PyTorch). ``wiola.fast.WiolaModel`` runs the same code on fused kernels by
-swapping that namespace.
+Every piece is a module with its own ``forward``: ``RMSNorm`` (with the fused residual add),
+``Gate``, ``GatedHelicalAttention``, ``Butterfly`` and ``Block``. A block takes and returns the
+pair ``(hidden, residual)`` (the layout of vLLM's decoder layers), so the residual add of one
+block fuses with the next block's norm; blocks can be called, hooked, checkpointed
+(``activation_checkpointing``), compiled or sharded one by one.
+
+The modules compute through the op table ``Ops`` they are given at construction, the model
+class's ``ops``: ``wiola.ops`` here (readable PyTorch). ``wiola.fast.WiolaModel`` runs the very
+same modules on fused kernels by giving them another table.
 """
 
 from __future__ import annotations
 
-import types
+import dataclasses
+import weakref
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import wiola.ops as reference_ops
 from wiola.cache import Cache
+from wiola.checkpoint import load_pretrained, save_pretrained
 from wiola.config import WiolaConfig
-from wiola.ops.linear import linear
+from wiola.generation import generate
+from wiola.ops.linear import DecodeLayout, decode_layout, linear, uses_decode_layout
 from wiola.ops.rope import helix_frequencies, positions_from_mask, rope_tables, upcast
 
 
@@ -30,41 +41,160 @@ class ModelOutput:
     cache: Cache | None = None
 
 
-def inference_cached(owner: nn.Module, key: str, build, *sources: torch.Tensor) -> torch.Tensor:
-    """``build()``, reused across calls during CPU inference until a source tensor changes.
+@dataclass(frozen=True)
+class Ops:
+    """The op functions the modules call, each with the name and signature of its ``wiola.ops``
+    reference (``wiola.fast.ops`` has tables of fused kernels and of its PyTorch path)."""
 
-    Decoding one token at a time on a CPU is bound by reading the weights; rebuilding the fused
-    QKV matrix every step costs more than multiplying by it. With gradients on, on GPUs and
-    under tracing, this is plain ``build()``. The cache is keyed on each source's storage and version counter,
-    so in-place updates (optimizer steps, ``load_state_dict``) invalidate it.
+    rms_norm: Callable[..., Any]
+    gate: Callable[..., Any]
+    attention: Callable[..., Any]
+    decode_attention: Callable[..., Any]
+    butterfly: Callable[..., Any]
+    linear_cross_entropy: Callable[..., Any]
+
+    @classmethod
+    def of(cls, namespace: Any) -> Ops:
+        """The table of ``namespace``'s functions (a module such as ``wiola.ops``)."""
+        return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})
+
+    def __deepcopy__(self, memo: dict) -> Ops:
+        return self  # immutable: a copied model keeps the same table
+
+
+REFERENCE_OPS = Ops.of(reference_ops)
+
+
+class DerivedWeights:
+    """One model's tensors derived from its parameters for inference: the fused QKV matrix and
+    the ``decode_layout`` copies that CPU decoding reads (and, in ``wiola.fast``, the C++ step
+    bound to a cache). Not part of the state dict; copies and pickles of the model start empty.
+
+    ``get(key, build, *sources)`` is plain ``build()`` with gradients on, off the CPU and while
+    tracing. In CPU inference it returns the value built earlier for ``key`` while every source
+    keeps its storage and version counter; in-place updates (optimizer steps,
+    ``load_state_dict``) bump the counter, and the sources are referenced so that a freed
+    storage's address cannot come back as a false match. Sources without a version counter
+    (made under ``torch.inference_mode``) are never cached.
     """
-    if torch.is_grad_enabled() or sources[0].device.type != "cpu" or torch.compiler.is_compiling():
-        return build()
-    if any(t.is_inference() for t in sources):  # no version counter to notice in-place updates
-        return build()
-    stamp = tuple((t.data_ptr(), t._version) for t in sources)
-    store = owner.__dict__.setdefault("_inference_cache", {})
-    hit = store.get(key)
-    if hit is None or hit[0] != stamp:
-        hit = store[key] = (stamp, build())
-    return hit[1]
+
+    def __init__(self) -> None:
+        self._tensors: dict[Hashable, tuple[tuple, tuple[torch.Tensor, ...], Any]] = {}
+        self._bound: weakref.WeakKeyDictionary[Any, dict[Hashable, Any]] = weakref.WeakKeyDictionary()
+
+    def get(self, key: Hashable, build: Callable[[], Any], *sources: torch.Tensor, extra: tuple = ()) -> Any:
+        if torch.is_grad_enabled() or sources[0].device.type != "cpu" or torch.compiler.is_compiling():
+            return build()
+        if any(t.is_inference() for t in sources):
+            return build()
+        stamp = (*extra, *((t.data_ptr(), t._version, t.dtype) for t in sources))
+        hit = self._tensors.get(key)
+        if hit is None or hit[0] != stamp:
+            hit = self._tensors[key] = (stamp, tuple(t.detach() for t in sources), build())
+        return hit[2]
+
+    def bound(self, key: Hashable, owner: Any, build: Callable[[], Any], current: Callable[[Any], bool]) -> Any:
+        """A value bound to ``owner`` (a decoding cache) and dropped with it: the one kept for
+        ``(owner, key)`` while ``current(value)`` holds, else a fresh ``build()``."""
+        store = self._bound.setdefault(owner, {})
+        value = store.get(key)
+        if value is None or not current(value):
+            value = store[key] = build()
+        return value
+
+    def clear(self) -> None:
+        self._tensors.clear()
+        self._bound.clear()
+
+    def __len__(self) -> int:
+        return len(self._tensors) + sum(len(v) for v in self._bound.values())
+
+    def __deepcopy__(self, memo: dict) -> DerivedWeights:
+        return type(self)()
+
+    def __reduce__(self) -> tuple:
+        return (type(self), ())
+
+
+def _decode_layout_of(derived: DerivedWeights, key: Hashable, *weights: torch.Tensor) -> DecodeLayout:
+    """The ``decode_layout`` of the rows of ``weights`` stacked, kept in ``derived``."""
+
+    def build() -> DecodeLayout:
+        return decode_layout(weights[0] if len(weights) == 1 else torch.cat(weights))
+
+    return derived.get(key, build, *weights, extra=(torch.get_num_threads(),))
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """``x / sqrt(mean(x²) + eps) ⊙ γ``; with ``residual``, first ``h = x + residual`` (fused)."""
+
+    def __init__(self, dim: int, eps: float, ops: Ops = REFERENCE_OPS) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops = ops
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``(..., d)`` -> the normalised ``x``; with ``residual``, the pair ``(normalised h, h)``."""
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Gate(nn.Module):
+    """The causal cumulative-mean gate of one layer (SPEC.md eq. 8-10) as a parameter-free module.
+
+    Its weights stay on the attention (and keep their state-dict names); they are passed in. A
+    forward hook here sees each call's gate ``g`` ``(B, T, H)`` float32.
+    """
+
+    def __init__(self, pre_rope: bool, ops: Ops = REFERENCE_OPS) -> None:
+        super().__init__()
+        self.pre_rope = pre_rope
+        self.ops = ops
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        b2: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        carry: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """``g`` ``(B, T, H)`` from the unrotated queries ``q`` ``(B, T, H, D)``; ``carry`` (one
+        layer's running sum and count in a cache) is read and updated in place."""
+        rope = {} if self.pre_rope else {"cos": cos, "sin": sin}
+        g, running, count = self.ops.gate(q, w1, w2, b2, attention_mask=attention_mask, carry=carry, **rope)
+        if carry is not None:
+            carry[0].copy_(running)
+            carry[1].copy_(count)
+        return g
 
 
 class GatedHelicalAttention(nn.Module):
-    def __init__(self, config: WiolaConfig) -> None:
+    """Causal attention with helical RoPE, each query's scores scaled by its gate (SPEC.md §2)."""
+
+    def __init__(
+        self,
+        config: WiolaConfig,
+        layer_index: int = 0,
+        ops: Ops = REFERENCE_OPS,
+        derived: DerivedWeights | None = None,
+    ) -> None:
         super().__init__()
         d, H, D = config.d_model, config.n_heads, config.head_dim
+        self.n_heads, self.head_dim = H, D
+        self.layer_index = layer_index  # which of a cache's layers this one reads and writes
+        self.ops = ops
+        self.derived = derived if derived is not None else DerivedWeights()
         self.q_proj = nn.Linear(d, d, bias=False)
         self.k_proj = nn.Linear(d, d, bias=False)
         self.v_proj = nn.Linear(d, d, bias=False)
         self.o_proj = nn.Linear(d, d, bias=False)
+        self.gate = Gate(config.gate_pre_rope, ops) if config.gate else None
         if config.gate:
             self.gate_w1 = nn.Linear(D, H, bias=False)  # W_1: c_t (d_h) -> H
             self.gate_w2 = nn.Linear(H, H, bias=True)  # W_2, b_2
@@ -72,38 +202,132 @@ class GatedHelicalAttention(nn.Module):
     def qkv_weight(self) -> torch.Tensor:
         """The three projections as one ``(3d, d)`` matrix: one GEMM, q/k/v as strided views."""
         weights = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
-        return inference_cached(self, "qkv", lambda: torch.cat(weights), *weights)
+        return self.derived.get(("qkv", self.layer_index), lambda: torch.cat(weights), *weights)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        cache_start: int | torch.Tensor = 0,
+    ) -> torch.Tensor:
+        """``(B, T, d)`` normalised input -> ``(B, T, d)`` attention output (after ``W_o``).
+
+        ``cos, sin``: ``(B, T, D/2)`` rotation tables of the tokens' positions;
+        ``attention_mask``: ``(B, T)`` bool, True for real tokens. With a ``cache``, the tokens
+        go to slots ``cache_start ...`` of layer ``layer_index`` and attend to everything cached.
+        """
+        B, T, _ = x.shape
+        H, D = self.n_heads, self.head_dim
+        i = self.layer_index
+        if uses_decode_layout(x):
+            qkv = linear(x, self.q_proj.weight, self._layout("qkv", "q_proj", "k_proj", "v_proj"))
+        else:
+            qkv = linear(x, self.qkv_weight())
+        q, k, v = qkv.view(B, T, 3, H, D).unbind(2)  # (B, T, H, D) strided views, not rotated
+        if self.gate is None:
+            g = torch.ones(B, T, H, device=x.device, dtype=cos.dtype)
+        else:
+            carry = None if cache is None else (cache.gate_sum[i], cache.gate_count[i])
+            w1, w2 = self.gate_w1.weight, self.gate_w2.weight
+            g = self.gate(q, w1, w2, self.gate_w2.bias, cos, sin, attention_mask, carry)
+        if cache is None:
+            o = self.ops.attention(q, k, v, g, cos, sin, attention_mask)
+        else:
+            o = self.ops.decode_attention(q, k, v, g, cos, sin, cache.k[i], cache.v[i], cache.key_mask, cache_start)
+        o = o.reshape(B, T, H * D)
+        return linear(o, self.o_proj.weight, self._layout("o", "o_proj") if uses_decode_layout(o) else None)
+
+    def _layout(self, key: str, *names: str) -> DecodeLayout:
+        weights = [getattr(self, name).weight for name in names]
+        return _decode_layout_of(self.derived, (key, self.layer_index), *weights)
 
 
 class Butterfly(nn.Module):
-    def __init__(self, config: WiolaConfig) -> None:
+    """The butterfly feed-forward block (SPEC.md eq. 14-16): ``W_down (SiLU(a) ⊙ b + W_bp x)``."""
+
+    def __init__(
+        self, config: WiolaConfig, layer_index: int = 0, ops: Ops = REFERENCE_OPS, derived: DerivedWeights | None = None
+    ) -> None:
         super().__init__()
         d, f = config.d_model, config.d_ff
+        self.layer_index = layer_index
+        self.ops = ops
+        self.derived = derived if derived is not None else DerivedWeights()
         self.up_proj = nn.Linear(d, 2 * f, bias=False)  # [a ‖ b]
         self.bypass_proj = nn.Linear(d, f, bias=False)  # W_bp
         self.down_proj = nn.Linear(f, d, bias=False)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(..., d)`` -> ``(..., d)``."""
+        weights = (self.up_proj.weight, self.bypass_proj.weight, self.down_proj.weight)
+        if not uses_decode_layout(x):
+            return self.ops.butterfly(x, *weights)
+        names = ("up", "bypass", "down")
+        layouts = tuple(_decode_layout_of(self.derived, (n, self.layer_index), w) for n, w in zip(names, weights))
+        return self.ops.butterfly(x, *weights, layouts=layouts)
+
 
 class Block(nn.Module):
-    def __init__(self, config: WiolaConfig) -> None:
+    """One pre-norm decoder layer on the pair ``(hidden, residual)``.
+
+    The residual stream is carried unsummed: a block gets the previous block's output
+    ``hidden`` and the stream ``residual`` before it (None for the first block), adds them
+    inside its first norm (fused), and returns its own output with the updated stream; the
+    model's final norm makes the last add. ``h' = h + GSA(norm(h))``, ``h'' = h' + FFN(norm(h'))``.
+    """
+
+    def __init__(
+        self, config: WiolaConfig, layer_index: int = 0, ops: Ops = REFERENCE_OPS, derived: DerivedWeights | None = None
+    ) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.attn = GatedHelicalAttention(config)
-        self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.ffn = Butterfly(config)
+        derived = derived if derived is not None else DerivedWeights()
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps, ops)
+        self.attn = GatedHelicalAttention(config, layer_index, ops, derived)
+        self.ffn_norm = RMSNorm(config.d_model, config.norm_eps, ops)
+        self.ffn = Butterfly(config, layer_index, ops, derived)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        cache_start: int | torch.Tensor = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hidden, residual)`` ``(B, T, d)`` each -> ``(ffn_out, residual)``; the other
+        arguments are those of ``GatedHelicalAttention.forward``."""
+        if residual is None:
+            x, residual = self.attn_norm(hidden), hidden
+        else:
+            x, residual = self.attn_norm(hidden, residual)
+        attn_out = self.attn(x, cos, sin, attention_mask, cache, cache_start)
+        x, residual = self.ffn_norm(attn_out, residual)  # residual: h' = h + GSA
+        return self.ffn(x), residual
 
 
 class WiolaModel(nn.Module):
-    """Wiola language model. ``forward``, ``generate``, ``save_pretrained``/``from_pretrained``."""
+    """Wiola language model. ``forward``, ``generate``, ``save_pretrained``/``from_pretrained``.
 
-    ops: types.ModuleType = reference_ops
+    ``layers`` holds the ``Block`` modules; ``activation_checkpointing = True`` recomputes each
+    block's activations in the backward pass instead of keeping them (training without a cache).
+    """
+
+    ops: ClassVar[Ops] = REFERENCE_OPS  # the op table the modules are built with
 
     def __init__(self, config: WiolaConfig) -> None:
         super().__init__()
         self.config = config
+        self.activation_checkpointing = False
+        self.derived_weights = DerivedWeights()
+        ops, derived = self.ops, self.derived_weights
         self.embed = nn.Embedding(config.vocab_size, config.d_model)  # also the tied head
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.layers = nn.ModuleList(Block(config, i, ops, derived) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.norm_eps, ops)
         # Not a buffer: `model.to(torch.bfloat16)` must not round the frequencies.
         self._freqs = {}  # (device, dtype) -> (D/2,) helical frequencies
         self.reset_parameters()
@@ -118,6 +342,16 @@ class WiolaModel(nn.Module):
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
 
+    def _bind_ops(self, ops: Ops) -> None:
+        """Make this model and every module of it compute with ``ops`` (``wiola.fast``'s switch)."""
+        for module in self.modules():
+            if isinstance(getattr(module, "ops", None), Ops):
+                module.ops = ops
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> WiolaModel:
+        self.derived_weights.clear()  # .to(), .half(), ...: the derived copies would go stale
+        return super()._apply(fn, recurse)
+
     @property
     def rope_freqs(self) -> torch.Tensor:
         """``(D/2,)`` helical frequencies θ̃ on the model's device, float32 (float64 for a float64 model)."""
@@ -129,7 +363,8 @@ class WiolaModel(nn.Module):
         return self._freqs[key]
 
     # ------------------------------------------------------------------ inputs
-    def _check_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache: Cache | None) -> None:
+    def check_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache: Cache | None) -> None:
+        """Raise ``TypeError``/``ValueError`` naming the problem with a ``forward`` call's inputs."""
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
         if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
@@ -148,11 +383,8 @@ class WiolaModel(nn.Module):
                 raise ValueError(f"token id {bad} is outside [0, vocab_size={self.config.vocab_size})")
         if attention_mask is not None:
             past = cache.length if cache is not None else 0
-            if (
-                attention_mask.dim() != 2
-                or attention_mask.shape[0] != B
-                or attention_mask.shape[1] not in (T, past + T)
-            ):
+            S = attention_mask.shape[-1]
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != B or (S != T and S != past + T):
                 raise ValueError(
                     f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids {tuple(input_ids.shape)}"
                 )
@@ -208,10 +440,8 @@ class WiolaModel(nn.Module):
         Raises ``TypeError``/``ValueError`` naming the problem for bad ids, shapes, masks,
         lengths past ``max_seq_len`` or the cache, and a cache of another batch size.
         """
-        self._check_inputs(input_ids, attention_mask, cache)
-        ops, cfg = self.ops, self.config
+        self.check_inputs(input_ids, attention_mask, cache)
         B, T = input_ids.shape
-        H, D = cfg.n_heads, cfg.head_dim
         if attention_mask is not None:
             attention_mask = attention_mask[:, -T:].to(torch.bool)
         start = 0
@@ -222,39 +452,31 @@ class WiolaModel(nn.Module):
             positions = positions_from_mask(attention_mask, B, T, device=input_ids.device)
         cos, sin = rope_tables(positions, self.rope_freqs)  # (B, T, D/2) fp32
 
-        h = self.embed(input_ids)  # (B, T, d): the residual stream
-        x = ops.rms_norm(h, self.layers[0].attn_norm.weight, cfg.norm_eps)
-        for i, layer in enumerate(self.layers):
-            attn = layer.attn
-            qkv = linear(x, attn.qkv_weight()).view(B, T, 3, H, D)
-            q, k, v = qkv.unbind(2)  # (B, T, H, D) strided views, not rotated
-            if cfg.gate:
-                carry = None if cache is None else (cache.gate_sum[i], cache.gate_count[i])
-                gate_rope = {} if cfg.gate_pre_rope else {"cos": cos, "sin": sin}
-                g, gate_sum, gate_count = ops.gate(
-                    q, attn.gate_w1.weight, attn.gate_w2.weight, attn.gate_w2.bias,
-                    attention_mask=attention_mask, carry=carry, **gate_rope,
-                )  # fmt: skip
-                if cache is not None:
-                    cache.gate_sum[i].copy_(gate_sum)
-                    cache.gate_count[i].copy_(gate_count)
+        hidden, residual = self.embed(input_ids), None  # (B, T, d); the residual stream starts at hidden
+        checkpointed = self.activation_checkpointing and cache is None and torch.is_grad_enabled()
+        for block in self.layers:
+            if checkpointed:
+                hidden, residual = checkpoint(block, hidden, residual, cos, sin, attention_mask, use_reentrant=False)
             else:
-                g = torch.ones(B, T, H, device=x.device, dtype=cos.dtype)
-            if cache is None:
-                o = ops.attention(q, k, v, g, cos, sin, attention_mask)
-            else:
-                o = ops.decode_attention(q, k, v, g, cos, sin, cache.k[i], cache.v[i], cache.key_mask, start)
-            a = linear(o.reshape(B, T, H * D), attn.o_proj.weight)
-            x, h = ops.rms_norm(a, layer.ffn_norm.weight, cfg.norm_eps, residual=h)  # h' = h + GSA
-            f = layer.ffn
-            f_out = ops.butterfly(x, f.up_proj.weight, f.bypass_proj.weight, f.down_proj.weight)
-            next_norm = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
-            x, h = ops.rms_norm(f_out, next_norm.weight, cfg.norm_eps, residual=h)  # h'' = h' + FFN
+                hidden, residual = block(hidden, residual, cos, sin, attention_mask, cache, start)
+        x, _ = self.norm(hidden, residual)  # the last residual add, fused into the final norm
 
         if cache is not None:
             cache.length += T
             cache.n_real += T if attention_mask is None else attention_mask.sum(dim=1)
+        logits, loss = self._head(x, input_ids, attention_mask, labels, return_logits, logits_to_keep)
+        return ModelOutput(logits=logits, loss=loss, cache=cache)
 
+    def _head(
+        self,
+        x: torch.Tensor,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        return_logits: bool | None,
+        logits_to_keep: int,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Logits (fp32, head tied to the embedding) and the loss from the final hidden states."""
         if labels is not None:
             if logits_to_keep:
                 raise ValueError("logits_to_keep cannot be combined with labels (the loss needs every position)")
@@ -263,15 +485,17 @@ class WiolaModel(nn.Module):
             x = x[:, -logits_to_keep:]
         if return_logits is None:
             return_logits = self._default_return_logits(labels)
+        E, V = self.embed.weight, self.config.vocab_size
         logits = loss = None
         if return_logits:
-            logits = upcast(linear(x, self.embed.weight))  # (B, T, V) fp32, head tied to E
+            layout = _decode_layout_of(self.derived_weights, "head", E) if uses_decode_layout(x) else None
+            logits = upcast(linear(x, E, layout))  # (B, T, V) fp32
             if labels is not None:
-                loss = F.cross_entropy(logits[:, :-1].reshape(-1, cfg.vocab_size), labels.reshape(-1), reduction="sum")
+                loss = F.cross_entropy(logits[:, :-1].reshape(-1, V), labels.reshape(-1), reduction="sum")
                 loss = loss / (labels != -100).sum().clamp(min=1)
         elif labels is not None:
-            loss = ops.linear_cross_entropy(x[:, :-1].reshape(-1, cfg.d_model), self.embed.weight, labels.reshape(-1))
-        return ModelOutput(logits=logits, loss=loss, cache=cache)
+            loss = self.ops.linear_cross_entropy(x[:, :-1].reshape(-1, x.shape[-1]), E, labels.reshape(-1))
+        return logits, loss
 
     def _default_return_logits(self, labels: torch.Tensor | None) -> bool:
         return True
@@ -310,15 +534,11 @@ class WiolaModel(nn.Module):
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
         """Prompt followed by ``max_new_tokens`` new tokens, ``(B, T + N)``. See ``wiola.generation.generate``."""
-        from wiola.generation import generate
-
         return generate(self, input_ids, max_new_tokens, **kwargs)
 
     # ---------------------------------------------------------- checkpoints
     def save_pretrained(self, directory: str | Path) -> None:
         """Write ``config.json`` and ``model.safetensors`` (the tied head is not stored twice)."""
-        from wiola.checkpoint import save_pretrained
-
         save_pretrained(self, directory)
 
     @classmethod
@@ -326,8 +546,6 @@ class WiolaModel(nn.Module):
         cls, directory: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
     ) -> WiolaModel:
         """Load a checkpoint written by ``save_pretrained`` or by the published ``wiola13m`` package."""
-        from wiola.checkpoint import load_pretrained
-
         return load_pretrained(cls, directory, device=device, dtype=dtype)
 
     def num_parameters(self) -> int:

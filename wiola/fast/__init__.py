@@ -2,9 +2,10 @@
 
     from wiola.fast import WiolaModel      # instead of: from wiola import WiolaModel
 
-Same constructor, parameters, state-dict keys, ``forward``, ``generate``, ``save_pretrained``
-and ``from_pretrained`` as ``wiola.WiolaModel`` (it *is* that class with another op namespace,
-``wiola.fast.ops``), so checkpoints and state dicts move freely between the two.
+Same constructor, modules, parameters, state-dict keys, ``forward``, ``generate``,
+``save_pretrained`` and ``from_pretrained`` as ``wiola.WiolaModel`` (it *is* that class, its
+modules built with another op table, ``wiola.fast.ops.KERNEL_OPS``), so checkpoints and state
+dicts move freely between the two.
 
 What runs where:
 
@@ -23,7 +24,14 @@ What runs where:
   runs every layer and the head (``kernels/decode_step_cpu.py``, compiled on first use).
 - Without a GPU: under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (tests); else a
   PyTorch path (SDPA with the gate folded into the query, the static cache) that is at least
-  as fast as the reference. ``use_kernels(False)`` forces that path anywhere.
+  as fast as the reference.
+
+The kernels switch: ``model.use_kernels(False)`` puts one model on the PyTorch path (its
+modules get ``wiola.fast.ops.TORCH_OPS``; a compiled model recompiles), and ``with
+wiola.fast.use_kernels(False):`` does it for every fast model in the block (per thread and
+task; under ``torch.compile``, read when the graph is traced). Kernels run where both are on.
+Per-model state lives on the model: the captured CUDA graphs (``cuda_graphs``) and the
+derived tensors and C++ step binding (``derived_weights``), none in the state dict.
 """
 
 from __future__ import annotations
@@ -33,7 +41,9 @@ from typing import Any
 import torch
 
 from wiola.cache import Cache
+from wiola.config import WiolaConfig
 from wiola.fast import ops
+from wiola.fast.generation import GraphSteps, graph_generate, graphs_usable
 from wiola.fast.ops import use_kernels
 from wiola.model import ModelOutput
 from wiola.model import WiolaModel as ReferenceModel
@@ -50,7 +60,25 @@ class WiolaModel(ReferenceModel):
       weights must stay where they are between calls, or the graphs are recaptured).
     """
 
-    ops = ops
+    ops = ops.KERNEL_OPS
+
+    def __init__(self, config: WiolaConfig) -> None:
+        super().__init__(config)
+        self.kernels = True  # this model's switch (use_kernels); see kernels_enabled
+        self.cuda_graphs = GraphSteps()
+
+    def use_kernels(self, enabled: bool = True) -> WiolaModel:
+        """Run this model on the kernels (default) or, with ``False``, on the PyTorch path; returns
+        the model. Unlike the ``wiola.fast.use_kernels`` context manager, this stays set."""
+        self.kernels = bool(enabled)
+        self._bind_ops(ops.KERNEL_OPS if self.kernels else ops.TORCH_OPS)
+        return self
+
+    @property
+    def kernels_enabled(self) -> bool:
+        """Whether the kernels (and the C++ CPU step) may run: this model's switch and the
+        ``wiola.fast.use_kernels`` context are both on."""
+        return self.kernels and ops.kernels_on()
 
     def forward(
         self,
@@ -72,7 +100,7 @@ class WiolaModel(ReferenceModel):
         ):
             step = ops.cpu_decode_step(self, input_ids, cache)
             if step is not None:
-                self._check_inputs(input_ids, None, cache)
+                self.check_inputs(input_ids, None, cache)
                 slot = cache.length
                 logits = step(input_ids.reshape(-1).to(torch.int64).contiguous(), slot)
                 cache.length += 1
@@ -117,8 +145,6 @@ class WiolaModel(ReferenceModel):
         graph and sampling stays on the GPU (``wiola.fast.generation``); elsewhere the reference
         loop runs on the fast ops and the static cache. Greedy tokens equal the reference's.
         """
-        from wiola.fast.generation import graph_generate, graphs_usable
-
         if graphs_usable(self, input_ids):
             return graph_generate(self, input_ids, max_new_tokens, **kwargs)
         return super().generate(input_ids, max_new_tokens, **kwargs)

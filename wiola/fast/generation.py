@@ -6,19 +6,18 @@ from device memory, so one graph serves every position), the tied head for the l
 sampling, the ``eos`` bookkeeping, and the copy of the new token into the next step's input.
 The host only replays the graph, copies the token into the output (a device copy) and, for
 sampling, refills a noise buffer from the caller's generator. The prefill runs eagerly on the
-training kernels.
+training kernels. The graphs live on the model (``model.cuda_graphs``, a ``GraphSteps``).
 
-Sampling needs no host sync: temperature and top-p live in device tensors, top-k is a shape;
-the token is the winner of an exponential race, ``argmax(log p_i − log E_i)`` with
-``E_i ~ Exp(1)`` (Gumbel-max), which draws from the filtered softmax exactly. Greedy
-(``temperature == 0``) is ``argmax``, identical to the reference. Whether every row has hit
-``eos_token_id`` is read on the host only every ``EOS_CHECK_EVERY`` steps; rows that finished
-emit the pad token meanwhile, so the result is the same as the reference loop's.
+Sampling, the ``eos`` bookkeeping and the loop are those of ``wiola.generation``
+(``next_tokens``, ``decode_loop``): temperature and top-p live in device tensors, top-k is a
+shape, and the noise of the exponential race is drawn on the host side from the generator, so
+that with the same generator the sampled tokens are the reference loop's. Whether every row has
+hit ``eos_token_id`` is read on the host only every ``EOS_CHECK_EVERY`` steps; rows that
+finished emit the pad token meanwhile, so the result is the same as the reference loop's.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -28,10 +27,10 @@ import torch
 from wiola.cache import Cache
 from wiola.config import WiolaConfig
 from wiola.fast import ops
-from wiola.generation import check_generate_inputs, check_sampling
+from wiola.generation import check_generate_inputs, decode_loop, next_tokens
 
 if TYPE_CHECKING:
-    from wiola.fast import WiolaModel
+    from wiola.model import WiolaModel  # a wiola.fast.WiolaModel (its kernels_enabled, cuda_graphs)
 
 EOS_CHECK_EVERY = 16  # steps between host reads of "has every row finished?"
 
@@ -59,13 +58,13 @@ class _Mode:
     batch: int
     greedy: bool
     top_k: int | None
-    top_p: bool
+    top_p: bool  # a nucleus filter (its value lives in a device tensor, as the temperature's)
     eos: int | None
     pad: int | None
 
 
 @dataclass
-class _Step:
+class _Captured:
     cache: GraphCache
     ids: torch.Tensor  # (B, 1) int64: the step's input, written by the step itself
     token: torch.Tensor  # (B,) int64: the step's output
@@ -76,21 +75,32 @@ class _Step:
     graph: torch.cuda.CUDAGraph | None = None
 
 
-@dataclass
-class _State:
-    stamp: tuple
-    caches: dict[int, GraphCache]
-    steps: dict[_Mode, _Step]
+class GraphSteps:
+    """One model's captured decoding steps: a ``GraphCache`` per batch size and a step (with its
+    CUDA graph) per mode. Not in the state dict; copies and pickles of the model start empty;
+    everything is recaptured when the weights move, their dtype or autocast changes."""
 
+    def __init__(self) -> None:
+        self.stamp: tuple | None = None
+        self.caches: dict[int, GraphCache] = {}
+        self.steps: dict[_Mode, _Captured] = {}
 
-_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    def clear(self) -> None:
+        self.stamp, self.caches, self.steps = None, {}, {}
+
+    def __deepcopy__(self, memo: dict) -> GraphSteps:
+        return type(self)()
+
+    def __reduce__(self) -> tuple:
+        return (type(self), ())
 
 
 def graphs_usable(model: WiolaModel, input_ids: torch.Tensor) -> bool:
     """CUDA graphs need CUDA tensors and the decode kernel (not the PyTorch path)."""
     return (
-        input_ids.is_cuda
-        and ops._enabled
+        isinstance(input_ids, torch.Tensor)
+        and input_ids.is_cuda
+        and model.kernels_enabled
         and "decode_attention" in ops.KERNELS
         and not torch.compiler.is_compiling()
         and not torch.cuda.is_current_stream_capturing()
@@ -100,49 +110,26 @@ def graphs_usable(model: WiolaModel, input_ids: torch.Tensor) -> bool:
 def _stamp(model: WiolaModel) -> tuple:
     """What a captured graph depends on: parameter storage and dtype, autocast, kernel switch."""
     params = tuple((p.data_ptr(), p.dtype) for p in model.parameters())
-    return (params, torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"), ops._enabled)
+    return (params, torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"), model.kernels_enabled)
 
 
-def sample_tokens(
-    logits: torch.Tensor,
-    mode: _Mode,
-    temperature: torch.Tensor,
-    top_p: torch.Tensor,
-    noise: torch.Tensor | None,
-) -> torch.Tensor:
-    """``(B,)`` next tokens from ``(B, V)`` logits on the device, no host sync."""
-    if mode.greedy:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if mode.top_k is not None:
-        kth = torch.topk(logits, mode.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if mode.top_p:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p  # the first token is always kept
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    # Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is a draw from p.
-    return (logits - torch.log(noise.clamp_min(1e-30))).argmax(dim=-1)
-
-
-def _advance(step: _Step, logits: torch.Tensor, mode: _Mode) -> torch.Tensor:
-    token = sample_tokens(logits, mode, step.temperature, step.top_p, step.noise)
-    if mode.eos is not None:
-        token = token.masked_fill(step.finished, mode.pad)
-        step.finished |= token == mode.eos
+def _advance(step: _Captured, logits: torch.Tensor, mode: _Mode) -> torch.Tensor:
+    token = next_tokens(
+        logits, step.finished, mode.eos, mode.pad,
+        temperature=0.0 if mode.greedy else step.temperature, top_k=mode.top_k,
+        top_p=step.top_p if mode.top_p else None, noise=step.noise,
+    )  # fmt: skip
     step.token.copy_(token)
     step.ids.copy_(token.unsqueeze(1))
     return token
 
 
-def _run_step(model: WiolaModel, step: _Step, mode: _Mode) -> None:
+def _run_step(model: WiolaModel, step: _Captured, mode: _Mode) -> None:
     logits = model(step.ids, cache=step.cache, logits_to_keep=1).logits[:, -1]
     _advance(step, logits, mode)
 
 
-def _capture(model: WiolaModel, step: _Step, mode: _Mode) -> None:
+def _capture(model: WiolaModel, step: _Captured, mode: _Mode) -> None:
     """Warm up (kernel compilation, autotuning) on a side stream, then capture one step."""
     cache = step.cache
     if step.noise is not None:
@@ -165,43 +152,73 @@ def _capture(model: WiolaModel, step: _Step, mode: _Mode) -> None:
         step.finished.zero_()
 
 
-def _get_step(model: WiolaModel, mode: _Mode) -> _Step:
-    state = _STATES.get(model)
+def _get_step(model: WiolaModel, mode: _Mode) -> _Captured:
+    store: GraphSteps = model.cuda_graphs
     stamp = _stamp(model)
-    if state is None or state.stamp != stamp:
-        state = _STATES[model] = _State(stamp, {}, {})  # weights moved: recapture
-    step = state.steps.get(mode)
+    if store.stamp != stamp:
+        store.clear()  # weights moved: recapture
+        store.stamp = stamp
+    step = store.steps.get(mode)
     if step is None:
-        device = model.embed.weight.device
-        cache = state.caches.get(mode.batch)
+        w = model.embed.weight
+        cache = store.caches.get(mode.batch)
         if cache is None:
-            w = model.embed.weight
-            cache = GraphCache(model.config, mode.batch, model.config.max_seq_len, device=device, dtype=w.dtype)
-            state.caches[mode.batch] = cache
+            cache = GraphCache(model.config, mode.batch, model.config.max_seq_len, device=w.device, dtype=w.dtype)
+            store.caches[mode.batch] = cache
         B, V = mode.batch, model.config.vocab_size
-        step = _Step(
+        step = _Captured(
             cache=cache,
-            ids=torch.zeros(B, 1, dtype=torch.int64, device=device),
-            token=torch.zeros(B, dtype=torch.int64, device=device),
-            finished=torch.zeros(B, dtype=torch.bool, device=device),
-            noise=None if mode.greedy else torch.ones(B, V, dtype=torch.float32, device=device),
-            temperature=torch.ones((), dtype=torch.float32, device=device),
-            top_p=torch.ones((), dtype=torch.float32, device=device),
+            ids=torch.zeros(B, 1, dtype=torch.int64, device=w.device),
+            token=torch.zeros(B, dtype=torch.int64, device=w.device),
+            finished=torch.zeros(B, dtype=torch.bool, device=w.device),
+            noise=None if mode.greedy else torch.ones(B, V, dtype=torch.float32, device=w.device),
+            temperature=torch.ones((), dtype=torch.float32, device=w.device),
+            top_p=torch.ones((), dtype=torch.float32, device=w.device),
         )
         if mode.capture:
             _capture(model, step, mode)
-        state.steps[mode] = step
+        store.steps[mode] = step
     return step
+
+
+class _GraphRun:
+    """``wiola.generation.Steps`` for one call: the prefill eagerly, then graph replays (or the
+    same step run eagerly with the slot on the device, without ``capture``)."""
+
+    def __init__(self, model: WiolaModel, step: _Captured, mode: _Mode, generator: torch.Generator | None) -> None:
+        self.model, self.captured, self.mode, self.generator = model, step, mode, generator
+        self.finished = step.finished
+
+    def _fill_noise(self) -> None:
+        if self.captured.noise is not None:
+            self.captured.noise.exponential_(generator=self.generator)
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        out = self.model(input_ids, attention_mask=attention_mask, cache=self.captured.cache, logits_to_keep=1)
+        self._fill_noise()
+        return _advance(self.captured, out.logits[:, -1], self.mode)
+
+    def step(self) -> torch.Tensor:
+        step = self.captured
+        self._fill_noise()
+        if step.graph is not None:
+            step.graph.replay()
+        else:
+            step.cache.device_slot = True
+            try:
+                _run_step(self.model, step, self.mode)
+            finally:
+                step.cache.device_slot = False
+        return step.token
 
 
 def graph_generate(model: WiolaModel, input_ids: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
     """``wiola.generation.generate`` with the one-token step replayed as a CUDA graph.
 
-    Same arguments and result, ``(B, T + max_new_tokens)`` int64. Greedy tokens are identical
-    to the reference loop's; sampled tokens follow the same distribution but use the generator
-    differently (one ``Exp(1)`` draw per vocabulary entry and step), so they are not the same
-    draws. ``generator`` must be a generator on the model's device when sampling. ``streamer``
-    receives each step's ``(B,)`` tokens as a device tensor.
+    Same arguments and result, ``(B, T + max_new_tokens)`` int64: greedy tokens are identical to
+    the reference loop's, and so are sampled ones for the same generator state wherever the
+    logits agree. ``generator`` must be a generator on the model's device when sampling.
+    ``streamer`` receives each step's ``(B,)`` tokens as a device tensor.
     """
     return step_generate(model, input_ids, max_new_tokens, capture=True, **kwargs)
 
@@ -213,7 +230,7 @@ def step_generate(
     max_new_tokens: int,
     *,
     attention_mask: torch.Tensor | None = None,
-    temperature: float = 1.0,
+    temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
     eos_token_id: int | None = None,
@@ -225,59 +242,23 @@ def step_generate(
     """The graph-mode generation loop: with ``capture`` (CUDA) each step is a graph replay;
     without, the very same step runs eagerly with the cache slot on the device (how tests
     check the step on a machine without CUDA). See ``graph_generate``."""
-    check_sampling(temperature, top_k, top_p)
-    model._check_inputs(input_ids, attention_mask, None)
-    check_generate_inputs(model, input_ids, max_new_tokens, attention_mask)
-    B, T = input_ids.shape
-    V = model.config.vocab_size
-    out = torch.empty(B, T + max_new_tokens, dtype=torch.int64, device=input_ids.device)
-    out[:, :T] = input_ids
+    sampling = check_generate_inputs(model, input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p)
+    pad = eos_token_id if pad_token_id is None else pad_token_id
     if max_new_tokens == 0:
-        return out
-    greedy = temperature == 0
+        return decode_loop(None, input_ids, attention_mask, 0, eos_token_id, pad, streamer)
     mode = _Mode(
         capture=capture,
-        batch=B,
-        greedy=greedy,
-        top_k=None if greedy or top_k is None or top_k >= V else top_k,
-        top_p=not greedy and top_p is not None and top_p < 1.0,
+        batch=input_ids.shape[0],
+        greedy=sampling.greedy,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p is not None,
         eos=eos_token_id,
-        pad=None if eos_token_id is None else (eos_token_id if pad_token_id is None else pad_token_id),
+        pad=pad,
     )
     step = _get_step(model, mode)
-    step.temperature.fill_(temperature if not greedy else 1.0)
-    step.top_p.fill_(top_p if mode.top_p else 1.0)
-    cache = step.cache
-    cache.reset()
+    step.temperature.fill_(1.0 if sampling.greedy else sampling.temperature)
+    step.top_p.fill_(1.0 if sampling.top_p is None else sampling.top_p)
+    step.cache.reset()
     step.finished.zero_()
-
-    def fill_noise() -> None:
-        if step.noise is not None:
-            step.noise.exponential_(generator=generator)
-
-    logits = model(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1).logits[:, -1]
-    fill_noise()
-    token = _advance(step, logits, mode)
-    out[:, T] = token
-    if streamer is not None:
-        streamer(token.clone())
-    done = 1
-    while done < max_new_tokens:
-        if mode.eos is not None and done % EOS_CHECK_EVERY == 0 and bool(step.finished.all()):
-            out[:, T + done :] = mode.pad
-            break
-        fill_noise()
-        if step.graph is not None:
-            step.graph.replay()
-        else:
-            step.cache.device_slot = True
-            try:
-                _run_step(model, step, mode)
-            finally:
-                step.cache.device_slot = False
-        out[:, T + done].copy_(step.token)
-        if streamer is not None:
-            streamer(step.token.clone())
-        done += 1
-    cache.length = T + done - 1  # host bookkeeping: slots filled (the last token is not fed back)
-    return out
+    run = _GraphRun(model, step, mode, generator)
+    return decode_loop(run, input_ids, attention_mask, max_new_tokens, eos_token_id, pad, streamer, EOS_CHECK_EVERY)

@@ -1,25 +1,33 @@
-"""The op namespace of ``wiola.fast.WiolaModel``: each function has the name and signature of
-its reference in ``wiola.ops`` and dispatches per call.
+"""The op functions of ``wiola.fast.WiolaModel``: each has the name and signature of its
+reference in ``wiola.ops`` and dispatches per call.
 
 - Triton kernel (``kernels/<op>.py``) when ``kernels._utils.kernels_usable(tensor)``: on CUDA,
   or on CPU tensors under ``TRITON_INTERPRET=1`` (how CI tests them). Custom ops do not go
   through autocast, so under ``torch.autocast`` these wrappers cast the fp32 master weights
   and activations to the autocast dtype themselves, the way autocast would for the reference.
-- Otherwise (a plain CPU, a missing kernel module, or ``use_kernels(False)``) a PyTorch path
-  at least as fast as the reference: ``scaled_dot_product_attention`` with the gate folded
-  into the rotated query (``g ⟨q̃, k̃⟩ = ⟨g q̃, k̃⟩``) instead of materialised scores, and the
-  reference functions where they are already one or two library calls.
+- Otherwise (a plain CPU, no triton, or the kernels switched off) a PyTorch path at least as
+  fast as the reference: ``scaled_dot_product_attention`` with the gate folded into the rotated
+  query (``g ⟨q̃, k̃⟩ = ⟨g q̃, k̃⟩``) instead of materialised scores, and the reference functions
+  where they are already one or two library calls.
 - On a plain CPU, a one-token decoding step (fp32, gradients off) runs as one call of the C++
   step in ``kernels/decode_step_cpu.py`` (every layer and the head), see ``cpu_decode_step``.
 
-``KERNELS`` names the kernel of every op that was importable; ``MISSING`` gives the reason for
-the others.
+``KERNEL_OPS`` is the table of the dispatching functions (the fast model's default) and
+``TORCH_OPS`` the table of the PyTorch path (a model's ``use_kernels(False)``). The
+``use_kernels(enabled)`` context manager switches the kernels off (or back on) for the code
+inside it, per thread and task (a ``ContextVar``; default from ``WIOLA_FAST_KERNELS``).
+
+``KERNELS`` names the kernel of every op that was imported; ``MISSING`` gives the reason for the
+others (no triton, no ``kernels`` package, the C++ step not built). With triton importable, a
+kernel module that fails to import raises: a broken kernel is an error, not a silent fallback.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib
+import importlib.util
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -28,20 +36,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from wiola import ops as reference
+import wiola.ops as reference
+from wiola.model import Ops
+from wiola.ops.linear import DecodeLayout
 from wiola.ops.rope import apply_rope
 
-try:
-    from kernels._utils import kernels_usable
-except ImportError:  # pragma: no cover - triton-less installs still get the torch path
-
-    def kernels_usable(t: torch.Tensor) -> bool:
-        return False
-
-
-KERNELS: dict[str, Callable[..., Any]] = {}
-MISSING: dict[str, str] = {}
-for _name, _module in (
+_KERNEL_MODULES = (
     ("rms_norm", "rms_norm"),
     ("gate", "gate"),
     ("attention", "attention"),
@@ -49,34 +49,69 @@ for _name, _module in (
     ("write_cache", "decode"),
     ("butterfly", "butterfly"),
     ("linear_cross_entropy", "cross_entropy"),
-):
-    try:
-        KERNELS[_name] = getattr(importlib.import_module(f"kernels.{_module}"), _name)
-    except Exception as exc:  # ImportError, no triton, or a kernel module still being written
-        MISSING[_name] = f"kernels.{_module}.{_name}: {type(exc).__name__}: {exc}"
+)
+KERNELS: dict[str, Callable[..., Any]] = {}
+MISSING: dict[str, str] = {}
 
-_enabled = os.environ.get("WIOLA_FAST_KERNELS", "1") not in ("0", "")
+
+_HAVE_KERNELS = importlib.util.find_spec("kernels") is not None  # an install may lack kernels/
+
+
+def _import_kernels() -> None:
+    """Fill ``KERNELS``, or ``MISSING`` with the reason when triton or ``kernels/`` is absent."""
+    if not _HAVE_KERNELS:
+        reason = "the kernels package is not installed"
+    elif importlib.util.find_spec("triton") is None:
+        reason = "triton is not installed"
+    else:
+        reason = None
+    for name, module in _KERNEL_MODULES:
+        if reason is not None:
+            MISSING[name] = f"kernels.{module}.{name}: {reason}"
+        else:  # any exception here is a bug in the kernel module: let it propagate
+            KERNELS[name] = getattr(importlib.import_module(f"kernels.{module}"), name)
+
+
+_import_kernels()
+if _HAVE_KERNELS:
+    from kernels._utils import kernels_usable
+else:  # pragma: no cover - an install without kernels/ still gets the torch path
+
+    def kernels_usable(t: torch.Tensor) -> bool:
+        return False
+
+
+_KERNELS_ON: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "wiola_fast_kernels", default=os.environ.get("WIOLA_FAST_KERNELS", "1") not in ("0", "")
+)
 
 
 @contextlib.contextmanager
 def use_kernels(enabled: bool) -> Iterator[None]:
-    """Turn the Triton kernels on or off (the PyTorch path runs instead) inside a ``with`` block.
-
-    The default comes from the environment variable ``WIOLA_FAST_KERNELS`` (``0`` disables).
+    """Turn the Triton kernels (and the C++ CPU step) on or off inside a ``with`` block: the
+    PyTorch path runs instead. Per thread and asyncio task; the default comes from the
+    environment variable ``WIOLA_FAST_KERNELS`` (``0`` disables). A model's own switch,
+    ``WiolaModel.use_kernels(False)``, turns them off for that model alone.
     """
-    global _enabled
-    previous, _enabled = _enabled, bool(enabled)
+    token = _KERNELS_ON.set(bool(enabled))
     try:
         yield
     finally:
-        _enabled = previous
+        _KERNELS_ON.reset(token)
+
+
+@torch.compiler.assume_constant_result
+def kernels_on() -> bool:
+    """Whether ``use_kernels`` leaves the kernels on here (under ``torch.compile``: its value
+    when the graph was traced)."""
+    return _KERNELS_ON.get()
 
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _kernel(name: str, t: torch.Tensor) -> Callable[..., Any] | None:
-    if _enabled and t.dtype in _KERNEL_DTYPES and kernels_usable(t):
+    if t.dtype in _KERNEL_DTYPES and kernels_usable(t) and kernels_on():
         return KERNELS.get(name)
     return None
 
@@ -101,15 +136,7 @@ def rms_norm(
     """``wiola.ops.rms_norm``; fused residual add + RMSNorm kernel where usable."""
     kernel = _kernel("rms_norm", x)
     if kernel is None:
-        if (
-            x.dtype == torch.float32
-            and weight.dtype == torch.float32
-            and (residual is None or residual.dtype == x.dtype)
-        ):
-            h = x if residual is None else x + residual
-            y = F.rms_norm(h, (h.shape[-1],), weight, eps)  # one fused ATen op, fp32 statistics
-            return y if residual is None else (y, h)
-        return reference.rms_norm(x, weight, eps, residual)
+        return _torch_rms_norm(x, weight, eps, residual)
     if residual is not None and residual.dtype != x.dtype:
         # The reference adds in the promoted dtype (a bf16 autocast output + the fp32 stream).
         dtype = torch.promote_types(x.dtype, residual.dtype)
@@ -136,9 +163,7 @@ def gate(
     kernel = _kernel("gate", q)
     if kernel is not None:
         return kernel(q, w1, w2, b2, cos=cos, sin=sin, attention_mask=attention_mask, carry=carry)
-    if q.shape[1] == 1 and carry is not None and cos is None and not torch.is_autocast_enabled(q.device.type):
-        return _gate_step(q, w1, w2, b2, attention_mask, carry)
-    return reference.gate(q, w1, w2, b2, cos=cos, sin=sin, attention_mask=attention_mask, carry=carry)
+    return _torch_gate(q, w1, w2, b2, cos=cos, sin=sin, attention_mask=attention_mask, carry=carry)
 
 
 def attention(
@@ -155,9 +180,7 @@ def attention(
     kernel = _kernel("attention", q)
     if kernel is not None:
         return kernel(q, k, v, g, cos, sin, attention_mask)
-    q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    key_mask = None if attention_mask is None else attention_mask.to(torch.bool)
-    return _sdpa(q_rot, k_rot, v, g, key_mask, q_start=0)
+    return _torch_attention(q, k, v, g, cos, sin, attention_mask)
 
 
 def decode_attention(
@@ -181,22 +204,13 @@ def decode_attention(
     """
     T = q.shape[1]
     decode = _kernel("decode_attention", q)
-    if decode is not None:
-        flash = _kernel("attention", q)
-        if flash is not None and isinstance(start, int) and start == 0 and T > 1:
-            KERNELS["write_cache"](k, v, cos, sin, k_cache, v_cache, 0)
-            return flash(q, k, v, g, cos, sin, key_mask[:, :T])
-        return decode(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start)
-    if isinstance(start, torch.Tensor):
-        start = int(start)  # host sync: the PyTorch path is not for CUDA graphs
-    if T == 1 and q.dtype == torch.float32 and k_cache.dtype == torch.float32:
-        return _decode_step(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start)
-    end = start + T
-    k_cache[:, :, start:end] = apply_rope(k, cos, sin).transpose(1, 2)  # (B, H, T, D)
-    v_cache[:, :, start:end] = v.transpose(1, 2)
-    keys = k_cache[:, :, :end].transpose(1, 2)  # (B, end, H, D)
-    values = v_cache[:, :, :end].transpose(1, 2)
-    return _sdpa(apply_rope(q, cos, sin), keys, values, g, key_mask[:, :end], q_start=start)
+    if decode is None:
+        return _torch_decode_attention(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start)
+    flash = _kernel("attention", q)
+    if flash is not None and isinstance(start, int) and start == 0 and T > 1:
+        KERNELS["write_cache"](k, v, cos, sin, k_cache, v_cache, 0)
+        return flash(q, k, v, g, cos, sin, key_mask[:, :T])
+    return decode(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start)
 
 
 def butterfly(
@@ -205,12 +219,13 @@ def butterfly(
     w_bp: torch.Tensor,
     w_down: torch.Tensor,
     residual: torch.Tensor | None = None,
+    layouts: tuple[DecodeLayout, DecodeLayout, DecodeLayout] | None = None,
 ) -> torch.Tensor:
     """``wiola.ops.butterfly``: the fused up/bypass GEMM with the SiLU-gate epilogue and the down
-    projection where usable (inputs cast to the autocast dtype first)."""
+    projection where usable (inputs cast to the autocast dtype first; ``layouts`` unused there)."""
     kernel = _kernel("butterfly", x)
     if kernel is None:
-        return reference.butterfly(x, w_up, w_bp, w_down, residual)
+        return reference.butterfly(x, w_up, w_bp, w_down, residual, layouts)
     dtype = _autocast_dtype(x)
     x, w_up, w_bp, w_down = _cast(dtype, x, w_up, w_bp, w_down)
     if residual is not None and dtype is not None:
@@ -235,13 +250,14 @@ def cpu_decode_step(
     """The C++ one-token step bound to ``model`` and ``cache``, or None where it does not apply.
 
     It applies on a plain CPU (not under ``TRITON_INTERPRET=1``, where the Triton kernels run)
-    with the kernels enabled, gradients and CPU autocast off, not while tracing, to one new
-    token per row (``input_ids`` ``(B, 1)``) of an fp32 model and cache, once the library has
-    been built (``kernels.decode_step_cpu.load``; the first call compiles it). The binding is
-    kept on the cache and rebuilt when a weight moves.
+    with the model's kernels on (``model.kernels_enabled``), gradients and CPU autocast off,
+    not while tracing, to one new token per row (``input_ids`` ``(B, 1)``) of an fp32 model and
+    cache, once the library has been built (``kernels.decode_step_cpu.load``; the first call
+    compiles it). The binding lives in the model's ``derived_weights``, per cache, and is
+    rebuilt when a weight is replaced or moved.
     """
     if (
-        not _enabled
+        not model.kernels_enabled
         or input_ids.device.type != "cpu"
         or input_ids.dim() != 2
         or input_ids.shape[1] != 1
@@ -253,26 +269,91 @@ def cpu_decode_step(
         or cache.device.type != "cpu"
         or getattr(cache, "device_slot", False)
         or model.embed.weight.dtype != torch.float32
+        or not _HAVE_KERNELS
     ):
         return None
-    try:
-        from kernels import decode_step_cpu
-    except ImportError:  # pragma: no cover - a wheel without kernels/
-        return None
+    from kernels import decode_step_cpu
+
     if decode_step_cpu.load() is None:
         MISSING.setdefault("decode_step_cpu", f"kernels.decode_step_cpu: {decode_step_cpu.BUILD_ERROR}")
         return None
-    bound = cache.__dict__.get("_cpu_decode_step")
-    if bound is None or bound[0] is not model or not bound[1].is_current():
+
+    def bind() -> Any:
         try:
-            step = decode_step_cpu.DecodeStepCPU(model, cache)
+            return decode_step_cpu.DecodeStepCPU(model, cache)
         except ValueError:  # a non-contiguous or non-fp32 weight: the PyTorch path handles it
-            return None
-        bound = cache.__dict__["_cpu_decode_step"] = (model, step)
-    return bound[1]
+            return False
+
+    step = model.derived_weights.bound("cpu_decode_step", cache, bind, lambda s: s is not False and s.is_current())
+    return step or None
 
 
 # --------------------------------------------------------------------------- PyTorch path
+def _torch_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and (residual is None or residual.dtype == x.dtype):
+        h = x if residual is None else x + residual
+        y = F.rms_norm(h, (h.shape[-1],), weight, eps)  # one fused ATen op, fp32 statistics
+        return y if residual is None else (y, h)
+    return reference.rms_norm(x, weight, eps, residual)
+
+
+def _torch_gate(
+    q: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+    *,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    carry: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if q.shape[1] == 1 and carry is not None and cos is None and not torch.is_autocast_enabled(q.device.type):
+        return _gate_step(q, w1, w2, b2, attention_mask, carry)
+    return reference.gate(q, w1, w2, b2, cos=cos, sin=sin, attention_mask=attention_mask, carry=carry)
+
+
+def _torch_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    key_mask = None if attention_mask is None else attention_mask.to(torch.bool)
+    return _sdpa(q_rot, k_rot, v, g, key_mask, q_start=0)
+
+
+def _torch_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key_mask: torch.Tensor,
+    start: int | torch.Tensor,
+) -> torch.Tensor:
+    T = q.shape[1]
+    if isinstance(start, torch.Tensor):
+        start = int(start)  # host sync: the PyTorch path is not for CUDA graphs
+    if T == 1 and q.dtype == torch.float32 and k_cache.dtype == torch.float32:
+        return _decode_step(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start)
+    end = start + T
+    k_cache[:, :, start:end] = apply_rope(k, cos, sin).transpose(1, 2)  # (B, H, T, D)
+    v_cache[:, :, start:end] = v.transpose(1, 2)
+    keys = k_cache[:, :, :end].transpose(1, 2)  # (B, end, H, D)
+    values = v_cache[:, :, :end].transpose(1, 2)
+    return _sdpa(apply_rope(q, cos, sin), keys, values, g, key_mask[:, :end], q_start=start)
+
+
 def _gate_step(
     q: torch.Tensor,
     w1: torch.Tensor,
@@ -357,3 +438,14 @@ def _sdpa(
     has_key = allowed.any(dim=-1, keepdim=True)  # (B|1, 1, Tq, 1)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | ~has_key, scale=scale)
     return (o * has_key.to(o.dtype)).transpose(1, 2)
+
+
+KERNEL_OPS = Ops(rms_norm, gate, attention, decode_attention, butterfly, linear_cross_entropy)
+TORCH_OPS = Ops(
+    _torch_rms_norm,
+    _torch_gate,
+    _torch_attention,
+    _torch_decode_attention,
+    reference.butterfly,
+    reference.linear_cross_entropy,
+)

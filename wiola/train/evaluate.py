@@ -10,7 +10,6 @@ story, so the number is comparable across tokenizers, unlike the per-token loss.
 from __future__ import annotations
 
 import math
-import types
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -107,10 +106,9 @@ def gate_statistics(
 ) -> torch.Tensor:
     """Mean gate ``g_t^(h)`` per layer and head over the real tokens of a batch: ``(L, H)`` float64.
 
-    Runs the model's own forward once and records what its gate op returns in every layer (the
-    op namespace ``model.ops`` is shadowed on the instance for the duration of the call, so the
-    model's code and weights are untouched). A model built with ``gate=False`` has every gate
-    at 1.
+    Runs the model's own forward once with a forward hook on every layer's gate module
+    (``layers[i].attn.gate``), which records the ``(B, T, H)`` gate it returns; the hooks are
+    removed afterwards. A model built with ``gate=False`` has every gate at 1.
 
     Args:
         model: a ``WiolaModel`` (not a DDP or compiled wrapper).
@@ -119,27 +117,26 @@ def gate_statistics(
     cfg = model.config
     if not cfg.gate:
         return torch.ones(cfg.n_layers, cfg.n_heads, dtype=torch.float64)
-    recorded: list[torch.Tensor] = []
-    ops = model.ops
+    recorded: dict[int, torch.Tensor] = {}
 
-    def recording_gate(*args: Any, **kwargs: Any) -> Any:
-        out = ops.gate(*args, **kwargs)
-        recorded.append(out[0].detach().double())  # (B, T, H)
-        return out
+    def hook(index: int) -> Any:
+        def record(module: torch.nn.Module, args: Any, g: torch.Tensor) -> None:
+            recorded[index] = g.detach().double()  # (B, T, H)
 
-    spied = types.SimpleNamespace(**{k: getattr(ops, k) for k in dir(ops) if not k.startswith("__")})
-    spied.gate = recording_gate
+        return record
+
+    handles = [layer.attn.gate.register_forward_hook(hook(i)) for i, layer in enumerate(model.layers)]
     was_training = model.training
     model.eval()
-    model.ops = spied  # instance attribute shadows the class's op namespace
     try:
         model(input_ids, attention_mask=attention_mask)
     finally:
-        del model.ops
+        for handle in handles:
+            handle.remove()
         model.train(was_training)
     if len(recorded) != cfg.n_layers:
-        raise RuntimeError(f"recorded {len(recorded)} gate calls for {cfg.n_layers} layers")
-    g = torch.stack(recorded)  # (L, B, T, H)
+        raise RuntimeError(f"recorded the gates of {len(recorded)} layers, the model has {cfg.n_layers}")
+    g = torch.stack([recorded[i] for i in range(cfg.n_layers)])  # (L, B, T, H)
     real = torch.ones(g.shape[1:3], dtype=torch.float64, device=g.device)
     if attention_mask is not None:
         real = attention_mask.to(device=g.device, dtype=torch.float64)
