@@ -100,11 +100,15 @@ def use_kernels(enabled: bool) -> Iterator[None]:
         _KERNELS_ON.reset(token)
 
 
-@torch.compiler.assume_constant_result
 def kernels_on() -> bool:
     """Whether ``use_kernels`` leaves the kernels on here (under ``torch.compile``: its value
     when the graph was traced)."""
     return _KERNELS_ON.get()
+
+
+# What `torch.compiler.assume_constant_result` sets, without importing torch._dynamo (and with it
+# torch.hub and tqdm) when wiola.fast is imported.
+kernels_on._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
