@@ -228,10 +228,11 @@ def main() -> None:
     Path(args.json).write_text(dumps(doc))
     bad = [f"{r['kernel']}[{r['config']}] sm_{r['arch']}" for r in rows if r.get("error") or r.get("spills")]
     wall = time.perf_counter() - started
-    print(f"{len(rows)} builds ({len(builds) and sum(map(len, builds.values()))} now) in {wall:.0f} s -> {args.json}")
-    print(f"failing or spilling: {len(bad)}")
+    built = sum(map(len, builds.values()))
+    print(f"{built} builds in {wall:.0f} s; {len(rows)} records -> {args.json}; failing or spilling: {len(bad)}")
     for line in bad:
         print("  ", line)
+    sys.exit(1 if bad else 0)
 
 
 if __name__ == "__main__":
