@@ -3,7 +3,9 @@ ahead-of-time compile specs that ``tests/test_compile.py`` builds for sm_90 and 
 
 from __future__ import annotations
 
+import importlib
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,10 +43,32 @@ class AotSpec:
     # specializes them at run time when true; without it the build models only the unaligned case.
     divisible_by_16: tuple[str, ...] = ()
 
+    @property
+    def kernel(self) -> str:
+        """The kernel's name: the part of ``name`` before the bracket (``"attention_fwd"``)."""
+        return self.name.split("[", 1)[0]
 
-# Filled by each kernels/<op>.py at import time: AOT_SPECS["attention"] = [AotSpec(...), ...].
-AOT_SPECS: dict[str, list[AotSpec]] = {}
+    @property
+    def config(self) -> str:
+        """The bracketed part of ``name``: dtype, shape and tiles (``"bf16,D32,BM64,BN64"``)."""
+        return self.name[len(self.kernel) :].strip("[]")
+
+    @property
+    def dtype(self) -> str:
+        """The compute dtype every spec name starts its bracket with: ``"fp32"``, ``"bf16"`` or ``"fp16"``."""
+        found = re.match(r"(fp32|bf16|fp16)\b", self.config)
+        if found is None:
+            raise ValueError(f"AOT spec {self.name!r}: the bracket must start with fp32, bf16 or fp16")
+        return found.group(1)
 
 
-def register_aot(op: str, specs: list[AotSpec]) -> None:
-    AOT_SPECS.setdefault(op, []).extend(specs)
+# The registry: every kernels/<op>.py named here defines ``aot_specs() -> list[AotSpec]``. The lists
+# are built only when asked for (tests/test_compile.py, tests/aot_build.py), never at import.
+AOT_OPS = ("attention", "gate", "butterfly", "rms_norm", "cross_entropy", "decode")
+
+
+def aot_specs(op: str) -> list[AotSpec]:
+    """Every ahead-of-time build of ``kernels/<op>.py``: each kernel x launch/autotune config x dtype."""
+    if op not in AOT_OPS:
+        raise ValueError(f"aot_specs: unknown op {op!r}; the registered ops are {AOT_OPS}")
+    return importlib.import_module(f"kernels.{op}").aot_specs()

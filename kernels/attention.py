@@ -76,7 +76,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import TRITON_DTYPE, AotSpec, interpreting, kernels_usable, register_aot
+from kernels._utils import TRITON_DTYPE, AotSpec, interpreting, kernels_usable
 
 LOG2E = 1.4426950408889634
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
@@ -471,38 +471,74 @@ class _Cfg:
         return (self.BLOCK_M, self.BLOCK_N, self.num_warps, self.num_stages)
 
 
-# Forward and dq hold a query block and stream key blocks (BLOCK_M % BLOCK_N == 0: the diagonal
-# is whole key blocks); dkdv holds a key block and streams query blocks (BLOCK_N % BLOCK_M == 0).
-# The held block is the M of every MMA: ≥ 64 lets sm_90 use wgmma. Each config is limited to the
-# head widths where its sm_80 and sm_90 builds do not spill (tests/test_compile.py checks them
-# all): the held q̃/k̃ halves, v or do, and the fp32 accumulators grow with D, so wide heads get
-# narrower streamed tiles. D = 128 dq/dkdv need 32-row held blocks on sm_80 (mma.sync, no wgmma).
-FWD_CONFIGS = [
-    _Cfg(128, 64, 4, 3, (16, 32)),
-    _Cfg(128, 128, 8, 3, (16, 32)),
-    _Cfg(128, 64, 8, 3, (16, 32, 64)),
-    _Cfg(64, 64, 4, 3, (16, 32, 64)),
-    _Cfg(128, 32, 8, 2, (128,)),
-    _Cfg(64, 32, 4, 3, (128,)),
-]
-DQ_CONFIGS = [
-    _Cfg(128, 32, 4, 3, (32,)),
-    _Cfg(128, 64, 8, 3, (16, 32)),
-    _Cfg(64, 64, 4, 3, (16, 32)),
-    _Cfg(64, 32, 4, 3, (16, 32)),
-    _Cfg(128, 32, 8, 3, (64,)),
-    _Cfg(64, 16, 4, 3, (64,)),
-    _Cfg(32, 32, 4, 2, (128,)),
-    _Cfg(32, 16, 4, 2, (128,)),
-]
-DKDV_CONFIGS = [
-    _Cfg(16, 64, 4, 3, (16, 32, 64)),
-    _Cfg(16, 128, 8, 3, (16, 32, 64)),
-    _Cfg(32, 64, 8, 3, (16, 32)),
-    _Cfg(32, 128, 8, 3, (32,)),
-    _Cfg(32, 32, 4, 2, (128,)),
-    _Cfg(16, 32, 4, 3, (128,)),
-]
+# Per dtype class: "half" (bf16/fp16: tensor-core MMAs) and "fp32" (ieee dots on the FMA units,
+# whose operands live in registers, so its tiles are much smaller). Forward and dq hold a query
+# block and stream key blocks (BLOCK_M % BLOCK_N == 0: the diagonal is whole key blocks); dkdv
+# holds a key block and streams query blocks (BLOCK_N % BLOCK_M == 0). The held block is the M of
+# every MMA: ≥ 64 lets sm_90 use wgmma. Each config is limited to the head widths where its sm_80
+# and sm_90 builds of that dtype do not spill (tests/test_compile.py builds them all): the held
+# q̃/k̃ halves, v or do, and the fp32 accumulators grow with D, so wide heads get narrower streamed
+# tiles. D = 128 dq/dkdv need 32-row held blocks on sm_80 (mma.sync, no wgmma). fp32 holds each
+# dot's operand rows per thread: its tiles are a quarter to an eighth of half's, and some spill
+# on one target only (sm_90 reserves 8 bytes of stack for a few otherwise small builds).
+FWD_CONFIGS = {
+    "half": [
+        _Cfg(128, 64, 4, 3, (16, 32)),
+        _Cfg(128, 128, 8, 3, (16, 32)),
+        _Cfg(128, 64, 8, 3, (16, 32, 64)),
+        _Cfg(64, 64, 4, 3, (16, 32, 64)),
+        _Cfg(128, 32, 8, 2, (128,)),
+        _Cfg(64, 32, 4, 3, (128,)),
+    ],
+    "fp32": [
+        _Cfg(128, 32, 8, 2, (16, 32)),
+        _Cfg(64, 32, 8, 2, (16,)),
+        _Cfg(64, 32, 4, 2, (32,)),
+        _Cfg(64, 16, 8, 2, (64, 128)),
+        _Cfg(32, 16, 4, 2, (16, 64)),
+        _Cfg(16, 16, 4, 2, (128,)),
+    ],
+}
+DQ_CONFIGS = {
+    "half": [
+        _Cfg(128, 32, 4, 3, (32,)),
+        _Cfg(128, 64, 8, 3, (16, 32)),
+        _Cfg(64, 64, 4, 3, (16, 32)),
+        _Cfg(64, 32, 4, 3, (16, 32)),
+        _Cfg(128, 32, 8, 3, (64,)),
+        _Cfg(64, 16, 4, 3, (64,)),
+        _Cfg(32, 32, 4, 2, (128,)),
+        _Cfg(32, 16, 4, 2, (128,)),
+    ],
+    "fp32": [
+        _Cfg(64, 64, 8, 2, (16,)),
+        _Cfg(64, 32, 8, 2, (16, 32)),
+        _Cfg(32, 32, 4, 2, (16, 32)),
+        _Cfg(32, 16, 4, 2, (32, 64)),
+        _Cfg(64, 16, 8, 2, (64,)),
+        _Cfg(32, 32, 8, 2, (64,)),
+        _Cfg(32, 16, 8, 2, (128,)),
+        _Cfg(16, 16, 4, 2, (128,)),
+    ],
+}
+DKDV_CONFIGS = {
+    "half": [
+        _Cfg(16, 64, 4, 3, (16, 32, 64)),
+        _Cfg(16, 128, 8, 3, (16, 32, 64)),
+        _Cfg(32, 64, 8, 3, (16, 32)),
+        _Cfg(32, 128, 8, 3, (32,)),
+        _Cfg(32, 32, 4, 2, (128,)),
+        _Cfg(16, 32, 4, 3, (128,)),
+    ],
+    "fp32": [
+        _Cfg(16, 64, 8, 2, (16, 32)),
+        _Cfg(16, 32, 4, 2, (16, 32)),
+        _Cfg(32, 32, 8, 2, (64,)),
+        _Cfg(16, 16, 4, 2, (64,)),
+        _Cfg(16, 16, 8, 2, (128,)),
+        _Cfg(16, 16, 4, 1, (128,)),
+    ],
+}
 PREPROCESS_BLOCK_M = 64
 # Under TRITON_INTERPRET the autotuner cannot time anything: one small fixed config per kernel,
 # small enough that the tests' T = 17/64/300 cross several blocks and ragged ends.
@@ -510,29 +546,42 @@ INTERPRET_FWD = _Cfg(32, 16, 4, 1)
 INTERPRET_DQ = _Cfg(32, 16, 4, 1)
 INTERPRET_DKDV = _Cfg(16, 32, 4, 1)
 
+# Everything that changes the kernel body or its best tiles. Triton adds every tensor argument's
+# dtype to the key itself (so bf16, fp16 and fp32 tune apart); HALF_PAD follows from D and
+# DOT_PRECISION from the dtype. The dq/dkdv kernels have no STORE_RESIDUAL.
 _AUTOTUNE_KEY = ["T_BUCKET", "D", "HAS_MASK"]
 
 
-def _autotuned(fn, configs: list[_Cfg]):
-    """``fn`` under ``triton.autotune`` over ``configs``, each tried only for its head widths."""
-    head_dims = {c.key(): c.head_dims for c in configs}
-    assert len(head_dims) == len(configs), "duplicate autotune config"
+def _dtype_class(dtype: torch.dtype | str) -> str:
+    """The config list a dtype tunes over: ``"fp32"`` or ``"half"`` (bf16, fp16)."""
+    return "fp32" if dtype in (torch.float32, "fp32") else "half"
+
+
+def _autotuned(fn, configs: dict[str, list[_Cfg]], key: list[str]):
+    """``fn`` under ``triton.autotune`` over the configs of every dtype class; a launch tries only
+    the configs of its own dtype class (q's dtype) that are listed for its head width."""
+    allowed: dict[tuple, tuple[int, ...]] = {}
+    for cls, cfgs in configs.items():
+        for c in cfgs:
+            assert (cls, c.key()) not in allowed, f"duplicate {cls} autotune config {c.tag()}"
+            allowed[cls, c.key()] = c.head_dims
+    union = list(dict.fromkeys(c.key() for cfgs in configs.values() for c in cfgs))
 
     def prune(candidates, named_args, **kwargs):
-        d = named_args.get("D", kwargs.get("D"))
-        key = lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
-        return [c for c in candidates if d in head_dims[key(c)]]
+        cls, d = _dtype_class(named_args["Q"].dtype), named_args.get("D", kwargs.get("D"))
+        ckey = lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+        return [c for c in candidates if d in allowed.get((cls, ckey(c)), ())]
 
     return triton.autotune(
-        configs=[triton.Config(c.kwargs(), num_warps=c.num_warps, num_stages=c.num_stages) for c in configs],
-        key=_AUTOTUNE_KEY,
+        configs=[triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in union],
+        key=key,
         prune_configs_by={"early_config_prune": prune},
     )(fn)
 
 
-_attn_fwd_tuned = _autotuned(_attn_fwd, FWD_CONFIGS)
-_attn_bwd_dq_tuned = _autotuned(_attn_bwd_dq, DQ_CONFIGS)
-_attn_bwd_dkdv_tuned = _autotuned(_attn_bwd_dkdv, DKDV_CONFIGS)
+_attn_fwd_tuned = _autotuned(_attn_fwd, FWD_CONFIGS, [*_AUTOTUNE_KEY, "STORE_RESIDUAL"])
+_attn_bwd_dq_tuned = _autotuned(_attn_bwd_dq, DQ_CONFIGS, _AUTOTUNE_KEY)
+_attn_bwd_dkdv_tuned = _autotuned(_attn_bwd_dkdv, DKDV_CONFIGS, _AUTOTUNE_KEY)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -887,47 +936,52 @@ def _divisible(fn, D: int) -> tuple[str, ...]:
     return tuple(aligned)
 
 
-def _aot_specs() -> list[AotSpec]:
+def _spec(kernel: str, cfg: _Cfg, dtype: str, D: int, has_mask: bool, store_residual: bool = False) -> AotSpec:
+    """One build of the forward (``kernel="attention_fwd"``), dq or dkdv kernel as the launcher runs it."""
+    fn = {"attention_fwd": _attn_fwd, "attention_bwd_dq": _attn_bwd_dq, "attention_bwd_dkdv": _attn_bwd_dkdv}[kernel]
+    constexprs = {"D": D, "HALF_PAD": max(16, D // 2), "HAS_MASK": has_mask,
+                  "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32", **cfg.kwargs()}  # fmt: skip
+    flags = ",mask" if has_mask else ""
+    if fn is _attn_fwd:
+        constexprs["STORE_RESIDUAL"] = store_residual
+        flags += ",res" if store_residual else ""
+    held = cfg.BLOCK_N if fn is _attn_bwd_dkdv else cfg.BLOCK_M
+    return AotSpec(
+        name=f"{kernel}[{dtype},D{D},{cfg.tag()}{flags}]",
+        fn=fn,
+        signature=_signature(fn, dtype),
+        constexprs=constexprs,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        expect_wgmma=held >= 64 and dtype != "fp32",
+        divisible_by_16=_divisible(fn, D),
+    )
+
+
+def aot_specs() -> list[AotSpec]:
+    """Every kernel x autotune config of its dtype's list x head width x dtype, unmasked and masked;
+    the half-precision forward with and without the residual store (training and inference)."""
     specs = []
-    kernels = (("attention_fwd", _attn_fwd, FWD_CONFIGS), ("attention_bwd_dq", _attn_bwd_dq, DQ_CONFIGS),
-               ("attention_bwd_dkdv", _attn_bwd_dkdv, DKDV_CONFIGS))  # fmt: skip
-    for dtype in ("bf16", "fp16"):
+    for dtype in ("bf16", "fp16", "fp32"):
+        has_residual = dtype != "fp32"
         for D in SUPPORTED_HEAD_DIMS:
             specs.append(
                 AotSpec(
-                    name=f"attention_bwd_preprocess[{dtype},D{D},BM{PREPROCESS_BLOCK_M}]",
+                    name=f"attention_bwd_preprocess[{dtype},D{D},BM{PREPROCESS_BLOCK_M}{',res' if has_residual else ''}]",
                     fn=_attn_bwd_preprocess,
                     signature=_signature(_attn_bwd_preprocess, dtype),
-                    constexprs={"D": D, "BLOCK_M": PREPROCESS_BLOCK_M, "HAS_RESIDUAL": True},
+                    constexprs={"D": D, "BLOCK_M": PREPROCESS_BLOCK_M, "HAS_RESIDUAL": has_residual},
                     num_warps=4,
                     num_stages=1,
                     divisible_by_16=_divisible(_attn_bwd_preprocess, D),
                 )
             )
-            for name, fn, configs in kernels:
-                for cfg in configs:
+            for kernel, configs in (("attention_fwd", FWD_CONFIGS), ("attention_bwd_dq", DQ_CONFIGS),
+                                    ("attention_bwd_dkdv", DKDV_CONFIGS)):  # fmt: skip
+                for cfg in configs[_dtype_class(dtype)]:
                     if D not in cfg.head_dims:
                         continue
-                    held = cfg.BLOCK_N if fn is _attn_bwd_dkdv else cfg.BLOCK_M
-                    # The masked variant (more live values) is built once, in bf16.
-                    for has_mask in (False, True) if dtype == "bf16" else (False,):
-                        constexprs = {"D": D, "HALF_PAD": max(16, D // 2), "HAS_MASK": has_mask,
-                                      "DOT_PRECISION": "tf32", **cfg.kwargs()}  # fmt: skip
-                        if fn is _attn_fwd:
-                            constexprs["STORE_RESIDUAL"] = True  # the training path: the larger build
-                        specs.append(
-                            AotSpec(
-                                name=f"{name}[{dtype},D{D},{cfg.tag()}{',mask' if has_mask else ''}]",
-                                fn=fn,
-                                signature=_signature(fn, dtype),
-                                constexprs=constexprs,
-                                num_warps=cfg.num_warps,
-                                num_stages=cfg.num_stages,
-                                expect_wgmma=held >= 64,
-                                divisible_by_16=_divisible(fn, D),
-                            )
-                        )
+                    for has_mask in (False, True):
+                        for store_residual in (False, True) if kernel == "attention_fwd" and has_residual else (False,):
+                            specs.append(_spec(kernel, cfg, dtype, D, has_mask, store_residual))
     return specs
-
-
-register_aot("attention", _aot_specs())

@@ -36,10 +36,10 @@ N rows (K = N = 16,384), which cuBLAS splits and schedules well and a hand-writt
 kernel would need split-K plus a reduction to match; ``dx = [da ‖ db ‖ dc] [W_up; W_bp]`` is
 one plain GEMM with K = 3·d_ff (one rounding instead of the reference's two partial sums).
 
-Tiles: bf16/fp16 on CUDA are autotuned over a few configs (keyed on d and d_ff, so every batch
-size shares one choice) when every width and address is a multiple of 16 — the case Triton's
-JIT specializes into vectorised, pipelined loads; each config is built ahead of time for sm_90
-(wgmma) and sm_80 without spills. Anything else (fp32, the CPU interpreter, a width such as
+Tiles: bf16/fp16 on CUDA are autotuned over a few configs (keyed on d, d_ff and N rounded up to
+a power of two, so a decode step's batch does not fix the training tiles) when every width and
+address is a multiple of 16 — the case Triton's JIT specializes into vectorised, pipelined loads;
+each config is built ahead of time for sm_90 (wgmma) and sm_80 without spills. Anything else (fp32, the CPU interpreter, a width such as
 d = 100) takes one small 32×32×32 tile, also built spill-free. fp32 uses
 ``tl.dot(..., input_precision="ieee")``, so fp32 results match the reference to ~1e-6 relative.
 Frozen weights (``requires_grad=False``) skip their gradient GEMMs.
@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import TRITON_DTYPE, AotSpec, kernels_usable, register_aot
+from kernels._utils import TRITON_DTYPE, AotSpec, kernels_usable
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -63,6 +63,7 @@ def _up_kernel(
     N,
     D,
     F,
+    N_BUCKET,  # only keys the autotuner
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -111,6 +112,7 @@ def _down_kernel(
     N,
     D,
     F,
+    N_BUCKET,  # only keys the autotuner
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -154,6 +156,7 @@ def _up_bwd_kernel(
     N,
     D,
     F,
+    N_BUCKET,  # only keys the autotuner
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -227,10 +230,20 @@ def _configs(table: list[tuple[int, int, int, int, int]]) -> list[triton.Config]
     ]
 
 
-# Tuned on the problem's widths only: every N (batch × sequence) shares one choice.
-_up_tuned = triton.autotune(_configs(_UP_CONFIGS), key=["D", "F"])(_up_kernel)
-_up_bwd_tuned = triton.autotune(_configs(_UP_BWD_CONFIGS), key=["D", "F"])(_up_bwd_kernel)
-_down_tuned = triton.autotune(_configs(_DOWN_CONFIGS), key=["D", "F", "HAS_RESIDUAL"])(_down_kernel)
+# Tuned per (widths, N bucket): the best tiles depend on how many row blocks fill the GPU, so a
+# decode step's N = batch must not fix the training tiles (or the reverse). Triton adds every
+# tensor's dtype to the key (the residual's and output's included); PRECISION is always "ieee".
+N_BUCKET_CAP = 16384  # beyond it every config fills the GPU many times over: one choice
+
+
+def _n_bucket(N: int) -> int:
+    """N rounded up to a power of two in [16, N_BUCKET_CAP] (always a multiple of 16)."""
+    return min(N_BUCKET_CAP, max(16, triton.next_power_of_2(N)))
+
+
+_up_tuned = triton.autotune(_configs(_UP_CONFIGS), key=["N_BUCKET", "D", "F"])(_up_kernel)
+_up_bwd_tuned = triton.autotune(_configs(_UP_BWD_CONFIGS), key=["N_BUCKET", "D", "F"])(_up_bwd_kernel)
+_down_tuned = triton.autotune(_configs(_DOWN_CONFIGS), key=["N_BUCKET", "D", "F", "HAS_RESIDUAL"])(_down_kernel)
 
 
 def _aligned(D: int, F: int, *tensors: torch.Tensor) -> bool:
@@ -259,20 +272,36 @@ def _launch(kernel, tuned, grid_cols: int, N: int, D: int, F: int, *args, **cons
 def _up(x: torch.Tensor, w_up: torch.Tensor, w_bp: torch.Tensor, r: torch.Tensor) -> None:
     """``r`` (N, F) ← SiLU(a) ⊙ b + c for contiguous ``x`` (N, D) and weights."""
     (N, D), F = x.shape, w_bp.shape[0]
-    _launch(_up_kernel, _up_tuned, F, N, D, F, x, w_up, w_bp, r, N, D, F)
+    _launch(_up_kernel, _up_tuned, F, N, D, F, x, w_up, w_bp, r, N, D, F, _n_bucket(N))
 
 
 def _down(r: torch.Tensor, w_down: torch.Tensor, residual: torch.Tensor | None, y: torch.Tensor) -> None:
     """``y`` (N, D) ← r W_downᵀ (+ residual) for contiguous ``r`` (N, F), ``w_down`` (D, F)."""
     (N, F), D = r.shape, w_down.shape[0]
     res = y if residual is None else residual  # y: a placeholder never read
-    _launch(_down_kernel, _down_tuned, D, N, D, F, r, w_down, res, y, N, D, F, HAS_RESIDUAL=residual is not None)
+    _launch(
+        _down_kernel,
+        _down_tuned,
+        D,
+        N,
+        D,
+        F,
+        r,
+        w_down,
+        res,
+        y,
+        N,
+        D,
+        F,
+        _n_bucket(N),
+        HAS_RESIDUAL=residual is not None,
+    )
 
 
 def _up_bwd(dy: torch.Tensor, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, dabc: torch.Tensor) -> None:
     """``dabc`` (N, 3F) ← [da ‖ db ‖ dr] for contiguous ``dy``, ``x`` (N, D) and weights."""
     (N, D), F = x.shape, w_down.shape[1]
-    _launch(_up_bwd_kernel, _up_bwd_tuned, F, N, D, F, dy, x, w_up, w_down, dabc, N, D, F)
+    _launch(_up_bwd_kernel, _up_bwd_tuned, F, N, D, F, dy, x, w_up, w_down, dabc, N, D, F, _n_bucket(N))
 
 
 # ----------------------------------------------------------------------------- torch ops
@@ -418,12 +447,12 @@ def butterfly(
 # ----------------------------------------------------------------------------- AOT builds
 
 
-def _aot_specs() -> list[AotSpec]:
+def aot_specs() -> list[AotSpec]:
     """Every autotune config, bf16 and fp16, built as the JIT specializes aligned inputs; the small
     fixed tile for fp32 (aligned and not), and for unaligned bf16/fp16 inputs."""
     specs: list[AotSpec] = []
     blocks = {"BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PRECISION": "constexpr"}
-    sizes = {"N": "i32", "D": "i32", "F": "i32"}
+    sizes = {"N": "i32", "D": "i32", "F": "i32", "N_BUCKET": "i32"}
 
     def add(name, fn, pointers, table, aligned, flags=None):
         for m, n, k, w, s in table:
@@ -437,7 +466,7 @@ def _aot_specs() -> list[AotSpec]:
                     num_warps=w,
                     num_stages=s,
                     expect_wgmma=half and m >= 64,
-                    divisible_by_16=(*pointers, "D", "F") if aligned else (),
+                    divisible_by_16=(*pointers, "D", "F", "N_BUCKET") if aligned else ("N_BUCKET",),
                 )
             )
 
@@ -458,6 +487,3 @@ def _aot_specs() -> list[AotSpec]:
                 flags = {"HAS_RESIDUAL": res is not None}
                 add(f"down[{t}{tag}", _down_kernel, pointers, down_table, aligned, flags)
     return specs
-
-
-register_aot("butterfly", _aot_specs())

@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import TRITON_DTYPE, AotSpec, interpreting, kernels_usable, register_aot
+from kernels._utils import TRITON_DTYPE, AotSpec, interpreting, kernels_usable
 
 MEMORY_FRACTION = 0.04  # extra memory target, as a fraction of the fp32 logits 4·N·V (the issue: 0.05)
 MIN_CHUNK_ROWS = 128  # below this the GEMMs are launch-bound; N ≤ 128 runs as one chunk
@@ -178,11 +178,12 @@ def _row_config(v: int, interpret: bool) -> dict[str, int]:
 
 def _dw_config(dtype: torch.dtype, interpret: bool) -> dict[str, int]:
     """Tile sizes of the dW GEMM: V tiles of ``V_ALIGN`` (the chunk's column padding), d tiles
-    of 64, rows in steps of 64 (32 for fp32, whose operands take twice the shared memory)."""
+    of 64, rows in steps of 64 (16 for fp32, whose ieee dots hold their operands in registers:
+    at 32, triton 3.9's sm_80 build needed 255 registers and 16 bytes of stack)."""
     if interpret:
         return {"BLOCK_V": V_ALIGN, "BLOCK_D": 64, "BLOCK_R": 64, "num_warps": 1, "num_stages": 1}
     if dtype == torch.float32:
-        return {"BLOCK_V": V_ALIGN, "BLOCK_D": 64, "BLOCK_R": 32, "num_warps": 8, "num_stages": 3}
+        return {"BLOCK_V": V_ALIGN, "BLOCK_D": 64, "BLOCK_R": 16, "num_warps": 8, "num_stages": 3}
     return {"BLOCK_V": V_ALIGN, "BLOCK_D": 64, "BLOCK_R": 64, "num_warps": 8, "num_stages": 3}
 
 
@@ -434,13 +435,9 @@ def linear_cross_entropy(
 # --------------------------------------------------------------------------------------------
 # Ahead-of-time builds for tests/test_compile.py: every kernel variant the wrappers launch
 # --------------------------------------------------------------------------------------------
-def _aligned(*names: str) -> dict[str, tuple[str, ...]]:
-    """Arguments that are multiples of 16 at run time (aligned pointers, the padded row stride,
-    d % 16 == 0), when this checkout's ``AotSpec`` can say so."""
-    return {"divisible_by_16": names} if "divisible_by_16" in AotSpec.__dataclass_fields__ else {}
-
-
-def _aot_specs() -> list[AotSpec]:
+def aot_specs() -> list[AotSpec]:
+    """The row kernel (loss only, and loss + gradient) and the dW kernel (first chunk and
+    accumulating, fp32 or final output) for every dtype, as the JIT specializes aligned inputs."""
     specs = []
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         t = TRITON_DTYPE[dtype]
@@ -465,7 +462,8 @@ def _aot_specs() -> list[AotSpec]:
                     constexprs={"BLOCK_ROWS": 1, "BLOCK_V": BLOCK_V, "COMPUTE_GRAD": grad},
                     num_warps=ROW_WARPS,
                     num_stages=1,
-                    **_aligned("LOGITS", "stride_row", "LABELS", "LOSS", "INV_COUNT"),
+                    # aligned pointers, the padded row stride
+                    divisible_by_16=("LOGITS", "stride_row", "LABELS", "LOSS", "INV_COUNT"),
                 )
             )
         # fp16/bf16 write either the fp32 accumulator or (last chunk) the final gradient
@@ -506,10 +504,7 @@ def _aot_specs() -> list[AotSpec]:
                         num_warps=cfg["num_warps"],
                         num_stages=cfg["num_stages"],
                         expect_wgmma=dtype in _HALF,
-                        **_aligned("G", "H", "ACC", "OUT", "D", "stride_g", "stride_h", "stride_out"),
+                        divisible_by_16=("G", "H", "ACC", "OUT", "D", "stride_g", "stride_h", "stride_out"),
                     )
                 )
     return specs
-
-
-register_aot("cross_entropy", _aot_specs())

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import TRITON_DTYPE, AotSpec, register_aot
+from kernels._utils import TRITON_DTYPE, AotSpec
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 16  # query rows per program (tl.dot needs >= 16; decoding has T = 1, so most are masked)
@@ -38,9 +38,10 @@ BLOCK_S = 16  # splits merged per step of the reduction
 MIN_SPLIT = 128  # fewest cache slots worth a split of their own
 
 
-def _partial_warps(head_dim: int) -> int:
-    """Warps of the partial kernel: 8 from D = 64 up keeps it under 255 registers (no spills on sm_80)."""
-    return 4 if head_dim <= 32 else 8
+def _partial_warps(head_dim: int, ieee: bool) -> int:
+    """Warps of the partial kernel: 8 from D = 64 up keeps it under 255 registers (no spills on sm_80);
+    fp32 (ieee dots) at D = 16 takes 8 too: with 4, sm_80 reserves 8 bytes of stack at 80 registers."""
+    return 4 if head_dim == 32 or (head_dim == 16 and not ieee) else 8
 
 
 # --------------------------------------------------------------------------- kernels
@@ -273,7 +274,7 @@ def _decode_attention_op(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_mask.stride(0),
         HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, START_IN_MEMORY=in_memory,
-        IEEE=k_cache.dtype == torch.float32, num_warps=_partial_warps(D), num_stages=2,
+        IEEE=k_cache.dtype == torch.float32, num_warps=_partial_warps(D, k_cache.dtype == torch.float32), num_stages=2,
     )  # fmt: skip
 
     o = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
@@ -405,9 +406,10 @@ def _signature(fn, pointers: dict[str, str], constexprs: dict[str, object]) -> d
     return {name: kinds.get(name, "i32") for name in fn.arg_names}
 
 
-def _aot_specs() -> list[AotSpec]:
+def aot_specs() -> list[AotSpec]:
+    """The write, partial and reduce kernels for every dtype and head width, start as int or pointer."""
     specs = []
-    for dt in ("bf16", "fp16"):
+    for dt in ("bf16", "fp16", "fp32"):
         for D in (16, 32, 64, 128):
             for in_memory in (False, True):
                 tag = f"{dt},D{D},{'start_ptr' if in_memory else 'start_int'}"
@@ -418,12 +420,12 @@ def _aot_specs() -> list[AotSpec]:
                     AotSpec(f"decode_write[{tag}]", _decode_write_kernel,
                             _signature(_decode_write_kernel, ptrs, consts), consts, num_warps=1, num_stages=1)
                 )  # fmt: skip
-                consts = {**consts, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "IEEE": False}
+                consts = {**consts, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "IEEE": dt == "fp32"}
                 ptrs = {"Q": f"*{dt}", "G": "*fp32", "KC": f"*{dt}", "VC": f"*{dt}", "MASK": "*u8", **rope}
                 ptrs.update(M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32")
                 specs.append(
                     AotSpec(f"decode_partial[{tag},BM{BLOCK_M},BN{BLOCK_N}]", _decode_partial_kernel,
-                            _signature(_decode_partial_kernel, ptrs, consts), consts, num_warps=_partial_warps(D), num_stages=2)
+                            _signature(_decode_partial_kernel, ptrs, consts), consts, num_warps=_partial_warps(D, dt == "fp32"), num_stages=2)
                 )  # fmt: skip
             consts = {"HEAD_DIM": D, "BLOCK_S": BLOCK_S}
             ptrs = {"M_IN": "*fp32", "L_IN": "*fp32", "ACC_IN": "*fp32", "O": f"*{dt}"}
@@ -432,6 +434,3 @@ def _aot_specs() -> list[AotSpec]:
                         _signature(_decode_reduce_kernel, ptrs, consts), consts, num_warps=1, num_stages=1)
             )  # fmt: skip
     return specs
-
-
-register_aot("decode", _aot_specs())

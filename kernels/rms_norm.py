@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import AotSpec, interpreting, kernels_usable, register_aot
+from kernels._utils import AotSpec, interpreting, kernels_usable
 
 MAX_WIDTH = 8192
 
@@ -109,12 +109,14 @@ def _bwd_kernel(
 
 
 def _block(D: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_D, num_warps): whole rows, up to 16 of them and ≥ 4,096 elements a block,
-    8 elements a thread (one 16-byte load of bf16). At 16 a thread the 8,192-wide backward with
-    an unaligned width spilled (16 warps cap a thread at 128 registers); 32 warps need 64."""
+    """(BLOCK_R, BLOCK_D, num_warps): whole rows, up to 16 of them and ≥ 4,096 elements a block.
+    One row a block: 8 elements a thread (one 16-byte load of bf16); at 16 a thread the 8,192-wide
+    backward with an unaligned width spilled (16 warps cap a thread at 128 registers). Several
+    rows a block: at most 8 warps (16 elements a thread); with 16, sm_90 reserved 8 bytes of
+    stack for the unaligned 4 x 1,024 bf16 forward at 40 registers."""
     block_d = triton.next_power_of_2(D)
     block_r = max(1, min(16, 4096 // block_d))
-    warps = max(4, min(32, block_r * block_d // 256))
+    warps = max(4, min(32 if block_r == 1 else 8, block_r * block_d // 256))
     return block_r, block_d, warps
 
 
@@ -297,26 +299,29 @@ def rms_norm(
 # ----------------------------------------------------------------------------- AOT builds
 
 
-def _aot_specs() -> list[AotSpec]:
+def aot_specs() -> list[AotSpec]:
     """Every launch shape ``_block`` gives (widths 64 … 8,192; any other width rounds up to one of
-    these) for bf16 and fp16 alone, with a same-dtype residual, and with the model's fp32 residual
-    stream (autocast), built as the JIT specializes 16-aligned inputs; and the unaligned build
+    these) for bf16, fp16 and fp32 alone and with a same-dtype residual (γ in the same dtype: a
+    model cast to that dtype), and for bf16/fp16 with the fp32 residual stream and fp32 γ of
+    autocast training, built as the JIT specializes 16-aligned inputs; and the unaligned build
     (a width like 1,000 or 8,000) for bf16 at the two widest blocks."""
     specs: list[AotSpec] = []
-    builds = [(block_d, half, True) for block_d in (64, 256, 1024, 4096, 8192) for half in ("bf16", "fp16")]
+    widths = (64, 256, 1024, 4096, 8192)
+    builds = [(block_d, t, True) for block_d in widths for t in ("bf16", "fp16", "fp32")]
     builds += [(block_d, "bf16", False) for block_d in (1024, 8192)]
     for block_d, t, aligned in builds:
         block_r, _, warps = _block(block_d)
         blocks = {"BLOCK_R": block_r, "BLOCK_D": block_d}
-        for res in (None, "fp32") if not aligned else (None, t, "fp32"):
+        for res in dict.fromkeys((None, "fp32") if not aligned else (None, t, "fp32")):
             h = "fp32" if res == "fp32" else t
             name = f"{t}{'' if res is None else f'+res{res}'},D{block_d}{'' if aligned else ',unaligned'}"
             name += f",R{block_r},w{warps}"
-            fwd = {"X": t, "RES": res or t, "W": "fp32", "Y": h, "H": h, "RSTD": "fp32"}
-            bwd = {"DY": h, "DH": h, "HX": h, "W": "fp32", "RSTD": "fp32", "DX": t, "DRES": res or t}
+            w = "fp32" if res == "fp32" else t  # γ: fp32 beside an fp32 stream, else the model's dtype
+            fwd = {"X": t, "RES": res or t, "W": w, "Y": h, "H": h, "RSTD": "fp32"}
+            bwd = {"DY": h, "DH": h, "HX": h, "W": w, "RSTD": "fp32", "DX": t, "DRES": res or t}
             bwd["DW_PARTIAL"] = "fp32"
             fwd_flags = {"HAS_RESIDUAL": res is not None, **blocks}
-            bwd_flags = {"HAS_DH": res is not None, "SEPARATE_DRES": res == "fp32", **blocks}
+            bwd_flags = {"HAS_DH": res is not None, "SEPARATE_DRES": res not in (None, t), **blocks}
             for kind, fn, pointers, sizes, flags in (
                 ("fwd", _fwd_kernel, fwd, {"N": "i32", "D": "i32", "eps": "fp32"}, fwd_flags),
                 ("bwd", _bwd_kernel, bwd, {"N": "i32", "D": "i32"}, bwd_flags),
@@ -333,6 +338,3 @@ def _aot_specs() -> list[AotSpec]:
                     )
                 )
     return specs
-
-
-register_aot("rms_norm", _aot_specs())

@@ -4,6 +4,7 @@ stride-0 tables, left/right/ragged padding, every autotune block shape, torch.co
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -189,9 +190,12 @@ def test_autograd_op(case, dtype):
 
 
 def _config_triples():
-    """Every config of each kernel at least once (the shorter lists wrap around)."""
-    lists = (K.FWD_CONFIGS, K.DQ_CONFIGS, K.DKDV_CONFIGS)
-    return [tuple(c[i % len(c)] for c in lists) for i in range(max(map(len, lists)))]
+    """Every config of each kernel and dtype class at least once (the shorter lists wrap around)."""
+    triples = []
+    for cls in ("half", "fp32"):
+        lists = (K.FWD_CONFIGS[cls], K.DQ_CONFIGS[cls], K.DKDV_CONFIGS[cls])
+        triples += [tuple(c[i % len(c)] for c in lists) for i in range(max(map(len, lists)))]
+    return list(dict.fromkeys(triples))
 
 
 @pytest.mark.parametrize(
@@ -204,6 +208,37 @@ def test_every_autotune_block_shape(configs):
     q, k, v, g, cos, sin, mask, do = _inputs(*case, torch.float32, seed=2)
     o, lse, grads = _kernel_forward_backward(q, k, v, g, cos, sin, mask, do, fwd_cfg, dq_cfg, dkdv_cfg)
     _check_all(_case_id(case), torch.float32, q, k, v, g, cos, sin, mask, do, o, lse, grads)
+
+
+_TUNED = {"fwd": "_attn_fwd_tuned", "dq": "_attn_bwd_dq_tuned", "dkdv": "_attn_bwd_dkdv_tuned"}
+_LISTS = {"fwd": "FWD_CONFIGS", "dq": "DQ_CONFIGS", "dkdv": "DKDV_CONFIGS"}
+
+
+@pytest.mark.parametrize("kernel", sorted(_TUNED))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("D", K.SUPPORTED_HEAD_DIMS)
+def test_autotune_tries_only_its_dtypes_configs(kernel, dtype, D):
+    """The autotuner's pruning keeps exactly the configs listed for q's dtype class and D (the
+    fp32 lists are the ones that build without spills for fp32's FMA dots), never none."""
+    tuned, lists = getattr(K, _TUNED[kernel]), getattr(K, _LISTS[kernel])
+    q = torch.empty(0, dtype=dtype)
+    kept = tuned.early_config_prune(tuned.configs, {"Q": q}, D=D)
+    got = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept}
+    want = {c.key() for c in lists["fp32" if dtype == torch.float32 else "half"] if D in c.head_dims}
+    assert want, f"{kernel}: no {dtype} config for D={D}"
+    assert got == want, f"{kernel} {dtype} D={D}: autotune would try {sorted(got)}, listed {sorted(want)}"
+
+
+@pytest.mark.parametrize("kernel", sorted(_TUNED))
+def test_autotune_key_covers_every_flag(kernel):
+    """Every constexpr that changes the kernel body is in the autotune key, so one variant's best
+    tiles never serve another: all but the tiles, HALF_PAD (follows D) and DOT_PRECISION (follows
+    the dtype, which Triton adds to every key). T_BUCKET keys the sequence length."""
+    tuned = getattr(K, _TUNED[kernel])
+    params = inspect.signature(tuned.fn.fn).parameters
+    flags = {n for n, p in params.items() if "constexpr" in str(p.annotation)}
+    expected = flags - {"BLOCK_M", "BLOCK_N", "HALF_PAD", "DOT_PRECISION"} | {"T_BUCKET"}
+    assert set(tuned.keys) == expected, f"{kernel}: key {tuned.keys}, body flags {sorted(expected)}"
 
 
 def test_layouts_and_table_broadcast():

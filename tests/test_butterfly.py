@@ -9,6 +9,8 @@ reference evaluated in the inputs' own dtypes.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from conftest import DEVICE, KERNEL_DTYPES, TOL, assert_close, poisoned
@@ -163,6 +165,26 @@ def test_autocast_casts_like_f_linear():
     ):
         assert g.dtype == torch.float32, f"{name}: dtype {g.dtype}"
         assert_close(name, r, g, TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("tuned", ["_up_tuned", "_up_bwd_tuned", "_down_tuned"])
+def test_autotune_key_covers_every_flag_and_n(tuned):
+    """Every constexpr that changes the body (not the tiles; PRECISION is always "ieee") and the N
+    bucket key the autotuner: the first N a process sees must not fix the tiles of every other."""
+    tuned = getattr(kb, tuned)
+    params = inspect.signature(tuned.fn.fn).parameters
+    flags = {n for n, p in params.items() if "constexpr" in str(p.annotation)}
+    expected = flags - {"BLOCK_M", "BLOCK_N", "BLOCK_K", "PRECISION"} | {"N_BUCKET", "D", "F"}
+    assert set(tuned.keys) == expected, f"key {tuned.keys}, expected {sorted(expected)}"
+
+
+def test_n_bucket():
+    """N rounds up to a power of two (decode's batch, prefill, training each get their own), at
+    least 16 and at most the cap; every bucket is a multiple of 16 (one JIT specialisation)."""
+    cases = {1: 16, 16: 16, 17: 32, 300: 512, 4096: 4096, 4097: 8192, kb.N_BUCKET_CAP + 1: kb.N_BUCKET_CAP}
+    for n, bucket in cases.items():
+        assert kb._n_bucket(n) == bucket, f"N={n}: bucket {kb._n_bucket(n)} != {bucket}"
+    assert kb._n_bucket(10**7) == kb.N_BUCKET_CAP
 
 
 def test_bad_inputs_raise(monkeypatch):
