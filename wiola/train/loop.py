@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from wiola.config import WiolaConfig
+from wiola.tokenizer import Tokenizer
 from wiola.train.config import RESUMABLE_CHANGES, TrainConfig
 from wiola.train.data import (
     BatchStream,
@@ -59,10 +60,10 @@ from wiola.train.evaluate import EvalResult, evaluate, gate_statistics
 from wiola.train.optim import build_optimizer, build_scheduler, schedule
 from wiola.train.run_folder import (
     METRICS_FILE,
-    OPTIMIZER_FILE,
     MetricsLog,
     ensure_writable,
     find_checkpoint,
+    read_optimizer_state,
     read_trainer_state,
     save_checkpoint,
     set_rng_state,
@@ -145,6 +146,7 @@ class _Run:
     grad_accum: int
     model_config: WiolaConfig
     data: TokenData
+    tokenizer: Tokenizer
     stream: BatchStream
     byte_lengths: torch.Tensor
     raw_model: torch.nn.Module
@@ -192,10 +194,14 @@ def _start(
         _check_resume(saved, cfg, model_config, checkpoint)
     if rank == 0:
         ensure_writable(Path(cfg.out_dir))
-    encoding = tokenizer_for(model_config, cfg.tokenizer)
-    data = _load_data(cfg, encoding, rank, world, log)
+    tokenizer = tokenizer_for(model_config, cfg.tokenizer)
+    data = _load_data(cfg, tokenizer, rank, world, log)
     if saved is not None and saved["data"].get("fingerprint") != data.manifest["fingerprint"]:
         raise ValueError(f"cannot resume {checkpoint} exactly: the training data changed since it was written")
+    if saved is not None and saved.get("tokenizer_fingerprint", tokenizer.fingerprint) != tokenizer.fingerprint:
+        raise ValueError(
+            f"cannot resume {checkpoint} exactly: the tokenizer {tokenizer.name!r} changed since it was written"
+        )
     grad_accum = cfg.batch_size // (micro * world)
     stream = BatchStream(
         data.train, cfg.seq_len, micro, grad_accum, rank=rank, world_size=world, shuffle=cfg.shuffle, seed=cfg.seed
@@ -204,7 +210,8 @@ def _start(
     optimizer = build_optimizer(raw_model, cfg, device)
     scheduler = build_scheduler(optimizer, cfg)
     run = _Run(
-        cfg, log, rank, world, device, micro, grad_accum, model_config, data, stream, token_byte_lengths(encoding),
+        cfg, log, rank, world, device, micro, grad_accum, model_config, data, tokenizer, stream,
+        token_byte_lengths(tokenizer),
         raw_model, raw_model, optimizer, scheduler,
         MetricsLog(Path(cfg.out_dir) / METRICS_FILE, rank == 0, None if checkpoint is None else int(saved["step"])),
     )  # fmt: skip
@@ -217,18 +224,18 @@ def _start(
     return run
 
 
-def _load_data(cfg: TrainConfig, encoding: Any, rank: int, world: int, log: Log) -> TokenData:
+def _load_data(cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int, log: Log) -> TokenData:
     """Rank 0 tokenises (or opens the cache); the others wait for it and open the cache."""
     source = resolve_source(cfg.data, cfg.val_data, cfg.val_fraction)
     data: TokenData | None = None
     if rank == 0:
         data = prepare_data(
-            source, encoding, cfg.cache_dir, num_threads=cfg.num_threads, progress=cfg.progress, log=log
+            source, tokenizer, cfg.cache_dir, num_threads=cfg.num_threads, progress=cfg.progress, log=log
         )
     if world > 1:
         dist.barrier()
     if rank != 0:
-        data = prepare_data(source, encoding, cfg.cache_dir, progress=False, log=lambda m: None)
+        data = prepare_data(source, tokenizer, cfg.cache_dir, progress=False, log=lambda m: None)
     assert data is not None
     check_split(data.train, cfg.seq_len, "training")
     check_split(data.val, cfg.seq_len, "validation")
@@ -267,7 +274,7 @@ def _restore(run: _Run, checkpoint: Path, saved: dict[str, Any]) -> None:
     loaded = load_pretrained(model_class(cfg.fast), checkpoint, device=run.device)
     run.raw_model.load_state_dict(loaded.state_dict())
     del loaded
-    opt_state = torch.load(checkpoint / OPTIMIZER_FILE, map_location="cpu", weights_only=False)
+    opt_state = read_optimizer_state(checkpoint)
     run.optimizer.load_state_dict(opt_state["optimizer"])
     run.scheduler.load_state_dict(opt_state["scheduler"])
     run.scheduler.lr_lambdas[0] = schedule(cfg)  # a new --steps stretches the cosine
@@ -477,7 +484,7 @@ def _save(run: _Run) -> None:
     if run.main:
         run.last_ckpt = save_checkpoint(
             run.out_dir, run.raw_model, run.optimizer, run.scheduler, run.stream, run.cfg, run.model_config,
-            run.data, run.step, run.last_eval, run.train_loss,
+            run.data, run.tokenizer, run.step, run.last_eval, run.train_loss,
         )  # fmt: skip
     if run.world > 1:
         dist.barrier()
