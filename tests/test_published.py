@@ -335,3 +335,37 @@ def test_planted_pickles_are_refused_and_never_run(tmp_path):
     with pytest.raises(ValueError, match=r"refusing to load .*optimizer.pt.*nothing in it was run"):
         read_optimizer_state(tmp_path)
     assert not marker.exists(), "a loader ran the planted pickle"
+
+
+def test_training_starts_from_the_published_folder_and_resumes(published, tmp_path):
+    """``--init``: a new run from the folder's weights, config and tokenizer; its first loss is
+    wiola13m's on the same windows; the run then resumes like any other."""
+    from transformers import PreTrainedTokenizerFast
+    from wiola13m import WiolaForCausalLM
+
+    from wiola.train import TrainConfig, train
+
+    T, B = 32, 2
+    cfg = TrainConfig(
+        init=str(published), data="sample:100", cache_dir=str(tmp_path / "cache"), seq_len=T, batch_size=B, steps=2,
+        shuffle=False, warmup=1, eval_every=100, log_every=1, out_dir=str(tmp_path / "run"), progress=False,
+        plots=False, device="cpu", precision="fp32",
+    )  # fmt: skip
+    first = train(cfg, log=lambda m: None)
+    tok = PreTrainedTokenizerFast.from_pretrained(published)
+    stories, _ = sample_corpus(100, 100, 0)
+    stream: list[int] = []
+    for story in stories:
+        stream += [1, *tok(story, add_special_tokens=False).input_ids, 2]
+        if len(stream) > B * T + 1:
+            break
+    x = torch.tensor([stream[k * T : k * T + T + 1] for k in range(B)])
+    with torch.no_grad():
+        logits = WiolaForCausalLM.from_pretrained(published).eval()(x[:, :-1]).logits.double()
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).item()
+    assert first.losses[0][0] == 1 and abs(first.losses[0][1] - want) <= 1e-5 * want, (first.losses[0], want)
+    ckpt = first.checkpoint
+    assert load_checkpoint_tokenizer(ckpt).fingerprint == load_checkpoint_tokenizer(published).fingerprint
+    assert WiolaModel.from_pretrained(ckpt).config.pad_token_id == 3
+    again = train(TrainConfig(**{**cfg.to_dict(), "steps": 3}), resume=tmp_path / "run", log=lambda m: None)
+    assert again.step == 3 and again.checkpoint.name == "step_0000003"

@@ -38,6 +38,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     g = p.add_argument_group("model")
     g.add_argument("--preset", choices=sorted(PRESETS))
+    g.add_argument(
+        "--init",
+        metavar="CHECKPOINT",
+        help="a new run from a checkpoint's weights, config and tokenizer (a folder, e.g. the published "
+        "wiola13m layout, a run folder or a Hub id); --resume continues a run instead",
+    )
     g.add_argument("--model", action="append", metavar="KEY=VALUE", help="override a WiolaConfig field (repeatable)")
     g.add_argument(
         "--tokenizer",

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from wiola.checkpoint import load_checkpoint_tokenizer, load_pretrained, read_config, resolve_checkpoint
 from wiola.config import WiolaConfig
 from wiola.tokenizer import Tokenizer
 from wiola.train.config import RESUMABLE_CHANGES, TrainConfig
@@ -185,7 +186,8 @@ def _start(
     micro = cfg.micro_batch or max(1, cfg.batch_size // world)
     if cfg.batch_size % (micro * world):
         raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of micro_batch {micro} × world_size {world}")
-    model_config = cfg.model_config()
+    init = _init_checkpoint(cfg)
+    model_config = read_config(init)[0] if init is not None else cfg.model_config()
     model_class(cfg.fast)  # --fast without wiola.fast raises here
     checkpoint = saved = None
     if resume is not None:
@@ -194,7 +196,10 @@ def _start(
         _check_resume(saved, cfg, model_config, checkpoint)
     if rank == 0:
         ensure_writable(Path(cfg.out_dir))
-    tokenizer = tokenizer_for(model_config, cfg.tokenizer)
+    if init is not None and cfg.tokenizer is None:
+        tokenizer = load_checkpoint_tokenizer(init)
+    else:
+        tokenizer = tokenizer_for(model_config, cfg.tokenizer)
     data = _load_data(cfg, tokenizer, rank, world, log)
     if saved is not None and saved["data"].get("fingerprint") != data.manifest["fingerprint"]:
         raise ValueError(f"cannot resume {checkpoint} exactly: the training data changed since it was written")
@@ -217,11 +222,26 @@ def _start(
     )  # fmt: skip
     if checkpoint is not None:
         _restore(run, checkpoint, saved)
+    elif init is not None:
+        raw_model.load_state_dict(load_pretrained(model_class(cfg.fast), init, device=device).state_dict())
+        log(f"initialised from {init}")
     elif run.main:
         _write_run_record(run, references)
     run.model = _wrap(raw_model, cfg, world, device)
     _announce(run)
     return run
+
+
+def _init_checkpoint(cfg: TrainConfig) -> Path | None:
+    """The model folder of ``cfg.init`` (a folder, a run folder's latest checkpoint, a Hub id)."""
+    if cfg.init is None:
+        return None
+    if cfg.model:
+        raise ValueError("--init takes the model configuration from the checkpoint; drop --model")
+    path = resolve_checkpoint(cfg.init)
+    if not (path / "config.json").is_file() and (path / "checkpoints").is_dir():
+        path = find_checkpoint(path)
+    return path
 
 
 def _load_data(cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int, log: Log) -> TokenData:
@@ -268,7 +288,6 @@ def _check_resume(saved: dict[str, Any], cfg: TrainConfig, model_config: WiolaCo
 
 def _restore(run: _Run, checkpoint: Path, saved: dict[str, Any]) -> None:
     """Model, optimizer, schedule, RNG states and data position from ``checkpoint``."""
-    from wiola.checkpoint import load_pretrained
 
     cfg = run.cfg
     loaded = load_pretrained(model_class(cfg.fast), checkpoint, device=run.device)
