@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from wiola.tokenizer import TiktokenTokenizer
 from wiola.train import data as wdata
 from wiola.train.corpus import EOT, write_sample_corpus
 from wiola.train.data import (
@@ -135,7 +136,7 @@ def test_tinystories_unreachable_message(monkeypatch) -> None:
 def test_round_trip_and_manifest(tmp_path, enc) -> None:
     write_sample_corpus(tmp_path / "c", n_train=30, n_val=5, seed=1)
     src = resolve_source(tmp_path / "c")
-    data = prepare_data(src, enc, tmp_path / "cache", progress=False, log=_quiet, shard_tokens=1000)
+    data = prepare_data(src, TiktokenTokenizer(enc), tmp_path / "cache", progress=False, log=_quiet, shard_tokens=1000)
     from wiola.train.corpus import sample_corpus
 
     train, val = sample_corpus(30, 5, seed=1)
@@ -149,7 +150,12 @@ def test_round_trip_and_manifest(tmp_path, enc) -> None:
         assert split.documents == len(docs), f"{name}: document count"
         assert split.text_bytes == sum(len(d.encode()) for d in docs), f"{name}: byte count"
     m = data.manifest
-    assert m["tokenizer"] == "gpt2-32k" and m["vocab_size"] == 32000 and m["eot_token"] == 31999
+    assert (
+        m["tokenizer"] == "gpt2-32k"
+        and m["vocab_size"] == 32000
+        and m["document_prefix"] == [31999]
+        and m["document_suffix"] == []
+    )
     assert m["splits"]["train"]["tokens"] == len(data.train) and len(m["fingerprint"]) == 64
     assert json.loads((data.directory / "manifest.json").read_text()) == m
     assert not [p for p in data.directory.parent.iterdir() if ".tmp-" in p.name], "temporary folder left behind"
@@ -158,7 +164,7 @@ def test_round_trip_and_manifest(tmp_path, enc) -> None:
 def test_second_run_skips_tokenisation(tmp_path, enc, monkeypatch) -> None:
     write_sample_corpus(tmp_path / "c", n_train=10, n_val=3)
     src = resolve_source(tmp_path / "c")
-    first = prepare_data(src, enc, tmp_path / "cache", progress=False, log=_quiet)
+    first = prepare_data(src, TiktokenTokenizer(enc), tmp_path / "cache", progress=False, log=_quiet)
     calls = Counter()
     real = wdata._tokenize_split
 
@@ -167,13 +173,15 @@ def test_second_run_skips_tokenisation(tmp_path, enc, monkeypatch) -> None:
         return real(*a, **k)
 
     monkeypatch.setattr(wdata, "_tokenize_split", counting)
-    second = prepare_data(src, enc, tmp_path / "cache", progress=False, log=_quiet)
+    second = prepare_data(src, TiktokenTokenizer(enc), tmp_path / "cache", progress=False, log=_quiet)
     assert calls["tokenize"] == 0, "the second run tokenised again instead of using the cache"
     assert np.array_equal(first.train.tokens(), second.train.tokens()), "cached tokens differ"
     # Changing the source invalidates the cache.
     path = tmp_path / "c" / "train.txt"
     path.write_text(path.read_text() + f"\n{EOT}\nA new story.")
-    third = prepare_data(resolve_source(tmp_path / "c"), enc, tmp_path / "cache", progress=False, log=_quiet)
+    third = prepare_data(
+        resolve_source(tmp_path / "c"), TiktokenTokenizer(enc), tmp_path / "cache", progress=False, log=_quiet
+    )
     assert calls["tokenize"] == 2, "a changed source did not trigger tokenisation"
     assert len(third.train) > len(first.train) and third.directory != first.directory
 
@@ -182,7 +190,7 @@ def test_empty_corpus_raises(tmp_path, enc) -> None:
     (tmp_path / "train.txt").write_text(f"  \n{EOT}\n \n")
     (tmp_path / "val.txt").write_text("a story")
     with pytest.raises(ValueError, match="empty corpus"):
-        prepare_data(resolve_source(tmp_path), enc, tmp_path / "cache", progress=False, log=_quiet)
+        prepare_data(resolve_source(tmp_path), TiktokenTokenizer(enc), tmp_path / "cache", progress=False, log=_quiet)
     assert not list((tmp_path / "cache" / "tokens").iterdir()), "a failed run left a cache folder"
 
 
@@ -267,7 +275,7 @@ def test_eval_batches_ranks_cover_all() -> None:
 
 # ------------------------------------------------------------------------------------ statistics
 def test_token_byte_lengths_match_decoded_text(enc) -> None:
-    lengths = token_byte_lengths(enc)
+    lengths = token_byte_lengths(TiktokenTokenizer(enc))
     assert lengths.shape == (32000,) and int(lengths[enc.eot_token]) == 0
     text = 'Once upon a time, Zoë said "héllo" 🙂 to the cat.\n\nThe end.'
     ids = enc.encode_ordinary(text)

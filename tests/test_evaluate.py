@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import wiola.ops as ops
 from wiola import WiolaConfig, WiolaModel
 from wiola.ops.rope import positions_from_mask, rope_tables
+from wiola.tokenizer import TiktokenTokenizer
 from wiola.train.corpus import generate_stories
 from wiola.train.data import TokenSplit, token_byte_lengths
 from wiola.train.evaluate import evaluate, gate_statistics
@@ -63,7 +64,7 @@ def test_evaluate_matches_float64_per_window(enc) -> None:
     split = TokenSplit([tokens[:300], tokens[300:]], documents=len(stories), text_bytes=0)
     T, n_windows = 24, 13
     model = _model()
-    got = evaluate(model, split, token_byte_lengths(enc), T, batch_size=5, max_windows=n_windows)
+    got = evaluate(model, split, token_byte_lengths(TiktokenTokenizer(enc)), T, batch_size=5, max_windows=n_windows)
 
     nats, n_bytes = 0.0, 0
     with torch.no_grad():
@@ -80,7 +81,7 @@ def test_evaluate_matches_float64_per_window(enc) -> None:
     assert abs(got.bits_per_byte - ref_bpb) <= 1e-6 * ref_bpb, f"bits per byte {got.bits_per_byte} vs {ref_bpb}"
     assert model.training is False
     model.train()
-    evaluate(model, split, token_byte_lengths(enc), T, max_windows=2)
+    evaluate(model, split, token_byte_lengths(TiktokenTokenizer(enc)), T, max_windows=2)
     assert model.training, "evaluate must restore training mode"
 
 
@@ -95,7 +96,15 @@ def test_evaluate_honours_the_precision(enc) -> None:
     with torch.no_grad():
         model.embed.weight.mul_(25)  # large logits: bf16 rounding then moves the loss measurably
     got = {
-        p: evaluate(model, split, token_byte_lengths(enc), T, batch_size=5, max_windows=n_windows, precision=p).loss
+        p: evaluate(
+            model,
+            split,
+            token_byte_lengths(TiktokenTokenizer(enc)),
+            T,
+            batch_size=5,
+            max_windows=n_windows,
+            precision=p,
+        ).loss
         for p in ("auto", "fp32", "bf16")
     }
     nats = 0.0

@@ -1,4 +1,5 @@
-"""gpt2 and gpt2-32k through tiktoken, offline from the bundled (or a given) rank file."""
+"""gpt2 and gpt2-32k through tiktoken, offline from the bundled (or a given) rank file; the
+``Tokenizer`` interface over tiktoken and ``tokenizers`` (a byte-level BPE trained here)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ from pathlib import Path
 import pytest
 
 import wiola.tokenizer as tok
-from wiola.tokenizer import encoding_for_vocab, get_encoding
+from wiola.tokenizer import (
+    HFTokenizer,
+    TiktokenTokenizer,
+    encoding_for_vocab,
+    get_encoding,
+    load_tokenizer,
+    train_tokenizer,
+)
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "tokenizers" / "gpt2.tiktoken"
 
@@ -66,3 +74,83 @@ def test_no_rank_file_and_no_network_says_what_to_set(tmp_path, monkeypatch):
             get_encoding("gpt2-32k")
     finally:
         get_encoding.cache_clear()
+
+
+TEXT = "Once upon a time, Zoë met 小明 🦊 — “naïve” café!\n\n  <s>tabs\tand</s> <pad> spaces   "
+STORIES = [
+    "Once upon a time there was a little fox. The fox liked to play in the snow.",
+    "Lily found a shiny stone. She gave it to her mom, who smiled.",
+    "Tom and Zoë built a big boat. It was red and blue, and it could float!",
+] * 20
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bpe")
+    train_tokenizer(STORIES, 330, show_progress=False).save(out)
+    return out
+
+
+def test_trained_bpe_round_trips_unicode_and_special_tokens(bpe):
+    t = load_tokenizer(bpe)
+    assert isinstance(t, HFTokenizer) and t.vocab_size == 330
+    assert (t.unk_token_id, t.bos_token_id, t.eos_token_id, t.pad_token_id) == (0, 1, 2, 3)
+    ids = t.encode(TEXT)
+    assert ids[0] == 1, "a prompt starts with <s>"
+    assert {1, 2, 3} <= set(ids[1:]), "special-token text in a prompt is the special token"
+    assert t.decode(ids) == "<s>" + TEXT
+    plain = t.encode_batch([TEXT])[0]
+    assert not {0, 1, 2, 3} & set(plain), "in a document, special-token text is text"
+    assert t.decode(plain) == TEXT
+    lengths = t.token_byte_lengths()
+    assert sum(lengths[i] for i in plain) == len(TEXT.encode()) and lengths[1] == 0
+
+
+def test_tiktoken_backend_is_the_encoding():
+    enc = get_encoding("gpt2-32k")
+    t = load_tokenizer("gpt2-32k")
+    assert isinstance(t, TiktokenTokenizer) and (t.vocab_size, t.eos_token_id, t.bos_token_id) == (32000, 31999, None)
+    text = TEXT + "<|endoftext|>"
+    assert t.encode(text) == enc.encode(text, allowed_special="all") and t.decode(t.encode(text)) == text
+    assert t.encode_batch([text])[0] == enc.encode_ordinary(text)
+    assert t.document_prefix == [31999] and t.document_suffix == []
+
+
+def test_tiktoken_converts_to_the_same_tokenizers_bpe():
+    t = load_tokenizer("gpt2-32k")
+    hf = t.to_hf()
+    text = " ".join(STORIES[:3]) + TEXT + "  \n\n x's don't 1234567 ü   \t\n"
+    assert hf.encode_batch([text]) == t.encode_batch([text]) and hf.vocab_size == 32000
+    assert hf.decode(t.encode(text)) == text
+    assert hf.token_byte_lengths() == t.token_byte_lengths()
+
+
+def test_fingerprint_follows_the_tokenizer(bpe, tmp_path):
+    a = load_tokenizer(bpe)
+    assert load_tokenizer(bpe / "tokenizer.json").fingerprint == a.fingerprint, "same files, same fingerprint"
+    b = train_tokenizer(STORIES, 320, show_progress=False)
+    c = train_tokenizer([*STORIES, "A new story about a whale."], 330, show_progress=False)
+    assert len({a.fingerprint, b.fingerprint, c.fingerprint, a.with_special_ids(eos_token_id=3).fingerprint}) == 4
+    assert load_tokenizer("gpt2").fingerprint != load_tokenizer("gpt2-32k").fingerprint
+
+
+def test_bad_tokenizers_raise_clear_errors(bpe, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"tokenizer.json is missing"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", ')
+    with pytest.raises(ValueError, match=r"tokenizer.json is not a valid tokenizers file"):
+        load_tokenizer(tmp_path)
+    with pytest.raises(ValueError, match=r"unknown tokenizer 'llama'"):
+        load_tokenizer("llama")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "tokenizer.json").write_text((bpe / "tokenizer.json").read_text())
+    (bad / "tokenizer_config.json").write_text('{"eos_token": "<end>"}')
+    with pytest.raises(ValueError, match=r"eos_token '<end>' is not in the vocabulary"):
+        load_tokenizer(bad)
+    t = load_tokenizer(bpe)
+    t.check_ids(t.encode(TEXT), 330)
+    with pytest.raises(ValueError, match=r"token id 3\d\d .* outside the model's vocabulary of 300"):
+        t.check_ids(t.encode(TEXT + " zzqqxx " * 30), 300)
+    with pytest.raises(ValueError, match=r"vocab_size 100 is too small"):
+        train_tokenizer(STORIES, 100)

@@ -129,7 +129,7 @@ def test_run_folder_contents(runs) -> None:
     trainer = json.loads((ckpt / "trainer.json").read_text())
     assert trainer["step"] == 6 and trainer["data"]["position"]["windows_consumed"] == 6 * 4
     assert trainer["tokenizer"] == "gpt2-32k" and trainer["eval"]["loss"] == full.eval.loss
-    state = torch.load(ckpt / "optimizer.pt", weights_only=False)
+    state = torch.load(ckpt / "optimizer.pt", weights_only=True)  # nothing but tensors and plain containers
     assert state["scheduler"]["last_epoch"] == 6 and len(state["optimizer"]["state"]) > 0
     assert not [p for p in ckpt.parent.iterdir() if p.name.startswith(".")], "temporary checkpoint left behind"
     from wiola import WiolaModel
@@ -324,7 +324,7 @@ def test_corpus_shorter_than_one_window(tmp_path) -> None:
 
 def test_tokenizer_vocab_mismatch(corpus, tmp_path) -> None:
     cache = tmp_path / "c"
-    with pytest.raises(ValueError, match=r"50,257 tokens but the model's vocab_size is 32,000"):
+    with pytest.raises(ValueError, match=r"50,257 ids but the model.s vocab_size is 32,000"):
         train(_cfg(corpus, cache, tmp_path / "o", tokenizer="gpt2"), log=_quiet)
     with pytest.raises(ValueError, match="no tokenizer has a vocabulary of 1000"):
         train(_cfg(corpus, cache, tmp_path / "o", model={**SMALL, "vocab_size": 1000}), log=_quiet)

@@ -32,7 +32,9 @@ class WiolaConfig:
     gate_pre_rope: bool = True  # gate from the queries before (True) or after rotation
     norm_eps: float = 1e-6  # RMSNorm epsilon
     init_std: float = 0.02  # std of the truncated-normal init of linear and embedding weights
-    eos_token_id: int | None = None  # <|endoftext|>; None: the tokenizer's, if any
+    eos_token_id: int | None = None  # generation stops here; None: the tokenizer's, if any
+    bos_token_id: int | None = None  # None: the tokenizer's, if any
+    pad_token_id: int | None = None  # fills left padding and finished rows; None: the tokenizer's (or eos)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
@@ -53,8 +55,10 @@ class WiolaConfig:
             raise ValueError(f"norm_eps must be positive, got {self.norm_eps}")
         if self.init_std <= 0:
             raise ValueError(f"init_std must be positive, got {self.init_std}")
-        if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab_size:
-            raise ValueError(f"eos_token_id {self.eos_token_id} is outside [0, vocab_size={self.vocab_size})")
+        for name in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < self.vocab_size:
+                raise ValueError(f"{name} {value} is outside [0, vocab_size={self.vocab_size})")
 
     @property
     def head_dim(self) -> int:

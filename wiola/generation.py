@@ -236,6 +236,14 @@ class _EagerSteps:
 
 
 @torch.inference_mode()
+def resolve_pad_id(model: Decoder, eos_token_id: int | None, pad_token_id: int | None) -> int | None:
+    """The id for finished rows: ``pad_token_id``, else the checkpoint's (``model.config``), else eos."""
+    if pad_token_id is not None:
+        return pad_token_id
+    config_pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+    return eos_token_id if config_pad is None else config_pad
+
+
 def generate(
     model: Decoder,
     input_ids: torch.Tensor,
@@ -261,7 +269,7 @@ def generate(
         top_k, top_p: sample only from the ``top_k`` most likely tokens / the smallest nucleus
             of probability ``top_p`` (ignored when greedy).
         eos_token_id: a row that produces it stops; its later slots hold ``pad_token_id``
-            (default: ``eos_token_id``). Generation ends early once every row has stopped,
+            (default: the model config's ``pad_token_id``, else ``eos_token_id``). Generation ends early once every row has stopped,
             and the result is still ``T + max_new_tokens`` wide.
         generator: a ``torch.Generator`` (on the model's device) for reproducible sampling.
         streamer: called with each step's ``(B,)`` new tokens as soon as they exist.
@@ -271,7 +279,7 @@ def generate(
     """
     sampling = check_generate_inputs(model, input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p)
     B, T = input_ids.shape
-    pad = eos_token_id if pad_token_id is None else pad_token_id
+    pad = resolve_pad_id(model, eos_token_id, pad_token_id)
     steps = None
     if max_new_tokens > 0:
         steps = _EagerSteps(model, model.new_cache(B, T + max_new_tokens), sampling, eos_token_id, pad, generator)

@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn as nn
@@ -32,6 +32,9 @@ from wiola.config import WiolaConfig
 from wiola.generation import generate
 from wiola.ops.linear import DecodeLayout, decode_layout, linear, uses_decode_layout
 from wiola.ops.rope import helix_frequencies, positions_from_mask, rope_tables, upcast
+
+if TYPE_CHECKING:
+    from wiola.tokenizer import Tokenizer
 
 
 @dataclass
@@ -537,16 +540,24 @@ class WiolaModel(nn.Module):
         return generate(self, input_ids, max_new_tokens, **kwargs)
 
     # ---------------------------------------------------------- checkpoints
-    def save_pretrained(self, directory: str | Path) -> None:
-        """Write ``config.json`` and ``model.safetensors`` (the tied head is not stored twice)."""
-        save_pretrained(self, directory)
+    def save_pretrained(self, directory: str | Path, tokenizer: Tokenizer | None = None) -> None:
+        """Write ``config.json`` and ``model.safetensors`` (the tied head is not stored twice), and
+        ``tokenizer`` beside them (``wiola.tokenizer.Tokenizer.save``)."""
+        save_pretrained(self, directory, tokenizer)
 
     @classmethod
     def from_pretrained(
-        cls, directory: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+        cls,
+        directory: str | Path,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        revision: str | None = None,
     ) -> WiolaModel:
-        """Load a checkpoint written by ``save_pretrained`` or by the published ``wiola13m`` package."""
-        return load_pretrained(cls, directory, device=device, dtype=dtype)
+        """Load a checkpoint written by ``save_pretrained`` or by the published ``wiola13m`` package,
+        from a folder or a Hugging Face Hub id (``"org/name"``, at ``revision``). Its tokenizer:
+        ``wiola.checkpoint.load_checkpoint_tokenizer``."""
+        return load_pretrained(cls, directory, device=device, dtype=dtype, revision=revision)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -1,4 +1,13 @@
-"""GPT-2 byte-level BPE through tiktoken: ``gpt2`` (50,257 tokens) and ``gpt2-32k`` (32,000).
+"""Tokenizers: one interface (``Tokenizer``) over two backends.
+
+- ``TiktokenTokenizer``: GPT-2's byte-level BPE through tiktoken, ``gpt2`` (50,257 tokens) and
+  ``gpt2-32k`` (32,000), named in a checkpoint's ``config.json``.
+- ``HFTokenizer``: any Hugging Face ``tokenizer.json`` (Wiola13M's TinyStories BPE, Llama-2's, one
+  trained with ``train_tokenizer``), its special tokens read from ``tokenizer_config.json`` /
+  ``special_tokens_map.json`` as ``transformers`` reads them.
+
+``load_tokenizer`` takes a name, a folder or a ``tokenizer.json``. Every tokenizer has a ``name``
+and a ``fingerprint`` (sha256 of what decides its ids), encodes and decodes, and saves itself.
 
 ``gpt2-32k`` keeps GPT-2's first 31,999 ranks (the 256 byte tokens and the first merges) and
 puts ``<|endoftext|>`` at 31,999: lossless on any text, and the vocabulary of the 13m preset.
@@ -10,10 +19,15 @@ download. So the tokenizer works without network out of the box.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
+import itertools
+import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import tiktoken
 
@@ -79,3 +93,355 @@ def encoding_for_vocab(vocab_size: int, bpe_file: str | None = None) -> tiktoken
         f"no tokenizer has a vocabulary of {vocab_size} tokens; the model's vocab_size must be one of "
         f"{sorted(ENCODINGS.values())} ({', '.join(ENCODINGS)})"
     )
+
+
+# ------------------------------------------------------------------------------ the interface
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")  # Wiola13M's, ids 0..3 in a trained tokenizer
+SPECIAL_ROLES = ("unk_token", "bos_token", "eos_token", "pad_token")
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
+
+
+class Tokenizer:
+    """Text <-> token ids, as the rest of wiola needs it.
+
+    Attributes: ``name``; ``vocab_size`` (ids are ``0 .. vocab_size - 1``; a model may have more
+    rows); ``bos_token_id``, ``eos_token_id``, ``pad_token_id`` (``None`` when the tokenizer has none).
+    """
+
+    name: str
+    vocab_size: int
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    def encode(self, text: str) -> list[int]:
+        """A prompt's ids: special-token text (``<s>``, ``<|endoftext|>``) becomes its id, and the
+        tokenizer's own framing (a leading ``<s>``, if its ``tokenizer.json`` adds one) is added,
+        as ``transformers``' ``tokenizer(text)`` does."""
+        raise NotImplementedError
+
+    def encode_batch(self, texts: list[str], *, num_threads: int = 1) -> list[list[int]]:
+        """Documents' ids: special-token text stays plain text, no framing (training data)."""
+        raise NotImplementedError
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``, special tokens included."""
+        raise NotImplementedError
+
+    def token_byte_lengths(self) -> list[int]:
+        """The UTF-8 bytes each id decodes to (``vocab_size`` entries); special tokens count 0."""
+        raise NotImplementedError
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 (hex) of everything that decides the ids: a changed tokenizer has another one."""
+        raise NotImplementedError
+
+    def save(self, directory: str | os.PathLike) -> dict[str, Any]:
+        """Write the tokenizer's files into ``directory``; returns what ``config.json`` records."""
+        raise NotImplementedError
+
+    @property
+    def document_prefix(self) -> list[int]:
+        """The ids put before every training document: ``<s>`` (or ``<|endoftext|>`` without one)."""
+        first = self.bos_token_id if self.bos_token_id is not None else self.eos_token_id
+        if first is None:
+            raise ValueError(f"tokenizer {self.name!r} has neither a bos nor an eos token to separate documents")
+        return [first]
+
+    @property
+    def document_suffix(self) -> list[int]:
+        """The ids put after every training document: ``</s>`` when it differs from the prefix."""
+        eos = self.eos_token_id
+        return [eos] if eos is not None and self.bos_token_id is not None and eos != self.bos_token_id else []
+
+    def with_special_ids(
+        self, bos_token_id: int | None = None, eos_token_id: int | None = None, pad_token_id: int | None = None
+    ) -> Tokenizer:
+        """A copy whose bos/eos/pad ids are those given (a checkpoint's ``config.json`` wins over
+        the tokenizer's files, as in ``transformers``' generation); ``None`` keeps the tokenizer's."""
+        out = copy.copy(self)
+        for role, value in (("bos", bos_token_id), ("eos", eos_token_id), ("pad", pad_token_id)):
+            if value is not None:
+                if not 0 <= value < self.vocab_size:
+                    raise ValueError(f"{role}_token_id {value} is outside {self.name!r}'s {self.vocab_size} ids")
+                setattr(out, f"{role}_token_id", value)
+        return out
+
+    def check_ids(self, ids: list[int], model_vocab_size: int) -> None:
+        """Raise ``ValueError`` naming the first id the model has no embedding row for."""
+        bad = [i for i in ids if not 0 <= i < model_vocab_size]
+        if bad:
+            raise ValueError(
+                f"token id {bad[0]} from tokenizer {self.name!r} ({self.vocab_size:,} ids) is outside the model's "
+                f"vocabulary of {model_vocab_size:,}: this tokenizer does not belong to this model"
+            )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, vocab_size={self.vocab_size})"
+
+
+class TiktokenTokenizer(Tokenizer):
+    """``gpt2`` / ``gpt2-32k`` (``get_encoding``); ``<|endoftext|>`` is eos, there is no bos or pad."""
+
+    def __init__(self, encoding: tiktoken.Encoding) -> None:
+        self.encoding = encoding
+        self.name, self.vocab_size, self.eos_token_id = encoding.name, encoding.n_vocab, encoding.eot_token
+
+    def encode(self, text: str) -> list[int]:
+        return self.encoding.encode(text, allowed_special="all")
+
+    def encode_batch(self, texts: list[str], *, num_threads: int = 1) -> list[list[int]]:
+        return self.encoding.encode_ordinary_batch(texts, num_threads=num_threads)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.encoding.decode(ids)
+
+    def token_byte_lengths(self) -> list[int]:
+        enc = self.encoding
+        special = {enc.encode_single_token(s) for s in enc.special_tokens_set}
+        return [0 if i in special else len(enc.decode_single_token_bytes(i)) for i in range(enc.n_vocab)]
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        enc = self.encoding
+        h = hashlib.sha256(f"tiktoken {enc.name} {enc._pat_str} {sorted(enc._special_tokens.items())}".encode())
+        for token, rank in sorted(enc._mergeable_ranks.items(), key=lambda kv: kv[1]):
+            h.update(rank.to_bytes(4, "little") + len(token).to_bytes(2, "little") + token)
+        return h.hexdigest()
+
+    def save(self, directory: str | os.PathLike) -> dict[str, Any]:
+        return {"tokenizer": self.name}
+
+    def to_hf(self) -> HFTokenizer:
+        """The same tokenizer as a ``tokenizers`` byte-level BPE (for export to ``transformers``):
+        GPT-2's pre-tokenizer regex, and each rank's merge recovered by running BPE below that rank."""
+        from tokenizers import Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTok
+
+        ranks = self.encoding._mergeable_ranks
+        to_str = _bytes_to_unicode()
+        text = lambda b: "".join(to_str[x] for x in b)
+        merges = []
+        for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+            if len(token) > 1:
+                left, right = _bpe_below(ranks, token, rank)
+                merges.append((text(left), text(right)))
+        tok = HFTok(models.BPE({text(b): r for b, r in ranks.items()}, merges))
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(self.encoding._pat_str), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens(sorted(self.encoding._special_tokens, key=self.encoding._special_tokens.get))
+        eot = self.encoding.decode([self.eos_token_id])
+        return HFTokenizer(tok, self.name, {"bos_token": eot, "eos_token": eot, "unk_token": eot})
+
+
+def _bpe_below(ranks: dict[bytes, int], token: bytes, max_rank: int) -> tuple[bytes, bytes]:
+    """The two pieces tiktoken's BPE reaches on ``token`` using merges of rank below ``max_rank``."""
+    parts = [bytes([b]) for b in token]
+    while len(parts) > 2:
+        found = [(ranks.get(a + b, max_rank), i) for i, (a, b) in enumerate(itertools.pairwise(parts))]
+        rank, i = min(found)
+        if rank >= max_rank:
+            break
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
+    if len(parts) != 2:
+        raise ValueError(f"rank {max_rank} ({token!r}) is not a merge of two lower-ranked tokens")
+    return parts[0], parts[1]
+
+
+@functools.lru_cache(maxsize=1)
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (byte-level BPE vocabularies are spelled in it)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as ``tokenizer_config.json`` writes it: a string or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizers`` tokenizer (any ``tokenizer.json``) and its special tokens.
+
+    ``specials`` maps ``bos_token`` / ``eos_token`` / ``pad_token`` / ``unk_token`` to token text.
+    Raises ``ValueError`` for a special token the vocabulary does not hold.
+    """
+
+    def __init__(self, tok: Any, name: str, specials: dict[str, str | None], clean_up_spaces: bool = False) -> None:
+        self._tok = tok
+        self._plain = tok.__class__.from_str(tok.to_str())
+        self._plain.encode_special_tokens = True  # documents' "<s>" text is text, not a control token
+        self.name, self.vocab_size, self.clean_up_spaces = (
+            name,
+            tok.get_vocab_size(with_added_tokens=True),
+            clean_up_spaces,
+        )
+        self.unk_token_id = None
+        for role in SPECIAL_ROLES:
+            text = specials.get(role)
+            if text is None:
+                continue
+            token_id = tok.token_to_id(text)
+            if token_id is None:
+                raise ValueError(f"tokenizer {name!r}: its {role} {text!r} is not in the vocabulary")
+            setattr(self, f"{role}_id", token_id)
+
+    @classmethod
+    def from_folder(cls, path: str | os.PathLike) -> HFTokenizer:
+        """Read ``tokenizer.json`` (a folder holding it, or the file) and, beside it,
+        ``tokenizer_config.json`` and ``special_tokens_map.json`` (the map wins, as in ``transformers``).
+
+        Raises ``FileNotFoundError`` when ``tokenizer.json`` is missing, ``ValueError`` when a file is corrupt.
+        """
+        from tokenizers import Tokenizer as HFTok
+
+        path = Path(path)
+        file = path / TOKENIZER_FILE if path.is_dir() else path
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} is missing: no tokenizer.json to read")
+        try:
+            tok = HFTok.from_file(str(file))
+        except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+            raise ValueError(f"{file} is not a valid tokenizers file: {e}") from e
+        settings: dict[str, Any] = {}
+        for extra in (TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE):
+            if (file.parent / extra).is_file():
+                try:
+                    data = json.loads((file.parent / extra).read_text())
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise ValueError(f"{file.parent / extra} is not valid JSON: {e}") from e
+                if not isinstance(data, dict):
+                    raise ValueError(f"{file.parent / extra} does not hold a JSON object")
+                settings.update(data)
+        specials = {role: _token_text(settings.get(role)) for role in SPECIAL_ROLES}
+        name = file.parent.name if file.name == TOKENIZER_FILE else file.stem
+        return cls(tok, name, specials, bool(settings.get("clean_up_tokenization_spaces", False)))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def encode_batch(self, texts: list[str], *, num_threads: int = 1) -> list[list[int]]:
+        return [e.ids for e in self._plain.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        text = self._tok.decode(list(ids), skip_special_tokens=False)
+        if self.clean_up_spaces:  # transformers' clean_up_tokenization
+            for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't")):
+                text = text.replace(a, b)
+            for a in ("m", "s", "ve", "re"):
+                text = text.replace(f" '{a}", f"'{a}")
+        return text
+
+    def _special_ids(self) -> set[int]:
+        return {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
+    def token_byte_lengths(self) -> list[int]:
+        from tokenizers import decoders
+
+        special = self._special_ids()
+        if isinstance(self._tok.decoder, decoders.ByteLevel):
+            width = {c: 1 for c in _bytes_to_unicode().values()}
+            spell = self._tok.id_to_token
+            return [
+                0 if i in special else sum(width.get(c, len(c.encode())) for c in spell(i))
+                for i in range(self.vocab_size)
+            ]
+        return [0 if i in special else len(self._tok.decode([i]).encode()) for i in range(self.vocab_size)]
+
+    def _specials(self) -> dict[str, str | None]:
+        return {
+            role: None if getattr(self, f"{role}_id") is None else self._tok.id_to_token(getattr(self, f"{role}_id"))
+            for role in SPECIAL_ROLES
+        }
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        ids = [getattr(self, f"{role}_id") for role in SPECIAL_ROLES]
+        return hashlib.sha256(f"tokenizers {ids} {self.clean_up_spaces}\n{self._tok.to_str()}".encode()).hexdigest()
+
+    def with_special_ids(
+        self, bos_token_id: int | None = None, eos_token_id: int | None = None, pad_token_id: int | None = None
+    ) -> Tokenizer:
+        out = super().with_special_ids(bos_token_id, eos_token_id, pad_token_id)
+        out.__dict__.pop("fingerprint", None)
+        return out
+
+    def save(self, directory: str | os.PathLike) -> dict[str, Any]:
+        """``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``, the files
+        ``transformers.PreTrainedTokenizerFast.from_pretrained`` reads."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(directory / TOKENIZER_FILE))
+        specials = {role: text for role, text in self._specials().items() if text is not None}
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "clean_up_tokenization_spaces": self.clean_up_spaces,
+            "model_max_length": 1 << 30,
+            **specials,
+        }
+        (directory / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        (directory / SPECIAL_TOKENS_MAP_FILE).write_text(json.dumps(specials, indent=2) + "\n")
+        return {}
+
+
+def load_tokenizer(spec: str | os.PathLike, bpe_file: str | None = None) -> Tokenizer:
+    """A tokenizer by name (``gpt2``, ``gpt2-32k``) or path (a folder with ``tokenizer.json``, or the file).
+
+    Raises ``ValueError`` for something that is neither, ``FileNotFoundError`` / ``ValueError``
+    (see ``HFTokenizer.from_folder``) for a missing or corrupt file.
+    """
+    if str(spec) in ENCODINGS:
+        return TiktokenTokenizer(get_encoding(str(spec), bpe_file))
+    path = Path(spec)
+    if path.is_dir() or path.suffix == ".json":
+        return HFTokenizer.from_folder(path)
+    raise ValueError(
+        f"unknown tokenizer {str(spec)!r}: give {' or '.join(ENCODINGS)}, a folder holding tokenizer.json, or a tokenizer.json file"
+    )
+
+
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int, *, length: int | None = None, show_progress: bool = True
+) -> HFTokenizer:
+    """Train a byte-level BPE of ``vocab_size`` ids on ``texts`` with ``tokenizers``.
+
+    Ids 0..3 are Wiola13M's special tokens ``<unk> <s> </s> <pad>``, the next 256 the bytes; a
+    prompt is encoded with a leading ``<s>``. Raises ``ValueError`` for a vocabulary too small
+    to hold the specials and the 256 bytes.
+    """
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    smallest = len(SPECIAL_TOKENS) + 256
+    if vocab_size < smallest:
+        raise ValueError(f"vocab_size {vocab_size} is too small: a byte-level BPE needs at least {smallest} ids")
+    tok = HFTok(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=show_progress,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=length)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    specials = dict(zip(SPECIAL_ROLES, SPECIAL_TOKENS))
+    return HFTokenizer(tok, f"bpe-{tok.get_vocab_size()}", specials)

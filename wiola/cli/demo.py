@@ -48,7 +48,7 @@ def run_demo(args: argparse.Namespace) -> int:
     encoding = _demo_tokenizer()
     cfg = _demo_config(args, device)
     data = prepare_data(resolve_source(cfg.data), encoding, args.cache_dir, progress=not args.no_progress)
-    entropy = unigram_entropy(np.asarray(data.train.tokens()), encoding.n_vocab)
+    entropy = unigram_entropy(np.asarray(data.train.tokens()), encoding.vocab_size)
     print(
         f"sample corpus: {data.train.documents:,} train stories ({data.train.text_bytes / 1e3:.0f} KB, "
         f"{len(data.train):,} tokens), {data.val.documents:,} validation stories"
@@ -89,10 +89,10 @@ def _spare_a_busy_cpu(device: torch.device) -> None:
 
 
 def _demo_tokenizer() -> Any:
-    from wiola.tokenizer import get_encoding
+    from wiola.tokenizer import load_tokenizer
 
     try:
-        return get_encoding("gpt2-32k")
+        return load_tokenizer("gpt2-32k")
     except (RuntimeError, FileNotFoundError, ValueError) as e:
         raise RuntimeError(f"the demo cannot load the GPT-2 tokenizer: {e}\nTo fix: {BPE_HINT}.") from e
 
@@ -182,13 +182,13 @@ def _print_stories(checkpoint: Any, encoding: Any, samples: int, seed: int, devi
 
     model = WiolaModel.from_pretrained(checkpoint, device=device)
     model.eval()
-    eot = encoding.eot_token
+    eot = encoding.eos_token_id
     prompts = ["Once upon a time", "One day,", ""]
     generator = torch.Generator(device=device).manual_seed(seed)
     print("\n--- generated stories (temperature 0.8, top-k 40) ---")
     for i in range(samples):
         prompt = prompts[i % len(prompts)]
-        ids = torch.tensor([[eot, *encoding.encode_ordinary(prompt)]], device=device)
+        ids = torch.tensor([[*encoding.document_prefix, *encoding.encode_batch([prompt])[0]]], device=device)
         out = model.generate(ids, 160, temperature=0.8, top_k=40, eos_token_id=eot, generator=generator)
         new = out[0, 1:].tolist()
         if eot in new:

@@ -24,7 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, help="a model folder (config.json + weights) or a run folder")
+    p.add_argument(
+        "--checkpoint", required=True, help="a model folder (config.json + weights), a run folder or a Hub id"
+    )
     p.add_argument("--data", help="default: the data the checkpoint was trained on (TinyStories if unknown)")
     p.add_argument("--val-data")
     p.add_argument("--cache-dir")
@@ -38,12 +40,13 @@ def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
 
 def _load_for_eval(args: argparse.Namespace) -> tuple[Any, Any, Any, int, str, Path]:
     """(model, encoding, token data, seq_len, precision, model folder) for ``eval``/``gates``."""
+    from wiola.checkpoint import load_checkpoint_tokenizer, resolve_checkpoint
     from wiola.train.config import default_seq_len
-    from wiola.train.data import prepare_data, resolve_source, tokenizer_for
+    from wiola.train.data import prepare_data, resolve_source
     from wiola.train.env import model_class, resolve_device
     from wiola.train.run_folder import find_checkpoint, is_training_checkpoint, read_trainer_state
 
-    path = Path(args.checkpoint)
+    path = resolve_checkpoint(args.checkpoint)
     if not (path / "config.json").is_file():
         path = find_checkpoint(path)
     trainer = read_trainer_state(path) if is_training_checkpoint(path) else {}
@@ -53,7 +56,7 @@ def _load_for_eval(args: argparse.Namespace) -> tuple[Any, Any, Any, int, str, P
     saved_cfg = trainer.get("train_config", {})
     data_arg = args.data or saved_cfg.get("data") or "tinystories"
     val_arg = args.val_data if args.data else (args.val_data or saved_cfg.get("val_data"))
-    encoding = tokenizer_for(model.config, trainer.get("tokenizer"))
+    encoding = load_checkpoint_tokenizer(path)
     source = resolve_source(data_arg, val_arg, saved_cfg.get("val_fraction", 0.01))
     data = prepare_data(
         source, encoding, args.cache_dir or saved_cfg.get("cache_dir"), log=lambda m: print(m, file=sys.stderr)

@@ -1,11 +1,11 @@
-"""``wiola generate``: stream text from a checkpoint (``wiola.fast`` by default)."""
+"""``wiola generate``: stream text from a checkpoint (``wiola.fast`` by default), encoded and
+decoded with the checkpoint's own tokenizer, stopping at the checkpoint's eos."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -14,7 +14,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     from wiola.config import PRESETS
 
     p = sub.add_parser("generate", help="generate text from a checkpoint")
-    p.add_argument("--checkpoint", help="model folder (ours or wiola13m's) or a training run folder")
+    p.add_argument(
+        "--checkpoint", help="model folder (ours or wiola13m's), a training run folder, or a Hub id (org/name)"
+    )
+    p.add_argument("--revision", help="with a Hub id: a branch, tag or commit")
+    p.add_argument("--tokenizer", help="gpt2, gpt2-32k or a tokenizer.json path (default: the checkpoint's)")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="random model when no checkpoint")
     p.add_argument("--prompt", default="Once upon a time")
     p.add_argument("--max-new-tokens", type=int, default=100)
@@ -33,31 +37,42 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _load_model(args: argparse.Namespace):
+    """(model, tokenizer) of ``--checkpoint`` (or a random ``--preset`` model and its tiktoken encoding)."""
     from wiola import WiolaConfig, WiolaModel
+    from wiola.checkpoint import load_checkpoint_tokenizer, resolve_checkpoint
+    from wiola.tokenizer import TiktokenTokenizer, encoding_for_vocab, load_tokenizer
 
     cls = WiolaModel
     if getattr(args, "fast", False):
         from wiola.fast import WiolaModel as cls
     if args.checkpoint:
-        path = Path(args.checkpoint)
+        path = resolve_checkpoint(args.checkpoint, args.revision)
         if not (path / "config.json").is_file() and (path / "checkpoints").is_dir():
             from wiola.train.run_folder import find_checkpoint
 
             path = find_checkpoint(path)  # a training run folder: its latest checkpoint
-        return cls.from_pretrained(path, device=args.device)
+        model = cls.from_pretrained(path, device=args.device)
+        if args.tokenizer:
+            c = model.config
+            return model, load_tokenizer(args.tokenizer).with_special_ids(
+                c.bos_token_id, c.eos_token_id, c.pad_token_id
+            )
+        return model, load_checkpoint_tokenizer(path)
     torch.manual_seed(args.seed)
     print(f"no --checkpoint: a randomly initialised {args.preset!r} model (its text is noise)", file=sys.stderr)
-    return cls(WiolaConfig.preset(args.preset)).to(args.device)
+    model = cls(WiolaConfig.preset(args.preset)).to(args.device)
+    return model, load_tokenizer(args.tokenizer) if args.tokenizer else TiktokenTokenizer(
+        encoding_for_vocab(model.config.vocab_size)
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from wiola.tokenizer import encoding_for_vocab
-
-    model = _load_model(args).eval()
-    enc = encoding_for_vocab(model.config.vocab_size)
-    ids = enc.encode(args.prompt, allowed_special="all")
+    model, enc = _load_model(args)
+    model.eval()
+    ids = enc.encode(args.prompt)
     if not ids:
         raise SystemExit("wiola generate: the prompt is empty")
+    enc.check_ids(ids, model.config.vocab_size)
     prompt = torch.tensor([ids], device=args.device)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     new: list[int] = []
@@ -80,7 +95,8 @@ def _generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
-        eos_token_id=enc.eot_token,
+        eos_token_id=enc.eos_token_id,
+        pad_token_id=enc.pad_token_id,
         generator=generator,
         streamer=stream,
     )

@@ -38,8 +38,17 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     g = p.add_argument_group("model")
     g.add_argument("--preset", choices=sorted(PRESETS))
+    g.add_argument(
+        "--init",
+        metavar="CHECKPOINT",
+        help="a new run from a checkpoint's weights, config and tokenizer (a folder, e.g. the published "
+        "wiola13m layout, a run folder or a Hub id); --resume continues a run instead",
+    )
     g.add_argument("--model", action="append", metavar="KEY=VALUE", help="override a WiolaConfig field (repeatable)")
-    g.add_argument("--tokenizer", help="gpt2 or gpt2-32k (default: the one matching vocab_size)")
+    g.add_argument(
+        "--tokenizer",
+        help="gpt2, gpt2-32k, or a tokenizer folder / tokenizer.json (default: the tiktoken one matching vocab_size)",
+    )
     g = p.add_argument_group("data")
     g.add_argument("--data", help="'tinystories' (default), 'sample', or text/JSONL/Parquet files or a folder")
     g.add_argument("--val-data", help="validation files (default: the folder's val files or a held-out share)")

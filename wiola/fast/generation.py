@@ -27,7 +27,7 @@ import torch
 from wiola.cache import Cache
 from wiola.config import WiolaConfig
 from wiola.fast import ops
-from wiola.generation import check_generate_inputs, decode_loop, next_tokens
+from wiola.generation import check_generate_inputs, decode_loop, next_tokens, resolve_pad_id
 
 if TYPE_CHECKING:
     from wiola.model import WiolaModel  # a wiola.fast.WiolaModel (its kernels_enabled, cuda_graphs)
@@ -243,7 +243,7 @@ def step_generate(
     without, the very same step runs eagerly with the cache slot on the device (how tests
     check the step on a machine without CUDA). See ``graph_generate``."""
     sampling = check_generate_inputs(model, input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p)
-    pad = eos_token_id if pad_token_id is None else pad_token_id
+    pad = resolve_pad_id(model, eos_token_id, pad_token_id)
     if max_new_tokens == 0:
         return decode_loop(None, input_ids, attention_mask, 0, eos_token_id, pad, streamer)
     mode = _Mode(

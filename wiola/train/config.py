@@ -32,7 +32,8 @@ class TrainConfig:
     # model
     preset: str = "13m"
     model: dict[str, Any] = field(default_factory=dict)  # WiolaConfig overrides, e.g. {"d_model": 64}
-    tokenizer: str | None = None  # None: the encoding whose vocabulary equals the model's
+    tokenizer: str | None = None  # gpt2, gpt2-32k or a tokenizer.json path; None: the tiktoken one matching vocab_size
+    init: str | None = None  # start from this checkpoint's model, weights and tokenizer (folder, run or Hub id)
     activation_checkpointing: bool = False  # recompute each block in the backward pass (less memory)
     # data
     data: str | None = "tinystories"  # "tinystories", "sample", or a path

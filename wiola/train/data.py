@@ -12,11 +12,13 @@ Sources (``--data``):
   when given; else the files of a folder whose names say ``val``/``valid``/``validation``; else
   every ``1/val_fraction``-th document.
 
-Tokenisation uses the encoding that matches the model vocabulary, puts ``<|endoftext|>`` before
-every document (so it separates stories and starts each one), runs in batches on
-``tiktoken``'s thread pool behind a tqdm bar, and is cached as uint16 memmap shards plus a
-``manifest.json`` (source fingerprint, tokenizer, counts) keyed by source and tokenizer: a second
-run opens the memmaps and skips tokenisation.
+Tokenisation uses the run's tokenizer (``--tokenizer``: ``gpt2``, ``gpt2-32k``, or a
+``tokenizer.json``; default: the tiktoken encoding matching the model vocabulary). Every document
+is framed by ``Tokenizer.document_prefix`` / ``document_suffix``: ``<|endoftext|>`` before it with
+GPT-2's, ``<s> ... </s>`` with a tokenizer that has a bos token. It runs in batches behind a tqdm
+bar and is cached as memmap shards (uint16 for up to 65,536 ids, uint32 beyond) plus a
+``manifest.json`` (source fingerprint, tokenizer fingerprint, counts), in a folder keyed by both:
+a second run opens the memmaps and skips tokenisation; a changed tokenizer never reuses them.
 
 Batches: window ``k`` of a split is ``tokens[k·T : k·T + T + 1]`` (consecutive windows share one
 token, so every token is a target exactly once per epoch). ``BatchStream`` draws windows in a
@@ -31,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterable, Iterator
@@ -42,9 +45,10 @@ import numpy as np
 import torch
 
 from wiola.config import WiolaConfig
+from wiola.tokenizer import Tokenizer
 from wiola.train.env import TRAIN_EXTRA, require
 
-PIPELINE_VERSION = 1  # part of the cache key: bump when tokenisation or the shard layout changes
+PIPELINE_VERSION = 2  # part of the cache key: bump when tokenisation or the shard layout changes
 TEXT_SUFFIXES = {
     ".txt": "text",
     ".text": "text",
@@ -274,21 +278,24 @@ def source_fingerprint(source: DataSource) -> str:
     return h.hexdigest()
 
 
-def tokenizer_for(config: WiolaConfig, name: str | None) -> Any:
-    """The tiktoken encoding for ``config``. Raises ``ValueError`` when ``name``'s vocabulary
-    differs from the model's, ``RuntimeError`` (saying what to set) when it cannot load."""
-    from wiola.tokenizer import ENCODINGS, encoding_for_vocab, get_encoding
+def tokenizer_for(config: WiolaConfig, spec: str | os.PathLike | None) -> Tokenizer:
+    """The tokenizer for a model of ``config``: ``spec`` (a name or a ``tokenizer.json`` path,
+    ``wiola.tokenizer.load_tokenizer``), or the tiktoken encoding whose vocabulary is the model's.
 
-    if name is not None:
-        if name not in ENCODINGS:
-            raise ValueError(f"unknown tokenizer {name!r}; choose one of {sorted(ENCODINGS)}")
-        if ENCODINGS[name] != config.vocab_size:
-            raise ValueError(
-                f"tokenizer {name!r} has {ENCODINGS[name]:,} tokens but the model's vocab_size is "
-                f"{config.vocab_size:,}; use the matching tokenizer or set vocab_size to {ENCODINGS[name]}"
-            )
-        return get_encoding(name)
-    return encoding_for_vocab(config.vocab_size)
+    Raises ``ValueError`` when the tokenizer has more ids than the model has embedding rows (fewer
+    is fine: padded embeddings), ``RuntimeError`` (saying what to set) when it cannot load.
+    """
+    from wiola.tokenizer import TiktokenTokenizer, encoding_for_vocab, load_tokenizer
+
+    if spec is None:
+        return TiktokenTokenizer(encoding_for_vocab(config.vocab_size))
+    tokenizer = load_tokenizer(spec)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(
+            f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size:,} ids but the model's vocab_size is "
+            f"{config.vocab_size:,}; set vocab_size to at least {tokenizer.vocab_size} (--model vocab_size=N)"
+        )
+    return tokenizer
 
 
 # --------------------------------------------------------------------------------- token cache
@@ -337,6 +344,7 @@ class TokenData:
 
     @property
     def tokenizer(self) -> str:
+        """The tokenizer's name."""
         return self.manifest["tokenizer"]
 
 
@@ -373,7 +381,7 @@ class _ShardWriter:
 def _tokenize_split(
     docs: Iterator[str],
     total: int | None,
-    encoding: Any,
+    tokenizer: Tokenizer,
     writer: _ShardWriter,
     *,
     num_threads: int,
@@ -382,7 +390,8 @@ def _tokenize_split(
     progress: bool,
 ) -> tuple[int, int, int]:
     tqdm = require("tqdm.auto", "tokenising a corpus").tqdm
-    eot = encoding.eot_token
+    prefix, suffix = tokenizer.document_prefix, tokenizer.document_suffix
+    dtype = token_dtype(tokenizer.vocab_size)
     n_docs = n_tokens = n_bytes = 0
     bar = tqdm(total=total, desc=desc, unit="doc", disable=not progress, dynamic_ncols=True)
     batch: list[str] = []
@@ -391,13 +400,14 @@ def _tokenize_split(
         nonlocal n_docs, n_tokens, n_bytes
         if not batch:
             return
-        encoded = encoding.encode_ordinary_batch(batch, num_threads=num_threads)
-        lengths = [len(e) + 1 for e in encoded]
-        flat = np.empty(sum(lengths), dtype=np.uint16)
+        encoded = tokenizer.encode_batch(batch, num_threads=num_threads)
+        lengths = [len(prefix) + len(e) + len(suffix) for e in encoded]
+        flat = np.empty(sum(lengths), dtype=dtype)
         pos = 0
         for e, n in zip(encoded, lengths):
-            flat[pos] = eot
-            flat[pos + 1 : pos + n] = e
+            flat[pos : pos + len(prefix)] = prefix
+            flat[pos + len(prefix) : pos + n - len(suffix)] = e
+            flat[pos + n - len(suffix) : pos + n] = suffix
             pos += n
         writer.write(flat)
         n_docs += len(batch)
@@ -416,26 +426,32 @@ def _tokenize_split(
     return n_docs, n_tokens, n_bytes
 
 
+def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
+    """The shard dtype: uint16 for up to 65,536 ids, uint32 beyond."""
+    return np.uint16 if vocab_size <= 1 << 16 else np.uint32
+
+
 def _open_cache(directory: Path) -> TokenData:
     manifest = json.loads((directory / "manifest.json").read_text())
+    dtype = np.dtype(manifest.get("dtype", "uint16"))
     splits = {}
     for split in ("train", "val"):
         info = manifest["splits"][split]
         shards = []
         for shard in info["shards"]:
             path = directory / shard["file"]
-            if path.stat().st_size != 2 * shard["tokens"]:
+            if path.stat().st_size != dtype.itemsize * shard["tokens"]:
                 raise ValueError(
                     f"token cache {directory} is damaged: {path.name} has the wrong size; delete the folder"
                 )
-            shards.append(np.memmap(path, dtype=np.uint16, mode="r") if shard["tokens"] else np.zeros(0, np.uint16))
+            shards.append(np.memmap(path, dtype=dtype, mode="r") if shard["tokens"] else np.zeros(0, dtype))
         splits[split] = TokenSplit(shards, info["documents"], info["bytes"])
     return TokenData(splits["train"], splits["val"], manifest, directory)
 
 
 def prepare_data(
     source: DataSource,
-    encoding: Any,
+    tokenizer: Tokenizer,
     cache_dir: str | os.PathLike | None = None,
     *,
     num_threads: int | None = None,
@@ -444,21 +460,24 @@ def prepare_data(
     progress: bool = True,
     log: Any = print,
 ) -> TokenData:
-    """Tokenise ``source`` with ``encoding`` (or open the cache of an earlier run) and return both splits.
+    """Tokenise ``source`` with ``tokenizer`` (or open the cache of an earlier run) and return both splits.
 
-    The cache folder is ``cache_dir/tokens/<source>-<tokenizer>-<fingerprint>``; it is built in a
-    temporary folder and renamed into place, so an interrupted run leaves no half cache.
-    Raises ``ValueError`` when the vocabulary does not fit uint16 or a split is empty.
+    The cache folder is ``cache_dir/tokens/<source>-<tokenizer>-<hash of both fingerprints>``; it
+    is built in a temporary folder and renamed into place, so an interrupted run leaves no half
+    cache. Raises ``ValueError`` when a split is empty.
     """
-    if encoding.n_vocab > 1 << 16:
-        raise ValueError(f"tokenizer {encoding.name} has {encoding.n_vocab} tokens; uint16 shards hold at most 65,536")
     fingerprint = source_fingerprint(source)
     slug = {"hf": "tinystories", "sample": "sample"}.get(source.kind) or Path(source.name).name.replace(".", "_")[:40]
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    directory = root / "tokens" / f"{slug}-{encoding.name}-{fingerprint[:16]}"
+    key = hashlib.sha256(f"{fingerprint} {tokenizer.fingerprint}".encode()).hexdigest()
+    name = re.sub(r"[^\w.-]", "_", tokenizer.name)[:40]
+    directory = root / "tokens" / f"{slug}-{name}-{key[:16]}"
     if (directory / "manifest.json").is_file():
         data = _open_cache(directory)
-        if data.manifest.get("fingerprint") == fingerprint and data.manifest.get("tokenizer") == encoding.name:
+        if (data.manifest.get("fingerprint"), data.manifest.get("tokenizer_fingerprint")) == (
+            fingerprint,
+            tokenizer.fingerprint,
+        ):
             log(f"tokens: cached in {directory} ({len(data.train):,} train / {len(data.val):,} val)")
             return data
     tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
@@ -474,11 +493,11 @@ def prepare_data(
             n_docs, n_tokens, n_bytes = _tokenize_split(
                 docs,
                 total,
-                encoding,
+                tokenizer,
                 writer,
                 num_threads=threads,
                 batch_docs=batch_docs,
-                desc=f"tokenising {split} ({encoding.name})",
+                desc=f"tokenising {split} ({tokenizer.name})",
                 progress=progress,
             )
             if n_docs == 0:
@@ -488,10 +507,12 @@ def prepare_data(
             "format": PIPELINE_VERSION,
             "source": source.describe(),
             "fingerprint": fingerprint,
-            "tokenizer": encoding.name,
-            "vocab_size": encoding.n_vocab,
-            "eot_token": encoding.eot_token,
-            "dtype": "uint16",
+            "tokenizer": tokenizer.name,
+            "tokenizer_fingerprint": tokenizer.fingerprint,
+            "vocab_size": tokenizer.vocab_size,
+            "document_prefix": tokenizer.document_prefix,
+            "document_suffix": tokenizer.document_suffix,
+            "dtype": np.dtype(token_dtype(tokenizer.vocab_size)).name,
             "splits": splits,
             "seconds": round(time.time() - t0, 3),
         }
@@ -504,7 +525,7 @@ def prepare_data(
         raise
     data = _open_cache(directory)
     log(
-        f"tokens: {len(data.train):,} train / {len(data.val):,} val with {encoding.name} in {time.time() - t0:.1f}s, cached in {directory}"
+        f"tokens: {len(data.train):,} train / {len(data.val):,} val with {tokenizer.name} in {time.time() - t0:.1f}s, cached in {directory}"
     )
     return data
 
@@ -645,16 +666,13 @@ def eval_batches(
         yield torch.from_numpy(np.stack(rows))
 
 
-def token_byte_lengths(encoding: Any) -> torch.Tensor:
-    """``(n_vocab,)`` int64: the UTF-8 bytes each token decodes to; special tokens count 0.
+def token_byte_lengths(tokenizer: Tokenizer) -> torch.Tensor:
+    """``(vocab_size,)`` int64: the UTF-8 bytes each token decodes to; special tokens count 0.
 
     Byte-level BPE decodes a sequence to the concatenation of its tokens' bytes, so summing this
     table over the targets gives the exact byte count of the decoded text.
     """
-    special = set(encoding.special_tokens_set)
-    special_ids = {encoding.encode_single_token(s) for s in special}
-    lengths = [0 if i in special_ids else len(encoding.decode_single_token_bytes(i)) for i in range(encoding.n_vocab)]
-    return torch.tensor(lengths, dtype=torch.int64)
+    return torch.tensor(tokenizer.token_byte_lengths(), dtype=torch.int64)
 
 
 def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:

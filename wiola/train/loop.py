@@ -34,7 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from wiola.checkpoint import load_checkpoint_tokenizer, load_pretrained, read_config, resolve_checkpoint
 from wiola.config import WiolaConfig
+from wiola.tokenizer import Tokenizer
 from wiola.train.config import RESUMABLE_CHANGES, TrainConfig
 from wiola.train.data import (
     BatchStream,
@@ -59,10 +61,10 @@ from wiola.train.evaluate import EvalResult, evaluate, gate_statistics
 from wiola.train.optim import build_optimizer, build_scheduler, schedule
 from wiola.train.run_folder import (
     METRICS_FILE,
-    OPTIMIZER_FILE,
     MetricsLog,
     ensure_writable,
     find_checkpoint,
+    read_optimizer_state,
     read_trainer_state,
     save_checkpoint,
     set_rng_state,
@@ -145,6 +147,7 @@ class _Run:
     grad_accum: int
     model_config: WiolaConfig
     data: TokenData
+    tokenizer: Tokenizer
     stream: BatchStream
     byte_lengths: torch.Tensor
     raw_model: torch.nn.Module
@@ -183,7 +186,8 @@ def _start(
     micro = cfg.micro_batch or max(1, cfg.batch_size // world)
     if cfg.batch_size % (micro * world):
         raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of micro_batch {micro} × world_size {world}")
-    model_config = cfg.model_config()
+    init = _init_checkpoint(cfg)
+    model_config = read_config(init)[0] if init is not None else cfg.model_config()
     model_class(cfg.fast)  # --fast without wiola.fast raises here
     checkpoint = saved = None
     if resume is not None:
@@ -192,10 +196,17 @@ def _start(
         _check_resume(saved, cfg, model_config, checkpoint)
     if rank == 0:
         ensure_writable(Path(cfg.out_dir))
-    encoding = tokenizer_for(model_config, cfg.tokenizer)
-    data = _load_data(cfg, encoding, rank, world, log)
+    if init is not None and cfg.tokenizer is None:
+        tokenizer = load_checkpoint_tokenizer(init)
+    else:
+        tokenizer = tokenizer_for(model_config, cfg.tokenizer)
+    data = _load_data(cfg, tokenizer, rank, world, log)
     if saved is not None and saved["data"].get("fingerprint") != data.manifest["fingerprint"]:
         raise ValueError(f"cannot resume {checkpoint} exactly: the training data changed since it was written")
+    if saved is not None and saved.get("tokenizer_fingerprint", tokenizer.fingerprint) != tokenizer.fingerprint:
+        raise ValueError(
+            f"cannot resume {checkpoint} exactly: the tokenizer {tokenizer.name!r} changed since it was written"
+        )
     grad_accum = cfg.batch_size // (micro * world)
     stream = BatchStream(
         data.train, cfg.seq_len, micro, grad_accum, rank=rank, world_size=world, shuffle=cfg.shuffle, seed=cfg.seed
@@ -204,12 +215,16 @@ def _start(
     optimizer = build_optimizer(raw_model, cfg, device)
     scheduler = build_scheduler(optimizer, cfg)
     run = _Run(
-        cfg, log, rank, world, device, micro, grad_accum, model_config, data, stream, token_byte_lengths(encoding),
+        cfg, log, rank, world, device, micro, grad_accum, model_config, data, tokenizer, stream,
+        token_byte_lengths(tokenizer),
         raw_model, raw_model, optimizer, scheduler,
         MetricsLog(Path(cfg.out_dir) / METRICS_FILE, rank == 0, None if checkpoint is None else int(saved["step"])),
     )  # fmt: skip
     if checkpoint is not None:
         _restore(run, checkpoint, saved)
+    elif init is not None:
+        raw_model.load_state_dict(load_pretrained(model_class(cfg.fast), init, device=device).state_dict())
+        log(f"initialised from {init}")
     elif run.main:
         _write_run_record(run, references)
     run.model = _wrap(raw_model, cfg, world, device)
@@ -217,18 +232,30 @@ def _start(
     return run
 
 
-def _load_data(cfg: TrainConfig, encoding: Any, rank: int, world: int, log: Log) -> TokenData:
+def _init_checkpoint(cfg: TrainConfig) -> Path | None:
+    """The model folder of ``cfg.init`` (a folder, a run folder's latest checkpoint, a Hub id)."""
+    if cfg.init is None:
+        return None
+    if cfg.model:
+        raise ValueError("--init takes the model configuration from the checkpoint; drop --model")
+    path = resolve_checkpoint(cfg.init)
+    if not (path / "config.json").is_file() and (path / "checkpoints").is_dir():
+        path = find_checkpoint(path)
+    return path
+
+
+def _load_data(cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int, log: Log) -> TokenData:
     """Rank 0 tokenises (or opens the cache); the others wait for it and open the cache."""
     source = resolve_source(cfg.data, cfg.val_data, cfg.val_fraction)
     data: TokenData | None = None
     if rank == 0:
         data = prepare_data(
-            source, encoding, cfg.cache_dir, num_threads=cfg.num_threads, progress=cfg.progress, log=log
+            source, tokenizer, cfg.cache_dir, num_threads=cfg.num_threads, progress=cfg.progress, log=log
         )
     if world > 1:
         dist.barrier()
     if rank != 0:
-        data = prepare_data(source, encoding, cfg.cache_dir, progress=False, log=lambda m: None)
+        data = prepare_data(source, tokenizer, cfg.cache_dir, progress=False, log=lambda m: None)
     assert data is not None
     check_split(data.train, cfg.seq_len, "training")
     check_split(data.val, cfg.seq_len, "validation")
@@ -261,13 +288,12 @@ def _check_resume(saved: dict[str, Any], cfg: TrainConfig, model_config: WiolaCo
 
 def _restore(run: _Run, checkpoint: Path, saved: dict[str, Any]) -> None:
     """Model, optimizer, schedule, RNG states and data position from ``checkpoint``."""
-    from wiola.checkpoint import load_pretrained
 
     cfg = run.cfg
     loaded = load_pretrained(model_class(cfg.fast), checkpoint, device=run.device)
     run.raw_model.load_state_dict(loaded.state_dict())
     del loaded
-    opt_state = torch.load(checkpoint / OPTIMIZER_FILE, map_location="cpu", weights_only=False)
+    opt_state = read_optimizer_state(checkpoint)
     run.optimizer.load_state_dict(opt_state["optimizer"])
     run.scheduler.load_state_dict(opt_state["scheduler"])
     run.scheduler.lr_lambdas[0] = schedule(cfg)  # a new --steps stretches the cosine
@@ -477,7 +503,7 @@ def _save(run: _Run) -> None:
     if run.main:
         run.last_ckpt = save_checkpoint(
             run.out_dir, run.raw_model, run.optimizer, run.scheduler, run.stream, run.cfg, run.model_config,
-            run.data, run.step, run.last_eval, run.train_loss,
+            run.data, run.tokenizer, run.step, run.last_eval, run.train_loss,
         )  # fmt: skip
     if run.world > 1:
         dist.barrier()

@@ -8,7 +8,11 @@ Layout::
     run/checkpoints/latest            the name of the newest checkpoint
     run/checkpoints/step_NNNNNNN/     config.json + model.safetensors (a model folder),
                                       trainer.json (settings, step, data position, metrics),
-                                      optimizer.pt (optimizer, scheduler, RNG states)
+                                      optimizer.pt (optimizer, scheduler, RNG states),
+                                      the tokenizer (tokenizer.json or its name in config.json)
+
+``optimizer.pt`` holds only tensors and plain containers, and is read with ``weights_only=True``:
+a planted pickle is refused, never run.
 """
 
 from __future__ import annotations
@@ -26,9 +30,25 @@ import torch
 
 if TYPE_CHECKING:
     from wiola.config import WiolaConfig
+    from wiola.tokenizer import Tokenizer
     from wiola.train.config import TrainConfig
     from wiola.train.data import BatchStream, TokenData
     from wiola.train.evaluate import EvalResult
+
+
+def read_optimizer_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
+    """``optimizer.pt`` of a checkpoint folder: ``{"optimizer", "scheduler", "rng"}``, read with
+    ``weights_only=True``. Raises ``ValueError`` for a file holding anything that could run code."""
+    from wiola.checkpoint import safe_torch_load
+
+    path = Path(checkpoint) / OPTIMIZER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: the checkpoint cannot be resumed")
+    state = safe_torch_load(path, "optimizer, scheduler and RNG state")
+    if not isinstance(state, dict) or {"optimizer", "scheduler", "rng"} - set(state):
+        raise ValueError(f"{path} does not hold the optimizer, scheduler and RNG state")
+    return state
+
 
 TRAINER_FILE = "trainer.json"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -37,7 +57,11 @@ METRICS_FILE = "metrics.jsonl"
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG's state as tensors and plain values (loadable with ``weights_only=True``)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos}
+    numpy_state |= {"has_gauss": has_gauss, "gauss": gauss}
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -45,7 +69,8 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -141,6 +166,7 @@ def save_checkpoint(
     cfg: TrainConfig,
     model_config: WiolaConfig,
     data: TokenData,
+    tokenizer: Tokenizer,
     step: int,
     last_eval: EvalResult | None,
     train_loss: float | None,
@@ -153,7 +179,7 @@ def save_checkpoint(
     tmp = root / f".{name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, tokenizer)
         torch.save(
             {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()},
             tmp / OPTIMIZER_FILE,
@@ -163,6 +189,7 @@ def save_checkpoint(
             "train_config": cfg.to_dict(),
             "model_config": model_config.to_dict(),
             "tokenizer": data.tokenizer,
+            "tokenizer_fingerprint": tokenizer.fingerprint,
             "data": {
                 "fingerprint": data.manifest["fingerprint"],
                 "source": data.manifest["source"],
