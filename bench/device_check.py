@@ -17,16 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# Seconds per stage in the default 420 s run (the shell reads them through `budgets`); the
-# compile-heavy stage gets what is left. parity_workers: pytest-xdist workers of the parity stage.
-BUDGETS: dict[str, int] = {
-    "setup": 30,
-    "headline": 160,
-    "parity": 110,
-    "sanitizer": 60,
-    "report": 20,
-    "parity_workers": 8,
-}
+from bench.plan import BUDGETS
+
 # The minimal parity selection on CUDA: the kernel, fast-model and generation tests (the CPU-only
 # tests — torchrun DDP, the demo, the C++ decode step, data, tokenizer — stay in CI), without the
 # torch.compile tests (inductor compiles; they run in the last stage).

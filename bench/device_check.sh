@@ -24,7 +24,7 @@
 # sanitizer.log report.log bench.jsonl BENCHMARKS.md charts.png. Exit code (summary):
 # 1 a parity test failed or parity could not finish, 2 a headline benchmark failed, 3 memcheck
 # found errors, 4 another benchmark failed, else 0. Safe to run twice.
-# Env: WIOLA_CHECK_SECONDS total (420); budgets per stage: bench/device_check.py BUDGETS;
+# Env: WIOLA_CHECK_SECONDS total (420); budgets per stage: bench/plan.py BUDGETS;
 # PYTHON (python3); WIOLA_COMMIT (recorded commit); WIOLA_SKIP_INSTALL=1;
 # TRITON_CACHE_DIR (default /tmp/wiola_triton_cache, shared by every stage).
 set -u -o pipefail
