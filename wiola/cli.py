@@ -40,6 +40,10 @@ def _generate(args: argparse.Namespace) -> int:
     from wiola.tokenizer import encoding_for_vocab
 
     model = _load_model(args).eval()
+    if args.fast and torch.device(args.device).type == "cpu":  # which path decodes, in one line
+        from kernels.decode_step_cpu import describe
+
+        print(f"CPU decoding: {describe()}", file=sys.stderr)
     enc = encoding_for_vocab(model.config.vocab_size)
     ids = enc.encode(args.prompt, allowed_special="all")
     if not ids:
