@@ -133,15 +133,17 @@ inline void dot_rows(const float* W, int64_t K, const float* x, int64_t ldx, flo
   }
 }
 
-// Rows [r0, r1) of y = x Wᵀ, each block of 4 rows prefetched a few blocks ahead. The layers'
-// weights (19 MB for the 13m preset) mostly come from L3: rows 8 ahead into L1, which the
-// hardware prefetcher alone does not keep up with (measured on this machine's EPYC, one thread:
-// the AVX2 step took about a third longer without it, the AVX-512 one about a tenth). With `stream` (the tied head, larger
-// than the last-level cache) rows 16 ahead, non-temporal, which keeps the head from evicting the
-// layers' weights from L3 and halves the step (see the benchmark notes).
+// Rows [r0, r1) of y = x Wᵀ, the block of 4 rows 8 rows ahead prefetched. The layers' weights
+// (19 MB for the 13m preset) mostly come from L3, into L1 here: the hardware prefetcher alone
+// does not keep up (measured on this machine's EPYC, one thread: the AVX2 step took about a
+// third longer without it, the AVX-512 one about a tenth). With `stream` (the tied head, larger
+// than the last-level cache) the prefetch is non-temporal, which keeps the head from evicting
+// the layers' weights from L3 and halves the step (see the benchmark notes). For the head, 8 rows
+// ahead ran about 5% faster than 16 on one thread in interleaved runs (level with 4, 32 and 64
+// within the noise of a loaded machine) and level on two.
 void gemv_rows(const float* W, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t B,
                int64_t r0, int64_t r1, bool stream) {
-  const int64_t ahead = stream ? 16 : 8;
+  constexpr int64_t ahead = 8;
   int64_t r = r0;
   for (; r + 4 <= r1; r += 4) {
     int64_t p0 = r + ahead, p1 = r + ahead + 4 < r1 ? r + ahead + 4 : r1;
