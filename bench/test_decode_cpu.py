@@ -2,14 +2,21 @@
 128 greedy new tokens, against the published ``wiola13m`` package's Hugging Face ``generate`` on
 the same weights, identical tokens asserted. Goal: at least 4× wiola13m at batch 1.
 
-Two rows: ``wiola.WiolaModel.generate`` (the readable reference, PyTorch ops) and
+Rows: ``wiola.WiolaModel.generate`` (the readable reference, PyTorch ops) and
 ``wiola.fast.WiolaModel.generate``, whose one-token steps run the C++ step of
-``kernels/decode_step_cpu`` (every layer and the head in one call).
+``kernels/decode_step_cpu`` (every layer and the head in one call), once in the variant chosen
+for this CPU (``native``) and once forced to each of the ``avx2`` and ``portable`` variants
+(``WIOLA_CPU_ISA``; skipped where this CPU lacks the ISA), each with its own ratio to wiola13m
+measured in the same run. Every result records the CPU's model name and flags, the variant and
+the path that decoded (``cpu_model``, ``cpu_flags``, ``cpu_isa``, ``decode_path`` in
+``extra_info``, and in its notes).
 
 Under ``--benchmark-disable`` (the CI smoke run) only 8 tokens are generated.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -17,9 +24,11 @@ import torch
 import wiola
 from bench import roofline
 from bench.hf_baseline import hf_greedy, wiola13m_like
+from kernels import decode_step_cpu
 
 PROMPT, NEW_TOKENS, SMOKE_TOKENS = 16, 128, 8
 BATCHES = [1, 8]
+ISAS = ["native", "avx2", "portable"]  # native: the variant chosen for this CPU
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +69,39 @@ def _wiola13m_baseline(hf_model, ids: torch.Tensor, new: int, ours: torch.Tensor
     return lambda: hf_greedy(hf_model, ids, new)
 
 
+def _cpu_notes(isa: str | None, path: str) -> tuple[dict[str, Any], list[str]]:
+    """The CPU this ran on (model name, flags), the ISA variant and the decoding path: as
+    ``extra_info`` keys and as notes (which also reach ``WIOLA_BENCH_JSONL``)."""
+    cpu = decode_step_cpu.cpu_info()
+    info = {"cpu_model": cpu["model"], "cpu_flags": cpu["flags"], "cpu_isa": isa, "decode_path": path}
+    return info, [f"decode path: {path}", f"CPU: {cpu['model']} ({cpu['machine']})", f"CPU flags: {cpu['flags']}"]
+
+
+def _record(
+    cpu_bench, fn, config: wiola.WiolaConfig, batch: int, new: int, name: str, baselines: dict, notes: list[str],
+    cpu: tuple[dict[str, Any], list[str]],
+) -> dict:  # fmt: skip
+    """Time ``fn`` (greedy decoding of ``batch`` rows, ``new`` tokens) with its baselines, the CPU
+    recorded with the result; prints the ratio to wiola13m."""
+    rec = cpu_bench.run(
+        fn,
+        op="decode_cpu",
+        mode="greedy",
+        name=name,
+        cost=_cost(config, batch, new),
+        shape={"B": batch, "P": PROMPT, "N": new},
+        dtype=torch.float32,
+        tokens=batch * new,
+        baselines=baselines,
+        notes=notes + cpu[1],
+    )
+    cpu_bench.benchmark.extra_info.update(cpu[0])
+    rec.update(cpu[0])
+    if not cpu_bench.quick:
+        _summary(batch, name, rec)
+    return rec
+
+
 def _summary(batch: int, name: str, rec: dict) -> None:
     hf = rec["baselines"]["wiola13m"]
     if "speedup" in hf:
@@ -81,28 +123,38 @@ def test_decode_cpu(cpu_bench, model, hf_model, batch: int) -> None:
     expected = ours()
     assert expected.shape == (batch, PROMPT + new), f"generate returned shape {tuple(expected.shape)}"
     baselines["wiola13m"] = _wiola13m_baseline(hf_model, ids, new, expected)
-
-    rec = cpu_bench.run(
+    notes = ["13m preset, random weights, same weights in every implementation; greedy tokens identical"]
+    _record(
+        cpu_bench,
         ours,
-        op="decode_cpu",
-        mode="greedy",
-        name="reference",
-        cost=_cost(model.config, batch, new),
-        shape={"B": batch, "P": PROMPT, "N": new},
-        dtype=torch.float32,
-        tokens=batch * new,
-        baselines=baselines,
-        notes=["13m preset, random weights, same weights in every implementation; greedy tokens identical"],
+        model.config,
+        batch,
+        new,
+        "reference",
+        baselines,
+        notes,
+        _cpu_notes(None, "PyTorch ops (reference)"),
     )
-    if not cpu_bench.quick:
-        _summary(batch, "reference", rec)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("batch", BATCHES, ids=lambda b: f"B{b}-P{PROMPT}-N{NEW_TOKENS}")
-def test_decode_cpu_fast(cpu_bench, model, hf_model, batch: int) -> None:
+def test_decode_cpu_fast(cpu_bench, model, hf_model, batch: int, isa: str, monkeypatch) -> None:
     fast = pytest.importorskip("wiola.fast", reason="wiola.fast does not exist yet")
     if not hasattr(fast, "WiolaModel"):
         pytest.skip("wiola.fast.WiolaModel does not exist yet")
+    if isa == "native":
+        monkeypatch.delenv("WIOLA_CPU_ISA", raising=False)
+    else:
+        try:
+            decode_step_cpu.select_isa(isa)
+        except ValueError as exc:
+            pytest.skip(f"the {isa} variant: {exc}")
+        monkeypatch.setenv("WIOLA_CPU_ISA", isa)  # read by the step when it binds to a new cache
+        if decode_step_cpu.load() is None:
+            pytest.skip(f"the {isa} variant did not build: {decode_step_cpu.BUILD_ERROR}")
+    path = decode_step_cpu.describe()  # the native row may be the PyTorch path (no compiler): recorded
+    chosen = decode_step_cpu.select_isa() if path.startswith("C++") else None
     new = SMOKE_TOKENS if cpu_bench.quick else NEW_TOKENS
     ids = _prompt(batch)
     fast_model = fast.WiolaModel(model.config).eval()
@@ -116,18 +168,18 @@ def test_decode_cpu_fast(cpu_bench, model, hf_model, batch: int) -> None:
     )
     baselines = {"reference": lambda: model.generate(ids, new, temperature=0)}
     baselines["wiola13m"] = _wiola13m_baseline(hf_model, ids, new, got)
-
-    rec = cpu_bench.run(
+    name = "wiola.fast" if isa == "native" else f"wiola.fast[{isa}]"
+    notes = ["13m preset, random weights; greedy tokens identical to the reference and to wiola13m"]
+    if isa != "native":
+        notes.append(f"variant forced with WIOLA_CPU_ISA={isa}")
+    _record(
+        cpu_bench,
         lambda: fast_model.generate(ids, new, temperature=0),
-        op="decode_cpu",
-        mode="greedy",
-        name="wiola.fast",
-        cost=_cost(model.config, batch, new),
-        shape={"B": batch, "P": PROMPT, "N": new},
-        dtype=torch.float32,
-        tokens=batch * new,
-        baselines=baselines,
-        notes=["13m preset, random weights; greedy tokens identical to the reference and to wiola13m"],
+        model.config,
+        batch,
+        new,
+        name,
+        baselines,
+        notes,
+        _cpu_notes(chosen, path),
     )
-    if not cpu_bench.quick:
-        _summary(batch, "wiola.fast", rec)

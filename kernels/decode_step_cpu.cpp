@@ -1,13 +1,19 @@
 // One decoding step of the whole Wiola model on a CPU, fp32: every layer and the tied head for
 // B rows of one new token each, reading the model's weights and writing the static cache in place.
-// Built and loaded by kernels/decode_step_cpu.py (g++ -O3 -march=native -fopenmp, ctypes); the
-// math is SPEC.md's, the same as wiola.model.WiolaModel.forward with a cache and T = 1.
+// Built and loaded by kernels/decode_step_cpu.py (g++ -O3 -fopenmp, ctypes); the math is SPEC.md's,
+// the same as wiola.model.WiolaModel.forward with a cache and T = 1.
 //
 // Why C++: decoding one token is bound by reading the weights (52 MB for the 13m preset), yet the
 // PyTorch path spends as long again on ~2,000 small ATen calls, and MKL's matrix-vector product is
 // single-threaded. Here every product streams its rows once, split between the threads of torch's
 // own OpenMP pool (libgomp is loaded once, by torch, so the two share it), and the small ops run
 // as plain loops between barriers of one parallel region.
+//
+// One source, three instruction sets, chosen by the builder with a macro:
+//   WIOLA_ISA_AVX512  16 fp32 lanes (zmm), 32 vector registers: 4 weight rows x 4 batch rows
+//   WIOLA_ISA_AVX2     8 fp32 lanes (ymm, with FMA), 16 registers: 4 weight rows x 2 batch rows
+//   neither            portable: 4 lanes of GCC's generic vectors (SSE2, NEON, or scalar code),
+//                      no x86 assembly, compiles for any target
 #include <omp.h>
 
 #include <cmath>
@@ -16,27 +22,60 @@
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-constexpr int kLanes = 16;
+typedef float v4 __attribute__((vector_size(16)));
 
-inline v16 load(const float* p) {
-  v16 v;
+#if defined(WIOLA_ISA_AVX512)
+#if !defined(__AVX512F__)
+#error "WIOLA_ISA_AVX512 needs -mavx512f"
+#endif
+typedef float v8 __attribute__((vector_size(32)));
+typedef float vec __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+constexpr int kBatchBlock = 4;  // 16 accumulators + 4 x + 1 w of 32 registers
+#define WIOLA_PIN(x) asm("" : "+v"(x))
+#elif defined(WIOLA_ISA_AVX2)
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "WIOLA_ISA_AVX2 needs -mavx2 -mfma"
+#endif
+typedef float v8 __attribute__((vector_size(32)));
+typedef v8 vec;
+constexpr int kLanes = 8;
+constexpr int kBatchBlock = 2;  // 8 accumulators + 2 x + 1 w of 16 registers
+#define WIOLA_PIN(x) asm("" : "+x"(x))
+#else
+typedef v4 vec;
+constexpr int kLanes = 4;
+constexpr int kBatchBlock = 2;
+#define WIOLA_PIN(x) ((void)0)
+#endif
+
+// Loads and stores through memcpy: unaligned, and no aliasing assumption.
+inline vec load(const float* p) {
+  vec v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
 
-inline float hsum(v16 v) {
-  typedef float v8 __attribute__((vector_size(32)));
-  typedef float v4 __attribute__((vector_size(16)));
-  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
+// Horizontal sums, halving the width each time (the halves taken through memcpy, which GCC and
+// Clang of any version turn into one extract).
+inline float hsum(v4 b) { return (b[0] + b[2]) + (b[1] + b[3]); }
+#if defined(WIOLA_ISA_AVX512) || defined(WIOLA_ISA_AVX2)
+template <typename Half, typename Full>
+inline Half fold(Full v) {
+  Half lo, hi;
+  std::memcpy(&lo, &v, sizeof(Half));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(Half), sizeof(Half));
+  return lo + hi;
 }
+inline float hsum(v8 a) { return hsum(fold<v4>(a)); }
+#endif
+#if defined(WIOLA_ISA_AVX512)
+inline float hsum(vec v) { return hsum(fold<v8>(v)); }
+#endif
 
 inline float dot(const float* a, const float* b, int64_t n) {
-  v16 acc = {};
+  vec acc = {};
   int64_t k = 0;
   for (; k + kLanes <= n; k += kLanes) acc += load(a + k) * load(b + k);
   float s = hsum(acc);
@@ -49,21 +88,21 @@ inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 // y[b, r] = <W[r, :], x[b, :]> for rows r in [r0, r1) and every b < B: W (N, K) row-major as
 // nn.Linear stores it, so each thread streams one contiguous slice of the matrix exactly once.
-// Four rows at a time (independent FMA chains), the batch in groups of up to four rows of x,
+// Four rows at a time (independent FMA chains), the batch in groups of up to kBatchBlock rows of x,
 // which stay in L1 while a group of W rows is reused from L1 for every group of x.
 template <int NR, int NB>
 inline void dot_block(const float* W, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t r) {
-  v16 acc[NR][NB] = {};
+  vec acc[NR][NB] = {};
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
-    v16 xv[NB];
+    vec xv[NB];
     for (int b = 0; b < NB; ++b) {
       xv[b] = load(x + b * ldx + k);
-      asm("" : "+v"(xv[b]));  // keep it in a register: GCC would reload it for every FMA
+      WIOLA_PIN(xv[b]);  // keep it in a register: GCC would reload it for every FMA
     }
     for (int i = 0; i < NR; ++i) {
-      v16 w = load(W + (r + i) * K + k);
-      asm("" : "+v"(w));
+      vec w = load(W + (r + i) * K + k);
+      WIOLA_PIN(w);
       for (int b = 0; b < NB; ++b) acc[i][b] += w * xv[b];
     }
   }
@@ -80,29 +119,40 @@ inline void dot_block(const float* W, int64_t K, const float* x, int64_t ldx, fl
 template <int NR>
 inline void dot_rows(const float* W, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t B,
                      int64_t r) {
-  for (int64_t b = 0; b < B; b += 4) {
+  for (int64_t b = 0; b < B; b += kBatchBlock) {
     const float* xb = x + b * ldx;
     float* yb = y + b * ldy;
-    switch (B - b < 4 ? B - b : 4) {
+    switch (B - b < kBatchBlock ? B - b : kBatchBlock) {
       case 1: dot_block<NR, 1>(W, K, xb, ldx, yb, ldy, r); break;
+#if defined(WIOLA_ISA_AVX512)
       case 2: dot_block<NR, 2>(W, K, xb, ldx, yb, ldy, r); break;
       case 3: dot_block<NR, 3>(W, K, xb, ldx, yb, ldy, r); break;
-      default: dot_block<NR, 4>(W, K, xb, ldx, yb, ldy, r); break;
+#endif
+      default: dot_block<NR, kBatchBlock>(W, K, xb, ldx, yb, ldy, r); break;
     }
   }
 }
 
-// Rows [r0, r1) of y = x Wᵀ. With `stream` (the tied head, larger than the last-level cache),
-// the rows 16 ahead are prefetched as non-temporal, which on this machine's EPYC keeps the
-// head from evicting the layers' weights from L3 and halves the step (see the benchmark notes).
+// Rows [r0, r1) of y = x Wᵀ, the block of 4 rows 8 rows ahead prefetched. The layers' weights
+// (19 MB for the 13m preset) mostly come from L3, into L1 here: the hardware prefetcher alone
+// does not keep up (measured on this machine's EPYC, one thread: the AVX2 step took about a
+// third longer without it, the AVX-512 one about a tenth). With `stream` (the tied head, larger
+// than the last-level cache) the prefetch is non-temporal, which keeps the head from evicting
+// the layers' weights from L3 and halves the step (see the benchmark notes). For the head, 8 rows
+// ahead ran about 5% faster than 16 on one thread in interleaved runs (level with 4, 32 and 64
+// within the noise of a loaded machine) and level on two.
 void gemv_rows(const float* W, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t B,
                int64_t r0, int64_t r1, bool stream) {
-  const char* end = reinterpret_cast<const char*>(W + r1 * K);
+  constexpr int64_t ahead = 8;
   int64_t r = r0;
   for (; r + 4 <= r1; r += 4) {
-    if (stream) {
-      const char* p = reinterpret_cast<const char*>(W + (r + 16) * K);
-      for (int64_t off = 0; off < 4 * K * 4 && p + off < end; off += 64) __builtin_prefetch(p + off, 0, 0);
+    int64_t p0 = r + ahead, p1 = r + ahead + 4 < r1 ? r + ahead + 4 : r1;
+    const char* p = reinterpret_cast<const char*>(W + (p0 < r1 ? p0 : r1) * K);
+    for (int64_t off = 0; p0 < p1 && off < (p1 - p0) * K * 4; off += 64) {
+      if (stream)
+        __builtin_prefetch(p + off, 0, 0);
+      else
+        __builtin_prefetch(p + off, 0, 3);
     }
     dot_rows<4>(W, K, x, ldx, y, ldy, B, r);
   }

@@ -5,12 +5,26 @@ gradients off): every layer and the tied head in one call, the static cache writ
 It computes what ``wiola.WiolaModel.forward(ids, cache=cache)`` computes for ``ids`` of shape
 ``(B, 1)``, in fp32 with its own summation order (``tests/test_decode_step_cpu.py``).
 
+One source, three instruction-set variants (``ISAS``), chosen at build time:
+
+- ``avx512``: 16 fp32 lanes (``-mavx512f -mavx2 -mfma``), where the CPU has AVX-512F;
+- ``avx2``: 8 lanes (``-mavx2 -mfma``), where it has AVX2 and FMA;
+- ``portable``: 4 lanes of the compiler's generic vectors, no x86 flags or assembly (any
+  x86-64, aarch64 or other target the compiler builds for).
+
+``select_isa()`` takes the best one this CPU has, read from the compiler's predefined macros
+under ``-march=native`` (``/proc/cpuinfo``'s flags where that fails); ``WIOLA_CPU_ISA=avx512|
+avx2|portable`` forces one (``auto`` or unset: the best), and an ISA the CPU lacks is refused
+with a ``ValueError`` naming the missing flags. The x86 variants add ``-mtune=native``.
+
 The source is compiled on first use with the system C++ compiler (``$CXX``, else ``g++``;
-``-O3 -march=native -fopenmp``) into ``$WIOLA_CACHE_DIR`` (default ``~/.cache/wiola``), keyed by
-the source, the flags, the compiler and the CPU, and loaded with ``ctypes``. Its OpenMP
-parallel region runs on the ``libgomp`` that torch has already loaded (the same thread pool as
-torch's own ops, sized by ``torch.set_num_threads``). Where no compiler works, ``load()``
-returns None and ``BUILD_ERROR`` says why; the model then keeps its PyTorch path.
+``-O3 -fopenmp`` and the variant's flags) into ``$WIOLA_CACHE_DIR`` (default ``~/.cache/wiola``),
+keyed by the source, the variant, its flags, the compiler and the CPU, and loaded with
+``ctypes``. Its OpenMP parallel region runs on the ``libgomp`` that torch has already loaded
+(the same thread pool as torch's own ops, sized by ``torch.set_num_threads``). Where no compiler
+works, ``load()`` returns None, ``BUILD_ERROR`` says why, and a ``RuntimeWarning`` naming the
+compiler error is issued once (per variant); the model then keeps its PyTorch path.
+``describe()`` says in one line which path decodes on this machine.
 """
 
 from __future__ import annotations
@@ -22,6 +36,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,12 +47,21 @@ if TYPE_CHECKING:
     from wiola.model import WiolaModel
 
 SOURCE = Path(__file__).with_suffix(".cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC")
+FLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC")
+ISAS = ("avx512", "avx2", "portable")  # best first
+ISA_FLAGS = {
+    "avx512": ("-DWIOLA_ISA_AVX512", "-mavx512f", "-mavx2", "-mfma", "-mtune=native"),
+    "avx2": ("-DWIOLA_ISA_AVX2", "-mavx2", "-mfma", "-mtune=native"),
+    "portable": (),
+}
+ISA_NEEDS = {"avx512": ("avx512f", "avx2", "fma"), "avx2": ("avx2", "fma"), "portable": ()}
+ISA_ENV = "WIOLA_CPU_ISA"
 MAX_HEAD = 1024  # the C++ keeps a head's gate vectors on the stack
 
-BUILD_ERROR: str | None = None  # why the library could not be built or loaded
-_LIB: ctypes.CDLL | None = None
-_TRIED = False
+BUILD_ERROR: str | None = None  # why the library could not be built or loaded (the latest failure)
+_BUILDS: dict[tuple[str, str], ctypes.CDLL | str] = {}  # (compiler, isa) -> the library or the error
+_FEATURES: dict[str, tuple[frozenset[str], str]] = {}  # compiler -> (CPU features, where read)
+_MACROS = {"__AVX512F__": "avx512f", "__AVX2__": "avx2", "__FMA__": "fma"}
 
 
 def _cache_dir() -> Path:
@@ -56,56 +80,170 @@ def _cache_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"wiola-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
 
 
-def _cpu_signature() -> str:
-    """What ``-march=native`` depends on: the CPU's model name and feature flags."""
+def _cpuinfo_lines() -> list[str]:
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
+        return []
+
+
+def cpu_info() -> dict[str, str]:
+    """The CPU as the OS reports it, for benchmark records: ``machine``, ``model`` (the model
+    name in ``/proc/cpuinfo``, else the platform's processor string) and ``flags``."""
+    info = {"machine": platform.machine(), "model": "", "flags": ""}
+    for line in _cpuinfo_lines():
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if key == "model name" and not info["model"]:
+            info["model"] = value
+        elif key in ("flags", "Features") and not info["flags"]:
+            info["flags"] = value
+    info["model"] = info["model"] or platform.processor() or platform.machine()
+    return info
+
+
+def _cpu_signature() -> str:
+    """What ``-mtune=native`` and the variant choice depend on: the CPU's model name and flags."""
+    keep = [line for line in _cpuinfo_lines() if line.startswith(("model name", "flags", "Features"))]
+    if not keep:
         return platform.machine() + platform.processor()
-    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags", "Features"))]
     return platform.machine() + "\n".join(sorted(set(keep)))
 
 
-def _compile(compiler: str, target: Path) -> None:
+def _compiler() -> str:
+    return os.environ.get("CXX") or "g++"
+
+
+def cpu_features(compiler: str | None = None) -> tuple[frozenset[str], str]:
+    """The features of this CPU that the variants need (of ``avx512f``, ``avx2``, ``fma``) and
+    where they were read: the compiler's macros under ``-march=native`` (what it can target
+    here, the OS's support included), else the flags in ``/proc/cpuinfo``."""
+    compiler = compiler or _compiler()
+    if compiler not in _FEATURES:
+        found: tuple[frozenset[str], str] | None = None
+        path = shutil.which(compiler)
+        if path is not None and platform.machine().lower() in ("x86_64", "amd64", "i686", "i386"):
+            try:
+                proc = subprocess.run(
+                    [path, "-march=native", "-dM", "-E", "-x", "c++", "-"],
+                    input="", capture_output=True, text=True, timeout=60,
+                )  # fmt: skip
+                if proc.returncode == 0:
+                    macros = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("#define ")}
+                    found = (frozenset(f for m, f in _MACROS.items() if m in macros), f"{compiler} -march=native")
+            except (OSError, subprocess.SubprocessError):
+                pass
+        if found is None:
+            flags = set(cpu_info()["flags"].split())
+            found = (frozenset(f for f in _MACROS.values() if f in flags), "/proc/cpuinfo")
+        _FEATURES[compiler] = found
+    return _FEATURES[compiler]
+
+
+def select_isa(isa: str | None = None, compiler: str | None = None) -> str:
+    """The variant to build: ``isa`` if given, else ``$WIOLA_CPU_ISA``, else (or for ``auto``)
+    the best in ``ISAS`` that this CPU runs. Raises ``ValueError`` for an unknown name or an ISA
+    this CPU lacks (running it would die on an illegal instruction)."""
+    source = "isa" if isa is not None else ISA_ENV
+    requested = (isa if isa is not None else os.environ.get(ISA_ENV, "")).strip().lower()
+    features, where = cpu_features(compiler)
+    if requested in ("", "auto"):
+        return next(name for name in ISAS if set(ISA_NEEDS[name]) <= features)
+    if requested not in ISAS:
+        raise ValueError(f"{source}={requested!r} is not one of auto, {', '.join(ISAS)}")
+    missing = [f for f in ISA_NEEDS[requested] if f not in features]
+    if missing:
+        have = ", ".join(sorted(features)) or "none of avx512f, avx2, fma"
+        raise ValueError(
+            f"{source}={requested}: this CPU lacks {', '.join(missing)} (it has {have}, read from {where}); "
+            f"use one of {', '.join(n for n in ISAS if set(ISA_NEEDS[n]) <= features)}"
+        )
+    return requested
+
+
+def compile_variant(isa: str, target: Path, compiler: str | None = None) -> None:
+    """Compile the ``isa`` variant into ``target`` (whatever CPU this is: the x86 variants build
+    on any x86 compiler). Raises ``RuntimeError`` with the compiler's error."""
+    if isa not in ISAS:
+        raise ValueError(f"isa={isa!r} is not one of {', '.join(ISAS)}")
+    compiler = compiler or _compiler()
+    path = shutil.which(compiler)
+    if path is None:
+        raise RuntimeError(f"no C++ compiler: `{compiler}` is not on PATH (set CXX)")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [compiler, *FLAGS, str(SOURCE), "-o", str(out)]
+        cmd = [path, *FLAGS, *ISA_FLAGS[isa], str(SOURCE), "-o", str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{proc.stderr.strip()[-2000:]}")
+            error = (proc.stderr.strip() or proc.stdout.strip())[-2000:]
+            raise RuntimeError(f"`{' '.join(cmd)}` failed (exit status {proc.returncode}):\n{error}")
         os.replace(out, target)  # atomic: a concurrent build never sees half a file
 
 
-def load() -> ctypes.CDLL | None:
-    """The compiled library (built on first call), or None with ``BUILD_ERROR`` set."""
-    global _LIB, _TRIED, BUILD_ERROR
-    if _TRIED:
-        return _LIB
-    _TRIED = True
-    try:
-        compiler = os.environ.get("CXX") or "g++"
-        path = shutil.which(compiler)
-        if path is None:
-            raise RuntimeError(f"no C++ compiler: `{compiler}` is not on PATH (set CXX)")
-        version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
-        key = hashlib.sha256(
-            "\0".join((SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature())).encode()
-        ).hexdigest()[:20]
-        target = _cache_dir() / f"decode_step_cpu-{key}.so"
-        if not target.exists():
-            _compile(path, target)
-        lib = ctypes.CDLL(str(target))
-        lib.wiola_workspace_floats.argtypes = [ctypes.c_void_p]
-        lib.wiola_workspace_floats.restype = ctypes.c_int64
-        lib.wiola_decode_step.argtypes = (
-            [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_float] + [ctypes.c_void_p] * 2
-        )
-        lib.wiola_decode_step.restype = ctypes.c_int
-        _LIB = lib
-    except Exception as exc:  # no compiler, a compile error, an unloadable library
-        BUILD_ERROR = f"{type(exc).__name__}: {exc}"
-    return _LIB
+def _build(compiler: str, isa: str) -> ctypes.CDLL:
+    path = shutil.which(compiler)
+    if path is None:
+        raise RuntimeError(f"no C++ compiler: `{compiler}` is not on PATH (set CXX)")
+    version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
+    flags = " ".join((*FLAGS, *ISA_FLAGS[isa]))
+    key = hashlib.sha256("\0".join((SOURCE.read_text(), isa, flags, version, _cpu_signature())).encode())
+    target = _cache_dir() / f"decode_step_cpu-{isa}-{key.hexdigest()[:20]}.so"
+    if not target.exists():
+        compile_variant(isa, target, compiler)
+    lib = ctypes.CDLL(str(target))
+    lib.wiola_workspace_floats.argtypes = [ctypes.c_void_p]
+    lib.wiola_workspace_floats.restype = ctypes.c_int64
+    lib.wiola_decode_step.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_float] + [ctypes.c_void_p] * 2
+    lib.wiola_decode_step.restype = ctypes.c_int
+    return lib
+
+
+def load(isa: str | None = None) -> ctypes.CDLL | None:
+    """The compiled library of ``select_isa(isa)`` (built on first call), or None with
+    ``BUILD_ERROR`` set and, the first time, a ``RuntimeWarning`` naming the error. Raises
+    ``ValueError`` when the ISA asked for (``isa`` or ``$WIOLA_CPU_ISA``) is unknown or not this
+    CPU's."""
+    global BUILD_ERROR
+    compiler = _compiler()
+    isa = select_isa(isa, compiler)
+    built = _BUILDS.get((compiler, isa))
+    if built is None:
+        try:
+            built = _build(compiler, isa)
+        except Exception as exc:  # no compiler, a compile error, an unloadable library
+            built = f"{type(exc).__name__}: {exc}"
+            warnings.warn(
+                f"wiola: the C++ CPU decode step ({isa}) could not be built, so one-token decoding on this "
+                f"CPU takes the slower PyTorch path. {built}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        _BUILDS[(compiler, isa)] = built
+    if isinstance(built, str):
+        BUILD_ERROR = built
+        return None
+    return built
+
+
+def _one_line(error: str) -> str:
+    """The line of a build error that names the problem: the compiler's first ``error`` line
+    (else its last line) under the failed command, or the error itself when it is one line."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()] or ["unknown error"]
+    detail = lines[1:] or lines
+    text = next((line for line in detail if "error" in line.lower()), detail[-1])
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def describe(isa: str | None = None) -> str:
+    """One line saying how one-token steps decode on this CPU, building the step if needed:
+    ``"C++ step, avx2, 2 threads"`` or ``"PyTorch path: <why the step did not build>"``. (It
+    applies to fp32, gradient-free steps of ``wiola.fast.WiolaModel`` outside
+    ``TRITON_INTERPRET=1``.) Raises ``ValueError`` like ``select_isa`` for a forced ISA that
+    this CPU lacks."""
+    if load(isa) is None:
+        return f"PyTorch path: the C++ step did not build ({_one_line(BUILD_ERROR or '')})"
+    n = torch.get_num_threads()
+    return f"C++ step, {select_isa(isa)}, {n} thread{'s' if n != 1 else ''}"
 
 
 def step_parameters(model: WiolaModel) -> list[torch.Tensor | None]:
@@ -122,16 +260,18 @@ def step_parameters(model: WiolaModel) -> list[torch.Tensor | None]:
 
 
 class DecodeStepCPU:
-    """The C++ step bound to one model's weights and one cache (pointers taken once).
+    """The C++ step bound to one model's weights and one cache (pointers taken once), in the
+    variant ``select_isa(isa)`` (``$WIOLA_CPU_ISA`` is read here, once per binding).
 
     Raises ``ValueError`` naming the tensor when a weight or cache buffer is not a contiguous
     CPU tensor of the expected dtype and shape (a cache made for another model, say).
     """
 
-    def __init__(self, model: WiolaModel, cache: Cache) -> None:
-        lib = load()
+    def __init__(self, model: WiolaModel, cache: Cache, isa: str | None = None) -> None:
+        lib = load(isa)
         if lib is None:
             raise RuntimeError(f"the CPU decode step is not available: {BUILD_ERROR}")
+        self.isa = select_isa(isa)
         cfg = model.config
         if cfg.head_dim > MAX_HEAD or cfg.n_heads > MAX_HEAD:
             raise ValueError(f"the CPU decode step needs head_dim and n_heads <= {MAX_HEAD}")

@@ -1,12 +1,16 @@
 """The C++ CPU decoding step (``kernels/decode_step_cpu``) against the reference model's one-token
 forward with a cache: logits and every cache buffer it writes, over odd shapes (row counts that
-are not multiples of the 4-row blocks, widths that are not multiples of the 16 SIMD lanes), every
-gate variant, left padding, long caches, NaN-poisoned slots it must not read, thread counts, and
-its use by ``wiola.fast.WiolaModel`` on a plain CPU (dispatch, rebinding, fallback)."""
+are not multiples of the 4-row blocks, widths that are not multiples of the 16, 8 or 4 SIMD
+lanes), every gate variant, left padding, long caches, NaN-poisoned slots it must not read,
+thread counts, each instruction-set variant this CPU runs (every variant this compiler builds
+is compiled), the choice of variant and its refusal, the build-failure warning, and its use by
+``wiola.fast.WiolaModel`` on a plain CPU (dispatch, rebinding, fallback)."""
 
 from __future__ import annotations
 
 import dataclasses
+import platform
+import warnings
 
 import pytest
 import torch
@@ -32,10 +36,39 @@ VARIANTS = {
 }
 
 
+def _runs_here(isa: str) -> bool:
+    try:
+        return decode_step_cpu.select_isa(isa) == isa
+    except ValueError:
+        return False
+
+
+ISAS_HERE = [isa for isa in decode_step_cpu.ISAS if _runs_here(isa)]  # all three on an AVX-512 CPU
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+@pytest.fixture(params=ISAS_HERE)
+def isa(request) -> str:
+    """Each variant this CPU runs; the step is built (on first use) or the test fails naming why."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the failure is reported below instead
+        lib = decode_step_cpu.load(request.param)
+    if lib is None:
+        pytest.fail(f"the CPU decode step ({request.param}) did not build: {decode_step_cpu.BUILD_ERROR}")
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def _built():
     if decode_step_cpu.load() is None:
         pytest.fail(f"the CPU decode step did not build: {decode_step_cpu.BUILD_ERROR}")
+
+
+def _reset(monkeypatch) -> None:
+    """Forget every build and the CPU's detected features (for tests that change the compiler)."""
+    monkeypatch.setattr(decode_step_cpu, "_BUILDS", {})
+    monkeypatch.setattr(decode_step_cpu, "_FEATURES", {})
+    monkeypatch.setattr(decode_step_cpu, "BUILD_ERROR", None)
 
 
 def _model(config: wiola.WiolaConfig, seed: int = 0) -> wiola.WiolaModel:
@@ -73,7 +106,7 @@ def _assert_caches_equal(ref: wiola.Cache, got: wiola.Cache, upto: int) -> None:
 @torch.inference_mode()
 @pytest.mark.parametrize("B,prompt,steps,pad", [(1, 1, 6, 0), (3, 17, 9, 6), (2, 290, 10, 30)], ids=lambda v: str(v))
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_step_matches_reference_forward(variant, B, prompt, steps, pad):
+def test_step_matches_reference_forward(variant, B, prompt, steps, pad, isa):
     """Logits and cache after each of ``steps`` one-token steps equal the reference's."""
     config = VARIANTS[variant]
     model = _model(config)
@@ -86,7 +119,8 @@ def test_step_matches_reference_forward(variant, B, prompt, steps, pad):
     unread = ~cache.key_mask.clone()  # (B, S): padding and every slot not yet written
     for buf in (cache.k, cache.v):
         buf.masked_fill_(unread[None, :, None, :, None], float("nan"))
-    step = decode_step_cpu.DecodeStepCPU(model, cache)
+    step = decode_step_cpu.DecodeStepCPU(model, cache, isa=isa)
+    assert step.isa == isa
     gen = torch.Generator().manual_seed(7)
     for i in range(steps):
         tokens = torch.randint(0, config.vocab_size, (B, 1), generator=gen)
@@ -98,7 +132,7 @@ def test_step_matches_reference_forward(variant, B, prompt, steps, pad):
 
 
 @torch.inference_mode()
-def test_step_matches_float64_oracle():
+def test_step_matches_float64_oracle(isa):
     """Independent of the reference model: the float64 computation from SPEC's equations."""
     from f64_reference import forward_row
 
@@ -108,7 +142,7 @@ def test_step_matches_float64_oracle():
     nxt = torch.randint(0, config.vocab_size, (3, 1), generator=torch.Generator().manual_seed(5))
     cache = model.new_cache(3, 13)
     model(ids, attention_mask=mask, cache=cache)
-    got = decode_step_cpu.DecodeStepCPU(model, cache)(nxt.view(-1), cache.length)
+    got = decode_step_cpu.DecodeStepCPU(model, cache, isa=isa)(nxt.view(-1), cache.length)
     full_ids = torch.cat([ids, nxt], dim=1)
     full_mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], dim=1)
     state = model.state_dict()
@@ -119,7 +153,7 @@ def test_step_matches_float64_oracle():
 
 
 @torch.inference_mode()
-def test_thread_count_does_not_change_results():
+def test_thread_count_does_not_change_results(isa):
     """Each output is one dot product whatever the split between threads: bitwise equal."""
     model = _model(VARIANTS["13m-shape"])
     ids, mask = _prompt(model.config, 3, 20, 5)
@@ -130,7 +164,7 @@ def test_thread_count_does_not_change_results():
             torch.set_num_threads(n)
             cache = model.new_cache(3, 24)
             model(ids, attention_mask=mask, cache=cache)
-            step = decode_step_cpu.DecodeStepCPU(model, cache)
+            step = decode_step_cpu.DecodeStepCPU(model, cache, isa=isa)
             results.append(torch.stack([step(ids[:, t], cache.length + t) for t in range(3)]))
     finally:
         torch.set_num_threads(threads)
@@ -151,6 +185,66 @@ def test_bad_bindings_name_the_tensor():
     other = dataclasses.replace(SMALL, n_layers=3)  # a cache made for another model
     with pytest.raises(ValueError, match=r"cache.k has shape \(3, 1, 2, 4, 32\), the model needs \(2, 1, 2, 4, 32\)"):
         decode_step_cpu.DecodeStepCPU(model, wiola.Cache(other, 1, 4))
+
+
+# ------------------------------------------------------------------ variants and their choice
+@pytest.mark.parametrize("variant", decode_step_cpu.ISAS)
+def test_every_variant_compiles(variant, tmp_path):
+    """Every variant this compiler can target builds, whatever this CPU runs (the x86 ones on
+    any x86-64 compiler, the portable one everywhere), and exports the step."""
+    if variant != "portable" and not X86:
+        pytest.skip(f"{variant} is an x86 variant; this is {platform.machine()}")
+    target = tmp_path / f"{variant}.so"
+    decode_step_cpu.compile_variant(variant, target)
+    symbols = target.read_bytes()
+    assert b"wiola_decode_step" in symbols and b"wiola_workspace_floats" in symbols
+
+
+def test_variant_choice_and_refusal(monkeypatch):
+    """The best variant the CPU's features allow; ``WIOLA_CPU_ISA`` forces one, and one the CPU
+    lacks (or an unknown name) is refused naming the problem."""
+    compiler = decode_step_cpu._compiler()
+    monkeypatch.setattr(decode_step_cpu, "_FEATURES", {})
+    monkeypatch.delenv("WIOLA_CPU_ISA", raising=False)
+    for features, best in (({"avx512f", "avx2", "fma"}, "avx512"), ({"avx2", "fma"}, "avx2"), ({"avx2"}, "portable")):
+        decode_step_cpu._FEATURES[compiler] = (frozenset(features), "test")
+        assert decode_step_cpu.select_isa() == best, features
+    # an AVX2 CPU without AVX-512 (the machine that motivated the variants)
+    decode_step_cpu._FEATURES[compiler] = (frozenset({"avx2", "fma"}), "test")
+    monkeypatch.setenv("WIOLA_CPU_ISA", "portable")
+    assert decode_step_cpu.select_isa() == "portable"
+    monkeypatch.setenv("WIOLA_CPU_ISA", " AVX2 ")
+    assert decode_step_cpu.select_isa() == "avx2"
+    monkeypatch.setenv("WIOLA_CPU_ISA", "auto")
+    assert decode_step_cpu.select_isa() == "avx2"
+    monkeypatch.setenv("WIOLA_CPU_ISA", "avx512")
+    with pytest.raises(ValueError, match=r"WIOLA_CPU_ISA=avx512: this CPU lacks avx512f \(it has avx2, fma"):
+        decode_step_cpu.load()
+    monkeypatch.setenv("WIOLA_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="WIOLA_CPU_ISA='sse9' is not one of auto, avx512, avx2, portable"):
+        decode_step_cpu.load()
+    with pytest.raises(ValueError, match="isa='neon' is not one of"):
+        decode_step_cpu.select_isa("neon")
+
+
+def test_forced_variant_runs_and_is_described(monkeypatch):
+    """``WIOLA_CPU_ISA`` reaches the step bound by default and ``describe()``."""
+    model = _model(SMALL)
+    threads = torch.get_num_threads()
+    for isa in ISAS_HERE:
+        monkeypatch.setenv("WIOLA_CPU_ISA", isa)
+        assert decode_step_cpu.DecodeStepCPU(model, model.new_cache(1, 4)).isa == isa
+        assert decode_step_cpu.describe() == f"C++ step, {isa}, {threads} thread{'s' if threads != 1 else ''}"
+
+
+def test_wiola_generate_names_the_path(capsys):
+    """``wiola generate`` on a CPU prints ``describe()``'s line to stderr, once."""
+    from wiola.cli import main
+
+    code = main(["generate", "--preset", "tiny", "--prompt", "Hi", "--max-new-tokens", "2", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert err.count("CPU decoding: ") == 1 and f"CPU decoding: {decode_step_cpu.describe()}\n" in err, err
 
 
 # ------------------------------------------------------------------ use by wiola.fast
@@ -261,10 +355,10 @@ def test_fast_step_follows_weight_changes(plain_cpu):
 def test_fallback_when_the_compiler_is_missing(plain_cpu, monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "no-such-compiler-xyz")
     monkeypatch.setenv("WIOLA_CACHE_DIR", str(tmp_path))
-    for name, value in (("_LIB", None), ("_TRIED", False), ("BUILD_ERROR", None)):
-        monkeypatch.setattr(decode_step_cpu, name, value)
+    _reset(monkeypatch)
     monkeypatch.delitem(fast_ops.MISSING, "decode_step_cpu", raising=False)
-    assert decode_step_cpu.load() is None
+    with pytest.warns(RuntimeWarning, match="`no-such-compiler-xyz` is not on PATH"):
+        assert decode_step_cpu.load() is None
     assert "`no-such-compiler-xyz` is not on PATH" in decode_step_cpu.BUILD_ERROR
     ref, fast = _fast_pair(SMALL)
     ids, _ = _prompt(SMALL, 2, 6, 0)
@@ -273,13 +367,44 @@ def test_fallback_when_the_compiler_is_missing(plain_cpu, monkeypatch, tmp_path)
     assert "no-such-compiler-xyz" in fast_ops.MISSING["decode_step_cpu"]
 
 
+def test_build_failure_warns_once_naming_the_compiler_error(plain_cpu, monkeypatch, tmp_path):
+    """A compiler that fails: one RuntimeWarning with its error on first use, however many
+    steps follow; ``describe()`` names the PyTorch path and the error; decoding still agrees."""
+    cxx = tmp_path / "failing-cxx"
+    cxx.write_text("#!/bin/sh\necho 'failing-cxx: error: simulated failure 4321' >&2\nexit 1\n")
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.setenv("WIOLA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("WIOLA_CPU_ISA", raising=False)
+    _reset(monkeypatch)
+    monkeypatch.delitem(fast_ops.MISSING, "decode_step_cpu", raising=False)
+    ref, fast = _fast_pair(SMALL)
+    ids, _ = _prompt(SMALL, 2, 6, 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = fast.generate(ids, 5, temperature=0)
+        got_again = fast.generate(ids, 5, temperature=0)
+        line = decode_step_cpu.describe()
+    ours = [w for w in caught if "C++ CPU decode step" in str(w.message)]
+    assert len(ours) == 1, f"{len(ours)} build-failure warnings for 8 steps and a describe()"
+    assert ours[0].category is RuntimeWarning
+    assert "failing-cxx: error: simulated failure 4321" in str(ours[0].message)
+    assert "exit status 1" in str(ours[0].message)
+    assert line == "PyTorch path: the C++ step did not build (failing-cxx: error: simulated failure 4321)"
+    want = ref.generate(ids, 5, temperature=0)
+    assert torch.equal(want, got) and torch.equal(want, got_again), "the PyTorch fallback differs"
+    assert not list((tmp_path / "cache").glob("*.so")), "a failed build left a library behind"
+
+
 def test_compile_error_is_reported(monkeypatch, tmp_path):
     bad = tmp_path / "broken.cpp"
     bad.write_text("this is not C++\n")
     monkeypatch.setattr(decode_step_cpu, "SOURCE", bad)
     monkeypatch.setenv("WIOLA_CACHE_DIR", str(tmp_path / "cache"))
-    for name, value in (("_LIB", None), ("_TRIED", False), ("BUILD_ERROR", None)):
-        monkeypatch.setattr(decode_step_cpu, name, value)
-    assert decode_step_cpu.load() is None
+    _reset(monkeypatch)
+    with pytest.warns(RuntimeWarning, match="broken.cpp"):
+        assert decode_step_cpu.load() is None
     assert "failed" in decode_step_cpu.BUILD_ERROR and "broken.cpp" in decode_step_cpu.BUILD_ERROR
+    assert decode_step_cpu.describe().startswith("PyTorch path: the C++ step did not build (")
+    assert "error" in decode_step_cpu.describe()
     assert not list((tmp_path / "cache").glob("*.so")), "a failed build left a library behind"
