@@ -4,7 +4,7 @@ the same weights, identical tokens asserted. Goal: at least 4× wiola13m at batc
 
 Rows: ``wiola.WiolaModel.generate`` (the readable reference, PyTorch ops) and
 ``wiola.fast.WiolaModel.generate``, whose one-token steps run the C++ step of
-``kernels/decode_step_cpu`` (every layer and the head in one call), once in the variant chosen
+``wiola/fast/decode_step_cpu`` (every layer and the head in one call), once in the variant chosen
 for this CPU (``native``) and once forced to each of the ``avx2`` and ``portable`` variants
 (``WIOLA_CPU_ISA``; skipped where this CPU lacks the ISA), each with its own ratio to wiola13m
 measured in the same run. Every result records the CPU's model name and flags, the variant and
@@ -24,7 +24,7 @@ import torch
 import wiola
 from bench import roofline
 from bench.hf_baseline import hf_greedy, wiola13m_like
-from kernels import decode_step_cpu
+from wiola.fast import decode_step_cpu
 
 PROMPT, NEW_TOKENS, SMOKE_TOKENS = 16, 128, 8
 BATCHES = [1, 8]

@@ -1,4 +1,4 @@
-"""The C++ CPU decoding step (``kernels/decode_step_cpu``) against the reference model's one-token
+"""The C++ CPU decoding step (``wiola/fast/decode_step_cpu``) against the reference model's one-token
 forward with a cache: logits and every cache buffer it writes, over odd shapes (row counts that
 are not multiples of the 4-row blocks, widths that are not multiples of the 16, 8 or 4 SIMD
 lanes), every gate variant, left padding, long caches, NaN-poisoned slots it must not read,
@@ -20,7 +20,7 @@ import wiola
 import wiola.fast
 from wiola.fast import ops as fast_ops
 
-decode_step_cpu = pytest.importorskip("kernels.decode_step_cpu")
+decode_step_cpu = pytest.importorskip("wiola.fast.decode_step_cpu")
 FP32 = TOL[torch.float32]
 
 # Odd shapes: d 40 (K not a multiple of 16), head width 10 (below one SIMD vector), d_ff 72,

@@ -70,7 +70,7 @@ def _generate(args: argparse.Namespace) -> int:
     model, enc = _load_model(args)
     model.eval()
     if args.fast and torch.device(args.device).type == "cpu":  # which path decodes, in one line
-        from kernels.decode_step_cpu import describe
+        from wiola.fast.decode_step_cpu import describe
 
         print(f"CPU decoding: {describe()}", file=sys.stderr)
     ids = enc.encode(args.prompt)

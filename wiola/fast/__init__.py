@@ -21,7 +21,7 @@ What runs where:
   and count. On CUDA, ``generate`` captures the whole one-token step (every layer, the head,
   sampling) as a CUDA graph once per batch size and replays it (``wiola.fast.generation``).
   On a plain CPU, each one-token step (fp32, gradients off) is one call of a C++ step that
-  runs every layer and the head (``kernels/decode_step_cpu.py``, compiled on first use).
+  runs every layer and the head (``wiola/fast/decode_step_cpu.py``, compiled on first use).
 - Without a GPU: under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (tests); else a
   PyTorch path (SDPA with the gate folded into the query, the static cache) that is at least
   as fast as the reference.

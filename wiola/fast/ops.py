@@ -10,7 +10,7 @@ reference in ``wiola.ops`` and dispatches per call.
   query (``g ⟨q̃, k̃⟩ = ⟨g q̃, k̃⟩``) instead of materialised scores, and the reference functions
   where they are already one or two library calls.
 - On a plain CPU, a one-token decoding step (fp32, gradients off) runs as one call of the C++
-  step in ``kernels/decode_step_cpu.py`` (every layer and the head), see ``cpu_decode_step``.
+  step in ``wiola/fast/decode_step_cpu.py`` (every layer and the head), see ``cpu_decode_step``.
 
 ``KERNEL_OPS`` is the table of the dispatching functions (the fast model's default) and
 ``TORCH_OPS`` the table of the PyTorch path (a model's ``use_kernels(False)``). The
@@ -256,7 +256,7 @@ def cpu_decode_step(
     It applies on a plain CPU (not under ``TRITON_INTERPRET=1``, where the Triton kernels run)
     with the model's kernels on (``model.kernels_enabled``), gradients and CPU autocast off,
     not while tracing, to one new token per row (``input_ids`` ``(B, 1)``) of an fp32 model and
-    cache, once the library has been built (``kernels.decode_step_cpu.load``; the first call
+    cache, once the library has been built (``wiola.fast.decode_step_cpu.load``; the first call
     compiles it). The binding lives in the model's ``derived_weights``, per cache, and is
     rebuilt when a weight is replaced or moved.
     """
@@ -276,10 +276,10 @@ def cpu_decode_step(
         or not _HAVE_KERNELS
     ):
         return None
-    from kernels import decode_step_cpu
+    from wiola.fast import decode_step_cpu
 
     if decode_step_cpu.load() is None:
-        MISSING.setdefault("decode_step_cpu", f"kernels.decode_step_cpu: {decode_step_cpu.BUILD_ERROR}")
+        MISSING.setdefault("decode_step_cpu", f"wiola.fast.decode_step_cpu: {decode_step_cpu.BUILD_ERROR}")
         return None
 
     def bind() -> Any:

@@ -37,6 +37,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -300,17 +301,18 @@ class DecodeStepCPU:
         self.state_ptrs = (ctypes.c_void_p * len(self.state))(*(t.data_ptr() for t in self.state))
         self.work = torch.empty(lib.wiola_workspace_floats(self.dims), dtype=torch.float32)
         self.eps = float(cfg.norm_eps)
-        self.registrations = _registrations
-        self.pointers = self._pointers()
-
-    def _pointers(self) -> tuple[int, ...]:
-        return tuple(0 if t is None else t.data_ptr() for t in self.tensors)
+        self.model = weakref.ref(model)
+        self.pointers = _pointers(self.tensors)
 
     def is_current(self) -> bool:
         """Whether the bound weights are still the model's, where they were: False after any
         parameter was replaced (``load_state_dict(assign=True)``, ``module.weight = ...``) or
-        moved (``.to()``, ``.half()``). In-place updates need no rebinding. Costs ~10 µs."""
-        return self.registrations == _registrations and self.pointers == self._pointers()
+        moved (``.to()``, ``.half()``). In-place updates need no rebinding.
+
+        Compares the model's current tensors' addresses with the bound ones; the binding keeps
+        the bound tensors alive, so a replacement can never reuse their address."""
+        model = self.model()
+        return model is not None and self.pointers == _pointers(step_parameters(model))
 
     def __call__(self, tokens: torch.Tensor, slot: int) -> torch.Tensor:
         """``(B, V)`` fp32 logits of ``tokens`` ``(B,)`` (int64, contiguous, each in range) placed at
@@ -326,15 +328,8 @@ class DecodeStepCPU:
         return logits
 
 
-_registrations = 0  # parameters (re)registered on any module since import
-
-
-def _count_registration(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
-    global _registrations
-    _registrations += 1
-
-
-torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+def _pointers(tensors: list[torch.Tensor | None]) -> tuple[int, ...]:
+    return tuple(0 if t is None else t.data_ptr() for t in tensors)
 
 
 def _check(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
