@@ -3,13 +3,14 @@
     pytest -p bench.parity_plugin tests/...        (active when WIOLA_PARITY_ONE_CONFIG=1)
 
 The parity tests check numbers, not speed; autotuning every key compiles and times every config
-(10-12 builds a key for attention) in every xdist worker, which does not fit a GPU check's
-minutes. With this plugin each autotuner of ``kernels/`` tries a single config per key: one of
-the configs its own pruning keeps (so head-width limits hold), chosen by a checksum of the key,
-so different keys exercise different configs across the run. Which config each key got is
-printed with ``TRITON_PRINT_AUTOTUNING=1``. ``tests/test_attention.py`` still forces every
-attention config explicitly (``test_every_autotune_block_shape``).
-"""
+its dtype and head width keep (2-4 builds a key for attention, 3-4 for butterfly) in every xdist
+worker, which does not fit a GPU check's minutes. With this plugin each autotuner of ``kernels/``
+tries a single config per key: one of the configs its own ``early_config_prune`` keeps for the
+launch (attention: the list of q's dtype class, fp32 or bf16/fp16, at that head width, so the
+spill-free limits hold), chosen by a checksum of the key, so different keys exercise different
+configs across the run. Which config each key got is printed with ``TRITON_PRINT_AUTOTUNING=1``.
+``tests/test_attention.py`` still forces every attention config explicitly
+(``test_every_autotune_block_shape``)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,6 @@ import os
 import zlib
 from collections.abc import Callable
 from typing import Any
-
-KERNEL_MODULES = ("attention", "butterfly", "gate", "rms_norm", "cross_entropy", "decode")
 
 
 def choose(candidates: list[Any], key: tuple) -> Any:
@@ -38,7 +37,9 @@ def _key(tuner: Any, kwargs: dict[str, Any]) -> tuple:
 
 
 def one_config(tuner: Any) -> None:
-    """Make ``tuner`` (a ``triton.runtime.autotuner.Autotuner``) try one config per key."""
+    """Make ``tuner`` (a ``triton.runtime.autotuner.Autotuner``) try one config per key: Triton
+    calls ``prune_configs`` once per new key, with the launch's positional arguments in
+    ``tuner.nargs`` and its keywords; the choice is made among what the original returns."""
     pruned: Callable[[dict[str, Any]], list[Any]] = tuner.prune_configs
 
     def prune_to_one(kwargs: dict[str, Any]) -> list[Any]:
@@ -59,7 +60,9 @@ def pytest_configure(config: Any) -> None:
         return
     from triton.runtime.autotuner import Autotuner
 
-    for name in KERNEL_MODULES:
+    from kernels._utils import AOT_OPS  # every kernels/<op>.py
+
+    for name in AOT_OPS:
         mod = importlib.import_module(f"kernels.{name}")
         for attr, obj in vars(mod).items():
             if isinstance(obj, Autotuner) and f"{name}.{attr}" not in PATCHED:

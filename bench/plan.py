@@ -3,14 +3,15 @@
     python -m bench.device_check plan [--budget 420] [--aot bench/aot_builds.json] [--factor 1.0]
 
 For each stage of ``bench/device_check.sh`` (in the order it runs) the plan lists the Triton
-kernels it would compile: every autotuned kernel × its autotune configs (read from the
-``triton.autotune`` objects of ``kernels/``, pruned by head width as the autotuner prunes them)
-× the distinct compiled variants (dtype, specialisations, constexprs) its launches need, and
-the autotune keys each process benchmarks. Compile seconds come from ahead-of-time builds
-measured on a CPU (``bench/aot_builds.json``: kernel, arch, dtype, config, seconds, ...) when
-that file is there, else from the fallback per-kernel medians below, measured here and labelled
-as such. Binaries compiled by an earlier stage are not counted again (the stages share one
-``TRITON_CACHE_DIR``); autotune keys are, per process.
+kernels it would compile: every autotuned kernel × the autotune configs a launch tries (read from
+the ``triton.autotune`` objects of ``kernels/`` and pruned by the autotuner's own
+``early_config_prune`` for the launch's dtype and head width) × the distinct compiled variants
+(dtype, specialisations, constexprs) its launches need, and the autotune keys each process
+benchmarks. Compile seconds come from ahead-of-time builds measured on a CPU
+(``bench/aot_builds.json``, written by ``python -m tests.aot_build --json``: kernel, arch, dtype,
+config, seconds, cpu_seconds, ...) when that file is there, else from the fallback per-kernel
+medians below, measured here and labelled as such. Binaries compiled by an earlier stage are not
+counted again (the stages share one ``TRITON_CACHE_DIR``); autotune keys are, per process.
 
 What is declared, not introspected: the launches of each stage (which kernels at which dtype,
 head width, sequence length, mask, batch rows: written from the tests and benchmarks the stage
@@ -68,17 +69,17 @@ class Launch:
     """One use of a kernel in a stage.
 
     ``kernel`` is the family name of the ahead-of-time builds (``attention_fwd``). ``key`` is what
-    the autotuner tunes once per process (``None``: a fixed-config kernel, compiled once, never
+    the autotuner tunes once per process (``None``: a fixed-config launch, one build, never
     tuned); ``binary`` is what a compiled variant depends on besides the config (dtype,
-    specialisations of integer arguments, constexprs); ``prune`` is the head width the attention
-    configs are pruned by (``None``: every config).
+    specialisations of integer arguments, constexprs); ``D`` is the head width the autotuner
+    prunes its configs by, with ``dtype`` (``None``: no head width).
     """
 
     kernel: str
     dtype: str
     binary: tuple
     key: tuple | None = None
-    prune: int | None = None
+    D: int | None = None
 
 
 def _spec(n: int) -> str:
@@ -87,31 +88,39 @@ def _spec(n: int) -> str:
 
 
 def attention(dtype: str, D: int, T: int, mask: bool, backward: bool) -> list[Launch]:
-    """The launches of one ``kernels.attention`` call (forward, and the backward's three kernels)."""
-    bucket = max(16, 1 << (T - 1).bit_length())
-    key = (bucket, D, mask, dtype)
-    residual = backward and dtype != "fp32"  # STORE_RESIDUAL: a constexpr, not in the key
-    out = [Launch("attention_fwd", dtype, (D, mask, _spec(T), residual), key, D)]
+    """The launches of one ``kernels.attention`` call (forward, and the backward's three kernels).
+
+    Keys as the autotuners form them: (T_BUCKET, D, HAS_MASK), the forward's STORE_RESIDUAL (set
+    for a bf16/fp16 call that needs gradients), and the dtypes (``dtype`` stands for them)."""
+    from kernels.attention import _t_bucket
+
+    residual = backward and dtype != "fp32"
+    key = (_t_bucket(T), D, mask)
+    out = [Launch("attention_fwd", dtype, (D, mask, _spec(T), residual), (*key, residual, dtype), D)]
     if backward:
         out += [
             Launch("attention_bwd_preprocess", dtype, (D, _spec(T))),
-            Launch("attention_bwd_dq", dtype, (D, mask, _spec(T)), key, D),
-            Launch("attention_bwd_dkdv", dtype, (D, mask, _spec(T)), key, D),
+            Launch("attention_bwd_dq", dtype, (D, mask, _spec(T)), (*key, dtype), D),
+            Launch("attention_bwd_dkdv", dtype, (D, mask, _spec(T)), (*key, dtype), D),
         ]
     return out
 
 
 def butterfly(dtype: str, D: int, F: int, N: int, residual: str | None, backward: bool) -> list[Launch]:
-    """The launches of one ``kernels.butterfly`` call on N rows: autotuned for bf16/fp16, one small
+    """The launches of one ``kernels.butterfly`` call on N rows: autotuned for bf16/fp16 (keys
+    (N_BUCKET, D, F), down's HAS_RESIDUAL, and the dtypes, the residual's included), one small
     fixed tile for fp32. ``residual``: the residual's dtype, or ``None``."""
+    from kernels.butterfly import _n_bucket
+
     if dtype == "fp32":
         out = [Launch("butterfly_up", dtype, (_spec(N),)), Launch("butterfly_down", dtype, (_spec(N), residual))]
         return out + ([Launch("butterfly_up_bwd", dtype, (_spec(N),))] if backward else [])
+    key = (_n_bucket(N), D, F)
     out = [
-        Launch("butterfly_up", dtype, (_spec(N),), (D, F, dtype)),
-        Launch("butterfly_down", dtype, (_spec(N), residual), (D, F, residual is not None, dtype, residual)),
+        Launch("butterfly_up", dtype, (_spec(N),), (*key, dtype)),
+        Launch("butterfly_down", dtype, (_spec(N), residual), (*key, residual is not None, dtype, residual)),
     ]
-    return out + ([Launch("butterfly_up_bwd", dtype, (_spec(N),), (D, F, dtype))] if backward else [])
+    return out + ([Launch("butterfly_up_bwd", dtype, (_spec(N),), (*key, dtype))] if backward else [])
 
 
 def fixed(kernel: str, dtype: str, count: int, where: str) -> list[Launch]:
@@ -121,8 +130,9 @@ def fixed(kernel: str, dtype: str, count: int, where: str) -> list[Launch]:
 
 
 def forced(kernel: str, dtype: str, binary: tuple) -> list[Launch]:
-    """Every autotune config of ``kernel`` built once with an explicit config (no tuning): the
-    marker ``("forced",)`` in the key makes ``plan_stage`` count all configs, unpruned, untimed."""
+    """Every autotune config of ``kernel`` (of every dtype's list) built once in ``dtype`` with an
+    explicit config (no tuning): the marker ``("forced",)`` in the key makes ``plan_stage`` count
+    all configs, unpruned, untimed."""
     return [Launch(kernel, dtype, binary, ("forced",))]
 
 
@@ -160,7 +170,9 @@ class StagePlan:
         return self.wall_s <= self.stage.budget_s
 
 
-Tuners = Mapping[str, Callable[[int | None], list[dict[str, Any]]]]
+# tuner(dtype, D): the configs a launch of that dtype and head width tries (None, None: every config)
+Tuner = Callable[[str | None, int | None], list[dict[str, Any]]]
+Tuners = Mapping[str, Tuner]
 Seconds = Callable[[str, str, dict[str, Any]], tuple[float, str]]
 
 
@@ -174,19 +186,23 @@ def plan_stage(
 ) -> StagePlan:
     """Count the builds and tunings of ``stage`` and estimate its wall time.
 
-    ``tuners[kernel](prune)`` gives the configs the autotuner of ``kernel`` tries at head width
-    ``prune`` (dicts of ``BLOCK_*``, ``num_warps``, ``num_stages``); a kernel not in ``tuners``
-    has one fixed config. ``seconds(kernel, dtype, config)`` gives one build's seconds and where
-    the number comes from. ``built`` holds the builds of earlier stages (updated in place); a
+    ``tuners[kernel](dtype, D)`` gives the configs the autotuner of ``kernel`` tries for a launch
+    of that dtype and head width (dicts of ``BLOCK_*``, ``num_warps``, ``num_stages``); a launch
+    without a key, or of a kernel not in ``tuners``, is one fixed-config build (config ``{}``).
+    ``seconds(kernel, dtype, config)`` gives one build's seconds and where the number comes
+    from. ``built`` holds the builds of earlier stages (updated in place); a
     build made earlier is counted as cached, one repeated within the stage once. ``tuned_on_disk``
     holds the keys tuned by earlier stages with ``autotune_cache`` (updated in place when this
     stage has it too): such a stage does not time them again.
 
-    Per autotuned launch: every config is built for its binary variant (once per stage and
-    variant) and every config is timed once per key, ``BENCH_SECONDS_PER_CONFIG`` each. With
-    ``stage.one_config`` a key builds and times one config (which one depends on the key, so one
-    build per key and variant is counted, at the mean seconds of the configs). Compile seconds are
-    multiplied by ``factor``. Wall = (compile + tuning) / processes + extra compiles + allowance.
+    Per autotuned launch whose key is new to the process: every config is built for its binary
+    variant (once per stage and variant) and timed, ``BENCH_SECONDS_PER_CONFIG`` each. A launch
+    whose key is already tuned (earlier in the stage, or on disk) builds only the winner, for
+    its variant: one build at the mean seconds of the configs, none where every config of that
+    variant is already built. With ``stage.one_config`` a key builds and times one config (which
+    one depends on the key, so one build per key and variant is counted, at the mean seconds of
+    the configs). Compile seconds are multiplied by ``factor``. Wall = (compile + tuning) /
+    processes + extra compiles + allowance.
     """
     built = set() if built is None else built
     earlier = set(built)
@@ -195,23 +211,32 @@ def plan_stage(
     keys_seen: set[tuple] = set()
     for ln in stage.launches:
         is_forced = ln.key == ("forced",)
-        configs = tuners[ln.kernel](None if is_forced else ln.prune) if ln.kernel in tuners else [{}]
+        if ln.key is None or ln.kernel not in tuners:
+            configs: list[dict[str, Any]] = [{}]
+        else:
+            configs = tuners[ln.kernel](None, None) if is_forced else tuners[ln.kernel](ln.dtype, ln.D)
+            if not configs:
+                raise ValueError(f"{stage.name}: no autotune config of {ln.kernel} for {ln.dtype} D={ln.D}")
         tuned = ln.key is not None and not is_forced and len(configs) > 1
+        k = (ln.kernel, ln.dtype, ln.key)
+        on_disk = stage.autotune_cache and tuned_on_disk is not None and tuned and k in tuned_on_disk
         row = rows.setdefault(
             ln.kernel,
             {"kernel": ln.kernel, "configs": set(), "builds": 0, "keys": 0, "compile_s": 0.0, "tune_s": 0.0,
              "sources": set()},
         )  # fmt: skip
         row["configs"].update(json.dumps(c, sort_keys=True) for c in configs)
-        if tuned and stage.one_config:  # one build per key and variant, at the configs' mean seconds
-            timed = [seconds(ln.kernel, ln.dtype, c) for c in configs]
-            builds = [((ln.kernel, ln.dtype, ln.binary, ("one config", ln.key)), statistics.fmean(t for t, _ in timed),
-                       timed[0][1])]  # fmt: skip
-        else:
-            builds = []
-            for c in configs:
-                s, source = seconds(ln.kernel, ln.dtype, c)
-                builds.append(((ln.kernel, ln.dtype, ln.binary, json.dumps(c, sort_keys=True)), s, source))
+        timed = [seconds(ln.kernel, ln.dtype, c) for c in configs]
+        every = [((ln.kernel, ln.dtype, ln.binary, json.dumps(c, sort_keys=True)), s, source)
+                 for c, (s, source) in zip(configs, timed)]  # fmt: skip
+        builds = every
+        if tuned and (stage.one_config or on_disk or k in keys_seen):  # one config of the key for this variant
+            if all(b in built for b, _, _ in every):
+                builds = every[:1]  # already built: cached or repeated
+            else:
+                which = "one config" if stage.one_config else "winner"
+                builds = [((ln.kernel, ln.dtype, ln.binary, (which, ln.key)), statistics.fmean(t for t, _ in timed),
+                           timed[0][1])]  # fmt: skip
         for build, s, source in builds:
             if build in earlier:
                 out.cached_builds += 1
@@ -220,16 +245,15 @@ def plan_stage(
                 row["builds"] += 1
                 row["compile_s"] += s * factor
                 row["sources"].add(source)
-        k = (ln.kernel, ln.dtype, ln.key)
-        if stage.autotune_cache and tuned_on_disk is not None and tuned and k not in keys_seen:
-            if k in tuned_on_disk:
-                keys_seen.add(k)
-                out.cached_keys += 1
-            tuned_on_disk.add(k)
         if tuned and k not in keys_seen:
             keys_seen.add(k)
-            row["keys"] += 1
-            row["tune_s"] += (1 if stage.one_config else len(configs)) * BENCH_SECONDS_PER_CONFIG
+            if on_disk:
+                out.cached_keys += 1
+            else:
+                row["keys"] += 1
+                row["tune_s"] += (1 if stage.one_config else len(configs)) * BENCH_SECONDS_PER_CONFIG
+            if stage.autotune_cache and tuned_on_disk is not None:
+                tuned_on_disk.add(k)
     for row in rows.values():
         row["configs"] = len(row["configs"])
         row["sources"] = sorted(row["sources"])
@@ -246,34 +270,41 @@ def _config_dict(cfg: Any) -> dict[str, Any]:
     return {**dict(cfg.kwargs), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
-def kernel_tuners() -> dict[str, Callable[[int | None], list[dict[str, Any]]]]:
+def kernel_tuners() -> dict[str, Tuner]:
     """The autotuners of ``kernels/``, by the family name of their ahead-of-time builds.
 
-    Found as the ``triton.autotune`` objects among the modules' attributes; each is named after
-    the AOT spec (``kernels._utils.AOT_SPECS``) built from the same ``@triton.jit`` function. The
-    returned function gives its configs after the autotuner's own ``early_config_prune`` at a
-    head width (``None``: every config).
+    Found as the ``triton.autotune`` objects among the attributes of the modules that
+    ``kernels._utils.AOT_OPS`` names; each is named after the specs of ``aot_specs(op)`` built
+    from the same ``@triton.jit`` function. The returned ``tuner(dtype, D)`` gives the configs
+    after the autotuner's own ``early_config_prune``, called as Triton calls it at launch: the
+    positional arguments (here ``Q``: an empty tensor of the launch's dtype) and the constexpr
+    keywords (here ``D``). ``tuner(None, None)``: every config.
     """
     import importlib
 
+    import torch
     from triton.runtime.autotuner import Autotuner
 
-    from kernels._utils import AOT_SPECS
+    from kernels._utils import AOT_OPS, TRITON_DTYPE, aot_specs
 
-    tuners: dict[str, Callable[[int | None], list[dict[str, Any]]]] = {}
-    for op in ("attention", "butterfly", "gate", "rms_norm", "cross_entropy", "decode"):
-        mod = importlib.import_module(f"kernels.{op}")
-        for obj in vars(mod).values():
+    torch_dtype = {name: dt for dt, name in TRITON_DTYPE.items()}
+    tuners: dict[str, Tuner] = {}
+    for op in AOT_OPS:
+        mod, specs = importlib.import_module(f"kernels.{op}"), aot_specs(op)
+        for attr, obj in vars(mod).items():
             if not isinstance(obj, Autotuner):
                 continue
-            names = {s.name.split("[")[0] for s in AOT_SPECS.get(op, []) if s.fn is obj.fn}
+            names = {s.kernel for s in specs if s.fn is obj.fn}
             if len(names) != 1:
-                raise RuntimeError(f"kernels.{op}: no single AOT family for autotuner of {obj.fn}: {names}")
+                raise RuntimeError(f"kernels.{op}.{attr}: no single AOT family for its @triton.jit function: {names}")
 
-            def configs(prune: int | None, tuner: Autotuner = obj) -> list[dict[str, Any]]:
+            def configs(dtype: str | None, D: int | None, tuner: Autotuner = obj) -> list[dict[str, Any]]:
                 cfgs = list(tuner.configs)
-                if prune is not None and tuner.early_config_prune is not None:
-                    cfgs = tuner.early_config_prune(cfgs, {"D": prune})
+                if dtype is not None and tuner.early_config_prune is not None:
+                    if dtype not in torch_dtype:
+                        raise ValueError(f"unknown dtype {dtype!r}: expected one of {sorted(torch_dtype)}")
+                    q = torch.empty(0, dtype=torch_dtype[dtype])
+                    cfgs = tuner.early_config_prune(cfgs, {"Q": q}, D=D)
                 return [_config_dict(c) for c in cfgs]
 
             tuners[names.pop()] = configs
@@ -293,16 +324,20 @@ def _config_tag(cfg: Mapping[str, Any] | str) -> dict[str, int]:
 
 
 def load_aot_records(path: str | Path) -> list[dict[str, Any]]:
-    """Records of ``bench/aot_builds.json``: a list of dicts, or ``{"records"|"builds": [...]}``
-    (``arch`` as ``"sm_90"`` or ``90``; ``cpu_seconds`` preferred over ``seconds`` when present).
+    """Records of ``bench/aot_builds.json`` (``python -m tests.aot_build --json``: ``{"builds":
+    [...], ...}``), or a plain list of them, or ``{"records": [...]}``. ``arch`` as ``"sm_90"`` or
+    ``90``; ``cpu_seconds`` (the build's own CPU time) preferred over ``seconds`` (wall time,
+    inflated by other load on the machine) when present.
 
     Each needs ``kernel`` (family, or a spec name ``family[...]``) and ``seconds``; ``arch``,
     ``dtype`` and ``config`` (dict or spec-style string) are used when present.
     """
     data = json.loads(Path(path).read_text())
-    records = data.get("records", data.get("builds")) if isinstance(data, dict) else data
+    records = data.get("builds", data.get("records")) if isinstance(data, dict) else data
     if not isinstance(records, list):
-        raise ValueError(f"{path}: expected a list of build records or {{'records'|'builds': [...]}}")
+        raise ValueError(f"{path}: expected a list of build records or {{'builds'|'records': [...]}}")
+    if not records:
+        raise ValueError(f"{path}: no build records")
     out = []
     for i, r in enumerate(records):
         if not isinstance(r, dict) or "kernel" not in r or "seconds" not in r:
@@ -323,23 +358,29 @@ def load_aot_records(path: str | Path) -> list[dict[str, Any]]:
 
 
 def build_seconds(records: Sequence[dict[str, Any]], arch: str = "sm_90") -> Seconds:
-    """``seconds(kernel, dtype, config)``: the measured build of that kernel, dtype and config for
-    ``arch`` (median over variants such as head widths and masks); else the same config in
-    another dtype (fp32 has no AOT builds: it uses the half-precision ones); else the kernel's
-    median; else ``FALLBACK_SECONDS``. The second value names which."""
+    """``seconds(kernel, dtype, config)``: the median of the measured builds for ``arch`` (over
+    variants such as head widths and masks) of, in this order: that kernel, dtype and config; that
+    kernel and config in another dtype (an fp32 build of a half-precision config); that kernel
+    and dtype (a fixed-config build: config ``{}``); that kernel. A name with no builds of its
+    own stands for its op's kernels (``gate``: ``gate_fwd``, ``gate_bwd``, ...). Else
+    ``FALLBACK_SECONDS``. The second value names which."""
     recs = [r for r in records if r["arch"] in (None, arch)]
+    names = {r["kernel"] for r in recs}
 
     def seconds(kernel: str, dtype: str, config: dict[str, Any]) -> tuple[float, str]:
         tag = _config_tag(config)
-        same = [r["seconds"] for r in recs if r["kernel"] == kernel and r["tag"] == tag]
-        exact = [r["seconds"] for r in recs if r["kernel"] == kernel and r["tag"] == tag and r["dtype"] == dtype]
-        if exact:
-            return statistics.median(exact), "aot_builds.json: this kernel, dtype and config"
-        if same:
-            return statistics.median(same), "aot_builds.json: this kernel and config, another dtype"
-        family = [r["seconds"] for r in recs if r["kernel"] == kernel]
-        if family:
-            return statistics.median(family), "aot_builds.json: this kernel's median"
+        own = kernel in names
+        family = [r for r in recs if r["kernel"] == kernel or (not own and r["kernel"].startswith(f"{kernel}_"))]
+        what = "this kernel" if own else f"the {kernel}_* kernels"
+        for label, pick in (
+            (f"{what}, dtype and config", lambda r: bool(tag) and r["tag"] == tag and r["dtype"] == dtype),
+            (f"{what} and config, another dtype", lambda r: bool(tag) and r["tag"] == tag),
+            (f"{what} and dtype, median", lambda r: r["dtype"] == dtype),
+            (f"{what}, median", lambda r: True),
+        ):
+            found = [r["seconds"] for r in family if pick(r)]
+            if found:
+                return statistics.median(found), f"aot_builds.json: {label}"
         return FALLBACK_SECONDS.get(kernel, FALLBACK_SECONDS["*"]), FALLBACK_LABEL
 
     return seconds

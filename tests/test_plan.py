@@ -1,16 +1,19 @@
 """The device check's planner (bench/plan.py) on a small fixture: the build and tuning counts and
 the seconds worked out by hand (tests/fixtures/aot_builds_sample.json: invented build seconds), the
 look-up order of build seconds, the cache shared between stages; the real kernels' autotuners as
-the planner reads them; and the parity plugin's one-config choice."""
+the planner reads them (pruned per dtype and head width); and the parity plugin's one-config
+choice on the real autotuner."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # bench/ is not an installed package
@@ -26,11 +29,11 @@ C = {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}  # in no rec
 F1 = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3}
 
 
-def tuners(prune):  # k_attn keeps A and B at head width 32, only A elsewhere; k_ffn has one config
-    return [A, B] if prune in (32, None) else [A]
+def tuners(dtype, D):  # k_attn keeps A and B at head width 32 (and unpruned), only A elsewhere
+    return [A, B] if D in (32, None) else [A]
 
 
-TUNERS = {"k_attn": tuners, "k_ffn": lambda prune: [F1]}
+TUNERS = {"k_attn": tuners}
 
 
 def seconds():
@@ -39,30 +42,37 @@ def seconds():
 
 def test_build_seconds_lookup_order() -> None:
     s = seconds()
-    assert s("k_attn", "bf16", A) == (2.0, "aot_builds.json: this kernel, dtype and config")  # sm_80's 50 s ignored
-    assert s("k_attn", "bf16", B)[0] == 3.0  # config given as a dict in the record
+    # cpu_seconds (2 s) preferred over the wall seconds (9 s); arch 80's 50 s ignored
+    assert s("k_attn", "bf16", A) == (2.0, "aot_builds.json: this kernel, dtype and config")
+    assert s("k_attn", "bf16", B)[0] == 3.0  # config given as a dict in the record, arch as "sm_90"
     assert s("k_attn", "fp32", B) == (4.0, "aot_builds.json: this kernel and config, another dtype")  # median(3, 5)
-    assert s("k_attn", "bf16", C) == (3.0, "aot_builds.json: this kernel's median")  # median(2, 3, 5)
+    # C is only in k_attn_bwd's records (100 s): k_attn has builds of its own, so those are not its
+    assert s("k_attn", "bf16", C) == (2.5, "aot_builds.json: this kernel and dtype, median")  # median(2, 3)
+    assert s("k_attn", "bf16", {}) == (2.5, "aot_builds.json: this kernel and dtype, median")  # a fixed build
+    assert s("k_attn", "fp32", C) == (3.0, "aot_builds.json: this kernel, median")  # median(2, 3, 5)
     assert s("k_ffn", "bf16", F1)[0] == 1.0  # dtype and config parsed from the spec name
+    # an op's name stands for its kernels: k_op_fwd 0.5 s, k_op_bwd 1.5 s (fp32) and 7 s (bf16)
+    assert s("k_op", "fp32", {}) == (1.0, "aot_builds.json: the k_op_* kernels and dtype, median")
+    assert s("k_op", "fp16", {}) == (1.5, "aot_builds.json: the k_op_* kernels, median")
     assert s("k_other", "bf16", A) == (plan.FALLBACK_SECONDS["*"], plan.FALLBACK_LABEL)
     assert plan.build_seconds([], "sm_90")("attention_fwd", "bf16", A)[0] == plan.FALLBACK_SECONDS["attention_fwd"]
 
 
 def test_stage_arithmetic_by_hand() -> None:
     launches = [
-        Launch("k_attn", "bf16", ("D32", "T16k"), key=(512, 32, "bf16"), prune=32),  # builds A 2 s + B 3 s; times 2
-        Launch("k_attn", "bf16", ("D32", "T16k"), key=(512, 32, "bf16"), prune=32),  # the same: nothing new
-        Launch("k_attn", "bf16", ("D32", "T16k"), key=(1024, 32, "bf16"), prune=32),  # same builds, a new key: times 2
+        Launch("k_attn", "bf16", ("D32", "T16k"), key=(512, 32, "bf16"), D=32),  # builds A 2 s + B 3 s; times 2
+        Launch("k_attn", "bf16", ("D32", "T16k"), key=(512, 32, "bf16"), D=32),  # the same: nothing new
+        Launch("k_attn", "bf16", ("D32", "T16k"), key=(1024, 32, "bf16"), D=32),  # same builds, a new key: times 2
         Launch(
-            "k_attn", "bf16", ("D64", "T16k"), key=(512, 64, "bf16"), prune=64
+            "k_attn", "bf16", ("D64", "T16k"), key=(512, 64, "bf16"), D=64
         ),  # new variant: A 2 s; one config, untimed
-        Launch("k_ffn", "bf16", ("N1",)),  # fixed config: F1 1 s
+        Launch("k_ffn", "bf16", ("N1",)),  # fixed config: k_ffn's bf16 median, (1 + 4) / 2 s
     ]
     stage = Stage("s", "fixture", 100, launches, allowance_s=10, allowance_note="", processes=2, extra_compile_s=7)
     p = plan.plan_stage(stage, TUNERS, seconds(), factor=1.5)
-    assert p.compile_s == pytest.approx(1.5 * (2 + 3 + 2 + 1))
+    assert p.compile_s == pytest.approx(1.5 * (2 + 3 + 2 + 2.5))
     assert p.tune_s == pytest.approx(4 * plan.BENCH_SECONDS_PER_CONFIG)
-    assert p.wall_s == pytest.approx((12 + 4 * plan.BENCH_SECONDS_PER_CONFIG) / 2 + 7 + 10)
+    assert p.wall_s == pytest.approx((14.25 + 4 * plan.BENCH_SECONDS_PER_CONFIG) / 2 + 7 + 10)
     rows = {r["kernel"]: r for r in p.rows}
     assert (rows["k_attn"]["builds"], rows["k_attn"]["keys"], rows["k_attn"]["configs"]) == (3, 2, 2)
     assert (rows["k_ffn"]["builds"], rows["k_ffn"]["keys"]) == (1, 0)
@@ -70,24 +80,40 @@ def test_stage_arithmetic_by_hand() -> None:
 
 
 def test_later_stages_reuse_builds_and_on_disk_tuning() -> None:
-    ln = Launch("k_attn", "bf16", ("D32",), key=(512, 32), prune=32)
+    ln = Launch("k_attn", "bf16", ("D32",), key=(512, 32), D=32)
     first = Stage("a", "", 10, [ln], 0, "", autotune_cache=True)
-    second = Stage("b", "", 10, [ln, Launch("k_attn", "fp32", ("D32",), key=(512, 32), prune=32)], 0, "",
+    second = Stage("b", "", 10, [ln, Launch("k_attn", "fp32", ("D32",), key=(512, 32), D=32)], 0, "",
                    autotune_cache=True)  # fmt: skip
     third = Stage("c", "", 10, [ln], 0, "")  # no on-disk tuning: times the key again
     a, b, c = plan.make_plan([first, second, third], TUNERS, seconds())
     assert (a.compile_s, a.cached_builds) == (5.0, 0)
-    assert b.cached_builds == 2 and b.cached_keys == 1
+    assert b.cached_builds == 1 and b.cached_keys == 1  # the key's winner loaded from disk, built by a
     # fp32 has no records: A from bf16 at sm_90 (2 s; sm_80's 50 s ignored), B = median(bf16 3, fp16 5)
     assert b.compile_s == pytest.approx(2.0 + 4.0)
     assert b.tune_s == pytest.approx(2 * plan.BENCH_SECONDS_PER_CONFIG)  # only the fp32 key
     assert c.compile_s == 0 and c.tune_s == pytest.approx(2 * plan.BENCH_SECONDS_PER_CONFIG)
 
 
+def test_a_tuned_key_builds_only_its_winner_for_a_new_variant() -> None:
+    key = (512, 32, "bf16")
+    first = Launch("k_attn", "bf16", ("D32", "T16k"), key=key, D=32)
+    other_T = Launch("k_attn", "bf16", ("D32", "T1"), key=key, D=32)  # same key, another binary
+    third_T = Launch("k_attn", "bf16", ("D32", "Tn"), key=key, D=32)
+    a, b = plan.make_plan(
+        [Stage("a", "", 10, [first, other_T], 0, "", autotune_cache=True),
+         Stage("b", "", 10, [third_T, first], 0, "", autotune_cache=True)],
+        TUNERS, seconds(),
+    )  # fmt: skip
+    assert a.compile_s == pytest.approx(2 + 3 + 2.5)  # A and B tuned on T16k, then the winner (mean 2.5) for T1
+    assert a.tune_s == pytest.approx(2 * plan.BENCH_SECONDS_PER_CONFIG)
+    # the key is on disk: the winner for the new binary only, untimed; T16k's configs are all cached
+    assert (b.compile_s, b.tune_s, b.cached_keys, b.cached_builds) == (2.5, 0.0, 1, 1)
+
+
 def test_one_config_and_forced_counts() -> None:
     launches = [
-        Launch("k_attn", "bf16", ("D32",), key=(64, 32), prune=32),
-        Launch("k_attn", "bf16", ("D32",), key=(128, 32), prune=32),  # same variant, another key: another build
+        Launch("k_attn", "bf16", ("D32",), key=(64, 32), D=32),
+        Launch("k_attn", "bf16", ("D32",), key=(128, 32), D=32),  # same variant, another key: another build
         *plan.forced("k_attn", "bf16", ("forced",)),  # every config (unpruned), never timed
     ]
     p = plan.plan_stage(Stage("p", "", 100, launches, 0, "", one_config=True), TUNERS, seconds())
@@ -101,28 +127,74 @@ def test_bad_aot_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="record 0 needs 'kernel' and 'seconds'"):
         plan.load_aot_records(bad)
     bad.write_text(json.dumps({"builds": []}))
+    with pytest.raises(ValueError, match="no build records"):
+        plan.load_aot_records(bad)
+    bad.write_text(json.dumps({"triton": "3.6.0", "records_of_builds": [{"kernel": "k", "seconds": 1}]}))
     with pytest.raises(ValueError, match="expected a list of build records"):
         plan.load_aot_records(bad)
 
 
 def test_attention_launches_keys_and_variants() -> None:
     fwd, pre, dq, dkdv = plan.attention("bf16", 32, 300, True, backward=True)
-    assert fwd.key == dq.key == dkdv.key == (512, 32, True, "bf16") and pre.key is None
+    assert fwd.key == (512, 32, True, True, "bf16")  # T_BUCKET, D, HAS_MASK, STORE_RESIDUAL, dtype
+    assert dq.key == dkdv.key == (512, 32, True, "bf16") and pre.key is None  # no STORE_RESIDUAL
     assert fwd.binary == (32, True, "n", True)  # T 300: neither 1 nor a multiple of 16; residual stored
+    assert plan.attention("bf16", 32, 300, True, backward=False)[0].key == (512, 32, True, False, "bf16")
     assert plan.attention("fp32", 32, 512, False, backward=True)[0].binary == (32, False, "16k", False)
     assert [ln.kernel for ln in plan.attention("bf16", 16, 1, False, backward=False)] == ["attention_fwd"]
-    assert plan.butterfly("fp32", 64, 128, 3, None, True)[0].key is None  # fp32: the fixed small tile
+
+
+def test_butterfly_launches_keys_and_variants() -> None:
+    up, down, up_bwd = plan.butterfly("bf16", 64, 128, 51, "fp32", backward=True)
+    assert up.key == up_bwd.key == (64, 64, 128, "bf16")  # N_BUCKET 64 for N 51, D, F, dtype
+    assert down.key == (64, 64, 128, True, "bf16", "fp32") and down.binary == ("n", "fp32")
+    one, eight = plan.butterfly("bf16", 256, 512, 1, None, False), plan.butterfly("bf16", 256, 512, 8, None, False)
+    assert one[0].key == eight[0].key == (16, 256, 512, "bf16") and one[0].binary != eight[0].binary
+    assert plan.butterfly("bf16", 256, 512, 32768, None, False)[0].key[0] == 16384  # the bucket's cap
+    assert all(ln.key is None for ln in plan.butterfly("fp32", 64, 128, 3, None, True))  # the fixed small tile
+
+
+_LISTS = {"attention_fwd": "FWD_CONFIGS", "attention_bwd_dq": "DQ_CONFIGS", "attention_bwd_dkdv": "DKDV_CONFIGS"}
 
 
 def test_real_autotuners_as_the_planner_reads_them() -> None:
     from kernels import attention, butterfly
 
     t = plan.kernel_tuners()
-    want = [c for c in attention.FWD_CONFIGS if 32 in c.head_dims]
-    got = t["attention_fwd"](32)
-    assert [(c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"]) for c in got] == [c.key() for c in want]
-    assert len(t["attention_bwd_dq"](None)) == len(attention.DQ_CONFIGS)
-    assert len(t["butterfly_down"](None)) == len(butterfly._DOWN_CONFIGS)
+    assert set(t) == {*_LISTS, "butterfly_up", "butterfly_up_bwd", "butterfly_down"}
+    for kernel, name in _LISTS.items():
+        lists = getattr(attention, name)
+        every = {c.key() for cfgs in lists.values() for c in cfgs}
+        assert {(c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"]) for c in t[kernel](None, None)} == every
+        for dtype, cls in (("fp32", "fp32"), ("bf16", "half"), ("fp16", "half")):
+            for D in attention.SUPPORTED_HEAD_DIMS:
+                got = {(c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"]) for c in t[kernel](dtype, D)}
+                assert got == {c.key() for c in lists[cls] if D in c.head_dims}, (kernel, dtype, D)
+    assert len(t["butterfly_down"]("bf16", None)) == len(butterfly._DOWN_CONFIGS)
+    assert len(t["butterfly_up_bwd"](None, None)) == len(butterfly._UP_BWD_CONFIGS)
+
+
+def test_stage_counts_what_the_real_autotuners_compile() -> None:
+    """bf16 D 64 attention forward + backward and a bf16 and fp32 butterfly, counted by hand from
+    the kernels' config lists: the half lists at D 64; butterfly fp32 is one fixed build each."""
+    from kernels import attention, butterfly
+
+    launches = plan.attention("bf16", 64, 300, True, True) + plan.butterfly("bf16", 64, 128, 17, None, True)
+    launches += plan.butterfly("fp32", 64, 128, 17, None, True)
+    p = plan.plan_stage(Stage("s", "", 100, launches, 0, ""), plan.kernel_tuners(), plan.build_seconds([]))
+    rows = {r["kernel"]: (r["builds"], r["keys"]) for r in p.rows}
+    at64 = {k: sum(64 in c.head_dims for c in getattr(attention, n)["half"]) for k, n in _LISTS.items()}
+    assert rows == {
+        **{k: (n, 1) for k, n in at64.items()},
+        "attention_bwd_preprocess": (1, 0),
+        "butterfly_up": (len(butterfly._UP_CONFIGS) + 1, 1),
+        "butterfly_down": (len(butterfly._DOWN_CONFIGS) + 1, 1),
+        "butterfly_up_bwd": (len(butterfly._UP_BWD_CONFIGS) + 1, 1),
+    }
+    assert p.tune_s == pytest.approx(
+        (sum(at64.values()) + len(butterfly._UP_CONFIGS) + len(butterfly._DOWN_CONFIGS)
+         + len(butterfly._UP_BWD_CONFIGS)) * plan.BENCH_SECONDS_PER_CONFIG
+    )  # fmt: skip
 
 
 def test_default_plan_puts_the_headline_first_and_fits() -> None:
@@ -134,25 +206,27 @@ def test_default_plan_puts_the_headline_first_and_fits() -> None:
     assert text.index("== headline") < text.index("== parity") and "each fits its budget" in text
 
 
-class FakeTuner:
-    """The attributes of triton's Autotuner that the plugin uses."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_parity_plugin_picks_one_of_the_dtype_pruned_configs(dtype: torch.dtype) -> None:
+    """On a copy of the real forward autotuner: per key one config, always one listed for q's
+    dtype class and D (the autotuner's own pruning), and different keys get different ones."""
+    from kernels import attention
 
-    def __init__(self) -> None:
-        self.keys, self.arg_names = ["D"], ["X", "D"]
-        self.nargs = {"X": None, "D": 32}
-
-    def prune_configs(self, kwargs):
-        return ["c0", "c1", "c2"]
-
-
-def test_parity_plugin_one_config_per_key() -> None:
-    tuner = FakeTuner()
+    tuner = copy.copy(attention._attn_fwd_tuned)
     parity_plugin.one_config(tuner)
-    assert tuner.prune_configs({}) == [parity_plugin.choose(["c0", "c1", "c2"], (32,))]
-    tuner.nargs = {"X": None, "D": 64}
-    assert tuner.prune_configs({}) == [parity_plugin.choose(["c0", "c1", "c2"], (64,))]
-    keys = [(d,) for d in range(16, 200, 8)]
-    assert {parity_plugin.choose(["c0", "c1", "c2"], k) for k in keys} == {"c0", "c1", "c2"}, "keys spread over configs"
+    cls = "fp32" if dtype == torch.float32 else "half"
+    for D in attention.SUPPORTED_HEAD_DIMS:
+        listed = {c.key() for c in attention.FWD_CONFIGS[cls] if D in c.head_dims}
+        chosen = set()
+        for bucket in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096):
+            tuner.nargs = {"Q": torch.empty(0, dtype=dtype), "T_BUCKET": bucket}
+            picked = tuner.prune_configs({"D": D, "HAS_MASK": False, "STORE_RESIDUAL": False})
+            assert len(picked) == 1
+            c = picked[0]
+            chosen.add((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages))
+        assert chosen <= listed, f"{dtype} D={D}: chose {sorted(chosen - listed)}, not listed for it"
+        assert len(chosen) > 1, f"{dtype} D={D}: every key got the same config of {len(listed)}"
+    assert attention._attn_fwd_tuned.prune_configs is not tuner.prune_configs  # the original is untouched
     with pytest.raises(ValueError, match="no autotune config"):
         parity_plugin.choose([], (1,))
 
