@@ -235,7 +235,6 @@ class _EagerSteps:
         return self._next(self.token.unsqueeze(1), None)
 
 
-@torch.inference_mode()
 def resolve_pad_id(model: Decoder, eos_token_id: int | None, pad_token_id: int | None) -> int | None:
     """The id for finished rows: ``pad_token_id``, else the checkpoint's (``model.config``), else eos."""
     if pad_token_id is not None:
@@ -244,6 +243,7 @@ def resolve_pad_id(model: Decoder, eos_token_id: int | None, pad_token_id: int |
     return eos_token_id if config_pad is None else config_pad
 
 
+@torch.inference_mode()
 def generate(
     model: Decoder,
     input_ids: torch.Tensor,

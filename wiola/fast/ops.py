@@ -273,7 +273,6 @@ def cpu_decode_step(
         or cache.device.type != "cpu"
         or getattr(cache, "device_slot", False)
         or model.embed.weight.dtype != torch.float32
-        or not _HAVE_KERNELS
     ):
         return None
     from wiola.fast import decode_step_cpu
