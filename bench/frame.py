@@ -25,7 +25,7 @@ import traceback
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import torch
@@ -339,7 +339,7 @@ def _reason(exc: BaseException) -> str:
 def environment() -> dict[str, Any]:
     """Date, host, torch/triton versions and, on CUDA, the GPU name and driver version."""
     info: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu": platform.processor() or platform.machine(),

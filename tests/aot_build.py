@@ -218,7 +218,7 @@ def main() -> None:
         rows = records_sorted(kept + rows)
     doc = {
         "triton": triton.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "host": (
             f"{os.cpu_count()} CPUs, one worker process per arch, a fresh Triton cache; seconds is wall time "
             "(it includes waiting for other load on the machine), cpu_seconds the compile's own CPU time"
