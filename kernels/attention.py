@@ -1,4 +1,4 @@
-"""Fused helical-RoPE gated flash attention (SPEC.md eq. 4-13), forward and backward, in Triton.
+"""Fused helical-RoPE gated flash attention (docs/SPEC.md eq. 4-13), forward and backward, in Triton.
 
 Computes exactly what ``wiola.ops.attention.attention`` computes::
 

@@ -1,4 +1,4 @@
-"""The butterfly feed-forward block (SPEC.md eq. 14-16), fused: the same function as
+"""The butterfly feed-forward block (docs/SPEC.md eq. 14-16), fused: the same function as
 ``wiola.ops.butterfly.butterfly``, forward and backward.
 
 Forward, two kernels:

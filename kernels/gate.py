@@ -1,4 +1,4 @@
-"""Fused causal cumulative-mean gate (SPEC.md eq. 8-10), forward and backward, in Triton.
+"""Fused causal cumulative-mean gate (docs/SPEC.md eq. 8-10), forward and backward, in Triton.
 
 Computes exactly what ``wiola.ops.gate.gate`` computes::
 

@@ -1,4 +1,4 @@
-"""An independent float64 Wiola forward, written from SPEC.md's equations for the tests.
+"""An independent float64 Wiola forward, written from docs/SPEC.md's equations for the tests.
 
 It shares no code with the package: it reads the model's weights by name from a state dict
 and recomputes everything with explicit loops and complex-number rotations.

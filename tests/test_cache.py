@@ -1,4 +1,4 @@
-"""Cached decoding equals the full-sequence pass (SPEC.md exactness claim 1)."""
+"""Cached decoding equals the full-sequence pass (docs/SPEC.md exactness claim 1)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The reference model against an independent float64 computation of SPEC.md."""
+"""The reference model against an independent float64 computation of docs/SPEC.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Wiola: gated helical attention, a causal cumulative-mean gate and a butterfly feed-forward
-block (SPEC.md). ``wiola.WiolaModel`` is the readable PyTorch reference; ``wiola.fast.WiolaModel``
+block (docs/SPEC.md). ``wiola.WiolaModel`` is the readable PyTorch reference; ``wiola.fast.WiolaModel``
 is the same model on fused Triton kernels."""
 
 from wiola.budget import Budget, budget

@@ -1,4 +1,4 @@
-"""Exact parameter and FLOP budgets (SPEC.md, Exact parameter budget)."""
+"""Exact parameter and FLOP budgets (docs/SPEC.md, Exact parameter budget)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 @dataclass
 class WiolaConfig:
-    """Hyper-parameters of a Wiola model (SPEC.md notation in brackets)."""
+    """Hyper-parameters of a Wiola model (docs/SPEC.md notation in brackets)."""
 
     vocab_size: int = 32000  # [V] gpt2-32k: GPT-2's first 31,999 ranks + <|endoftext|>
     d_model: int = 256  # [d] hidden width

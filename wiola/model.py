@@ -1,4 +1,4 @@
-"""The Wiola model (SPEC.md): pre-norm decoder with gated helical attention and butterfly FFN.
+"""The Wiola model (docs/SPEC.md): pre-norm decoder with gated helical attention and butterfly FFN.
 
 Every piece is a module with its own ``forward``: ``RMSNorm`` (with the fused residual add),
 ``Gate``, ``GatedHelicalAttention``, ``Butterfly`` and ``Block``. A block takes and returns the
@@ -145,7 +145,7 @@ class RMSNorm(nn.Module):
 
 
 class Gate(nn.Module):
-    """The causal cumulative-mean gate of one layer (SPEC.md eq. 8-10) as a parameter-free module.
+    """The causal cumulative-mean gate of one layer (docs/SPEC.md eq. 8-10) as a parameter-free module.
 
     Its weights stay on the attention (and keep their state-dict names); they are passed in. A
     forward hook here sees each call's gate ``g`` ``(B, T, H)`` float32.
@@ -178,7 +178,7 @@ class Gate(nn.Module):
 
 
 class GatedHelicalAttention(nn.Module):
-    """Causal attention with helical RoPE, each query's scores scaled by its gate (SPEC.md §2)."""
+    """Causal attention with helical RoPE, each query's scores scaled by its gate (docs/SPEC.md §2)."""
 
     def __init__(
         self,
@@ -249,7 +249,7 @@ class GatedHelicalAttention(nn.Module):
 
 
 class Butterfly(nn.Module):
-    """The butterfly feed-forward block (SPEC.md eq. 14-16): ``W_down (SiLU(a) ⊙ b + W_bp x)``."""
+    """The butterfly feed-forward block (docs/SPEC.md eq. 14-16): ``W_down (SiLU(a) ⊙ b + W_bp x)``."""
 
     def __init__(
         self, config: WiolaConfig, layer_index: int = 0, ops: Ops = REFERENCE_OPS, derived: DerivedWeights | None = None

@@ -1,6 +1,6 @@
 // One decoding step of the whole Wiola model on a CPU, fp32: every layer and the tied head for
 // B rows of one new token each, reading the model's weights and writing the static cache in place.
-// Built and loaded by wiola/fast/decode_step_cpu.py (g++ -O3 -fopenmp, ctypes); the math is SPEC.md's,
+// Built and loaded by wiola/fast/decode_step_cpu.py (g++ -O3 -fopenmp, ctypes); the math is docs/SPEC.md's,
 // the same as wiola.model.WiolaModel.forward with a cache and T = 1.
 //
 // Why C++: decoding one token is bound by reading the weights (52 MB for the 13m preset), yet the

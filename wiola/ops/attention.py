@@ -1,4 +1,4 @@
-"""Gated helical attention (SPEC.md eq. 11-13), reference implementation that materialises
+"""Gated helical attention (docs/SPEC.md eq. 11-13), reference implementation that materialises
 the scores. It is the oracle for ``kernels/attention.py`` and the CPU path of the model."""
 
 from __future__ import annotations

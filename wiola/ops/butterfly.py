@@ -1,4 +1,4 @@
-"""The butterfly feed-forward block (SPEC.md eq. 14-16), reference implementation."""
+"""The butterfly feed-forward block (docs/SPEC.md eq. 14-16), reference implementation."""
 
 from __future__ import annotations
 

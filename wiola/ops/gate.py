@@ -1,4 +1,4 @@
-"""The causal cumulative-mean gate (SPEC.md eq. 8-10), reference implementation."""
+"""The causal cumulative-mean gate (docs/SPEC.md eq. 8-10), reference implementation."""
 
 from __future__ import annotations
 

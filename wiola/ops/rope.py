@@ -1,4 +1,4 @@
-"""Helical rotary position encoding (SPEC.md eq. 4-7), rotate-half pair layout."""
+"""Helical rotary position encoding (docs/SPEC.md eq. 4-7), rotate-half pair layout."""
 
 from __future__ import annotations
 
