@@ -6,8 +6,8 @@
 ``LaunchCounter`` is a context manager: inside it every Triton launch (``JITFunction.run``, or
 the interpreter's ``InterpretedFunction.run`` under ``TRITON_INTERPRET=1``) is counted by kernel
 name, and every ATen op by a ``TorchDispatchMode``, except the ops that launch nothing on a GPU
-(views, ``empty``) and the ops the interpreter itself runs inside a Triton launch. The mode sits above autocast:
-the casts autocast inserts into an op are not seen (the op is counted once). What is left
+(views, ``empty``) and the ops the interpreter itself runs inside a Triton launch. The casts
+autocast inserts into ``linear`` are seen (as ``to``). What is left
 is what a captured CUDA graph would replay, one kernel per count (a few ATen ops launch more than
 one; none in the decode step). ``_local_scalar_dense`` (``.item()``, ``int(t)``) is a host sync:
 it is reported as ``syncs``. Custom ops (``wiola::…``) are not counted: their Triton launches are, but the ATen ops their

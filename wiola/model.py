@@ -532,8 +532,10 @@ class WiolaModel(nn.Module):
         E, V = self.embed.weight, self.config.vocab_size
         logits = loss = None
         if return_logits:
-            layout = _decode_layout_of(self.derived_weights, "head", E) if uses_decode_layout(x) else None
-            logits = upcast(linear(x, E, layout))  # (B, T, V) fp32
+            if uses_decode_layout(x):
+                logits = upcast(linear(x, E, _decode_layout_of(self.derived_weights, "head", E)))  # (B, T, V) fp32
+            else:  # under autocast, E cast once per version (not an 8 MB copy per decoded token)
+                logits = upcast(linear(x, _cast_of(self.derived_weights, "head", E, _autocast_dtype(x))))
             if labels is not None:
                 loss = F.cross_entropy(logits[:, :-1].reshape(-1, V), labels.reshape(-1), reduction="sum")
                 loss = loss / (labels != -100).sum().clamp(min=1)
