@@ -96,6 +96,9 @@ def test_graph_stamp_moves_with_an_in_place_update():
     with torch.no_grad():
         model.layers[0].attn.q_proj.weight.mul_(1.5)
     assert _stamp(model) != before
+    with torch.inference_mode():  # parameters without a version counter
+        made_here = Fast(WiolaConfig(**CONFIG))
+        assert _stamp(made_here) == _stamp(made_here)
 
 
 @kernels
