@@ -69,16 +69,19 @@ REFERENCE_OPS = Ops.of(reference_ops)
 
 
 class DerivedWeights:
-    """One model's tensors derived from its parameters for inference: the fused QKV matrix and
-    the ``decode_layout`` copies that CPU decoding reads (and, in ``wiola.fast``, the C++ step
-    bound to a cache). Not part of the state dict; copies and pickles of the model start empty.
+    """One model's tensors derived from its parameters for inference: the fused QKV matrix, the
+    weights cast to the autocast dtype (or the gate's to fp32), the ``decode_layout`` copies
+    that CPU decoding reads (and, in ``wiola.fast``, the C++ step bound to a cache). Not part of
+    the state dict; copies and pickles of the model start empty.
 
-    ``get(key, build, *sources)`` is plain ``build()`` with gradients on, off the CPU and while
-    tracing. In CPU inference it returns the value built earlier for ``key`` while every source
+    ``get(key, build, *sources)`` is plain ``build()`` with gradients on and while tracing. In
+    inference (CPU or GPU) it returns the value built earlier for ``key`` while every source
     keeps its storage and version counter; in-place updates (optimizer steps,
     ``load_state_dict``) bump the counter, and the sources are referenced so that a freed
     storage's address cannot come back as a false match. Sources without a version counter
-    (made under ``torch.inference_mode``) are never cached.
+    (made under ``torch.inference_mode``) are never cached. During CUDA-graph capture a value
+    that is missing or stale is built (into the graph) but not kept: values are built outside
+    capture (the capture's warm-up steps), so a captured graph reads a tensor that stays put.
     """
 
     def __init__(self) -> None:
@@ -86,15 +89,21 @@ class DerivedWeights:
         self._bound: weakref.WeakKeyDictionary[Any, dict[Hashable, Any]] = weakref.WeakKeyDictionary()
 
     def get(self, key: Hashable, build: Callable[[], Any], *sources: torch.Tensor, extra: tuple = ()) -> Any:
-        if torch.is_grad_enabled() or sources[0].device.type != "cpu" or torch.compiler.is_compiling():
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return build()
         if any(t.is_inference() for t in sources):
             return build()
         stamp = (*extra, *((t.data_ptr(), t._version, t.dtype) for t in sources))
         hit = self._tensors.get(key)
         if hit is None or hit[0] != stamp:
+            if sources[0].is_cuda and torch.cuda.is_current_stream_capturing():
+                return build()
             hit = self._tensors[key] = (stamp, tuple(t.detach() for t in sources), build())
         return hit[2]
+
+    def values(self) -> tuple[Any, ...]:
+        """The tensors kept now (a captured CUDA graph holds them: they must outlive it)."""
+        return tuple(hit[2] for hit in self._tensors.values())
 
     def bound(self, key: Hashable, owner: Any, build: Callable[[], Any], current: Callable[[Any], bool]) -> Any:
         """A value bound to ``owner`` (a decoding cache) and dropped with it: the one kept for
@@ -117,6 +126,22 @@ class DerivedWeights:
 
     def __reduce__(self) -> tuple:
         return (type(self), ())
+
+
+_GATE = ("gate_w1", "gate_w2", "gate_b2")
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
+def _cast_of(derived: DerivedWeights, key: Hashable, weight: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``weight`` in ``dtype`` (as it is for None or its own dtype), the copy kept in ``derived``:
+    what autocast (or an fp32 upcast) would copy on every call is copied once per weight version."""
+    if dtype is None or weight.dtype == dtype:
+        return weight
+    return derived.get((key, dtype), lambda: weight.to(dtype), weight)
 
 
 def _decode_layout_of(derived: DerivedWeights, key: Hashable, *weights: torch.Tensor) -> DecodeLayout:
@@ -202,10 +227,22 @@ class GatedHelicalAttention(nn.Module):
             self.gate_w1 = nn.Linear(D, H, bias=False)  # W_1: c_t (d_h) -> H
             self.gate_w2 = nn.Linear(H, H, bias=True)  # W_2, b_2
 
-    def qkv_weight(self) -> torch.Tensor:
-        """The three projections as one ``(3d, d)`` matrix: one GEMM, q/k/v as strided views."""
+    def qkv_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The three projections as one ``(3d, d)`` matrix: one GEMM, q/k/v as strided views.
+
+        With ``dtype`` (the autocast dtype), the matrix cast to it, as autocast would cast it."""
         weights = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
-        return self.derived.get(("qkv", self.layer_index), lambda: torch.cat(weights), *weights)
+        if dtype is None or weights[0].dtype == dtype:
+            return self.derived.get(("qkv", self.layer_index), lambda: torch.cat(weights), *weights)
+        return self.derived.get(("qkv", self.layer_index, dtype), lambda: torch.cat(weights).to(dtype), *weights)
+
+    def gate_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``W_1, W_2, b_2``; for a half model, upcast to fp32 as the gate reads them (``upcast``),
+        the copies kept."""
+        weights = (self.gate_w1.weight, self.gate_w2.weight, self.gate_w2.bias)
+        dtype = torch.float32 if weights[0].dtype in (torch.float16, torch.bfloat16) else None
+        w1, w2, b2 = (_cast_of(self.derived, (n, self.layer_index), w, dtype) for n, w in zip(_GATE, weights))
+        return w1, w2, b2
 
     def forward(
         self,
@@ -228,20 +265,25 @@ class GatedHelicalAttention(nn.Module):
         if uses_decode_layout(x):
             qkv = linear(x, self.q_proj.weight, self._layout("qkv", "q_proj", "k_proj", "v_proj"))
         else:
-            qkv = linear(x, self.qkv_weight())
+            qkv = linear(x, self.qkv_weight(_autocast_dtype(x)))
         q, k, v = qkv.view(B, T, 3, H, D).unbind(2)  # (B, T, H, D) strided views, not rotated
         if self.gate is None:
             g = torch.ones(B, T, H, device=x.device, dtype=cos.dtype)
         else:
             carry = None if cache is None else (cache.gate_sum[i], cache.gate_count[i])
-            w1, w2 = self.gate_w1.weight, self.gate_w2.weight
-            g = self.gate(q, w1, w2, self.gate_w2.bias, cos, sin, attention_mask, carry)
+            g = self.gate(q, *self.gate_weights(), cos, sin, attention_mask, carry)
         if cache is None:
             o = self.ops.attention(q, k, v, g, cos, sin, attention_mask)
         else:
-            o = self.ops.decode_attention(q, k, v, g, cos, sin, cache.k[i], cache.v[i], cache.key_mask, cache_start)
+            k_cache, v_cache = cache.k[i], cache.v[i]
+            unpadded = attention_mask is None
+            o = self.ops.decode_attention(
+                q, k, v, g, cos, sin, k_cache, v_cache, cache.key_mask, cache_start, unpadded=unpadded
+            )
         o = o.reshape(B, T, H * D)
-        return linear(o, self.o_proj.weight, self._layout("o", "o_proj") if uses_decode_layout(o) else None)
+        if uses_decode_layout(o):
+            return linear(o, self.o_proj.weight, self._layout("o", "o_proj"))
+        return linear(o, _cast_of(self.derived, ("o", i), self.o_proj.weight, _autocast_dtype(o)))
 
     def _layout(self, key: str, *names: str) -> DecodeLayout:
         weights = [getattr(self, name).weight for name in names]
@@ -266,9 +308,11 @@ class Butterfly(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(..., d)`` -> ``(..., d)``."""
         weights = (self.up_proj.weight, self.bypass_proj.weight, self.down_proj.weight)
-        if not uses_decode_layout(x):
-            return self.ops.butterfly(x, *weights)
         names = ("up", "bypass", "down")
+        if not uses_decode_layout(x):
+            dtype = _autocast_dtype(x)  # the casts autocast makes, once per weight version
+            weights = tuple(_cast_of(self.derived, (n, self.layer_index), w, dtype) for n, w in zip(names, weights))
+            return self.ops.butterfly(x, *weights)
         layouts = tuple(_decode_layout_of(self.derived, (n, self.layer_index), w) for n, w in zip(names, weights))
         return self.ops.butterfly(x, *weights, layouts=layouts)
 
@@ -491,8 +535,10 @@ class WiolaModel(nn.Module):
         E, V = self.embed.weight, self.config.vocab_size
         logits = loss = None
         if return_logits:
-            layout = _decode_layout_of(self.derived_weights, "head", E) if uses_decode_layout(x) else None
-            logits = upcast(linear(x, E, layout))  # (B, T, V) fp32
+            if uses_decode_layout(x):
+                logits = upcast(linear(x, E, _decode_layout_of(self.derived_weights, "head", E)))  # (B, T, V) fp32
+            else:  # under autocast, E cast once per version (not an 8 MB copy per decoded token)
+                logits = upcast(linear(x, _cast_of(self.derived_weights, "head", E, _autocast_dtype(x))))
             if labels is not None:
                 loss = F.cross_entropy(logits[:, :-1].reshape(-1, V), labels.reshape(-1), reduction="sum")
                 loss = loss / (labels != -100).sum().clamp(min=1)

@@ -73,6 +73,7 @@ class _Captured:
     temperature: torch.Tensor  # () float32
     top_p: torch.Tensor  # () float32
     graph: torch.cuda.CUDAGraph | None = None
+    derived: tuple = ()  # the model's derived tensors the graph reads: kept alive with it
 
 
 class GraphSteps:
@@ -108,8 +109,12 @@ def graphs_usable(model: WiolaModel, input_ids: torch.Tensor) -> bool:
 
 
 def _stamp(model: WiolaModel) -> tuple:
-    """What a captured graph depends on: parameter storage and dtype, autocast, kernel switch."""
-    params = tuple((p.data_ptr(), p.dtype) for p in model.parameters())
+    """What a captured graph depends on: parameter storage, version and dtype, autocast, kernel
+    switch. The version: a graph reads the derived weights (fused QKV, casts) built from the
+    parameters' values at capture, so an in-place update (an optimizer step) recaptures."""
+    # Inference tensors (a model made under inference_mode) have no version: nothing is derived
+    # from them (DerivedWeights builds per call), so the graph reads them live.
+    params = tuple((p.data_ptr(), 0 if p.is_inference() else p._version, p.dtype) for p in model.parameters())
     return (params, torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"), model.kernels_enabled)
 
 
@@ -146,6 +151,7 @@ def _capture(model: WiolaModel, step: _Captured, mode: _Mode) -> None:
         with torch.cuda.graph(graph):
             _run_step(model, step, mode)
         step.graph = graph
+        step.derived = model.derived_weights.values()
     finally:
         cache.device_slot = False
         cache.reset()

@@ -141,10 +141,8 @@ def rms_norm(
     kernel = _kernel("rms_norm", x)
     if kernel is None:
         return _torch_rms_norm(x, weight, eps, residual)
-    if residual is not None and residual.dtype != x.dtype:
-        # The reference adds in the promoted dtype (a bf16 autocast output + the fp32 stream).
-        dtype = torch.promote_types(x.dtype, residual.dtype)
-        x, residual = x.to(dtype), residual.to(dtype)
+    # A bf16 autocast output with the fp32 stream goes in as it is: the kernel adds in the
+    # promoted dtype itself, as the reference's ``x + residual`` does (no cast copy first).
     return kernel(x, weight, eps, residual)
 
 
@@ -198,6 +196,8 @@ def decode_attention(
     v_cache: torch.Tensor,
     key_mask: torch.Tensor,
     start: int | torch.Tensor,
+    *,
+    unpadded: bool = False,
 ) -> torch.Tensor:
     """``wiola.ops.decode_attention``; ``start`` may be a one-element device tensor (CUDA graphs).
 
@@ -205,15 +205,17 @@ def decode_attention(
     decode write kernel and runs the training attention kernel, so it equals the full pass
     exactly; everything else (one token, or a chunk after cached tokens) runs the
     flash-decoding kernel. PyTorch path: slice writes and SDPA over the filled slots.
+    With ``unpadded`` (the caller had no ``attention_mask``), the prefill runs the unmasked
+    attention variant (``mask=None``) and does not read ``key_mask``.
     """
     T = q.shape[1]
     decode = _kernel("decode_attention", q)
     if decode is None:
-        return _torch_decode_attention(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start)
+        return _torch_decode_attention(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start, unpadded=unpadded)
     flash = _kernel("attention", q)
     if flash is not None and isinstance(start, int) and start == 0 and T > 1:
         KERNELS["write_cache"](k, v, cos, sin, k_cache, v_cache, 0)
-        return flash(q, k, v, g, cos, sin, key_mask[:, :T])
+        return flash(q, k, v, g, cos, sin, None if unpadded else key_mask[:, :T])
     return decode(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start)
 
 
@@ -343,6 +345,8 @@ def _torch_decode_attention(
     v_cache: torch.Tensor,
     key_mask: torch.Tensor,
     start: int | torch.Tensor,
+    *,
+    unpadded: bool = False,
 ) -> torch.Tensor:
     T = q.shape[1]
     if isinstance(start, torch.Tensor):
@@ -354,7 +358,8 @@ def _torch_decode_attention(
     v_cache[:, :, start:end] = v.transpose(1, 2)
     keys = k_cache[:, :, :end].transpose(1, 2)  # (B, end, H, D)
     values = v_cache[:, :, :end].transpose(1, 2)
-    return _sdpa(apply_rope(q, cos, sin), keys, values, g, key_mask[:, :end], q_start=start)
+    real = None if unpadded and start == 0 else key_mask[:, :end]  # None: SDPA's causal fast path
+    return _sdpa(apply_rope(q, cos, sin), keys, values, g, real, q_start=start)
 
 
 def _gate_step(

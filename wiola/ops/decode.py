@@ -19,6 +19,8 @@ def decode_attention(
     v_cache: torch.Tensor,
     key_mask: torch.Tensor,
     start: int,
+    *,
+    unpadded: bool = False,
 ) -> torch.Tensor:
     """Write the new tokens into one layer's cache and attend over everything cached.
 
@@ -30,6 +32,9 @@ def decode_attention(
             are overwritten with the rotated keys and the values.
         key_mask: ``(B, S)`` bool, already True for the new tokens that are real.
         start: the slot of the first new token.
+        unpadded: True when the caller gave no ``attention_mask`` (every new token is real).
+            A hint for fused implementations, which may then skip masking a prefill; the
+            result is the same either way, and this reference reads ``key_mask`` regardless.
 
     Returns ``(B, T, H, D)`` in ``q.dtype``, equal to what the full-sequence pass gives at
     those positions.
