@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import DEVICE, KERNEL_DTYPES, TOL, assert_close, poisoned
+from numerics import DEVICE, KERNEL_DTYPES, TOL, assert_close, poisoned
 
 from kernels import attention as K
 from wiola.ops.attention import attention as reference_attention

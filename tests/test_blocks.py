@@ -10,7 +10,7 @@ import pickle
 
 import pytest
 import torch
-from conftest import DEVICE, TOL, assert_close
+from numerics import DEVICE, TOL, assert_close
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves

@@ -13,7 +13,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import DEVICE, KERNEL_DTYPES, TOL, assert_close, poisoned
+from numerics import DEVICE, KERNEL_DTYPES, TOL, assert_close, poisoned
 
 from kernels import butterfly as kb
 from wiola.ops.butterfly import butterfly as reference

@@ -13,7 +13,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, KERNEL_DTYPES, TOL, assert_close, poisoned
+from numerics import DEVICE, KERNEL_DTYPES, TOL, assert_close, poisoned
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, KERNEL_DTYPES, TOL, assert_close, poisoned
+from numerics import DEVICE, KERNEL_DTYPES, TOL, assert_close, poisoned
 
 from wiola.ops.decode import decode_attention as reference
 from wiola.ops.rope import helix_frequencies, rope_tables

@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import TOL, assert_close
+from numerics import TOL, assert_close
 
 import wiola
 import wiola.fast

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import DEVICE, TOL, assert_close
+from numerics import DEVICE, TOL, assert_close
 
 from wiola import WiolaConfig
 from wiola import WiolaModel as Reference

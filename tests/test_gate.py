@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, KERNEL_DTYPES, TOL, assert_close
+from numerics import DEVICE, KERNEL_DTYPES, TOL, assert_close
 
 import kernels.gate as kgate
 from wiola.ops.gate import gate as ref_gate

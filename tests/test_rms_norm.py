@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, KERNEL_DTYPES, TOL, assert_close, poisoned
+from numerics import DEVICE, KERNEL_DTYPES, TOL, assert_close, poisoned
 
 from kernels import rms_norm as kr
 from wiola.ops.rms_norm import rms_norm as reference

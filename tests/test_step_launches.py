@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, TOL, assert_close
+from numerics import DEVICE, TOL, assert_close
 
 import wiola.fast.ops as fast_ops
 from bench.launches import LaunchCounter, count_decode_step

@@ -1,0 +1,34 @@
+"""Numerical helpers of the tests: the device, the per-dtype tolerance table, the named
+relative-error assert and NaN-poisoned buffers. Imported by the test files (``from numerics
+import ...``; pytest puts ``tests/`` on the path), never from ``conftest``."""
+
+from __future__ import annotations
+
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Largest allowed relative error per dtype: max|ref - got| / max|ref| (SPEC/STYLE tables).
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+# Kernel tests run fp32 everywhere and the half types only on CUDA (the interpreter's numpy
+# has no bfloat16 arithmetic worth trusting).
+KERNEL_DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE == "cuda" else [])
+
+
+def rel_err(ref: torch.Tensor, got: torch.Tensor) -> float:
+    ref, got = ref.detach().double(), got.detach().double()
+    return float((ref - got).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def assert_close(name: str, ref: torch.Tensor, got: torch.Tensor, tol: float) -> None:
+    """Relative max error of ``got`` against ``ref`` within ``tol``; NaN anywhere fails."""
+    assert ref.shape == got.shape, f"{name}: shape {tuple(got.shape)} != reference {tuple(ref.shape)}"
+    assert not torch.isnan(got).any(), f"{name}: NaN in output (an element was never written?)"
+    err = rel_err(ref, got)
+    assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.1e}"
+
+
+def poisoned(*shape: int, dtype: torch.dtype = torch.float32, device: str = DEVICE) -> torch.Tensor:
+    """A buffer full of NaN: any element a kernel forgets to write shows up as NaN."""
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
