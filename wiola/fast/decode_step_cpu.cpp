@@ -23,6 +23,9 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#if defined(WIOLA_ISA_AVX512) || defined(WIOLA_ISA_AVX2)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -102,10 +105,18 @@ template <>
 struct Weight<int8_t> {
   static constexpr bool kScaled = true;
   typedef int8_t raw __attribute__((vector_size(kLanes)));
+  typedef int32_t wide __attribute__((vector_size(4 * kLanes)));
+  // GCC 12 scalarises the sign extension of a generic int8 vector: the x86 variants say it directly.
   static vec load(const int8_t* p) {
+#if defined(WIOLA_ISA_AVX512)
+    return (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(WIOLA_ISA_AVX2)
+    return (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
     raw r;
     std::memcpy(&r, p, sizeof(r));
-    return __builtin_convertvector(r, vec);
+    return __builtin_convertvector(__builtin_convertvector(r, wide), vec);  // sign-extend, then convert
+#endif
   }
   static float at(const int8_t* p) { return static_cast<float>(*p); }
 };
