@@ -219,21 +219,40 @@ def _matrix_params(config) -> int:
     return V * d + L * (4 * d * d + gate_params + 4 * d * f + 2 * d) + d
 
 
-def decode_step(config, batch: int, context: int, dtype: torch.dtype | int | str = 2) -> Cost:
+def weight_bytes(config, scheme: str | None = None, dtype: torch.dtype | int | str = 4) -> int:
+    """Bytes of the weights one forward reads: every weight at ``dtype``, or with ``scheme``
+    (``"int8"`` / ``"bf16"``, ``wiola.fast.quantize``) the embedding/head and the layers' seven
+    projection matrices at 1 or 2 bytes (int8 adds one fp32 scale per row), the rest (norms,
+    gate) at ``dtype``."""
+    if scheme is None:
+        return _matrix_params(config) * dtype_bytes(dtype)
+    if scheme not in ("int8", "bf16"):
+        raise ValueError(f"scheme={scheme!r} is not one of int8, bf16")
+    d, L, f, V = config.d_model, config.n_layers, config.d_ff, config.vocab_size
+    packed = V * d + L * (4 * d * d + 4 * d * f)
+    rows = V + L * (5 * d + 3 * f)  # q, k, v, o: d rows each; up 2f, bypass f, down d
+    extra = rows * FP32 if scheme == "int8" else 0
+    return packed * (1 if scheme == "int8" else 2) + extra + (_matrix_params(config) - packed) * dtype_bytes(dtype)
+
+
+def decode_step(
+    config, batch: int, context: int, dtype: torch.dtype | int | str = 2, weights: int | None = None
+) -> Cost:
     """One greedy decoding step: one new token per row after ``context`` cached tokens.
 
     FLOPs per row: every layer's products (``_layer_matrix_flops``), attention over the
     ``context + 1`` keys (``4·d`` per key and layer), and the tied head ``2·d·V``.
     Bytes: every weight once (shared by the batch; dtype), the cached keys and values of every
     row (``2·L·context·d``, dtype), the new keys and values written (``2·L·d`` per row), the
-    input ids (int64) and the fp32 logits ``(batch, V)``.
+    input ids (int64) and the fp32 logits ``(batch, V)``. ``weights``: the weights' bytes when
+    they are not all of ``dtype`` (``weight_bytes`` of a quantized model).
     """
     _check_sizes(batch=batch, context=context)
     b = dtype_bytes(dtype)
     d, L, V = config.d_model, config.n_layers, config.vocab_size
     per_row = L * (_layer_matrix_flops(config) + 4 * d * (context + 1)) + 2 * d * V
     traffic = (
-        _matrix_params(config) * b
+        (_matrix_params(config) * b if weights is None else weights)
         + batch * 2 * L * context * d * b
         + batch * 2 * L * d * b
         + batch * INT64
@@ -242,12 +261,14 @@ def decode_step(config, batch: int, context: int, dtype: torch.dtype | int | str
     return Cost(batch * per_row, traffic)
 
 
-def decode(config, batch: int, prompt: int, new_tokens: int, dtype: torch.dtype | int | str = 2) -> Cost:
+def decode(
+    config, batch: int, prompt: int, new_tokens: int, dtype: torch.dtype | int | str = 2, weights: int | None = None
+) -> Cost:
     """``new_tokens`` decoding steps after a ``prompt``-token prefill (the prefill not included)."""
     _check_sizes(prompt=prompt, new_tokens=new_tokens)
     total = Cost(0.0, 0.0)
     for i in range(new_tokens):
-        total = total + decode_step(config, batch, prompt + i, dtype)
+        total = total + decode_step(config, batch, prompt + i, dtype, weights)
     return total
 
 

@@ -7,7 +7,11 @@ Rows: ``wiola.WiolaModel.generate`` (the readable reference, PyTorch ops) and
 ``wiola/fast/decode_step_cpu`` (every layer and the head in one call), once in the variant chosen
 for this CPU (``native``) and once forced to each of the ``avx2`` and ``portable`` variants
 (``WIOLA_CPU_ISA``; skipped where this CPU lacks the ISA), each with its own ratio to wiola13m
-measured in the same run. Every result records the CPU's model name and flags, the variant and
+measured in the same run. Quantized rows (issue 15): ``wiola.fast`` with int8 and bf16 weights
+(``wiola.fast.quantize``; goals at batch 1: int8 >= 2,000 tok/s, bf16 >= 1,000), each beside the
+fp32 ``wiola.fast`` and ``wiola13m`` (both timed again in the row), greedy tokens asserted equal
+to the reference's and ``wiola13m``'s on the dequantized weights, and each with the % of its own
+floor (its cost counts the packed weights' bytes: ``roofline.weight_bytes``). Every result records the CPU's model name and flags, the variant and
 the path that decoded (``cpu_model``, ``cpu_flags``, ``cpu_isa``, ``decode_path`` in
 ``extra_info``, and in its notes).
 
@@ -51,11 +55,13 @@ def _prompt(batch: int) -> torch.Tensor:
     return torch.randint(0, 32000, (batch, PROMPT), generator=gen)
 
 
-def _cost(config: wiola.WiolaConfig, batch: int, new: int) -> roofline.Cost:
-    # The prompt's forward gives the first new token; each further token costs one decoding step.
+def _cost(config: wiola.WiolaConfig, batch: int, new: int, scheme: str | None = None) -> roofline.Cost:
+    # The prompt's forward gives the first new token (the PyTorch path, fp32 weights); each further
+    # token costs one decoding step (reading the packed weights of a quantized model).
     cost = roofline.prefill(config, batch, PROMPT, torch.float32)
     if new > 1:
-        cost = cost + roofline.decode(config, batch, PROMPT, new - 1, torch.float32)
+        weights = roofline.weight_bytes(config, scheme)
+        cost = cost + roofline.decode(config, batch, PROMPT, new - 1, torch.float32, weights)
     return cost
 
 
@@ -79,7 +85,7 @@ def _cpu_notes(isa: str | None, path: str) -> tuple[dict[str, Any], list[str]]:
 
 def _record(
     cpu_bench, fn, config: wiola.WiolaConfig, batch: int, new: int, name: str, baselines: dict, notes: list[str],
-    cpu: tuple[dict[str, Any], list[str]],
+    cpu: tuple[dict[str, Any], list[str]], scheme: str | None = None,
 ) -> dict:  # fmt: skip
     """Time ``fn`` (greedy decoding of ``batch`` rows, ``new`` tokens) with its baselines, the CPU
     recorded with the result; prints the ratio to wiola13m."""
@@ -88,7 +94,7 @@ def _record(
         op="decode_cpu",
         mode="greedy",
         name=name,
-        cost=_cost(config, batch, new),
+        cost=_cost(config, batch, new, scheme),
         shape={"B": batch, "P": PROMPT, "N": new},
         dtype=torch.float32,
         tokens=batch * new,
@@ -99,6 +105,14 @@ def _record(
     rec.update(cpu[0])
     if not cpu_bench.quick:
         _summary(batch, name, rec)
+        if scheme is not None:
+            goal = {"int8": 2000, "bf16": 1000}[scheme]
+            pct = rec.get("pct_floor")
+            print(
+                f"decode CPU B{batch}: {name} {rec['tokens_per_s']:.1f} tok/s (goal at B1: >= {goal:,}), "
+                f"{'' if pct is None else f'{pct:.0f}% of its floor, '}fp32 "
+                f"{rec['baselines']['fp32']['tokens_per_s']:.1f} tok/s beside it"
+            )
     return rec
 
 
@@ -182,4 +196,54 @@ def test_decode_cpu_fast(cpu_bench, model, hf_model, batch: int, isa: str, monke
         baselines,
         notes,
         _cpu_notes(chosen, path),
+    )
+
+
+@pytest.mark.parametrize("scheme", ["int8", "bf16"])
+@pytest.mark.parametrize("batch", BATCHES, ids=lambda b: f"B{b}-P{PROMPT}-N{NEW_TOKENS}")
+def test_decode_cpu_quantized(cpu_bench, model, batch: int, scheme: str, monkeypatch) -> None:
+    from wiola.fast import WiolaModel as FastModel
+    from wiola.fast.quantize import quantize
+
+    monkeypatch.delenv("WIOLA_CPU_ISA", raising=False)
+    path = decode_step_cpu.describe()
+    chosen = decode_step_cpu.select_isa() if path.startswith("C++") else None
+    new = SMOKE_TOKENS if cpu_bench.quick else NEW_TOKENS
+    ids = _prompt(batch)
+    fp32 = FastModel(model.config).eval()
+    fp32.load_state_dict(model.state_dict())
+    packed = FastModel(model.config).eval().requires_grad_(False)
+    packed.load_state_dict(model.state_dict())
+    quantize(packed, scheme)
+    oracle = wiola.WiolaModel(model.config).eval()  # the reference on the dequantized weights
+    oracle.load_state_dict(packed.state_dict())
+
+    got = packed.generate(ids, new, temperature=0)
+    mismatch = (got != oracle.generate(ids, new, temperature=0)).nonzero()
+    assert mismatch.numel() == 0, (
+        f"{scheme} greedy tokens differ from the dequantized reference's at {mismatch[0].tolist()}"
+    )
+    try:
+        hf_model = wiola13m_like(oracle)
+    except Exception as exc:
+        hf_model = f"wiola13m unavailable: {type(exc).__name__}: {exc}"
+    baselines = {"fp32": lambda: fp32.generate(ids, new, temperature=0)}
+    baselines["wiola13m"] = _wiola13m_baseline(hf_model, ids, new, got)
+    notes = [
+        f"13m preset, random weights, {scheme} weight-only quantization (wiola.fast.quantize); greedy tokens "
+        "identical to the reference and to wiola13m on the dequantized weights; fp32 = wiola.fast unquantized",
+        f"weights read per step: {roofline.weight_bytes(model.config, scheme) / 1e6:.1f} MB "
+        f"(fp32: {roofline.weight_bytes(model.config) / 1e6:.1f} MB)",
+    ]
+    _record(
+        cpu_bench,
+        lambda: packed.generate(ids, new, temperature=0),
+        model.config,
+        batch,
+        new,
+        f"wiola.fast {scheme}",
+        baselines,
+        notes,
+        _cpu_notes(chosen, f"{path}, {scheme} weights"),
+        scheme,
     )

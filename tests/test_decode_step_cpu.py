@@ -9,7 +9,10 @@ is compiled), the choice of variant and its refusal, the build-failure warning, 
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
+import stat
+import tempfile
 import warnings
 
 import pytest
@@ -408,3 +411,53 @@ def test_compile_error_is_reported(monkeypatch, tmp_path):
     assert decode_step_cpu.describe().startswith("PyTorch path: the C++ step did not build (")
     assert "error" in decode_step_cpu.describe()
     assert not list((tmp_path / "cache").glob("*.so")), "a failed build left a library behind"
+
+
+# ------------------------------------------------------------------ the build cache
+def test_build_cache_is_created_private(monkeypatch, tmp_path):
+    cache = tmp_path / "new" / "cache"
+    monkeypatch.setenv("WIOLA_CACHE_DIR", str(cache))
+    _reset(monkeypatch)
+    assert decode_step_cpu.load() is not None
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+    assert len(list(cache.glob("decode_step_cpu-*.so"))) == 1
+
+
+@pytest.mark.parametrize("how", ["other-owner", "world-writable", "group-writable", "tmp-fallback"])
+def test_build_cache_others_can_write_is_refused(how, plain_cpu, monkeypatch, tmp_path):
+    """A cache folder owned by another user, or one the group or others can write, is refused:
+    the step is not built or loaded from it, ``describe()`` says why, and decoding falls back to
+    the PyTorch path (the tests run as root, which can create another user's folder)."""
+    cache = tmp_path / "cache"
+    if how == "tmp-fallback":  # home unusable: $TMPDIR/wiola-<uid>, planted world-writable first
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a-file"))
+        (tmp_path / "a-file").write_text("not a folder")
+        monkeypatch.delenv("WIOLA_CACHE_DIR", raising=False)
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+        cache = tmp_path / f"wiola-{os.getuid()}"
+    else:
+        monkeypatch.setenv("WIOLA_CACHE_DIR", str(cache))
+    cache.mkdir(mode=0o700)
+    if how == "other-owner":
+        if os.getuid() != 0:
+            pytest.skip("creating a folder owned by another uid needs root")
+        os.chown(cache, 12345, 12345)
+        match = f"owned by uid 12345, not by this user \\(uid {os.getuid()}\\)"
+    else:
+        mode = 0o770 if how == "group-writable" else 0o777
+        os.chmod(cache, mode)  # past the umask
+        match = f"its mode {mode:#o} lets other users write into it"
+    _reset(monkeypatch)
+    monkeypatch.delitem(fast_ops.MISSING, "decode_step_cpu", raising=False)
+    with pytest.warns(RuntimeWarning, match=match):
+        assert decode_step_cpu.load() is None
+    assert f"refusing the build cache {cache}" in decode_step_cpu.BUILD_ERROR
+    line = decode_step_cpu.describe()
+    assert line.startswith(
+        f"PyTorch path: the C++ step did not build (PermissionError: refusing the build cache {cache}"
+    )
+    assert not list(cache.iterdir()), "something was built into a refused folder"
+    ref, fast = _fast_pair(SMALL)
+    ids, _ = _prompt(SMALL, 2, 6, 0)
+    assert torch.equal(ref.generate(ids, 5, temperature=0), fast.generate(ids, 5, temperature=0))
+    assert "refusing the build cache" in fast_ops.MISSING["decode_step_cpu"]

@@ -173,3 +173,26 @@ def test_bad_arguments() -> None:
         rl.attention(1, 0, 1, 4)
     with pytest.raises(ValueError, match="context must be a positive int"):
         rl.decode_step(SMALL, 1, -1)
+
+
+def test_quantized_weight_bytes() -> None:
+    # Packed matrices: V·d = 400 + 2·(4·8² + 4·8·16) = 1536 -> 1936 weights; rows with an int8 scale:
+    # V 50 + 2·(5·8 + 3·16) = 226 (q, k, v, o: 8 each; up 32, bypass 16, down 8); the other
+    # 2004 - 1936 = 68 weights (norms, gate) stay fp32.
+    assert rl.weight_bytes(SMALL) == 2004 * 4
+    assert rl.weight_bytes(SMALL, "int8") == 1936 + 226 * 4 + 68 * 4
+    assert rl.weight_bytes(SMALL, "bf16") == 1936 * 2 + 68 * 4
+    with pytest.raises(ValueError, match="scheme='int4'"):
+        rl.weight_bytes(SMALL, "int4")
+    # and against what a quantized model holds
+    import wiola.fast
+    from wiola.fast.quantize import quantize
+
+    for scheme in ("int8", "bf16"):
+        model = quantize(wiola.fast.WiolaModel(SMALL).eval().requires_grad_(False), scheme)
+        packed = {n: (q, s) for n, (q, s) in model.quantized.items()}
+        held = sum(q.nbytes + (0 if s is None else s.nbytes) for q, s in packed.values())
+        held += sum(p.nbytes for n, p in model.named_parameters() if n not in packed)
+        assert rl.weight_bytes(SMALL, scheme) == held
+    step = rl.decode_step(SMALL, 3, 5, torch.float32, weights=3112)
+    assert step == rl.decode_step(SMALL, 3, 5, torch.float32) + Cost(0, 3112 - 8016)

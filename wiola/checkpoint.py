@@ -9,7 +9,9 @@ weights (for unpadded input; its gate also averages padding tokens, ours does no
 
 The tokenizer is ``tokenizer.json`` (+ ``tokenizer_config.json``, ``special_tokens_map.json``)
 next to the weights, or a tiktoken name under ``"tokenizer"`` in our ``config.json``; the
-config's bos/eos/pad ids win over the tokenizer's own. Nothing here unpickles code:
+config's bos/eos/pad ids win over the tokenizer's own. A model quantized by ``wiola.fast.quantize`` is saved with its
+packed int8 or bf16 matrices and a ``quantization`` record in ``config.json``; only
+``wiola.fast.WiolaModel`` loads such a checkpoint. Nothing here unpickles code:
 ``pytorch_model.bin`` is read with ``weights_only=True``.
 """
 
@@ -99,6 +101,10 @@ def save_pretrained(model: nn.Module, directory: str | Path, tokenizer: Tokenize
     directory.mkdir(parents=True, exist_ok=True)
     state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": model.config.to_dict()}
+    if getattr(model, "quantization", None) is not None:  # packed matrices (wiola.fast.quantize)
+        from wiola.fast.quantize import checkpoint_record, packed_state
+
+        state, meta["quantization"] = packed_state(model), checkpoint_record(model)
     if tokenizer is not None:
         meta.update(tokenizer.save(directory))
     _atomic_write(directory / WEIGHTS_FILE, lambda p: save_file(state, p, metadata={"format": "pt"}))
@@ -319,9 +325,20 @@ def load_pretrained(
     ``wiola13m``'s) or a Hub id (``resolve_checkpoint``); every tensor is checked."""
     directory = resolve_checkpoint(directory, revision)
     config, flavour = read_config(directory)
+    record = _read_json(directory / CONFIG_FILE).get("quantization") if flavour == "wiola" else None
+    packed = None
+    if record is not None:  # a quantized checkpoint (wiola.fast.quantize): only wiola.fast runs it
+        from wiola.fast import quantize
+
+        scheme = quantize.read_record(record, directory / CONFIG_FILE)
+        quantize.check_loadable(cls, scheme, directory)
+        if dtype not in (None, torch.float32):
+            raise ValueError(f"{directory} holds {scheme}-quantized weights: load them as fp32 (dtype={dtype})")
     state, source = _read_tensors(directory)
     if flavour == "wiola13m":
         state = convert_wiola13m_state(state, config.n_layers, source)
+    if record is not None:
+        state, packed = quantize.unpack_state(state, scheme, config.n_layers, source)
     model = cls(config)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
@@ -338,4 +355,7 @@ def load_pretrained(
         if not tensor.dtype.is_floating_point:
             raise ValueError(f"{source}: tensor {name!r} has dtype {tensor.dtype}, expected a float type")
     model.load_state_dict(state)
-    return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+    model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+    if packed is not None:
+        quantize.attach(model.eval(), scheme, packed)
+    return model

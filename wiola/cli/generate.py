@@ -27,6 +27,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--quantize", choices=("int8", "bf16"),
+        help="weight-only int8 (per-row scales) or bf16 matrices for the C++ CPU step (wiola.fast.quantize)",
+    )  # fmt: skip
     impl = p.add_mutually_exclusive_group()
     impl.add_argument(
         "--fast", dest="fast", action="store_true", default=True,
@@ -66,13 +70,32 @@ def _load_model(args: argparse.Namespace):
     )
 
 
+def _quantize(model, scheme: str | None):
+    """``model`` quantized with ``scheme`` (a no-op for a checkpoint already quantized with it)."""
+    current = getattr(model, "quantization", None)
+    if scheme is None or current == scheme:
+        return model
+    if current is not None:
+        raise SystemExit(f"wiola generate: the checkpoint is {current}-quantized; --quantize {scheme} cannot redo it")
+    from wiola.fast import WiolaModel
+    from wiola.fast.quantize import quantize
+
+    if not isinstance(model, WiolaModel):
+        raise SystemExit("wiola generate: --quantize runs on wiola.fast (drop --reference)")
+    if next(model.parameters()).device.type != "cpu":
+        raise SystemExit("wiola generate: --quantize is for the CPU step (use --device cpu)")
+    return quantize(model.eval().requires_grad_(False), scheme)
+
+
 def _generate(args: argparse.Namespace) -> int:
     model, enc = _load_model(args)
     model.eval()
+    model = _quantize(model, getattr(args, "quantize", None))
     if args.fast and torch.device(args.device).type == "cpu":  # which path decodes, in one line
         from wiola.fast.decode_step_cpu import describe
 
-        print(f"CPU decoding: {describe()}", file=sys.stderr)
+        scheme = getattr(model, "quantization", None)
+        print(f"CPU decoding: {describe()}{f', {scheme} weights' if scheme else ''}", file=sys.stderr)
     ids = enc.encode(args.prompt)
     if not ids:
         raise SystemExit("wiola generate: the prompt is empty")

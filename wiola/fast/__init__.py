@@ -22,6 +22,8 @@ What runs where:
   sampling) as a CUDA graph once per batch size and replays it (``wiola.fast.generation``).
   On a plain CPU, each one-token step (fp32, gradients off) is one call of a C++ step that
   runs every layer and the head (``wiola/fast/decode_step_cpu.py``, compiled on first use).
+  ``wiola.fast.quantize.quantize(model, "int8" | "bf16")`` gives that step weight-only int8
+  (per-row scales) or bf16 matrices; the PyTorch path then runs on the dequantized weights.
 - Without a GPU: under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (tests); else a
   PyTorch path (SDPA with the gate folded into the query, the static cache) that is at least
   as fast as the reference.

@@ -1,5 +1,8 @@
-// One decoding step of the whole Wiola model on a CPU, fp32: every layer and the tied head for
-// B rows of one new token each, reading the model's weights and writing the static cache in place.
+// One decoding step of the whole Wiola model on a CPU, in fp32 arithmetic: every layer and the tied
+// head for B rows of one new token each, reading the model's weights and writing the static cache in
+// place. The matrices (the embedding/head and every layer's projections) are fp32, bf16, or int8 with
+// one fp32 scale per output row (weight-only quantization, wiola/fast/quantize.py): one body of every
+// product, the weight type a template parameter (Weight<T> below), widened to fp32 in registers.
 // Built and loaded by wiola/fast/decode_step_cpu.py (g++ -O3 -fopenmp, ctypes); the math is docs/SPEC.md's,
 // the same as wiola.model.WiolaModel.forward with a cache and T = 1.
 //
@@ -19,6 +22,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#if defined(WIOLA_ISA_AVX512) || defined(WIOLA_ISA_AVX2)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -83,6 +90,57 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// How a weight type is read: `load` widens kLanes consecutive weights to one fp32 vector, `at` one
+// weight; a scaled type's products are multiplied by the row's scale once, after the sum.
+using bf16 = uint16_t;  // the upper half of an fp32 (torch.bfloat16's bits)
+template <typename T>
+struct Weight;
+template <>
+struct Weight<float> {
+  static constexpr bool kScaled = false;
+  static vec load(const float* p) { return ::load(p); }
+  static float at(const float* p) { return *p; }
+};
+template <>
+struct Weight<int8_t> {
+  static constexpr bool kScaled = true;
+  typedef int8_t raw __attribute__((vector_size(kLanes)));
+  typedef int32_t wide __attribute__((vector_size(4 * kLanes)));
+  // GCC 12 scalarises the sign extension of a generic int8 vector: the x86 variants say it directly.
+  static vec load(const int8_t* p) {
+#if defined(WIOLA_ISA_AVX512)
+    return (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(WIOLA_ISA_AVX2)
+    return (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+    raw r;
+    std::memcpy(&r, p, sizeof(r));
+    return __builtin_convertvector(__builtin_convertvector(r, wide), vec);  // sign-extend, then convert
+#endif
+  }
+  static float at(const int8_t* p) { return static_cast<float>(*p); }
+};
+template <>
+struct Weight<bf16> {
+  static constexpr bool kScaled = false;
+  typedef uint16_t raw __attribute__((vector_size(2 * kLanes)));
+  typedef uint32_t wide __attribute__((vector_size(4 * kLanes)));
+  static vec load(const bf16* p) {
+    raw r;
+    std::memcpy(&r, p, sizeof(r));
+    wide w = __builtin_convertvector(r, wide) << 16;
+    vec v;
+    std::memcpy(&v, &w, sizeof(v));
+    return v;
+  }
+  static float at(const bf16* p) {
+    uint32_t u = static_cast<uint32_t>(*p) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+  }
+};
+
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
@@ -90,8 +148,9 @@ inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 // nn.Linear stores it, so each thread streams one contiguous slice of the matrix exactly once.
 // Four rows at a time (independent FMA chains), the batch in groups of up to kBatchBlock rows of x,
 // which stay in L1 while a group of W rows is reused from L1 for every group of x.
-template <int NR, int NB>
-inline void dot_block(const float* W, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t r) {
+template <int NR, int NB, typename T>
+inline void dot_block(const T* W, const float* scale, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy,
+                      int64_t r) {
   vec acc[NR][NB] = {};
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
@@ -101,34 +160,35 @@ inline void dot_block(const float* W, int64_t K, const float* x, int64_t ldx, fl
       WIOLA_PIN(xv[b]);  // keep it in a register: GCC would reload it for every FMA
     }
     for (int i = 0; i < NR; ++i) {
-      vec w = load(W + (r + i) * K + k);
+      vec w = Weight<T>::load(W + (r + i) * K + k);
       WIOLA_PIN(w);
       for (int b = 0; b < NB; ++b) acc[i][b] += w * xv[b];
     }
   }
   for (int i = 0; i < NR; ++i) {
-    const float* w = W + (r + i) * K;
+    const T* w = W + (r + i) * K;
     for (int b = 0; b < NB; ++b) {
       float s = hsum(acc[i][b]);
-      for (int64_t kk = k; kk < K; ++kk) s += w[kk] * x[b * ldx + kk];
+      for (int64_t kk = k; kk < K; ++kk) s += Weight<T>::at(w + kk) * x[b * ldx + kk];
+      if constexpr (Weight<T>::kScaled) s *= scale[r + i];
       y[b * ldy + r + i] = s;
     }
   }
 }
 
-template <int NR>
-inline void dot_rows(const float* W, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t B,
+template <int NR, typename T>
+inline void dot_rows(const T* W, const float* scale, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t B,
                      int64_t r) {
   for (int64_t b = 0; b < B; b += kBatchBlock) {
     const float* xb = x + b * ldx;
     float* yb = y + b * ldy;
     switch (B - b < kBatchBlock ? B - b : kBatchBlock) {
-      case 1: dot_block<NR, 1>(W, K, xb, ldx, yb, ldy, r); break;
+      case 1: dot_block<NR, 1>(W, scale, K, xb, ldx, yb, ldy, r); break;
 #if defined(WIOLA_ISA_AVX512)
-      case 2: dot_block<NR, 2>(W, K, xb, ldx, yb, ldy, r); break;
-      case 3: dot_block<NR, 3>(W, K, xb, ldx, yb, ldy, r); break;
+      case 2: dot_block<NR, 2>(W, scale, K, xb, ldx, yb, ldy, r); break;
+      case 3: dot_block<NR, 3>(W, scale, K, xb, ldx, yb, ldy, r); break;
 #endif
-      default: dot_block<NR, kBatchBlock>(W, K, xb, ldx, yb, ldy, r); break;
+      default: dot_block<NR, kBatchBlock>(W, scale, K, xb, ldx, yb, ldy, r); break;
     }
   }
 }
@@ -141,31 +201,33 @@ inline void dot_rows(const float* W, int64_t K, const float* x, int64_t ldx, flo
 // the layers' weights from L3 and halves the step (see the benchmark notes). For the head, 8 rows
 // ahead ran about 5% faster than 16 on one thread in interleaved runs (level with 4, 32 and 64
 // within the noise of a loaded machine) and level on two.
-void gemv_rows(const float* W, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t B,
+template <typename T>
+void gemv_rows(const T* W, const float* scale, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t B,
                int64_t r0, int64_t r1, bool stream) {
   constexpr int64_t ahead = 8;
   int64_t r = r0;
   for (; r + 4 <= r1; r += 4) {
     int64_t p0 = r + ahead, p1 = r + ahead + 4 < r1 ? r + ahead + 4 : r1;
     const char* p = reinterpret_cast<const char*>(W + (p0 < r1 ? p0 : r1) * K);
-    for (int64_t off = 0; p0 < p1 && off < (p1 - p0) * K * 4; off += 64) {
+    for (int64_t off = 0; p0 < p1 && off < (p1 - p0) * K * static_cast<int64_t>(sizeof(T)); off += 64) {
       if (stream)
         __builtin_prefetch(p + off, 0, 0);
       else
         __builtin_prefetch(p + off, 0, 3);
     }
-    dot_rows<4>(W, K, x, ldx, y, ldy, B, r);
+    dot_rows<4>(W, scale, K, x, ldx, y, ldy, B, r);
   }
-  for (; r < r1; ++r) dot_rows<1>(W, K, x, ldx, y, ldy, B, r);
+  for (; r < r1; ++r) dot_rows<1>(W, scale, K, x, ldx, y, ldy, B, r);
 }
 
 // This thread's share of the rows of an (N, K) product: contiguous, multiples of 4 rows.
-inline void gemv_share(const float* W, int64_t N, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy,
+template <typename T>
+inline void gemv_share(const T* W, const float* scale, int64_t N, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy,
                        int64_t B, int tid, int nth, bool stream = false) {
   int64_t blocks = (N + 3) / 4;
   int64_t b0 = blocks * tid / nth, b1 = blocks * (tid + 1) / nth;
   int64_t r0 = b0 * 4, r1 = b1 * 4 < N ? b1 * 4 : N;
-  if (r0 < r1) gemv_rows(W, K, x, ldx, y, ldy, B, r0, r1, stream);
+  if (r0 < r1) gemv_rows(W, scale, K, x, ldx, y, ldy, B, r0, r1, stream);
 }
 
 // out = h / sqrt(mean(h²) + eps) ⊙ γ   (statistics in fp32, as the reference)
@@ -185,7 +247,8 @@ inline void rope(const float* x, const float* cs, const float* sn, float* out, i
   }
 }
 
-enum Dim { kB, kV, kD, kL, kH, kHd, kF, kS, kGate, kGatePreRope, kNumDims };
+enum Dim { kB, kV, kD, kL, kH, kHd, kF, kS, kGate, kGatePreRope, kWeightType, kNumDims };
+enum WeightType { kFp32, kBf16, kInt8 };
 enum Global { kEmbed, kFinalNorm, kFreqs, kNumGlobal };
 enum PerLayer { kAttnNorm, kWq, kWk, kWv, kWo, kGateW1, kGateW2, kGateB2, kFfnNorm, kWUp, kWBp, kWDown, kPerLayer };
 enum State { kK, kVc, kKeyMask, kGateSum, kGateCount, kNReal, kNumState };
@@ -208,27 +271,30 @@ struct Workspace {
   }
 };
 
-}  // namespace
-
-extern "C" {
-
-int64_t wiola_workspace_floats(const int64_t* n) {
-  int64_t B = n[kB], d = n[kD], H = n[kH], D = n[kHd], F = n[kF], S = n[kS];
-  return B * (d * 7 + 3 * F + D + H + H * S);
+// Row `token` of the embedding, as fp32 (the dequantized row: weight times the row's scale).
+template <typename T>
+inline void embed_row(const T* E, const float* scale, int64_t token, int64_t d, float* out) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(out, E + token * d, d * sizeof(float));
+  } else {
+    const T* row = E + token * d;
+    for (int64_t i = 0; i < d; ++i) out[i] = Weight<T>::at(row + i);
+    if constexpr (Weight<T>::kScaled)
+      for (int64_t i = 0; i < d; ++i) out[i] *= scale[token];
+  }
 }
 
-// dims: kNumDims int64 (see Dim). weights: kNumGlobal + L·kPerLayer fp32 pointers (gate ones may be
-// null without a gate). state: the cache's buffers (k, v (L,B,H,S,D) fp32; key_mask (B,S) bool;
-// gate_sum (L,B,D) fp32; gate_count (L,B) int64; n_real (B,) int64). tokens: (B,) int64 in range.
-// slot: the cache slot of the new tokens (< S). logits: (B, V) out. work: wiola_workspace_floats.
-// The caller has checked every shape, dtype, range and that slot < S.
-int wiola_decode_step(const int64_t* n, const float* const* weights, void* const* state, const int64_t* tokens,
-                      int64_t slot, float eps, float* logits, float* work) {
+// The step for weight type T of the matrices (see wiola_decode_step); everything else is fp32.
+template <typename T>
+int decode_step(const int64_t* n, const void* const* weights, const float* const* scales, void* const* state,
+                const int64_t* tokens, int64_t slot, float eps, float* logits, float* work) {
   const int64_t B = n[kB], V = n[kV], d = n[kD], L = n[kL], H = n[kH], D = n[kHd], F = n[kF], S = n[kS];
   const bool gate = n[kGate] != 0, gate_pre_rope = n[kGatePreRope] != 0;
   const int64_t half = D / 2;
-  const float* embed = weights[kEmbed];
-  const float* freqs = weights[kFreqs];
+  auto f32 = [weights](int64_t i) { return static_cast<const float*>(weights[i]); };
+  const T* embed = static_cast<const T*>(weights[kEmbed]);
+  const float* embed_scale = scales[kEmbed];
+  const float* freqs = f32(kFreqs);
   float* k_cache = static_cast<float*>(state[kK]);
   float* v_cache = static_cast<float*>(state[kVc]);
   bool* key_mask = static_cast<bool*>(state[kKeyMask]);
@@ -241,7 +307,7 @@ int wiola_decode_step(const int64_t* n, const float* const* weights, void* const
   // Per row: the residual stream from the embedding, the rotation tables at the row's position
   // (fp32 angle = position · θ̃_i, as wiola.ops.rope_tables), the new slot marked real.
   for (int64_t b = 0; b < B; ++b) {
-    std::memcpy(ws.h + b * d, embed + tokens[b] * d, d * sizeof(float));
+    embed_row(embed, embed_scale, tokens[b], d, ws.h + b * d);
     float pos = static_cast<float>(n_real[b]);
     for (int64_t i = 0; i < half; ++i) {
       float angle = pos * freqs[i];
@@ -249,17 +315,20 @@ int wiola_decode_step(const int64_t* n, const float* const* weights, void* const
       ws.sn[b * half + i] = std::sin(angle);
     }
     key_mask[b * S + slot] = true;
-    rms_norm(ws.h + b * d, weights[kNumGlobal + kAttnNorm], ws.x + b * d, d, eps);
+    rms_norm(ws.h + b * d, f32(kNumGlobal + kAttnNorm), ws.x + b * d, d, eps);
   }
 
 #pragma omp parallel
   {
     const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
     for (int64_t l = 0; l < L; ++l) {
-      const float* const* w = weights + kNumGlobal + l * kPerLayer;
+      const int64_t at = kNumGlobal + l * kPerLayer;
+      auto w = [&](int64_t i) { return static_cast<const float*>(weights[at + i]); };  // fp32 vectors
+      auto m = [&](int64_t i) { return static_cast<const T*>(weights[at + i]); };  // the matrices
+      auto sc = [&](int64_t i) { return scales[at + i]; };
       // q, k, v = x W_qᵀ, x W_kᵀ, x W_vᵀ   -> qkv (B, 3d)
       for (int j = 0; j < 3; ++j)
-        gemv_share(w[kWq + j], d, d, ws.x, d, ws.qkv + j * d, 3 * d, B, tid, nth);
+        gemv_share(m(kWq + j), sc(kWq + j), d, d, ws.x, d, ws.qkv + j * d, 3 * d, B, tid, nth);
 #pragma omp barrier
       // The gate from the running mean of the head-mean query, then q and k rotated and k, v
       // written to the cache: per row, rows split between threads.
@@ -291,8 +360,8 @@ int wiola_decode_step(const int64_t* n, const float* const* weights, void* const
             run[i] = mm[i] + run[i];
             c[i] = run[i] / denom;
           }
-          for (int64_t hh = 0; hh < H; ++hh) hidden[hh] = silu(dot(w[kGateW1] + hh * D, c, D));
-          for (int64_t hh = 0; hh < H; ++hh) g[hh] = sigmoid(dot(w[kGateW2] + hh * H, hidden, H) + w[kGateB2][hh]);
+          for (int64_t hh = 0; hh < H; ++hh) hidden[hh] = silu(dot(w(kGateW1) + hh * D, c, D));
+          for (int64_t hh = 0; hh < H; ++hh) g[hh] = sigmoid(dot(w(kGateW2) + hh * H, hidden, H) + w(kGateB2)[hh]);
         } else {
           for (int64_t hh = 0; hh < H; ++hh) g[hh] = 1.0f;
         }
@@ -339,18 +408,18 @@ int wiola_decode_step(const int64_t* n, const float* const* weights, void* const
       }
 #pragma omp barrier
       // h' = h + o W_oᵀ; x = RMSNorm(h') γ_ffn
-      gemv_share(w[kWo], d, d, ws.o, d, ws.qkv, 3 * d, B, tid, nth);
+      gemv_share(m(kWo), sc(kWo), d, d, ws.o, d, ws.qkv, 3 * d, B, tid, nth);
 #pragma omp barrier
       for (int64_t b = tid; b < B; b += nth) {
         float* hb = ws.h + b * d;
         const float* a = ws.qkv + b * 3 * d;
         for (int64_t i = 0; i < d; ++i) hb[i] = a[i] + hb[i];
-        rms_norm(hb, w[kFfnNorm], ws.x + b * d, d, eps);
+        rms_norm(hb, w(kFfnNorm), ws.x + b * d, d, eps);
       }
 #pragma omp barrier
       // Butterfly: [a ‖ b] = x W_upᵀ, r = SiLU(a) ⊙ b + x W_bpᵀ, y = r W_downᵀ.
-      gemv_share(w[kWUp], 2 * F, d, ws.x, d, ws.up, 2 * F, B, tid, nth);
-      gemv_share(w[kWBp], F, d, ws.x, d, ws.bp, F, B, tid, nth);
+      gemv_share(m(kWUp), sc(kWUp), 2 * F, d, ws.x, d, ws.up, 2 * F, B, tid, nth);
+      gemv_share(m(kWBp), sc(kWBp), F, d, ws.x, d, ws.bp, F, B, tid, nth);
 #pragma omp barrier
       for (int64_t b = tid; b < B; b += nth) {
         float* a = ws.up + b * 2 * F;
@@ -359,11 +428,10 @@ int wiola_decode_step(const int64_t* n, const float* const* weights, void* const
         for (int64_t i = 0; i < F; ++i) a[i] = silu(a[i]) * bb[i] + bp[i];  // r, over a
       }
 #pragma omp barrier
-      gemv_share(w[kWDown], d, F, ws.up, 2 * F, ws.qkv, 3 * d, B, tid, nth);
+      gemv_share(m(kWDown), sc(kWDown), d, F, ws.up, 2 * F, ws.qkv, 3 * d, B, tid, nth);
 #pragma omp barrier
       // h'' = h' + y; x = RMSNorm(h'') with the next layer's γ (the final norm after the last).
-      const float* next_gamma = l + 1 < L ? weights[kNumGlobal + (l + 1) * kPerLayer + kAttnNorm]
-                                          : weights[kFinalNorm];
+      const float* next_gamma = l + 1 < L ? f32(at + kPerLayer + kAttnNorm) : f32(kFinalNorm);
       for (int64_t b = tid; b < B; b += nth) {
         float* hb = ws.h + b * d;
         const float* y = ws.qkv + b * 3 * d;
@@ -373,10 +441,37 @@ int wiola_decode_step(const int64_t* n, const float* const* weights, void* const
 #pragma omp barrier
     }
     // The tied head: logits = x Eᵀ.
-    gemv_share(embed, V, d, ws.x, d, logits, V, B, tid, nth, true);
+    gemv_share(embed, embed_scale, V, d, ws.x, d, logits, V, B, tid, nth, true);
   }
   for (int64_t b = 0; b < B; ++b) n_real[b] += 1;
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int64_t wiola_workspace_floats(const int64_t* n) {
+  int64_t B = n[kB], d = n[kD], H = n[kH], D = n[kHd], F = n[kF], S = n[kS];
+  return B * (d * 7 + 3 * F + D + H + H * S);
+}
+
+// dims: kNumDims int64 (see Dim; kWeightType a WeightType). weights: kNumGlobal + L·kPerLayer
+// pointers: the embedding and the seven projection matrices of each layer of that weight type, every
+// other one fp32 (gate ones may be null without a gate). scales: as many pointers, the fp32 per-row
+// scales of each int8 matrix (null elsewhere). state: the cache's buffers (k, v (L,B,H,S,D) fp32;
+// key_mask (B,S) bool; gate_sum (L,B,D) fp32; gate_count (L,B) int64; n_real (B,) int64).
+// tokens: (B,) int64 in range. slot: the cache slot of the new tokens (< S). logits: (B, V) out.
+// work: wiola_workspace_floats. The caller has checked every shape, dtype, range and that slot < S.
+// Returns 0, or 1 for an unknown weight type.
+int wiola_decode_step(const int64_t* n, const void* const* weights, const float* const* scales, void* const* state,
+                      const int64_t* tokens, int64_t slot, float eps, float* logits, float* work) {
+  switch (n[kWeightType]) {
+    case kFp32: return decode_step<float>(n, weights, scales, state, tokens, slot, eps, logits, work);
+    case kBf16: return decode_step<bf16>(n, weights, scales, state, tokens, slot, eps, logits, work);
+    case kInt8: return decode_step<int8_t>(n, weights, scales, state, tokens, slot, eps, logits, work);
+    default: return 1;
+  }
 }
 
 }  // extern "C"

@@ -3,7 +3,11 @@
 ``wiola.fast.WiolaModel`` runs it for every one-token step with a cache on a plain CPU (fp32,
 gradients off): every layer and the tied head in one call, the static cache written in place.
 It computes what ``wiola.WiolaModel.forward(ids, cache=cache)`` computes for ``ids`` of shape
-``(B, 1)``, in fp32 with its own summation order (``tests/test_decode_step_cpu.py``).
+``(B, 1)``, in fp32 with its own summation order (``tests/test_decode_step_cpu.py``). For a
+model quantized by ``wiola.fast.quantize`` (int8 with per-row scales, or bf16) it streams the
+packed matrices, widened to fp32 in registers, and computes what the PyTorch path computes on
+the dequantized weights (``tests/test_quantize.py``); the C++ has one body per product, the
+weight type a template parameter.
 
 One source, three instruction-set variants (``ISAS``), chosen at build time:
 
@@ -18,9 +22,12 @@ avx2|portable`` forces one (``auto`` or unset: the best), and an ISA the CPU lac
 with a ``ValueError`` naming the missing flags. The x86 variants add ``-mtune=native``.
 
 The source is compiled on first use with the system C++ compiler (``$CXX``, else ``g++``;
-``-O3 -fopenmp`` and the variant's flags) into ``$WIOLA_CACHE_DIR`` (default ``~/.cache/wiola``),
-keyed by the source, the variant, its flags, the compiler and the CPU, and loaded with
-``ctypes``. Its OpenMP parallel region runs on the ``libgomp`` that torch has already loaded
+``-O3 -fopenmp`` and the variant's flags) into ``$WIOLA_CACHE_DIR`` (default ``~/.cache/wiola``,
+or ``$TMPDIR/wiola-<uid>`` when home is read-only), keyed by the source, the variant, its flags,
+the compiler and the CPU, and loaded with ``ctypes``. That folder is created private (0700), and
+one owned by another user or writable by the group or others is refused (``private_dir``): the
+key is computable by anyone, so such a folder could hold someone else's library under the
+expected name. A refused folder is a build failure like the others (below). Its OpenMP parallel region runs on the ``libgomp`` that torch has already loaded
 (the same thread pool as torch's own ops, sized by ``torch.set_num_threads``). Where no compiler
 works, ``load()`` returns None, ``BUILD_ERROR`` says why, and a ``RuntimeWarning`` naming the
 compiler error is issued once (per variant); the model then keeps its PyTorch path.
@@ -34,6 +41,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import warnings
@@ -67,18 +75,43 @@ _MACROS = {"__AVX512F__": "avx512f", "__AVX2__": "avx2", "__FMA__": "fma"}
 
 def _cache_dir() -> Path:
     """``$WIOLA_CACHE_DIR``, else ``$XDG_CACHE_HOME/wiola`` or ``~/.cache/wiola``; a per-user
-    folder under the temporary directory when that cannot be written (a read-only home)."""
+    folder under the temporary directory when that cannot be written (a read-only home). The
+    folder is created private and checked (``private_dir``)."""
     explicit = os.environ.get("WIOLA_CACHE_DIR")
     if explicit:
-        return Path(explicit)
+        return private_dir(Path(explicit))
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "wiola"
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        if os.access(root, os.W_OK):
-            return root
+        root.parent.mkdir(parents=True, exist_ok=True)
+        root.mkdir(mode=0o700, exist_ok=True)
+        usable = os.access(root, os.W_OK)
     except OSError:
-        pass
-    return Path(tempfile.gettempdir()) / f"wiola-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+        usable = False
+    if usable:
+        return private_dir(root)
+    return private_dir(Path(tempfile.gettempdir()) / f"wiola-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
+
+
+def private_dir(path: Path) -> Path:
+    """``path``, created with mode 0700 if missing, once it is a folder owned by this user that
+    neither the group nor others can write. Raises ``PermissionError`` naming the owner or the
+    mode otherwise: a library in a folder another user can write (``/tmp/wiola-<uid>`` created
+    first by someone else, say) could be theirs, and loading it would run their code."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()  # follows a link: the folder it leads to is what we would load from
+    if not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"the build cache {path} is not a folder")
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise PermissionError(
+            f"refusing the build cache {path}: it is owned by uid {st.st_uid}, not by this user "
+            f"(uid {os.getuid()}), who could not trust a library in it; remove it or set WIOLA_CACHE_DIR"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PermissionError(
+            f"refusing the build cache {path}: its mode {stat.S_IMODE(st.st_mode):#o} lets other users write "
+            f"into it; make it private (chmod 700 {path}) or set WIOLA_CACHE_DIR"
+        )
+    return path
 
 
 def _cpuinfo_lines() -> list[str]:
@@ -194,7 +227,7 @@ def _build(compiler: str, isa: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(target))
     lib.wiola_workspace_floats.argtypes = [ctypes.c_void_p]
     lib.wiola_workspace_floats.restype = ctypes.c_int64
-    lib.wiola_decode_step.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_float] + [ctypes.c_void_p] * 2
+    lib.wiola_decode_step.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_float] + [ctypes.c_void_p] * 2
     lib.wiola_decode_step.restype = ctypes.c_int
     return lib
 
@@ -247,6 +280,14 @@ def describe(isa: str | None = None) -> str:
     return f"C++ step, {select_isa(isa)}, {n} thread{'s' if n != 1 else ''}"
 
 
+def matrix_slots(n_layers: int) -> list[int]:
+    """The positions in ``step_parameters`` of the matrices a quantized model packs, in the order of
+    ``wiola.fast.quantize.matrix_names``: the embedding, then per layer W_q, W_k, W_v, W_o, W_up,
+    W_bp, W_down."""
+    per_layer = (1, 2, 3, 4, 9, 10, 11)
+    return [0] + [3 + 12 * layer + i for layer in range(n_layers) for i in per_layer]
+
+
 def step_parameters(model: WiolaModel) -> list[torch.Tensor | None]:
     """The tensors the step reads, in the C++'s order: embedding, final γ, helical frequencies,
     then per layer attn γ, W_q, W_k, W_v, W_o, gate W_1, W_2, b_2 (None without a gate), ffn γ,
@@ -260,12 +301,30 @@ def step_parameters(model: WiolaModel) -> list[torch.Tensor | None]:
     return tensors
 
 
+def _packed(model: WiolaModel) -> tuple[str | None, list[torch.Tensor], list[torch.Tensor | None]]:
+    """A quantized model's scheme, packed matrices and scales in ``matrix_slots`` order (None and
+    empty lists for an fp32 model)."""
+    from wiola.fast.quantize import matrix_names
+
+    scheme = getattr(model, "quantization", None)
+    if scheme is None:
+        return None, [], []
+    pairs = [model.quantized[name] for name in matrix_names(model.config.n_layers)]
+    return scheme, [q for q, _ in pairs], [s for _, s in pairs]
+
+
+WEIGHT_TYPES = {None: (0, torch.float32), "bf16": (1, torch.bfloat16), "int8": (2, torch.int8)}  # the C++'s enum
+
+
 class DecodeStepCPU:
     """The C++ step bound to one model's weights and one cache (pointers taken once), in the
-    variant ``select_isa(isa)`` (``$WIOLA_CPU_ISA`` is read here, once per binding).
+    variant ``select_isa(isa)`` (``$WIOLA_CPU_ISA`` is read here, once per binding). For a model
+    quantized by ``wiola.fast.quantize`` the step reads the packed matrices (int8 with per-row
+    scales, or bf16) instead of the fp32 ones.
 
     Raises ``ValueError`` naming the tensor when a weight or cache buffer is not a contiguous
-    CPU tensor of the expected dtype and shape (a cache made for another model, say).
+    CPU tensor of the expected dtype and shape (a cache made for another model, say), or when a
+    quantized model's fp32 weights were replaced after ``quantize`` (the packed ones are stale).
     """
 
     def __init__(self, model: WiolaModel, cache: Cache, isa: str | None = None) -> None:
@@ -284,6 +343,23 @@ class DecodeStepCPU:
         for i, (t, shape) in enumerate(zip(self.tensors, shapes, strict=True)):
             if t is not None:
                 _check(t, f"weight #{i}", torch.float32, shape)
+        self.quantization, packed, scales = _packed(model)
+        slots = matrix_slots(L)
+        if self.quantization is not None:
+            if tuple(self.tensors[i].data_ptr() for i in slots) != model.quantized_from:
+                raise ValueError(
+                    f"CPU decode step: the model's weights were replaced after quantize(); its {self.quantization} "
+                    "matrices no longer stand for them (quantize the new weights)"
+                )
+        wtype, wdtype = WEIGHT_TYPES[self.quantization]
+        self.scales: list[torch.Tensor | None] = [None] * len(self.tensors)
+        self.packed = packed + [s for s in scales if s is not None]  # references keep the storage alive
+        step_tensors = list(self.tensors)
+        for i, q, s in zip(slots, packed, scales, strict=True) if packed else ():
+            _check(q, f"weight #{i} ({self.quantization})", wdtype, shapes[i])
+            if self.quantization == "int8":
+                _check(s, f"weight #{i} scales", torch.float32, shapes[i][:1])
+            step_tensors[i], self.scales[i] = q, s
         B, S = cache.batch_size, cache.max_len
         self.state = (cache.k, cache.v, cache.key_mask, cache.gate_sum, cache.gate_count, cache.n_real)
         for name, t, dtype, shape in zip(
@@ -296,13 +372,14 @@ class DecodeStepCPU:
             _check(t, f"cache.{name}", dtype, shape)
         dims = (B, cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.d_ff, S)
         self.batch_size, self.max_len = B, S
-        self.dims = (ctypes.c_int64 * 10)(*dims, int(cfg.gate), int(cfg.gate_pre_rope))
-        self.weights = (ctypes.c_void_p * len(self.tensors))(*(0 if t is None else t.data_ptr() for t in self.tensors))
+        self.dims = (ctypes.c_int64 * 11)(*dims, int(cfg.gate), int(cfg.gate_pre_rope), wtype)
+        self.weights = (ctypes.c_void_p * len(step_tensors))(*_pointers(step_tensors))
+        self.scale_ptrs = (ctypes.c_void_p * len(self.scales))(*_pointers(self.scales))
         self.state_ptrs = (ctypes.c_void_p * len(self.state))(*(t.data_ptr() for t in self.state))
         self.work = torch.empty(lib.wiola_workspace_floats(self.dims), dtype=torch.float32)
         self.eps = float(cfg.norm_eps)
         self.model = weakref.ref(model)
-        self.pointers = _pointers(self.tensors)
+        self.pointers = _pointers(self.tensors) + _pointers(self.packed)
 
     def is_current(self) -> bool:
         """Whether the bound weights are still the model's, where they were: False after any
@@ -312,7 +389,11 @@ class DecodeStepCPU:
         Compares the model's current tensors' addresses with the bound ones; the binding keeps
         the bound tensors alive, so a replacement can never reuse their address."""
         model = self.model()
-        return model is not None and self.pointers == _pointers(step_parameters(model))
+        if model is None or getattr(model, "quantization", None) != self.quantization:
+            return False
+        _, packed, scales = _packed(model)
+        now = step_parameters(model) + packed + [s for s in scales if s is not None]
+        return self.pointers == _pointers(now)
 
     def __call__(self, tokens: torch.Tensor, slot: int) -> torch.Tensor:
         """``(B, V)`` fp32 logits of ``tokens`` ``(B,)`` (int64, contiguous, each in range) placed at
@@ -320,10 +401,10 @@ class DecodeStepCPU:
         The caller checks the ids and the slot, and advances ``cache.length``."""
         logits = torch.empty(self.batch_size, self.config.vocab_size, dtype=torch.float32)
         rc = self.lib.wiola_decode_step(
-            self.dims, self.weights, self.state_ptrs, tokens.data_ptr(), slot, self.eps,
+            self.dims, self.weights, self.scale_ptrs, self.state_ptrs, tokens.data_ptr(), slot, self.eps,
             logits.data_ptr(), self.work.data_ptr(),
         )  # fmt: skip
-        if rc != 0:  # pragma: no cover - the C++ has no failing path today
+        if rc != 0:  # pragma: no cover - only an unknown weight type fails, and the binding never passes one
             raise RuntimeError(f"wiola_decode_step returned {rc}")
         return logits
 

@@ -1,0 +1,261 @@
+"""Weight-only int8 and bf16 quantization (``wiola.fast.quantize``) and the C++ CPU step on it.
+
+The oracle is the reference model (``wiola.WiolaModel``, PyTorch) on the dequantized weights: the
+C++ step on the packed matrices equals it to fp32 rounding (logits and cache), at batch 1 and 8,
+with left padding and deep cache positions, in every instruction-set variant this CPU runs. The
+packing itself is checked against hand-computed values (int8) and bit arithmetic (bf16). Also:
+bad input, quantized checkpoints (safetensors + the record in ``config.json``), the dispatch of
+``wiola.fast.WiolaModel`` and ``wiola generate --quantize``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from numerics import TOL, assert_close
+
+import wiola
+import wiola.fast
+from wiola.fast import ops as fast_ops
+from wiola.fast.quantize import dequantize, matrix_names, quantize, quantize_tensor
+
+decode_step_cpu = pytest.importorskip("wiola.fast.decode_step_cpu")
+FP32 = TOL[torch.float32]
+SCHEMES = ("int8", "bf16")
+
+ODD = wiola.WiolaConfig(vocab_size=301, d_model=40, n_layers=2, n_heads=4, d_ff=72, max_seq_len=320)
+SHAPE_13M = dataclasses.replace(wiola.WiolaConfig.preset("13m"), vocab_size=2000, n_layers=2)
+VARIANTS = {"odd": ODD, "no-gate": dataclasses.replace(ODD, gate=False), "13m-shape": SHAPE_13M}
+
+
+def _runs_here(isa: str) -> bool:
+    try:
+        return decode_step_cpu.select_isa(isa) == isa
+    except ValueError:
+        return False
+
+
+@pytest.fixture(params=[isa for isa in decode_step_cpu.ISAS if _runs_here(isa)])
+def isa(request) -> str:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        if decode_step_cpu.load(request.param) is None:
+            pytest.fail(f"the CPU decode step ({request.param}) did not build: {decode_step_cpu.BUILD_ERROR}")
+    return request.param
+
+
+@pytest.fixture
+def plain_cpu(monkeypatch):
+    """A plain CPU: without the interpreter, the fast model takes its CPU path (the C++ step)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def _quantized(config: wiola.WiolaConfig, scheme: str, seed: int = 0) -> wiola.fast.WiolaModel:
+    torch.manual_seed(seed)
+    model = wiola.fast.WiolaModel(config).eval().requires_grad_(False)
+    with torch.no_grad():  # larger than the init: attention and the gates far from uniform
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return quantize(model, scheme)
+
+
+def _oracle(model: wiola.fast.WiolaModel) -> wiola.WiolaModel:
+    """The reference model on the (dequantized) weights of ``model``."""
+    ref = wiola.WiolaModel(model.config).eval()
+    ref.load_state_dict(model.state_dict())
+    return ref
+
+
+def _prompt(config: wiola.WiolaConfig, B: int, T: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(B * 100 + T)
+    ids = torch.randint(0, config.vocab_size, (B, T), generator=gen)
+    mask = torch.ones(B, T, dtype=torch.long)
+    if B > 1 and pad:
+        mask[1, :pad] = 0
+        mask[B - 1, : pad // 2] = 0
+    return ids, mask
+
+
+# ----------------------------------------------------------------------------- packing
+def test_int8_packing_matches_hand_computed_values():
+    w = torch.tensor([[0.5, -1.27, 0.01, 0.004], [0.0, 0.0, 0.0, 0.0], [2.54, 1.27, -0.635, 0.0]])
+    q, scale = quantize_tensor(w, "int8")
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32
+    assert q.tolist() == [[50, -127, 1, 0], [0, 0, 0, 0], [127, 64, -32, 0]]  # 63.5 -> 64 (half to even)
+    assert torch.allclose(scale, torch.tensor([0.01, 0.0, 0.02]), rtol=1e-7, atol=0)
+    assert torch.equal(dequantize(q, scale)[1], torch.zeros(4))
+
+
+def test_bf16_packing_rounds_to_nearest_even():
+    w = torch.randn(64, 48, generator=torch.Generator().manual_seed(0)) * 3
+    packed, scale = quantize_tensor(w, "bf16")
+    assert scale is None and packed.dtype == torch.bfloat16
+    u = w.numpy().view(np.uint32).astype(np.uint64)
+    want = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16  # round half to even on the upper 16 bits
+    got = dequantize(packed, None).numpy().view(np.uint32)
+    assert np.array_equal(got.astype(np.uint64), want)
+
+
+def test_quantize_overwrites_parameters_with_the_dequantized_weights():
+    model = _quantized(ODD, "int8")
+    params = dict(model.named_parameters())
+    for name in matrix_names(ODD.n_layers):
+        q, scale = model.quantized[name]
+        assert torch.equal(params[name], q.float() * scale[:, None]), name
+        assert q.abs().max() == 127  # every row's largest weight maps to ±127
+    assert model.quantized_from == tuple(params[n].data_ptr() for n in matrix_names(ODD.n_layers))
+    assert model.layers[0].attn_norm.weight.dtype == torch.float32  # γ stays fp32
+
+
+# ----------------------------------------------------------------------------- the step
+@torch.inference_mode()
+@pytest.mark.parametrize("B,prompt,steps,pad", [(1, 1, 5, 0), (8, 17, 6, 6), (2, 290, 4, 30)], ids=lambda v: str(v))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_step_matches_dequantized_oracle(scheme, variant, B, prompt, steps, pad, isa):
+    """Logits and cache after each one-token step equal the reference on the dequantized weights."""
+    config = VARIANTS[variant]
+    model = _quantized(config, scheme)
+    ref = _oracle(model)
+    ids, mask = _prompt(config, B, prompt, pad)
+    S = prompt + steps
+    ref_cache, cache = ref.new_cache(B, S), model.new_cache(B, S)
+    ref(ids, attention_mask=mask, cache=ref_cache)
+    ref(ids, attention_mask=mask, cache=cache)  # prefill: the dequantized PyTorch path
+    step = decode_step_cpu.DecodeStepCPU(model, cache, isa=isa)
+    assert step.quantization == scheme
+    gen = torch.Generator().manual_seed(7)
+    for i in range(steps):
+        tokens = torch.randint(0, config.vocab_size, (B, 1), generator=gen)
+        want = ref(tokens, cache=ref_cache).logits[:, 0]
+        got = step(tokens.view(-1), cache.length)
+        cache.length += 1
+        assert_close(f"{scheme} logits[step {i}]", want, got, FP32)
+    real = ref_cache.key_mask[None, :, None, :, None].expand_as(ref_cache.k)
+    assert torch.equal(ref_cache.key_mask, cache.key_mask) and torch.equal(ref_cache.n_real, cache.n_real)
+    assert_close("cache.k", ref_cache.k[real], cache.k[real], FP32)
+    assert_close("cache.v", ref_cache.v[real], cache.v[real], FP32)
+    assert_close("cache.gate_sum", ref_cache.gate_sum, cache.gate_sum, FP32)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_step_reads_the_packed_matrices(scheme):
+    """The step streams the packed matrices, not the fp32 parameters: zeroing the parameters
+    changes nothing the step computes (whereas the fp32 step then sees zeros)."""
+    model = _quantized(ODD, scheme)
+    ids = torch.randint(0, ODD.vocab_size, (2, 1), generator=torch.Generator().manual_seed(1))
+    caches = [model.new_cache(2, 4) for _ in range(2)]
+    before = decode_step_cpu.DecodeStepCPU(model, caches[0])(ids.view(-1), 0)
+    for name in matrix_names(ODD.n_layers):
+        dict(model.named_parameters())[name].zero_()
+    after = decode_step_cpu.DecodeStepCPU(model, caches[1])(ids.view(-1), 0)
+    assert torch.equal(before, after)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_fast_model_generates_the_oracles_greedy_tokens(scheme, plain_cpu):
+    model = _quantized(SHAPE_13M, scheme)
+    ref = _oracle(model)
+    ids, mask = _prompt(SHAPE_13M, 8, 16, 5)
+    assert fast_ops.cpu_decode_step(model, ids[:, :1], model.new_cache(8, 4)) is not None
+    want = ref.generate(ids, 12, attention_mask=mask, temperature=0)
+    got = model.generate(ids, 12, attention_mask=mask, temperature=0)
+    assert torch.equal(want, got)
+
+
+@torch.inference_mode()
+def test_replaced_weights_fall_back_to_the_pytorch_path(plain_cpu):
+    """After ``load_state_dict(assign=True)`` the packed matrices are stale: not used."""
+    model = _quantized(ODD, "int8")
+    other = wiola.WiolaModel(ODD).eval()
+    model.load_state_dict(other.state_dict(), assign=True)
+    with pytest.raises(ValueError, match="replaced after quantize"):
+        decode_step_cpu.DecodeStepCPU(model, model.new_cache(1, 4))
+    ids = torch.tensor([[5]])
+    assert fast_ops.cpu_decode_step(model, ids, model.new_cache(1, 4)) is None
+    assert torch.equal(model.generate(ids, 4, temperature=0), other.generate(ids, 4, temperature=0))
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_bad_input_is_refused():
+    torch.manual_seed(0)
+    model = wiola.fast.WiolaModel(ODD)
+    with pytest.raises(ValueError, match="unknown quantization scheme 'int4'"):
+        quantize(model.eval().requires_grad_(False), "int4")
+    with pytest.raises(ValueError, match="training mode"):
+        quantize(model.train(), "int8")
+    with pytest.raises(ValueError, match="gradients are on"):
+        quantize(model.eval().requires_grad_(True), "int8")
+    with pytest.raises(TypeError, match="wiola.fast.WiolaModel"):
+        quantize(wiola.WiolaModel(ODD).eval().requires_grad_(False), "int8")
+    with pytest.raises(ValueError, match="fp32 model on the CPU"):
+        quantize(wiola.fast.WiolaModel(ODD).double().eval().requires_grad_(False), "bf16")
+    quantize(model.eval().requires_grad_(False), "int8")
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize(model, "bf16")
+
+
+# ----------------------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantized_checkpoint_round_trip(scheme, tmp_path, plain_cpu):
+    from safetensors.torch import load_file
+
+    model = _quantized(ODD, scheme)
+    model.save_pretrained(tmp_path)
+    record = json.loads((tmp_path / "config.json").read_text())["quantization"]
+    assert record == {"scheme": scheme, "version": 1}
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    q, scale = model.quantized["layers.1.ffn.down_proj.weight"]
+    assert torch.equal(stored["layers.1.ffn.down_proj.weight"], q)
+    assert ("layers.1.ffn.down_proj.weight.scale" in stored) == (scheme == "int8")
+    loaded = wiola.fast.WiolaModel.from_pretrained(tmp_path)
+    assert loaded.quantization == scheme and not loaded.training
+    for name, (q, scale) in model.quantized.items():
+        lq, ls = loaded.quantized[name]
+        assert torch.equal(lq, q) and (scale is None or torch.equal(ls, scale)), name
+    for (name, p), lp in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(p, lp), name
+    ids = torch.tensor([[3, 7, 11]])
+    with torch.inference_mode():
+        assert torch.equal(loaded.generate(ids, 6, temperature=0), model.generate(ids, 6, temperature=0))
+
+
+def test_quantized_checkpoint_refuses_what_cannot_run_it(tmp_path):
+    _quantized(ODD, "int8").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="only wiola.fast.WiolaModel runs"):
+        wiola.WiolaModel.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="load them as fp32"):
+        wiola.fast.WiolaModel.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for record, message in (({"scheme": "int4", "version": 1}, "unknown quantization"), ({"scheme": "int8", "version": 2}, "quantization version 2")):  # fmt: skip
+        (tmp_path / "config.json").write_text(json.dumps({**config, "quantization": record}))
+        with pytest.raises(ValueError, match=message):
+            wiola.fast.WiolaModel.from_pretrained(tmp_path)
+
+
+def test_generate_cli_quantizes(tmp_path, capsys, plain_cpu):
+    from wiola.cli import main
+    from wiola.tokenizer import encoding_for_vocab
+
+    torch.manual_seed(0)
+    model = wiola.WiolaModel(wiola.WiolaConfig.preset("tiny", n_layers=1)).eval()
+    model.save_pretrained(tmp_path)
+    enc = encoding_for_vocab(model.config.vocab_size)
+    prompt = torch.tensor([enc.encode("Once upon")])
+    fast = wiola.fast.WiolaModel.from_pretrained(tmp_path).eval().requires_grad_(False)
+    with torch.inference_mode():
+        new = quantize(fast, "int8").generate(prompt, 5, temperature=0)[0, prompt.shape[1] :]
+    want = "Once upon" + enc.decode(new.tolist()) + "\n"
+    args = ["generate", "--checkpoint", str(tmp_path), "--prompt", "Once upon", "--max-new-tokens", "5"]
+    assert main([*args, "--temperature", "0", "--device", "cpu", "--quantize", "int8"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == want and "int8 weights" in captured.err
+    with pytest.raises(SystemExit, match="drop --reference"):
+        main([*args, "--device", "cpu", "--quantize", "bf16", "--reference"])

@@ -1,0 +1,180 @@
+"""Weight-only quantization for the C++ CPU decoding step: ``quantize(model, "int8" | "bf16")``.
+
+The matrices the step streams for every token (the tied embedding/head and each layer's
+``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``up_proj``, ``bypass_proj``, ``down_proj``) are
+stored as
+
+- ``int8``: symmetric, one fp32 scale per output row (``scale = max|W[r]| / 127``, ``q =
+  round(W / scale)`` in [-127, 127]); 1 byte a weight, about 4× fewer bytes than fp32;
+- ``bf16``: ``W`` rounded to bfloat16 (nearest even); 2 bytes a weight.
+
+The norms' γ, the gate's small matrices and the helical frequencies stay fp32. The model's own
+fp32 parameters are overwritten, in place, with the **dequantized** weights (``q · scale``, or the
+bf16 value), so every PyTorch path (prefill, training-free evaluation, CUDA) computes with exactly
+the weights the C++ step reads: that path is the oracle the step is tested against
+(``tests/test_quantize.py``). The packed tensors live beside the parameters in
+``model.quantized`` (not in ``state_dict()``), and ``model.quantization`` names the scheme.
+
+``save_pretrained`` of a quantized model writes the packed tensors (int8 with a
+``<name>.scale`` tensor, or bf16) into ``model.safetensors`` and ``{"quantization": {"scheme":
+..., "version": 1}}`` into ``config.json``; ``wiola.fast.WiolaModel.from_pretrained`` reads them
+back (``wiola.checkpoint.load_pretrained``); any other class refuses such a checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+SCHEMES = ("int8", "bf16")
+VERSION = 1  # of the packed layout in a checkpoint
+PACKED_DTYPE = {"int8": torch.int8, "bf16": torch.bfloat16}
+SCALE_SUFFIX = ".scale"
+LAYER_MATRICES = (
+    "attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "ffn.up_proj", "ffn.bypass_proj", "ffn.down_proj"
+)  # fmt: skip
+
+
+def matrix_names(n_layers: int) -> list[str]:
+    """The parameter names of the quantized matrices, in the C++ step's order."""
+    return ["embed.weight"] + [f"layers.{i}.{m}.weight" for i in range(n_layers) for m in LAYER_MATRICES]
+
+
+def _check_scheme(scheme: Any) -> str:
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization scheme {scheme!r}: use one of {', '.join(SCHEMES)}")
+    return scheme
+
+
+def quantize_tensor(w: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(packed, scales)`` of an fp32 ``(N, K)`` matrix: int8 with ``(N,)`` fp32 scales, or bf16
+    and None. A row of zeros gets scale 0 (and dequantizes to zeros)."""
+    _check_scheme(scheme)
+    w = w.detach().to(torch.float32)
+    if scheme == "bf16":
+        return w.to(torch.bfloat16).contiguous(), None
+    scale = w.abs().amax(dim=1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """The fp32 matrix a packed one stands for: ``q · scale`` per row (int8) or the bf16 values."""
+    w = packed.to(torch.float32)
+    return w if scale is None else w * scale[:, None]
+
+
+def quantize(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
+    """Quantize ``model`` (an fp32 ``wiola.fast.WiolaModel`` on the CPU, in eval mode, its
+    parameters not requiring gradients) in place with ``scheme`` (``"int8"`` or ``"bf16"``);
+    returns it. See the module.
+
+    Raises ``ValueError`` for an unknown scheme, a model in training mode or with parameters that
+    require gradients (quantized weights are for inference: ``model.eval().requires_grad_(False)``),
+    a model that is already quantized, or weights that are not fp32 CPU tensors; ``TypeError`` for
+    a model of another class."""
+    _check_scheme(scheme)
+    _check_model(model)
+    if model.training:
+        raise ValueError("quantize: the model is in training mode; quantized weights are for inference (model.eval())")
+    grads = [name for name, p in model.named_parameters() if p.requires_grad]
+    if grads:
+        raise ValueError(
+            f"quantize: gradients are on for {len(grads)} parameter(s) ({grads[0]}, ...); quantized weights cannot "
+            "be trained: call model.requires_grad_(False) first"
+        )
+    if getattr(model, "quantization", None) is not None:
+        raise ValueError(f"quantize: the model is already quantized ({model.quantization})")
+    params = dict(model.named_parameters())
+    for name in matrix_names(model.config.n_layers):
+        p = params[name]
+        if p.dtype != torch.float32 or p.device.type != "cpu":
+            raise ValueError(f"quantize: {name} is {p.dtype} on {p.device}; quantize an fp32 model on the CPU")
+    attach(model, scheme, {name: quantize_tensor(params[name], scheme) for name in matrix_names(model.config.n_layers)})
+    return model
+
+
+def _check_model(model: Any) -> None:
+    from wiola.fast import WiolaModel
+
+    if not isinstance(model, WiolaModel):
+        raise TypeError(
+            f"quantized weights run in wiola.fast.WiolaModel's C++ CPU step; got a {type(model).__module__}."
+            f"{type(model).__qualname__}"
+        )
+
+
+def attach(model: torch.nn.Module, scheme: str, packed: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+    """Make ``model`` a ``scheme``-quantized model holding ``packed`` (name -> (packed, scales)):
+    its parameters become the dequantized weights (in place), its gradients off."""
+    _check_scheme(scheme)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, (q, scale) in packed.items():
+            params[name].copy_(dequantize(q, scale))
+    model.requires_grad_(False)
+    model.quantized = {
+        name: (q.cpu().contiguous(), None if s is None else s.cpu().contiguous()) for name, (q, s) in packed.items()
+    }
+    model.quantized_from = tuple(params[name].data_ptr() for name in packed)  # the weights they stand for
+    model.quantization = scheme
+
+
+def packed_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A quantized model's state dict as a checkpoint stores it: each quantized matrix packed (and
+    its ``<name>.scale`` for int8), everything else as ``state_dict()`` has it."""
+    state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
+    for name, (q, scale) in model.quantized.items():
+        state[name] = q
+        if scale is not None:
+            state[name + SCALE_SUFFIX] = scale
+    return state
+
+
+def checkpoint_record(model: torch.nn.Module) -> dict[str, Any]:
+    """What ``config.json`` records of a quantized model."""
+    return {"scheme": model.quantization, "version": VERSION}
+
+
+def read_record(record: Any, where: Any) -> str:
+    """The scheme of a checkpoint's ``quantization`` record; ``ValueError`` naming ``where`` for one
+    this version cannot read."""
+    if not isinstance(record, dict) or record.get("scheme") not in SCHEMES:
+        raise ValueError(f"{where}: unknown quantization {record!r} (this version reads schemes {', '.join(SCHEMES)})")
+    if record.get("version") != VERSION:
+        raise ValueError(f"{where}: quantization version {record.get('version')!r}; this version reads {VERSION}")
+    return record["scheme"]
+
+
+def check_loadable(cls: Any, scheme: str, where: Any) -> None:
+    """Raise ``ValueError`` when ``cls`` cannot run a ``scheme``-quantized checkpoint."""
+    from wiola.fast import WiolaModel
+
+    if not (isinstance(cls, type) and issubclass(cls, WiolaModel)):
+        raise ValueError(
+            f"{where} holds {scheme}-quantized weights, which only wiola.fast.WiolaModel runs; load it with "
+            f"wiola.fast.WiolaModel.from_pretrained, not {getattr(cls, '__qualname__', cls)}"
+        )
+
+
+def unpack_state(
+    state: dict[str, torch.Tensor], scheme: str, n_layers: int, where: Any
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor | None]]]:
+    """A checkpoint's packed state -> (the state dict with dequantized fp32 matrices, the packed
+    matrices for ``attach``). Raises ``ValueError`` naming a missing or malformed tensor."""
+    state = dict(state)
+    packed: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for name in matrix_names(n_layers):
+        q = state.get(name)
+        if q is None:
+            raise ValueError(f"{where}: missing tensor {name!r}")
+        if q.dtype != PACKED_DTYPE[scheme] or q.dim() != 2:
+            raise ValueError(f"{where}: {name!r} is a {q.dtype} {tuple(q.shape)} tensor, expected a 2-D {scheme} one")
+        scale = state.pop(name + SCALE_SUFFIX, None)
+        if scheme == "int8" and (scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != q.shape[:1]):
+            raise ValueError(f"{where}: {name + SCALE_SUFFIX!r} must be an fp32 tensor of shape {tuple(q.shape[:1])}")
+        packed[name] = (q, scale)
+        state[name] = dequantize(q, scale)
+    return state, packed
