@@ -102,9 +102,8 @@ def save_pretrained(model: nn.Module, directory: str | Path, tokenizer: Tokenize
     state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": model.config.to_dict()}
     if getattr(model, "quantization", None) is not None:  # packed matrices (wiola.fast.quantize)
-        from wiola.fast.quantize import checkpoint_record, packed_state
-
-        state, meta["quantization"] = packed_state(model), checkpoint_record(model)
+        codec = type(model).quantization_codec  # the model class knows its packing; this layer does not
+        state, meta["quantization"] = codec.packed_state(model), codec.checkpoint_record(model)
     if tokenizer is not None:
         meta.update(tokenizer.save(directory))
     _atomic_write(directory / WEIGHTS_FILE, lambda p: save_file(state, p, metadata={"format": "pt"}))
@@ -328,10 +327,13 @@ def load_pretrained(
     record = _read_json(directory / CONFIG_FILE).get("quantization") if flavour == "wiola" else None
     packed = None
     if record is not None:  # a quantized checkpoint (wiola.fast.quantize): only wiola.fast runs it
-        from wiola.fast import quantize
-
+        quantize = getattr(cls, "quantization_codec", None)
+        if quantize is None:
+            raise ValueError(
+                f"{directory} holds quantized weights ({record!r}), which only wiola.fast.WiolaModel runs; load it "
+                f"with wiola.fast.WiolaModel.from_pretrained, not {getattr(cls, '__qualname__', cls)}"
+            )
         scheme = quantize.read_record(record, directory / CONFIG_FILE)
-        quantize.check_loadable(cls, scheme, directory)
         if dtype not in (None, torch.float32):
             raise ValueError(f"{directory} holds {scheme}-quantized weights: load them as fp32 (dtype={dtype})")
     state, source = _read_tensors(directory)

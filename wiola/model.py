@@ -365,6 +365,9 @@ class WiolaModel(nn.Module):
     """
 
     ops: ClassVar[Ops] = REFERENCE_OPS  # the op table the modules are built with
+    # What packs and reads weight-only quantized matrices (``wiola.fast.quantize``): only a class
+    # that can run them sets it; checkpoints ask the class, so this layer imports nothing above it.
+    quantization_codec: ClassVar[Any] = None
 
     def __init__(self, config: WiolaConfig) -> None:
         super().__init__()

@@ -44,7 +44,7 @@ import torch
 
 from wiola.cache import Cache
 from wiola.config import WiolaConfig
-from wiola.fast import ops
+from wiola.fast import ops, quantize
 from wiola.fast.generation import GraphSteps, graph_generate, graphs_usable
 from wiola.fast.ops import use_kernels
 from wiola.model import ModelOutput
@@ -63,6 +63,7 @@ class WiolaModel(ReferenceModel):
     """
 
     ops = ops.KERNEL_OPS
+    quantization_codec = quantize  # runs int8/bf16 checkpoints in the C++ CPU step
 
     def __init__(self, config: WiolaConfig) -> None:
         super().__init__(config)
