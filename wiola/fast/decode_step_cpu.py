@@ -14,7 +14,8 @@ One source, three instruction-set variants (``ISAS``), chosen at build time:
 - ``avx512``: 16 fp32 lanes (``-mavx512f -mavx2 -mfma``), where the CPU has AVX-512F;
 - ``avx2``: 8 lanes (``-mavx2 -mfma``), where it has AVX2 and FMA;
 - ``portable``: 4 lanes of the compiler's generic vectors, no x86 flags or assembly (any
-  x86-64, aarch64 or other target the compiler builds for).
+  x86-64, aarch64 or other target the compiler builds for; NEON on aarch64, where
+  ``tests/test_decode_step_arm.py`` runs it under qemu-user against the oracle).
 
 ``select_isa()`` takes the best one this CPU has, read from the compiler's predefined macros
 under ``-march=native`` (``/proc/cpuinfo``'s flags where that fails); ``WIOLA_CPU_ISA=avx512|
@@ -360,6 +361,7 @@ class DecodeStepCPU:
             if self.quantization == "int8":
                 _check(s, f"weight #{i} scales", torch.float32, shapes[i][:1])
             step_tensors[i], self.scales[i] = q, s
+        self.step_tensors = step_tensors  # what the C++ reads, in its order (tests/test_decode_step_arm.py)
         B, S = cache.batch_size, cache.max_len
         self.state = (cache.k, cache.v, cache.key_mask, cache.gate_sum, cache.gate_count, cache.n_real)
         for name, t, dtype, shape in zip(

@@ -1,0 +1,142 @@
+"""The C++ CPU decode step on ARM64, without ARM hardware: ``tests/arm/harness.cpp`` (which
+includes ``wiola/fast/decode_step_cpu.cpp`` whole) is cross-compiled for aarch64 with Debian's
+``g++-aarch64-linux-gnu`` in the ``portable`` variant, whose 4-lane GCC vectors become NEON there
+(checked in the disassembly), and run under ``qemu-user`` (``qemu-aarch64``, two OpenMP threads)
+on files this test writes: the weights (fp32, bf16, or int8 with per-row scales), the cache after
+a prefill and the tokens of a few steps. The oracle is the reference ``wiola.WiolaModel`` on the
+same (dequantized) weights, run here on x86: the ARM logits of every step and the cache it wrote
+equal it to fp32 rounding, as on x86 (``tests/test_quantize.py``).
+
+Skips, saying which, only when the cross compiler or qemu is absent (``.ci/run`` installs both).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from numerics import TOL, assert_close
+
+import wiola
+import wiola.fast
+from wiola.fast.quantize import quantize
+
+decode_step_cpu = pytest.importorskip("wiola.fast.decode_step_cpu")
+FP32 = TOL[torch.float32]
+ROOT = Path(__file__).resolve().parents[1]
+HARNESS = ROOT / "tests" / "arm" / "harness.cpp"
+CROSS_CXX = "aarch64-linux-gnu-g++"
+CROSS_OBJDUMP = "aarch64-linux-gnu-objdump"
+QEMU = "qemu-aarch64"
+SYSROOT = "/usr/aarch64-linux-gnu"  # the cross toolchain's libc, libstdc++ and libgomp
+
+ODD = wiola.WiolaConfig(vocab_size=301, d_model=40, n_layers=2, n_heads=4, d_ff=72, max_seq_len=320)
+VARIANTS = {"odd": ODD, "no-gate": dataclasses.replace(ODD, gate=False)}
+
+
+@pytest.fixture(scope="module")
+def arm_harness(tmp_path_factory) -> Path:
+    """The harness built for aarch64 with the product's flags (less -shared -fPIC) and the
+    portable variant's."""
+    missing = [tool for tool in (CROSS_CXX, QEMU) if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(
+            f"{' and '.join(missing)} not installed: the ARM proof needs Debian's g++-aarch64-linux-gnu "
+            "and qemu-user (apt-get install -y g++-aarch64-linux-gnu qemu-user)"
+        )
+    flags = [f for f in decode_step_cpu.FLAGS if f not in ("-shared", "-fPIC")]
+    out = tmp_path_factory.mktemp("arm") / "harness"
+    cmd = [CROSS_CXX, *flags, *decode_step_cpu.ISA_FLAGS["portable"], f"-I{ROOT}", str(HARNESS), "-o", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, f"`{' '.join(cmd)}` failed:\n{proc.stderr[-3000:]}"
+    return out
+
+
+def test_portable_variant_compiles_to_neon(arm_harness):
+    """On aarch64 the portable variant's 16-byte vectors are NEON: fused multiply-adds on four
+    fp32 lanes (``fmla vN.4s``) in the step's products."""
+    if shutil.which(CROSS_OBJDUMP) is None:
+        pytest.skip(f"{CROSS_OBJDUMP} not installed (binutils-aarch64-linux-gnu)")
+    text = subprocess.run([CROSS_OBJDUMP, "-d", str(arm_harness)], capture_output=True, text=True, check=True).stdout
+    assert re.search(r"fmla\s+v\d+\.4s", text), "no 4-lane NEON fmla in the aarch64 build"
+
+
+def _bytes(t: torch.Tensor | None) -> bytes:
+    if t is None:
+        return struct.pack("<q", 0)
+    raw = t.contiguous().view(torch.uint8).numpy().tobytes()
+    return struct.pack("<q", len(raw)) + raw
+
+
+def _model(config: wiola.WiolaConfig, scheme: str) -> wiola.fast.WiolaModel:
+    torch.manual_seed(0)
+    model = wiola.fast.WiolaModel(config).eval().requires_grad_(False)
+    with torch.no_grad():  # larger than the init: attention and the gates far from uniform
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return model if scheme == "fp32" else quantize(model, scheme)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("B,prompt,steps,pad", [(1, 1, 4, 0), (8, 17, 4, 6)], ids=lambda v: str(v))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("scheme", ["fp32", "bf16", "int8"])
+def test_arm_step_matches_oracle(scheme, variant, B, prompt, steps, pad, arm_harness, tmp_path):
+    config = VARIANTS[variant]
+    model = _model(config, scheme)
+    ref = wiola.WiolaModel(config).eval()
+    ref.load_state_dict(model.state_dict())  # the dequantized weights
+    gen = torch.Generator().manual_seed(B * 100 + prompt)
+    ids = torch.randint(0, config.vocab_size, (B, prompt), generator=gen)
+    mask = torch.ones(B, prompt, dtype=torch.long)
+    if B > 1:
+        mask[1, :pad] = 0
+        mask[B - 1, : pad // 2] = 0
+    S = prompt + steps
+    ref_cache, cache = ref.new_cache(B, S), ref.new_cache(B, S)
+    ref(ids, attention_mask=mask, cache=ref_cache)
+    ref(ids, attention_mask=mask, cache=cache)
+    # The product's binding gathers the step's arguments (order, packed matrices, scales, checks).
+    bound = decode_step_cpu.DecodeStepCPU(model, cache)
+    assert bound.quantization == (None if scheme == "fp32" else scheme)
+    tokens = torch.randint(0, config.vocab_size, (steps, B), generator=torch.Generator().manual_seed(7))
+    blob = struct.pack(f"<{len(bound.dims)}q", *bound.dims) + struct.pack("<f", bound.eps)
+    blob += struct.pack("<q", len(bound.step_tensors))
+    blob += b"".join(map(_bytes, bound.step_tensors)) + b"".join(map(_bytes, bound.scales))
+    blob += b"".join(map(_bytes, bound.state)) + struct.pack("<q", steps)
+    want = []
+    for i in range(steps):
+        blob += struct.pack(f"<{B + 1}q", cache.length + i, *tokens[i].tolist())
+        want.append(ref(tokens[i].view(B, 1), cache=ref_cache).logits[:, 0])
+    (tmp_path / "in.bin").write_bytes(blob)
+
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "QEMU_LD_PREFIX": SYSROOT}
+    cmd = [QEMU, "-L", SYSROOT, str(arm_harness), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, f"`{' '.join(cmd)}` exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+
+    out = (tmp_path / "out.bin").read_bytes()
+    V = config.vocab_size
+    logits = torch.from_numpy(np.frombuffer(out, dtype=np.float32, count=steps * B * V).copy()).view(steps, B, V)
+    for i in range(steps):
+        assert_close(f"ARM {scheme} logits[step {i}]", want[i], logits[i], FP32)
+    at, got = steps * B * V * 4, {}
+    for name, t in zip(("k", "v", "key_mask", "gate_sum", "gate_count", "n_real"), bound.state, strict=True):
+        n = t.numel() * t.element_size()
+        got[name] = torch.frombuffer(bytearray(out[at : at + n]), dtype=t.dtype).view(t.shape)
+        at += n
+    assert at == len(out), f"the harness wrote {len(out)} bytes, {at} expected"
+    real = ref_cache.key_mask[None, :, None, :, None].expand_as(ref_cache.k)
+    assert torch.equal(ref_cache.key_mask, got["key_mask"]) and torch.equal(ref_cache.n_real, got["n_real"])
+    assert torch.equal(ref_cache.gate_count, got["gate_count"])
+    assert_close("ARM cache.k", ref_cache.k[real], got["k"][real], FP32)
+    assert_close("ARM cache.v", ref_cache.v[real], got["v"][real], FP32)
+    assert_close("ARM cache.gate_sum", ref_cache.gate_sum, got["gate_sum"], FP32)
