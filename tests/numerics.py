@@ -1,5 +1,5 @@
-"""Numerical helpers of the tests: the device, the per-dtype tolerance table, the named
-relative-error assert and NaN-poisoned buffers. Imported by the test files (``from numerics
+"""Helpers of the tests: the device, the per-dtype tolerance table, the named relative-error
+assert, NaN-poisoned buffers and left-padded prompts. Imported by the test files (``from numerics
 import ...``; pytest puts ``tests/`` on the path), never from ``conftest``."""
 
 from __future__ import annotations
@@ -32,3 +32,15 @@ def assert_close(name: str, ref: torch.Tensor, got: torch.Tensor, tol: float) ->
 def poisoned(*shape: int, dtype: torch.dtype = torch.float32, device: str = DEVICE) -> torch.Tensor:
     """A buffer full of NaN: any element a kernel forgets to write shows up as NaN."""
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def left_padded_prompt(vocab_size: int, B: int, T: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, T)`` random ids (seeded by the shape) and a mask that left-pads row 1 by ``pad`` and
+    the last row by ``pad // 2`` (no padding for ``B == 1`` or ``pad == 0``)."""
+    gen = torch.Generator().manual_seed(B * 100 + T)
+    ids = torch.randint(0, vocab_size, (B, T), generator=gen)
+    mask = torch.ones(B, T, dtype=torch.long)
+    if B > 1 and pad:
+        mask[1, :pad] = 0
+        mask[B - 1, : pad // 2] = 0
+    return ids, mask

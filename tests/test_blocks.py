@@ -180,10 +180,9 @@ def test_activation_checkpointing_keeps_fewer_bytes():
 
 
 # ------------------------------------------------------------------ wiola.fast per-model state
-@torch.no_grad()
-def test_kernels_switch_per_model_and_per_context(monkeypatch):
-    """``model.use_kernels(False)`` takes one model off the kernels; the ``use_kernels`` context
-    takes every model off inside it; both agree with the reference."""
+@pytest.fixture
+def attention_calls(monkeypatch) -> list[int]:
+    """The attention kernel, counting its calls in the returned one-element list."""
     if "attention" not in fast_ops.KERNELS or not fast_ops.kernels_usable(torch.zeros(1, device=DEVICE)):
         pytest.skip("the attention kernel does not run on this device")
     calls = [0]
@@ -194,52 +193,51 @@ def test_kernels_switch_per_model_and_per_context(monkeypatch):
         return kernel(*args)
 
     monkeypatch.setitem(fast_ops.KERNELS, "attention", counted)
+    return calls
+
+
+@torch.no_grad()
+def test_kernels_switch_per_model_and_per_context(attention_calls: list[int]):
+    """``model.use_kernels(False)`` takes one model off the kernels; the ``use_kernels`` context
+    takes every model off inside it; both agree with the reference."""
     ref = _model(WiolaModel)
     on, off = _model(Fast), _model(Fast)
     assert off.use_kernels(False) is off and not off.kernels_enabled and on.kernels_enabled
     ids, mask = _batch()
     want = ref(ids, attention_mask=mask).logits
     assert_close("logits[kernels off]", want, off(ids, attention_mask=mask).logits, FP32)
-    assert calls[0] == 0, "a model switched off ran the attention kernel"
+    assert attention_calls[0] == 0, "a model switched off ran the attention kernel"
     assert_close("logits[kernels on]", want, on(ids, attention_mask=mask).logits, FP32)
-    assert calls[0] == CONFIG.n_layers, f"attention kernel ran {calls[0]} times for {CONFIG.n_layers} layers"
+    assert attention_calls[0] == CONFIG.n_layers, (
+        f"attention kernel ran {attention_calls[0]} times for {CONFIG.n_layers} layers"
+    )
     with use_kernels(False):
         assert not on.kernels_enabled
         on(ids, attention_mask=mask)
-    assert calls[0] == CONFIG.n_layers, "the use_kernels(False) context did not switch the kernels off"
+    assert attention_calls[0] == CONFIG.n_layers, "the use_kernels(False) context did not switch the kernels off"
     off.use_kernels(True)
     off(ids, attention_mask=mask)
-    assert calls[0] == 2 * CONFIG.n_layers, "use_kernels(True) did not switch the model back on"
+    assert attention_calls[0] == 2 * CONFIG.n_layers, "use_kernels(True) did not switch the model back on"
 
 
 @torch.no_grad()
-def test_compiled_model_follows_the_switch_and_blocks_compile_alone(monkeypatch):
+def test_compiled_model_follows_the_switch_and_blocks_compile_alone(attention_calls: list[int]):
     """``torch.compile`` guards on each module's op table: switching recompiles. A block
     compiled on its own gives the model's logits."""
-    if "attention" not in fast_ops.KERNELS or not fast_ops.kernels_usable(torch.zeros(1, device=DEVICE)):
-        pytest.skip("the attention kernel does not run on this device")
-    calls = [0]
-    kernel = fast_ops.KERNELS["attention"]
-
-    def counted(*args):
-        calls[0] += 1
-        return kernel(*args)
-
-    monkeypatch.setitem(fast_ops.KERNELS, "attention", counted)
     config = WiolaConfig(vocab_size=100, d_model=32, n_layers=1, n_heads=2, d_ff=48, max_seq_len=32)
     model = _model(Fast, config=config)
     ids = torch.randint(0, 100, (2, 7), device=DEVICE)
     compiled = torch.compile(model, backend="eager")
     want = compiled(ids).logits
-    assert calls[0] == 1, "the compiled model did not run the kernel"
+    assert attention_calls[0] == 1, "the compiled model did not run the kernel"
     model.use_kernels(False)
     assert_close("logits[compiled, kernels off]", want, compiled(ids).logits, FP32)
-    assert calls[0] == 1, "the compiled model kept the kernel after use_kernels(False)"
+    assert attention_calls[0] == 1, "the compiled model kept the kernel after use_kernels(False)"
     model.use_kernels(True)
     for block in model.layers:
         block.compile(backend="eager")
     assert torch.equal(want, model(ids).logits), "a block compiled alone changed the logits"
-    assert calls[0] == 2
+    assert attention_calls[0] == 2
     torch._dynamo.reset()  # leave no compiled frames (nor their dynamic-shape marks) to later tests
 
 

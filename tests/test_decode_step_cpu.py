@@ -17,7 +17,7 @@ import warnings
 
 import pytest
 import torch
-from numerics import TOL, assert_close
+from numerics import TOL, assert_close, left_padded_prompt
 
 import wiola
 import wiola.fast
@@ -83,16 +83,6 @@ def _model(config: wiola.WiolaConfig, seed: int = 0) -> wiola.WiolaModel:
     return model
 
 
-def _prompt(config: wiola.WiolaConfig, B: int, T: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(B * 100 + T)
-    ids = torch.randint(0, config.vocab_size, (B, T), generator=gen)
-    mask = torch.ones(B, T, dtype=torch.long)
-    if B > 1 and pad:
-        mask[1, :pad] = 0
-        mask[B - 1, : pad // 2] = 0
-    return ids, mask
-
-
 def _assert_caches_equal(ref: wiola.Cache, got: wiola.Cache, upto: int) -> None:
     real = ref.key_mask[:, :upto]
     assert torch.equal(ref.key_mask, got.key_mask), "cache.key_mask differs"
@@ -113,7 +103,7 @@ def test_step_matches_reference_forward(variant, B, prompt, steps, pad, isa):
     """Logits and cache after each of ``steps`` one-token steps equal the reference's."""
     config = VARIANTS[variant]
     model = _model(config)
-    ids, mask = _prompt(config, B, prompt, pad)
+    ids, mask = left_padded_prompt(config.vocab_size, B, prompt, pad)
     S = prompt + steps
     ref_cache, cache = model.new_cache(B, S), model.new_cache(B, S)
     model(ids, attention_mask=mask, cache=ref_cache)
@@ -141,7 +131,7 @@ def test_step_matches_float64_oracle(isa):
 
     config = ODD
     model = _model(config, seed=3)
-    ids, mask = _prompt(config, 3, 12, 4)
+    ids, mask = left_padded_prompt(config.vocab_size, 3, 12, 4)
     nxt = torch.randint(0, config.vocab_size, (3, 1), generator=torch.Generator().manual_seed(5))
     cache = model.new_cache(3, 13)
     model(ids, attention_mask=mask, cache=cache)
@@ -159,7 +149,7 @@ def test_step_matches_float64_oracle(isa):
 def test_thread_count_does_not_change_results(isa):
     """Each output is one dot product whatever the split between threads: bitwise equal."""
     model = _model(VARIANTS["13m-shape"])
-    ids, mask = _prompt(model.config, 3, 20, 5)
+    ids, mask = left_padded_prompt(model.config.vocab_size, 3, 20, 5)
     results = []
     threads = torch.get_num_threads()
     try:
@@ -279,7 +269,7 @@ def _count_calls(monkeypatch) -> list[int]:
 def test_fast_generate_uses_the_step_and_matches_reference(plain_cpu, monkeypatch):
     calls = _count_calls(monkeypatch)
     ref, fast = _fast_pair(VARIANTS["13m-shape"])
-    ids, mask = _prompt(ref.config, 3, 17, 6)
+    ids, mask = left_padded_prompt(ref.config.vocab_size, 3, 17, 6)
     want = ref.generate(ids, 12, attention_mask=mask, temperature=0)
     got = fast.generate(ids, 12, attention_mask=mask, temperature=0)
     assert calls[0] == 11, f"the C++ step ran {calls[0]} times for 11 one-token steps"
@@ -296,7 +286,7 @@ def test_fast_forward_dispatch(plain_cpu, monkeypatch):
     (chunks, masks, gradients, use_kernels(False)) keep the PyTorch path and still agree."""
     calls = _count_calls(monkeypatch)
     ref, fast = _fast_pair(SMALL)
-    ids, _ = _prompt(SMALL, 2, 9, 0)
+    ids, _ = left_padded_prompt(SMALL.vocab_size, 2, 9, 0)
     ref_cache, cache = ref.new_cache(2, 20), fast.new_cache(2, 20)
     with torch.no_grad():
         ref(ids, cache=ref_cache)
@@ -334,7 +324,7 @@ def test_fast_forward_dispatch(plain_cpu, monkeypatch):
 def test_fast_step_follows_weight_changes(plain_cpu):
     """In-place updates are read live; replaced or moved parameters rebind the step."""
     ref, fast = _fast_pair(SMALL)
-    ids, _ = _prompt(SMALL, 1, 5, 0)
+    ids, _ = left_padded_prompt(SMALL.vocab_size, 1, 5, 0)
     cache = fast.new_cache(1, 20)
 
     def check(name: str) -> None:
@@ -364,7 +354,7 @@ def test_fallback_when_the_compiler_is_missing(plain_cpu, monkeypatch, tmp_path)
         assert decode_step_cpu.load() is None
     assert "`no-such-compiler-xyz` is not on PATH" in decode_step_cpu.BUILD_ERROR
     ref, fast = _fast_pair(SMALL)
-    ids, _ = _prompt(SMALL, 2, 6, 0)
+    ids, _ = left_padded_prompt(SMALL.vocab_size, 2, 6, 0)
     want = ref.generate(ids, 5, temperature=0)
     assert torch.equal(want, fast.generate(ids, 5, temperature=0)), "the PyTorch fallback differs"
     assert "no-such-compiler-xyz" in fast_ops.MISSING["decode_step_cpu"]
@@ -382,7 +372,7 @@ def test_build_failure_warns_once_naming_the_compiler_error(plain_cpu, monkeypat
     _reset(monkeypatch)
     monkeypatch.delitem(fast_ops.MISSING, "decode_step_cpu", raising=False)
     ref, fast = _fast_pair(SMALL)
-    ids, _ = _prompt(SMALL, 2, 6, 0)
+    ids, _ = left_padded_prompt(SMALL.vocab_size, 2, 6, 0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = fast.generate(ids, 5, temperature=0)
@@ -458,6 +448,6 @@ def test_build_cache_others_can_write_is_refused(how, plain_cpu, monkeypatch, tm
     )
     assert not list(cache.iterdir()), "something was built into a refused folder"
     ref, fast = _fast_pair(SMALL)
-    ids, _ = _prompt(SMALL, 2, 6, 0)
+    ids, _ = left_padded_prompt(SMALL.vocab_size, 2, 6, 0)
     assert torch.equal(ref.generate(ids, 5, temperature=0), fast.generate(ids, 5, temperature=0))
     assert "refusing the build cache" in fast_ops.MISSING["decode_step_cpu"]

@@ -17,7 +17,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from numerics import TOL, assert_close
+from numerics import TOL, assert_close, left_padded_prompt
 
 import wiola
 import wiola.fast
@@ -71,16 +71,6 @@ def _oracle(model: wiola.fast.WiolaModel) -> wiola.WiolaModel:
     return ref
 
 
-def _prompt(config: wiola.WiolaConfig, B: int, T: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(B * 100 + T)
-    ids = torch.randint(0, config.vocab_size, (B, T), generator=gen)
-    mask = torch.ones(B, T, dtype=torch.long)
-    if B > 1 and pad:
-        mask[1, :pad] = 0
-        mask[B - 1, : pad // 2] = 0
-    return ids, mask
-
-
 # ----------------------------------------------------------------------------- packing
 def test_int8_packing_matches_hand_computed_values():
     w = torch.tensor([[0.5, -1.27, 0.01, 0.004], [0.0, 0.0, 0.0, 0.0], [2.54, 1.27, -0.635, 0.0]])
@@ -122,7 +112,7 @@ def test_step_matches_dequantized_oracle(scheme, variant, B, prompt, steps, pad,
     config = VARIANTS[variant]
     model = _quantized(config, scheme)
     ref = _oracle(model)
-    ids, mask = _prompt(config, B, prompt, pad)
+    ids, mask = left_padded_prompt(config.vocab_size, B, prompt, pad)
     S = prompt + steps
     ref_cache, cache = ref.new_cache(B, S), model.new_cache(B, S)
     ref(ids, attention_mask=mask, cache=ref_cache)
@@ -163,7 +153,7 @@ def test_step_reads_the_packed_matrices(scheme):
 def test_fast_model_generates_the_oracles_greedy_tokens(scheme, plain_cpu):
     model = _quantized(SHAPE_13M, scheme)
     ref = _oracle(model)
-    ids, mask = _prompt(SHAPE_13M, 8, 16, 5)
+    ids, mask = left_padded_prompt(SHAPE_13M.vocab_size, 8, 16, 5)
     assert fast_ops.cpu_decode_step(model, ids[:, :1], model.new_cache(8, 4)) is not None
     want = ref.generate(ids, 12, attention_mask=mask, temperature=0)
     got = model.generate(ids, 12, attention_mask=mask, temperature=0)
