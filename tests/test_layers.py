@@ -13,9 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Lower layers never import higher ones: kernels/ (Triton only) and wiola/ops/ (readable PyTorch)
 # at the bottom, each importing nothing else of ours; then the model (the rest of wiola/: config,
-# cache, model, generation, checkpoint, budget, tokenizer); then wiola.fast; then wiola.train;
-# then wiola.cli.
-LAYERS = ["kernels", "ops", "model", "fast", "train", "cli"]
+# cache, model, generation, checkpoint, budget, tokenizer); then wiola.fast; then wiola.export
+# (the on-device runtime export); then wiola.train; then wiola.cli.
+LAYERS = ["kernels", "ops", "model", "fast", "export", "train", "cli"]
 
 
 def _layer(module: str) -> str:
@@ -23,7 +23,7 @@ def _layer(module: str) -> str:
         return "kernels"
     if module == "wiola.ops" or module.startswith("wiola.ops."):
         return "ops"
-    for layer in ("fast", "train", "cli"):
+    for layer in ("fast", "export", "train", "cli"):
         if module == f"wiola.{layer}" or module.startswith(f"wiola.{layer}."):
             return layer
     return "cli" if module == "wiola.__main__" else "model"
@@ -85,6 +85,22 @@ def test_layers_import_downwards_only() -> None:
     graph = _graph()
     within = graph["wiola.checkpoint"] | graph["wiola.generation"] | graph["wiola.cache"]
     assert "wiola.model" not in within, "checkpoint, generation and cache must not import the model"
+
+
+def test_the_export_runner_stands_alone() -> None:
+    """``wiola/export/runner.py`` is copied into every ONNX export as ``run_onnx.py``: it may import
+    numpy, onnxruntime, tokenizers and the standard library, nothing of ours and not torch."""
+    path = ROOT / "wiola" / "export" / "runner.py"
+    tops = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            tops |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0 and node.module, "relative import"
+            tops.add(node.module.split(".")[0])
+    outside = tops - {"numpy", "onnxruntime", "tokenizers", "__future__"} - set(sys.stdlib_module_names)
+    assert not outside, f"run_onnx.py would need {sorted(outside)}"
+    assert "wiola.export.runner" in _graph()["wiola.export.step"], "the walker missed the step's import"
 
 
 def test_no_import_circles() -> None:

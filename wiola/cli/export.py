@@ -1,35 +1,98 @@
-"""``wiola export``: a checkpoint of ours (a folder, a run folder or a Hub id) in the
-``wiola13m`` / ``transformers`` format: ``config.json``, ``model.safetensors`` under
-``wiola13m``'s tensor names, and the tokenizer as ``tokenizer.json`` + its configs."""
+"""``wiola export``: a checkpoint of ours (a folder, a run folder or a Hub id) in another format.
+
+- ``--format wiola13m`` (default): the ``wiola13m`` / ``transformers`` format (``config.json``,
+  ``model.safetensors`` under ``wiola13m``'s tensor names, the tokenizer as ``tokenizer.json`` +
+  its configs);
+- ``--format onnx``: one decoding step for ONNX Runtime, the tokenizer and ``run_onnx.py``
+  (``wiola.export.onnx``); ``--quantize int8|bf16`` stores the weights that way (exact to our
+  quantized model), ``--int8-matmul`` runs int8 products (int8 activations too; fastest).
+"""
 
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from wiola.tokenizer import Tokenizer
+
+FORMATS = ("wiola13m", "onnx")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="write a checkpoint in the wiola13m / transformers format")
+    p = sub.add_parser("export", help="write a checkpoint in the wiola13m / transformers format, or for ONNX Runtime")
     p.add_argument("--checkpoint", required=True, help="model folder, training run folder or Hub id")
     p.add_argument("--revision", help="with a Hub id: a branch, tag or commit")
-    p.add_argument("--out", required=True, help="folder to write (loadable by wiola13m.WiolaForCausalLM)")
+    p.add_argument("--out", required=True, help="folder to write")
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="wiola13m",
+        help="wiola13m: loadable by wiola13m.WiolaForCausalLM (default); onnx: ONNX Runtime (run with run_onnx.py)",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=("int8", "bf16"),
+        help="onnx only: store the weights int8 (per-row scales) or bf16; a quantized checkpoint keeps its own",
+    )
+    p.add_argument(
+        "--int8-matmul",
+        action="store_true",
+        help="onnx with int8 weights: ONNX Runtime's int8 products (MatMulNBits; activations rounded to int8 too)",
+    )
     p.set_defaults(func=run_export)
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from wiola import WiolaModel
-    from wiola.checkpoint import export_wiola13m, load_checkpoint_tokenizer, resolve_checkpoint
+    from wiola.checkpoint import load_checkpoint_tokenizer, resolve_checkpoint
 
+    if args.format != "onnx" and (args.quantize or args.int8_matmul):
+        raise ValueError(
+            f"--quantize and --int8-matmul are for --format onnx; the {args.format} format stores fp32 weights"
+        )
     path = resolve_checkpoint(args.checkpoint, args.revision)
     if not (path / "config.json").is_file() and (path / "checkpoints").is_dir():
         from wiola.train.run_folder import find_checkpoint
 
         path = find_checkpoint(path)
-    model = WiolaModel.from_pretrained(path)
-    tokenizer = load_checkpoint_tokenizer(path)
     out = Path(args.out)
     if out.resolve() == path.resolve():
         raise ValueError(f"--out {out} is the checkpoint itself; write the export to another folder")
-    export_wiola13m(model, out, tokenizer)
-    print(f"{path} -> {out} (wiola13m format, tokenizer {tokenizer.name!r}, {tokenizer.vocab_size:,} ids)")
+    tokenizer = load_checkpoint_tokenizer(path)
+    if args.format == "wiola13m":
+        from wiola import WiolaModel
+        from wiola.checkpoint import export_wiola13m
+
+        model = WiolaModel.from_pretrained(path)
+        export_wiola13m(model, out, tokenizer)
+        print(f"{path} -> {out} (wiola13m format, tokenizer {tokenizer.name!r}, {tokenizer.vocab_size:,} ids)")
+        return 0
+    return _export_onnx(path, out, tokenizer, args)
+
+
+def _export_onnx(path: Path, out: Path, tokenizer: Tokenizer, args: argparse.Namespace) -> int:
+    import torch
+
+    from wiola.export.onnx import export_onnx
+    from wiola.export.runner import MODEL_FILE
+    from wiola.fast import WiolaModel
+    from wiola.fast.quantize import quantize
+
+    model = WiolaModel.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+    held = getattr(model, "quantization", None)
+    if args.quantize and held and args.quantize != held:
+        raise ValueError(f"--quantize {args.quantize}: the checkpoint {path} is already {held}-quantized")
+    if args.quantize and not held:
+        quantize(model, args.quantize)
+    t0 = time.perf_counter()
+    meta = export_onnx(model, out, tokenizer, int8_matmul=args.int8_matmul)
+    size = sum(f.stat().st_size for f in out.glob(MODEL_FILE + "*"))
+    weights = (meta["quantization"] or "fp32") + (", int8 products" if meta["int8_matmul"] else "")
+    print(
+        f"{path} -> {out}/{MODEL_FILE} (ONNX opset {meta['opset']}, {weights}, {size / 1e6:.1f} MB, "
+        f"{time.perf_counter() - t0:.1f} s), tokenizer {tokenizer.name!r}\n"
+        f"run it: python {out}/run_onnx.py {out} --prompt 'Once upon a time'"
+    )
     return 0

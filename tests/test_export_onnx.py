@@ -1,0 +1,198 @@
+"""``wiola export --format onnx``: the exported step runs in ONNX Runtime's Python API and decodes
+the greedy tokens of the model it came from (fp32: the reference; int8/bf16: our quantized model,
+whose oracle is the PyTorch path on the dequantized weights), the folder runs without torch, and
+what cannot be exported is refused by name."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from numerics import left_padded_prompt
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+onnx = pytest.importorskip("onnx")
+
+from wiola import WiolaConfig, WiolaModel  # noqa: E402
+from wiola.cli import main as cli_main  # noqa: E402
+from wiola.export.onnx import export_onnx  # noqa: E402
+from wiola.export.runner import META_FILE, MODEL_FILE, OnnxModel, read_meta  # noqa: E402
+from wiola.fast import WiolaModel as FastModel  # noqa: E402
+from wiola.fast.quantize import quantize  # noqa: E402
+from wiola.tokenizer import train_tokenizer  # noqa: E402
+
+# Large init: peaked distributions, so greedy choices are far from ties (an exact comparison
+# of tokens then tests the function, not the summation order of two libraries).
+SMALL = dict(vocab_size=320, d_model=64, n_layers=2, n_heads=4, d_ff=96, max_seq_len=64, init_std=0.2)
+MODES = ("fp32", "int8", "bf16", "int8-matmul")
+
+
+def _model() -> FastModel:
+    torch.manual_seed(0)
+    return FastModel(WiolaConfig(**SMALL)).eval().requires_grad_(False)
+
+
+def _quantized(mode: str) -> FastModel:
+    model = _model()
+    return model if mode == "fp32" else quantize(model, mode.removesuffix("-matmul"))
+
+
+def _oracle(model: FastModel) -> WiolaModel:
+    """The reference model on ``model``'s (dequantized) weights."""
+    ref = WiolaModel(model.config).eval().requires_grad_(False)
+    ref.load_state_dict(model.state_dict())
+    return ref
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = {}
+    for mode in MODES:
+        folder = tmp_path_factory.mktemp(mode)
+        export_onnx(_quantized(mode), folder, int8_matmul=mode == "int8-matmul")
+        out[mode] = folder
+    return out
+
+
+@pytest.mark.parametrize("mode", ["fp32", "int8", "bf16"])
+@pytest.mark.parametrize("B, pad", [(1, 0), (4, 5)])
+def test_greedy_tokens_equal_the_oracle(exports: dict[str, Path], mode: str, B: int, pad: int) -> None:
+    ref = _oracle(_quantized(mode))
+    ids, mask = left_padded_prompt(SMALL["vocab_size"], B, 12, pad)
+    want = ref.generate(ids, 40, attention_mask=mask)
+    got = OnnxModel(exports[mode]).generate(ids.numpy(), 40, attention_mask=mask.numpy())
+    np.testing.assert_array_equal(got, want.numpy())
+
+
+@pytest.mark.parametrize("mode", ["fp32", "int8"])
+def test_logits_equal_the_full_pass(exports: dict[str, Path], mode: str) -> None:
+    ref = _oracle(_quantized(mode))
+    ids, mask = left_padded_prompt(SMALL["vocab_size"], 3, 16, 6)
+    want = ref(ids, attention_mask=mask).logits
+    logits: list[np.ndarray] = []
+    OnnxModel(exports[mode]).driver.generate(ids.numpy(), 0, attention_mask=mask.numpy(), logits_out=logits)
+    got = torch.from_numpy(np.stack(logits, axis=1))
+    real = mask.bool()
+    err = float((got[real] - want[real]).abs().max() / want[real].abs().max())
+    assert err < 1e-5, f"{mode}: relative error {err:.2e}"
+
+
+def test_int8_matmul_runs_int8_products_close_to_the_oracle(exports: dict[str, Path]) -> None:
+    graph = onnx.load(str(exports["int8-matmul"] / MODEL_FILE), load_external_data=False).graph
+    nbits = [n for n in graph.node if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"]
+    assert len(nbits) == 1 + 7 * SMALL["n_layers"]  # the head and every layer's seven matrices
+    biggest_float = max(
+        (int(np.prod(t.dims)) for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT), default=0
+    )
+    assert biggest_float < SMALL["d_model"] * SMALL["vocab_size"] // 4, "an fp32 copy of a matrix is stored"
+    # Not the oracle's function (the activations are rounded to int8), but close to it:
+    ref = _oracle(_quantized("int8"))
+    ids, _ = left_padded_prompt(SMALL["vocab_size"], 2, 16, 0)
+    want = ref(ids).logits
+    logits: list[np.ndarray] = []
+    OnnxModel(exports["int8-matmul"]).driver.generate(ids.numpy(), 0, logits_out=logits)
+    got = torch.from_numpy(np.stack(logits, axis=1))
+    err = float((got - want).abs().max() / want.abs().max())
+    assert 0 < err < 0.05, f"relative error {err:.2e}"
+
+
+def _weight_bytes(folder: Path) -> int:
+    graph = onnx.load(str(folder / MODEL_FILE)).graph
+    return sum(onnx.numpy_helper.to_array(t).nbytes for t in graph.initializer)
+
+
+def test_quantized_exports_are_smaller_and_recorded(exports: dict[str, Path]) -> None:
+    size = {mode: _weight_bytes(folder) for mode, folder in exports.items()}
+    assert size["int8"] < 0.3 * size["fp32"] and size["int8-matmul"] < 0.3 * size["fp32"]
+    assert 0.45 * size["fp32"] < size["bf16"] < 0.55 * size["fp32"]
+    for mode, folder in exports.items():
+        meta = read_meta(folder)
+        assert meta["quantization"] == (None if mode == "fp32" else mode.removesuffix("-matmul"))
+        assert meta["int8_matmul"] == (mode == "int8-matmul")
+        assert (meta["n_layers"], meta["head_dim"], meta["max_seq_len"]) == (2, 16, 64)
+
+
+def test_the_folder_runs_without_torch(tmp_path: Path) -> None:
+    """``run_onnx.py`` (the copy in the export) with torch and wiola made unimportable."""
+    tok = train_tokenizer(
+        ["Once upon a time there was a little cat. The cat sat on a mat."] * 50, 300, show_progress=False
+    )
+    model = _model()
+    export_onnx(model, tmp_path, tok)
+    prompt = "Once upon a time"
+    ids = torch.tensor([tok.encode(prompt)])
+    want = tok.decode(_oracle(model).generate(ids, 12)[0].tolist())
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["torch"] = None
+        sys.modules["wiola"] = None
+        sys.path.insert(0, {str(tmp_path)!r})
+        import run_onnx
+        sys.exit(run_onnx.main([{str(tmp_path)!r}, "--prompt", {prompt!r}, "--max-new-tokens", "12"]))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.rstrip("\n") == want
+
+
+def test_cli_exports_a_checkpoint_with_its_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    tok = train_tokenizer(["The dog ran to the park and the sun was warm."] * 50, 300, show_progress=False)
+    model = _model()
+    model.save_pretrained(tmp_path / "ckpt", tok)
+    assert cli_main(["export", "--format", "onnx", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "x"), "--quantize", "int8"]) == 0  # fmt: skip
+    assert "int8" in capsys.readouterr().out
+    exported = OnnxModel(tmp_path / "x")
+    assert exported.meta["bos_token_id"] == tok.bos_token_id and exported.meta["eos_token_id"] == tok.eos_token_id
+    ids = torch.tensor([tok.encode("The dog")])
+    want = _oracle(quantize(copy.deepcopy(model), "int8")).generate(ids, 10, eos_token_id=tok.eos_token_id)
+    got = exported.generate(ids.numpy(), 10)
+    np.testing.assert_array_equal(got[:, : want.shape[1]], want.numpy())
+
+
+def test_what_cannot_be_exported_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(ValueError, match="int8_matmul needs an int8-quantized model.*not quantized"):
+        export_onnx(_model(), tmp_path / "a", int8_matmul=True)
+    with pytest.raises(ValueError, match="int8_matmul needs an int8-quantized model.*bf16"):
+        export_onnx(quantize(_model(), "bf16"), tmp_path / "b", int8_matmul=True)
+    with pytest.raises(ValueError, match="float16.*export an fp32"):
+        export_onnx(WiolaModel(WiolaConfig(**SMALL)).half(), tmp_path / "c")
+    with pytest.raises(TypeError, match="expected a WiolaModel"):
+        export_onnx(torch.nn.Linear(2, 2), tmp_path / "d")  # type: ignore[arg-type]
+    odd = quantize(FastModel(WiolaConfig(**{**SMALL, "d_model": 72, "n_heads": 4, "d_ff": 100})).eval().requires_grad_(False), "int8")  # fmt: skip
+    with pytest.raises(ValueError, match="72 inputs.*multiple of 16"):
+        export_onnx(odd, tmp_path / "e", int8_matmul=True)
+    tok = train_tokenizer(["A cat."] * 20, 300, show_progress=False)
+    model = _model()
+    model.save_pretrained(tmp_path / "ckpt", tok)
+    args = ["export", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "f"), "--quantize", "int8"]
+    assert cli_main(args) == 2
+    assert "--quantize and --int8-matmul are for --format onnx" in capsys.readouterr().err
+    quantize(model, "bf16").save_pretrained(tmp_path / "q", tok)
+    args = ["export", "--format", "onnx", "--checkpoint", str(tmp_path / "q"), "--out", str(tmp_path / "g")]
+    assert cli_main([*args, "--quantize", "int8"]) == 2
+    assert "already bf16-quantized" in capsys.readouterr().err
+
+
+def test_a_folder_that_is_not_an_export_is_named(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="not a Wiola ONNX export"):
+        OnnxModel(tmp_path)
+    (tmp_path / MODEL_FILE).write_bytes(b"")
+    (tmp_path / META_FILE).write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(ValueError, match="does not describe a Wiola ONNX export"):
+        read_meta(tmp_path)
+    (tmp_path / META_FILE).write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        read_meta(tmp_path)
+    (tmp_path / META_FILE).write_text(json.dumps({"format": "wiola-onnx", "format_version": 99}))
+    with pytest.raises(ValueError, match="format version 99"):
+        read_meta(tmp_path)

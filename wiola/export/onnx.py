@@ -1,0 +1,257 @@
+"""``export_onnx``: a Wiola model as one ONNX decoding step, run by ONNX Runtime.
+
+The folder it writes:
+
+- ``model.onnx``: ``wiola.export.step.DecodeStep`` exported by ``torch.onnx.export`` (the
+  ``torch.export`` exporter, opset 18), batch and cache length dynamic;
+- ``wiola_onnx.json``: the model's shape, its special ids and how its weights are stored;
+- ``tokenizer.json`` (+ its configs) when a tokenizer is given;
+- ``run_onnx.py``: ``wiola.export.runner``, which runs the folder with numpy + onnxruntime.
+
+Weights: fp32; or, for a model quantized by ``wiola.fast.quantize``, the int8 (per-row fp32
+scales) or bf16 matrices as stored tensors, dequantized in the graph (``q · scale``, exactly the
+oracle's weights). ONNX Runtime folds that dequantization into fp32 constants when it loads the
+file, so these exports are 4× (int8) or 2× (bf16) smaller on disk and compute exactly what the
+PyTorch path computes on the dequantized weights (greedy tokens identical), at fp32 speed.
+
+``int8_matmul=True`` (int8 only) keeps the weights int8 in memory instead: every product is ONNX
+Runtime's ``com.microsoft.MatMulNBits`` (8 bits, one block of up to 128 inputs per scale, the
+same per-row scale repeated) with ``accuracy_level=4``, which quantizes the activations to int8
+per block as well. It is the fastest form here, and it is not the oracle's function (the
+activations are rounded): its quality is measured, not assumed (README, Quality). Exact int8
+products in MatMulNBits (``accuracy_level=0``) ran at 119 tok/s here, slower than fp32, so they
+are not offered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from wiola.export import runner
+from wiola.export.step import OUTPUT_NAMES, DecodeStep, PackedMatrix
+
+if TYPE_CHECKING:
+    from wiola.model import WiolaModel
+    from wiola.tokenizer import Tokenizer
+
+OPSET = 18
+NBITS_BLOCK = 128  # inputs per MatMulNBits scale block (the fastest of 32..256 measured here)
+_EXTERNAL_DATA_BYTES = 1_500_000_000  # past this, weights go to model.onnx.data (protobuf's 2 GB limit)
+
+
+@torch.library.custom_op("wiola_export::matmul_nbits", mutates_args=())
+def matmul_nbits(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, K: int, N: int, block_size: int
+) -> torch.Tensor:
+    """``x · Wᵀ`` with ``W = (w − 128) · scale`` stored as MatMulNBits stores it: ``w`` uint8
+    ``(N, K / block_size, block_size)``, ``scale`` fp32 ``(N · K / block_size,)``. This eager
+    form is what tracing sees; ONNX Runtime's kernel rounds the activations too (see the module)."""
+    dense = (w.reshape(N, K).to(torch.float32) - 128.0) * scale.reshape(N, -1).repeat_interleave(block_size, dim=1)
+    return F.linear(x, dense)
+
+
+@matmul_nbits.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, K: int, N: int, block_size: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], N)
+
+
+class NBitsMatrix(PackedMatrix):
+    """An int8 ``PackedMatrix`` in MatMulNBits' layout (uint8 = q + 128, scales per block)."""
+
+    def __init__(self, packed: PackedMatrix, name: str) -> None:
+        torch.nn.Module.__init__(self)
+        q, scale = packed.weight, packed.scale
+        N, K = q.shape
+        if K % 16:
+            raise ValueError(
+                f"export: {name} has {K} inputs; ONNX Runtime's MatMulNBits needs a multiple of 16 (export without "
+                "int8_matmul: the int8 weights are then dequantized when the model loads)"
+            )
+        block = next(b for b in (NBITS_BLOCK, 64, 32, 16) if K % b == 0)
+        self.K, self.N, self.block = K, N, block
+        u8 = (q.to(torch.int16) + 128).to(torch.uint8).reshape(N, K // block, block).contiguous()
+        self.register_buffer("weight", u8)
+        self.register_buffer("scale", scale.repeat_interleave(K // block).contiguous())
+
+    def _row_scale(self, index: torch.Tensor) -> torch.Tensor:
+        return self.scale.reshape(self.N, -1)[index, :1]
+
+    def dense(self) -> torch.Tensor:
+        raise NotImplementedError("MatMulNBits weights are only read by the matmul and the row lookup")
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        return (self.weight[index].reshape(*index.shape, self.K).to(torch.float32) - 128.0) * self._row_scale(index)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return matmul_nbits(x, self.weight, self.scale, self.K, self.N, self.block)
+
+
+def _register_matmul_nbits_schema() -> Any:
+    """The ``com.microsoft`` opset with ``MatMulNBits`` known to onnx's checker (ONNX Runtime's
+    contrib op; onnx itself has no schema for it)."""
+    import onnx
+    import onnxscript
+    from onnx.defs import OpSchema
+
+    if not onnx.defs.has("MatMulNBits", "com.microsoft"):
+        schema = OpSchema(
+            "MatMulNBits",
+            "com.microsoft",
+            1,
+            inputs=[
+                OpSchema.FormalParameter("A", "T1"),
+                OpSchema.FormalParameter("B", "T2"),
+                OpSchema.FormalParameter("scales", "T1"),
+            ],
+            outputs=[OpSchema.FormalParameter("Y", "T1")],
+            type_constraints=[("T1", ["tensor(float)"], ""), ("T2", ["tensor(uint8)"], "")],
+            attributes=[
+                OpSchema.Attribute(name, OpSchema.AttrType.INT, "")
+                for name in ("K", "N", "bits", "block_size", "accuracy_level")
+            ],
+        )
+        onnx.defs.register_schema(schema)
+    return onnxscript.values.Opset("com.microsoft", 1)
+
+
+def _translations(int8_matmul: bool) -> dict[Any, Any]:
+    if not int8_matmul:
+        return {}
+    msft = _register_matmul_nbits_schema()
+
+    def matmul_nbits_onnx(x: Any, w: Any, scale: Any, K: int, N: int, block_size: int) -> Any:
+        return msft.MatMulNBits(x, w, scale, K=K, N=N, bits=8, block_size=block_size, accuracy_level=4)
+
+    return {torch.ops.wiola_export.matmul_nbits.default: matmul_nbits_onnx}
+
+
+def decode_step(model: WiolaModel, *, int8_matmul: bool = False) -> DecodeStep:
+    """The ``DecodeStep`` that ``export_onnx`` exports (its MatMulNBits form with ``int8_matmul``)."""
+    from wiola.model import WiolaModel
+
+    if not isinstance(model, WiolaModel):
+        raise TypeError(f"export: expected a WiolaModel, got {type(model).__module__}.{type(model).__qualname__}")
+    if model.embed.weight.device.type != "cpu":
+        raise ValueError(f"export: the model is on {model.embed.weight.device}; move it to the CPU first")
+    scheme = getattr(model, "quantization", None)
+    if int8_matmul and scheme != "int8":
+        raise ValueError(
+            f"export: int8_matmul needs an int8-quantized model (wiola.fast.quantize(model, 'int8')); this one is "
+            f"{scheme or 'not quantized'}"
+        )
+    step = DecodeStep(model).eval()
+    if int8_matmul:
+        step.embed = NBitsMatrix(step.embed, "embed.weight")
+        for i, mats in enumerate(step.matrices):
+            for name in list(mats.keys()):
+                mats[name] = NBitsMatrix(mats[name], f"layers.{i}.{name}.weight")
+    return step
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Any:
+    """The exporter's notices that say nothing about this model (torchvision absent, deprecations
+    inside torch, shared dynamic axes) kept off the user's terminal; errors still raise."""
+    logger = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.filterwarnings("ignore", message=".*axis name.*will not be used.*")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def export_onnx(
+    model: WiolaModel,
+    directory: str | os.PathLike,
+    tokenizer: Tokenizer | None = None,
+    *,
+    int8_matmul: bool = False,
+) -> dict[str, Any]:
+    """Write ``model`` (fp32, or quantized by ``wiola.fast.quantize``) as an ONNX Runtime export
+    into ``directory`` (see the module); returns what ``wiola_onnx.json`` records.
+
+    Raises ``TypeError`` for something that is not a ``WiolaModel``, ``ValueError`` for a model
+    the export cannot express (not fp32, not on the CPU, ``int8_matmul`` without int8 weights or
+    with a width MatMulNBits cannot take), ``ImportError`` naming the missing package."""
+    for package in ("onnx", "onnxscript"):
+        try:
+            __import__(package)
+        except ImportError as e:
+            raise ImportError(f"export to ONNX needs {package}: pip install 'wiola[export]'") from e
+    step = decode_step(model, int8_matmul=int8_matmul)
+    c = model.config
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    slots = torch.export.Dim("slots", min=1, max=c.max_seq_len)
+    dims = [{0: batch}] * 4 + [{1: batch, 3: slots}] * 2 + [{1: batch}] * 2
+    dims[3] = {0: batch, 1: slots}
+    weight_bytes = sum(t.numel() * t.element_size() for t in step.buffers())
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        path = Path(tmp) / runner.MODEL_FILE
+        with torch.no_grad(), _quiet_exporter():
+            torch.onnx.export(
+                step,
+                step.example_inputs(2, 8),
+                str(path),
+                input_names=list(runner.INPUT_NAMES),
+                output_names=list(OUTPUT_NAMES),
+                dynamic_shapes=dims,
+                dynamo=True,
+                opset_version=OPSET,
+                external_data=weight_bytes > _EXTERNAL_DATA_BYTES,
+                custom_translation_table=_translations(int8_matmul),
+                verbose=False,
+                optimize=False,  # its constant folding would store small int8 matrices as fp32
+            )
+        for produced in Path(tmp).iterdir():
+            os.replace(produced, directory / produced.name)
+    specials = {}
+    for role in ("bos", "eos", "pad"):
+        value = getattr(c, f"{role}_token_id")
+        if value is None and tokenizer is not None:
+            value = getattr(tokenizer, f"{role}_token_id")
+        specials[f"{role}_token_id"] = value
+    if specials["pad_token_id"] is None:
+        specials["pad_token_id"] = specials["eos_token_id"]  # as wiola.generation resolves it
+    if tokenizer is not None:
+        from wiola.tokenizer import TiktokenTokenizer
+
+        (tokenizer.to_hf() if isinstance(tokenizer, TiktokenTokenizer) else tokenizer).save(directory)
+    import onnx
+
+    meta = {
+        "format": runner.FORMAT,
+        "format_version": runner.FORMAT_VERSION,
+        "n_layers": c.n_layers,
+        "n_heads": c.n_heads,
+        "head_dim": c.head_dim,
+        "d_model": c.d_model,
+        "vocab_size": c.vocab_size,
+        "max_seq_len": c.max_seq_len,
+        **specials,
+        "quantization": step.scheme,
+        "int8_matmul": int8_matmul,
+        "inputs": list(runner.INPUT_NAMES),
+        "outputs": list(OUTPUT_NAMES),
+        "opset": OPSET,
+        "exported_with": {"torch": torch.__version__.split("+")[0], "onnx": onnx.__version__},
+    }
+    (directory / runner.META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    shutil.copyfile(runner.__file__, directory / "run_onnx.py")
+    return meta

@@ -1,0 +1,211 @@
+"""One decoding step as a pure tensor function, for runtimes that run a traced graph.
+
+``DecodeStep(model)`` computes what ``model(ids, cache=cache)`` computes for one new token per
+row, with the static cache passed in and the new state passed out (no Python state, no in-place
+writes, no data-dependent control flow), so that ``torch.export`` / ``torch.onnx.export`` can
+trace it. The caller (``wiola.export.runner.StepDriver``) keeps the cache buffers and writes each step's new key and
+value into them.
+
+Inputs (``L`` layers, ``B`` rows, ``S`` cache slots, ``H`` heads, ``D`` head width):
+
+- ``input_ids`` ``(B, 1)`` int64: the new token of each row;
+- ``position`` ``(B,)`` int64: its position (the number of real tokens before it in its row);
+- ``real`` ``(B,)`` float32: 1 for a real token, 0 for left padding (left out of the gate's mean);
+- ``key_mask`` ``(B, S)`` bool: the cached slots holding real tokens (the new token is not
+  among them: it attends to itself separately);
+- ``k_cache``, ``v_cache`` ``(L, B, H, S, D)`` float32: rotated keys and values;
+- ``gate_sum`` ``(L, B, D)``, ``gate_count`` ``(L, B)`` float32: the gate's running state.
+
+Outputs: ``logits`` ``(B, V)`` float32, the token's rotated keys and values ``(L, B, H, D)``, and
+the new ``gate_sum`` and ``gate_count``.
+
+Weights: the model's fp32 parameters; for a quantized model (``wiola.fast.quantize``), the
+int8 matrices stay int8 in the graph with their per-row scales and are dequantized there
+(``q · scale``, the oracle's weights exactly), and bf16 ones stay bf16 and are widened.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from wiola.export.runner import INPUT_NAMES, StepFn
+from wiola.ops.rope import helix_frequencies
+
+if TYPE_CHECKING:
+    from wiola.model import WiolaModel
+
+OUTPUT_NAMES = ("logits", "k_new", "v_new", "gate_sum_out", "gate_count_out")
+LAYER_MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "bypass_proj", "down_proj")
+
+
+class PackedMatrix(nn.Module):
+    """An ``(out, in)`` weight as the graph stores it: fp32, bf16, or int8 with fp32 row scales."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight.detach().clone().contiguous())
+        self.register_buffer("scale", None if scale is None else scale.detach().clone().contiguous())
+
+    def dense(self) -> torch.Tensor:
+        """The fp32 matrix (the dequantized one for int8, the widened one for bf16)."""
+        w = self.weight.to(torch.float32)
+        return w if self.scale is None else w * self.scale[:, None]
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` in fp32 (the embedding lookup)."""
+        w = self.weight[index].to(torch.float32)
+        return w if self.scale is None else w * self.scale[index].unsqueeze(-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dense())
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(B, ..., D)`` rotated pairwise ``(x_i, x_{i+D/2})`` with ``cos, sin`` ``(B, ..., D/2)``."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class DecodeStep(nn.Module):
+    """The traceable one-token step of ``model`` (see the module). ``model`` is left untouched."""
+
+    def __init__(self, model: WiolaModel) -> None:
+        super().__init__()
+        c = model.config
+        if model.embed.weight.dtype != torch.float32:
+            raise ValueError(f"export: the model is {model.embed.weight.dtype}; export an fp32 (or quantized) model")
+        self.config = c
+        self.n_layers, self.n_heads, self.head_dim = c.n_layers, c.n_heads, c.head_dim
+        self.eps, self.gate, self.gate_pre_rope = c.norm_eps, c.gate, c.gate_pre_rope
+        self.scheme = getattr(model, "quantization", None)
+        packed = getattr(model, "quantized", None) or {}
+        params = dict(model.named_parameters())
+
+        def matrix(name: str) -> PackedMatrix:
+            if name in packed:
+                q, scale = packed[name]
+                return PackedMatrix(q, scale)
+            return PackedMatrix(params[name])
+
+        self.embed = matrix("embed.weight")
+        self.matrices = nn.ModuleList(
+            nn.ModuleDict(
+                {
+                    m: matrix(f"layers.{i}.{'attn' if m in LAYER_MATRICES[:4] else 'ffn'}.{m}.weight")
+                    for m in LAYER_MATRICES
+                }
+            )
+            for i in range(c.n_layers)
+        )
+        small = {}
+        for i, block in enumerate(model.layers):
+            small[f"attn_norm_{i}"] = block.attn_norm.weight
+            small[f"ffn_norm_{i}"] = block.ffn_norm.weight
+            if c.gate:
+                small[f"gate_w1_{i}"] = block.attn.gate_w1.weight
+                small[f"gate_w2_{i}"] = block.attn.gate_w2.weight
+                small[f"gate_b2_{i}"] = block.attn.gate_w2.bias
+        small["norm"] = model.norm.weight
+        for name, t in small.items():
+            self.register_buffer(name, t.detach().to(torch.float32).clone())
+        self.register_buffer("freqs", helix_frequencies(c.head_dim, c.rope_base, c.helix_alpha))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position: torch.Tensor,
+        real: torch.Tensor,
+        key_mask: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        gate_sum: torch.Tensor,
+        gate_count: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        B = input_ids.shape[0]
+        H, D = self.n_heads, self.head_dim
+        angles = position.to(torch.float32).unsqueeze(-1) * self.freqs  # (B, D/2)
+        cos, sin = torch.cos(angles), torch.sin(angles)
+        cos_h, sin_h = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+        scale = 1.0 / math.sqrt(D)
+        masked = torch.zeros_like(key_mask, dtype=torch.float32).masked_fill(~key_mask, float("-inf"))
+        masked = masked.unsqueeze(1)  # (B, 1, S)
+        real_col = real.unsqueeze(-1)
+
+        h = self.embed.rows(input_ids[:, 0])  # (B, d)
+        residual = torch.zeros_like(h)
+        keys, values, sums, counts = [], [], [], []
+        for i in range(self.n_layers):
+            mats = self.matrices[i]
+            residual = residual + h
+            x = _rms_norm(residual, getattr(self, f"attn_norm_{i}"), self.eps)
+            q = mats["q_proj"](x).view(B, H, D)
+            k = mats["k_proj"](x).view(B, H, D)
+            v = mats["v_proj"](x).view(B, H, D)
+            if self.gate:
+                m = q.mean(dim=1)  # (B, D)
+                if not self.gate_pre_rope:
+                    m = _rope(m, cos, sin)
+                running = gate_sum[i] + m * real_col
+                count = gate_count[i] + real
+                c = running / count.clamp(min=1.0).unsqueeze(-1)
+                hidden = F.silu(c @ getattr(self, f"gate_w1_{i}").t())
+                g = torch.sigmoid(hidden @ getattr(self, f"gate_w2_{i}").t() + getattr(self, f"gate_b2_{i}"))
+                sums.append(running)
+                counts.append(count)
+            else:
+                g = torch.ones(B, H, dtype=torch.float32)
+                sums.append(gate_sum[i])
+                counts.append(gate_count[i])
+            qr, kr = _rope(q, cos_h, sin_h), _rope(k, cos_h, sin_h)
+            gs = g * scale  # (B, H)
+            cached = torch.einsum("bhd,bhsd->bhs", qr, k_cache[i]) * gs.unsqueeze(-1) + masked
+            own = (qr * kr).sum(dim=-1) * gs  # (B, H)
+            p = torch.softmax(torch.cat((cached, own.unsqueeze(-1)), dim=-1), dim=-1)
+            o = torch.einsum("bhs,bhsd->bhd", p[..., :-1], v_cache[i]) + p[..., -1:] * v
+            h = mats["o_proj"](o.reshape(B, H * D))
+            residual = residual + h
+            x = _rms_norm(residual, getattr(self, f"ffn_norm_{i}"), self.eps)
+            a, b = mats["up_proj"](x).chunk(2, dim=-1)
+            h = mats["down_proj"](F.silu(a) * b + mats["bypass_proj"](x))
+            keys.append(kr)
+            values.append(v)
+        x = _rms_norm(residual + h, self.norm, self.eps)
+        logits = self.embed(x)
+        return logits, torch.stack(keys), torch.stack(values), torch.stack(sums), torch.stack(counts)
+
+    def example_inputs(self, batch_size: int, slots: int) -> tuple[torch.Tensor, ...]:
+        """Inputs of the right shapes and dtypes (an empty cache of ``slots`` slots) for tracing."""
+        L, H, D = self.n_layers, self.n_heads, self.head_dim
+        B, S = batch_size, slots
+        return (
+            torch.zeros(B, 1, dtype=torch.int64),
+            torch.zeros(B, dtype=torch.int64),
+            torch.ones(B, dtype=torch.float32),
+            torch.zeros(B, S, dtype=torch.bool),
+            torch.zeros(L, B, H, S, D),
+            torch.zeros(L, B, H, S, D),
+            torch.zeros(L, B, D),
+            torch.zeros(L, B),
+        )
+
+
+def torch_runner(step: DecodeStep) -> StepFn:
+    """``StepDriver``'s ``run`` for a PyTorch ``DecodeStep``: the eager oracle of an export."""
+
+    def run(inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        with torch.no_grad():
+            outs = step(*(torch.from_numpy(np.ascontiguousarray(inputs[n])) for n in INPUT_NAMES))
+        return [o.numpy() for o in outs]
+
+    return run
