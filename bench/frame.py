@@ -48,11 +48,18 @@ class Ceilings:
     copy_bytes_per_s: float  # bytes read + written per second by the copy
     matmul: str  # what was measured, e.g. "bf16 8192x8192x8192"
     copy: str  # e.g. "2.0 GiB device-to-device"
+    # CPU only: a copy whose two buffers fit in the last-level cache (the floor of a model that
+    # fits there, e.g. the int8 13m in a 32 MiB L3), and that cache's size.
+    cache_copy_bytes_per_s: float | None = None
+    cache_copy: str = ""
+    cache_bytes: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["matmul_tflops"] = self.matmul_flops / 1e12
         out["copy_gbs"] = self.copy_bytes_per_s / 1e9
+        if self.cache_copy_bytes_per_s:
+            out["cache_copy_gbs"] = self.cache_copy_bytes_per_s / 1e9
         return out
 
 
@@ -201,7 +208,36 @@ def measure_cpu_ceilings() -> Ceilings:
     dst = torch.empty_like(src)
     t_cp = min(time_cpu(lambda: dst.copy_(src), [()], target_s=0.3, min_reps=5, max_reps=30))
     name = f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
-    return Ceilings("cpu", name, 2 * n**3 / t_mm, 2 * nbytes / t_cp, f"fp32 {n}x{n}x{n} (best of reps)", "256 MiB copy")
+    llc = last_level_cache_bytes()
+    cache_rate, cache_what = None, ""
+    if llc:  # both buffers in half the cache, each past the L2 of a core (2 MiB here)
+        small = max(llc // 4, 4 << 20) if llc >= (16 << 20) else llc // 4
+        src_c = torch.rand(small // 4)
+        dst_c = torch.empty_like(src_c)
+        t_c = min(time_cpu(lambda: dst_c.copy_(src_c), [()], target_s=0.3, min_reps=20, max_reps=2000))
+        cache_rate, cache_what = 2 * small / t_c, f"{small / 2**20:.0f} MiB copy in a {llc / 2**20:.0f} MiB L3"
+    return Ceilings(
+        "cpu", name, 2 * n**3 / t_mm, 2 * nbytes / t_cp, f"fp32 {n}x{n}x{n} (best of reps)", "256 MiB copy",
+        cache_rate, cache_what, llc,
+    )  # fmt: skip
+
+
+def last_level_cache_bytes() -> int | None:
+    """The size of CPU 0's last-level cache (Linux sysfs), or None where it cannot be read."""
+    from pathlib import Path
+
+    best = None
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level = int((index / "level").read_text())
+            text = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        size = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+        if best is None or level > best[0]:
+            best = (level, size)
+    return None if best is None else best[1]
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -419,6 +455,9 @@ class Bench:
             m["floor_s"] = floor
             m["pct_floor"] = 100.0 * floor / t
             m["mfu_pct"] = 100.0 * cost.flops / t / self.ceilings.matmul_flops
+            if self.ceilings.cache_copy_bytes_per_s:  # as if every byte came from the L3
+                floor_l3 = cost.floor_s(self.ceilings.matmul_flops, self.ceilings.cache_copy_bytes_per_s)
+                m["pct_floor_l3"] = 100.0 * floor_l3 / t
         if tokens:
             m["tokens_per_s"] = tokens / t
         return m

@@ -107,10 +107,11 @@ def _record(
         _summary(batch, name, rec)
         if scheme is not None:
             goal = {"int8": 2000, "bf16": 1000}[scheme]
-            pct = rec.get("pct_floor")
+            pct, pct_l3 = rec.get("pct_floor"), rec.get("pct_floor_l3")
             print(
                 f"decode CPU B{batch}: {name} {rec['tokens_per_s']:.1f} tok/s (goal at B1: >= {goal:,}), "
-                f"{'' if pct is None else f'{pct:.0f}% of its floor, '}fp32 "
+                f"{'' if pct is None else f'{pct:.0f}% of its floor, '}"
+                f"{'' if pct_l3 is None else f'{pct_l3:.0f}% of its floor from L3, '}fp32 "
                 f"{rec['baselines']['fp32']['tokens_per_s']:.1f} tok/s beside it"
             )
     return rec
@@ -247,3 +248,105 @@ def test_decode_cpu_quantized(cpu_bench, model, batch: int, scheme: str, monkeyp
         _cpu_notes(chosen, f"{path}, {scheme} weights"),
         scheme,
     )
+
+
+ONNX_MODES = ["fp32", "int8", "int8-matmul"]
+
+
+@pytest.fixture(scope="module")
+def onnx_exports(model, tmp_path_factory) -> dict:
+    """Filled by ``_onnx_export``: mode -> (the wiola.fast model, its ONNX Runtime export folder),
+    or the reason the export is unavailable; each mode exported once per module."""
+    return {}
+
+
+def _onnx_export(cache: dict, model: wiola.WiolaModel, mode: str, folder) -> Any:
+    if mode not in cache:
+        try:
+            from wiola.export.onnx import export_onnx
+            from wiola.fast import WiolaModel as FastModel
+            from wiola.fast.quantize import quantize
+
+            fast = FastModel(model.config).eval().requires_grad_(False)
+            fast.load_state_dict(model.state_dict())
+            if mode != "fp32":
+                quantize(fast, "int8")
+            export_onnx(fast, folder, int8_matmul=mode == "int8-matmul")
+            cache[mode] = (fast, folder)
+        except ImportError as exc:
+            cache[mode] = f"export unavailable: {exc}"
+    return cache[mode]
+
+
+@pytest.mark.parametrize("mode", ONNX_MODES)
+@pytest.mark.parametrize("batch", BATCHES, ids=lambda b: f"B{b}-P{PROMPT}-N{NEW_TOKENS}")
+def test_decode_cpu_onnx(cpu_bench, model, onnx_exports, tmp_path_factory, batch: int, mode: str) -> None:
+    """The exported runtime (issue 15): ``wiola export --format onnx`` run by ONNX Runtime's Python
+    API (``wiola.export.runner.OnnxModel``; the prompt fed one token a step), beside our C++ step
+    on the same weights (``wiola.fast``, fp32 or int8) and wiola13m. fp32 and int8 (stored int8,
+    dequantized when ONNX Runtime loads it): greedy tokens asserted identical to the oracle's.
+    int8-matmul (MatMulNBits with int8 activations): not the oracle's function; the tokens that
+    agree with it are recorded."""
+    pytest.importorskip("onnxruntime")
+    got_export = _onnx_export(onnx_exports, model, mode, tmp_path_factory.mktemp(f"onnx-{mode}"))
+    if isinstance(got_export, str):
+        pytest.skip(got_export)
+    fast, folder = got_export
+    from wiola.export.runner import OnnxModel
+
+    runtime = OnnxModel(folder, threads=torch.get_num_threads())
+    new = SMOKE_TOKENS if cpu_bench.quick else NEW_TOKENS
+    ids = _prompt(batch)
+    oracle = wiola.WiolaModel(model.config).eval()  # the reference on the (dequantized) weights
+    oracle.load_state_dict(fast.state_dict())
+    want = oracle.generate(ids, new, temperature=0)
+    got = torch.from_numpy(runtime.generate(ids.numpy(), new, eos_token_id=None))
+    agree = (got[:, PROMPT:] == want[:, PROMPT:]).cumprod(dim=1).sum(dim=1)  # tokens before the first difference
+    if mode != "int8-matmul":
+        mismatch = (got != want).nonzero()
+        assert mismatch.numel() == 0, f"ONNX {mode} greedy tokens differ from the oracle's at {mismatch[0].tolist()}"
+    ids_np = ids.numpy()
+    baselines: dict[str, Any] = {"wiola.fast": lambda: fast.generate(ids, new, temperature=0)}
+    try:
+        hf_model = wiola13m_like(oracle)
+        baselines["wiola13m"] = lambda: hf_greedy(hf_model, ids, new)
+    except Exception as exc:
+        baselines["wiola13m"] = f"wiola13m unavailable: {type(exc).__name__}: {exc}"
+    scheme = None if mode == "fp32" else "int8"
+    read = roofline.weight_bytes(model.config, "int8" if mode == "int8-matmul" else None)
+    held = {
+        "fp32": "fp32",
+        "int8": "stored int8, dequantized at load (fp32 products)",
+        "int8-matmul": "int8 in MatMulNBits, activations rounded to int8 per block",
+    }[mode]
+    notes = [
+        f"13m preset, random weights; ONNX Runtime {runtime.session.get_providers()[0]}, "
+        f"{torch.get_num_threads()} intra-op threads; the prompt fed one token a step",
+        f"ONNX {mode}: weights {held}; wiola.fast = our C++ step on the {scheme or 'fp32'} weights",
+        f"greedy tokens agreeing with the oracle before the first difference, per row: {agree.tolist()} of {new}",
+    ]
+    cost = roofline.decode(model.config, batch, 1, PROMPT + new - 1, torch.float32, read)
+    rec = cpu_bench.run(
+        lambda: runtime.generate(ids_np, new, eos_token_id=None),
+        op="decode_cpu",
+        mode="greedy",
+        name=f"onnxruntime {mode}",
+        cost=cost,
+        shape={"B": batch, "P": PROMPT, "N": new},
+        dtype=torch.float32,
+        tokens=batch * new,
+        baselines=baselines,
+        notes=notes,
+        info={"agree_tokens": agree.tolist(), "export_mb": (folder / "model.onnx").stat().st_size / 1e6},
+    )
+    cpu = _cpu_notes(None, f"onnxruntime {mode}")
+    cpu_bench.benchmark.extra_info.update(cpu[0])
+    if not cpu_bench.quick:
+        ours = rec["baselines"]["wiola.fast"].get("tokens_per_s")
+        hf = rec["baselines"].get("wiola13m", {}).get("tokens_per_s")
+        pct = rec.get("pct_floor")
+        print(
+            f"\ndecode CPU B{batch}: onnxruntime {mode} {rec['tokens_per_s']:.1f} tok/s"
+            f"{'' if pct is None else f' ({pct:.0f}% of its floor)'}, "
+            f"our step {ours and f'{ours:.1f}'} tok/s, wiola13m {hf and f'{hf:.1f}'} tok/s; agreement {agree.tolist()}"
+        )
