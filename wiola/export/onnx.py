@@ -159,6 +159,26 @@ def decode_step(model: WiolaModel, *, int8_matmul: bool = False) -> DecodeStep:
     return step
 
 
+def _optimize(model: Any) -> None:
+    """The exporter's graph optimizer (constant folding, redundancy elimination), in place, except
+    that a packed weight's widening (``Cast`` of an int8 or bf16 initializer) is never folded:
+    folded, a small matrix would be stored as fp32 (ONNX Runtime folds them when it loads the
+    file instead, so the file stays packed)."""
+    import onnx_ir as ir
+    import onnxscript.optimizer
+
+    packed = {ir.DataType.INT8, ir.DataType.UINT8, ir.DataType.BFLOAT16}
+
+    def should_fold(node: Any) -> bool | None:
+        if node.op_type == "Cast" and node.inputs and node.inputs[0] is not None:
+            source = node.inputs[0]
+            if source.is_initializer() and source.dtype in packed:
+                return False
+        return None  # the optimizer's own rules
+
+    onnxscript.optimizer.optimize_ir(model, should_fold=should_fold)
+
+
 @contextlib.contextmanager
 def _quiet_exporter() -> Any:
     """The exporter's notices that say nothing about this model (torchvision absent, deprecations
@@ -205,20 +225,20 @@ def export_onnx(
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         path = Path(tmp) / runner.MODEL_FILE
         with torch.no_grad(), _quiet_exporter():
-            torch.onnx.export(
+            program = torch.onnx.export(
                 step,
                 step.example_inputs(2, 8),
-                str(path),
                 input_names=list(runner.INPUT_NAMES),
                 output_names=list(OUTPUT_NAMES),
                 dynamic_shapes=dims,
                 dynamo=True,
                 opset_version=OPSET,
-                external_data=weight_bytes > _EXTERNAL_DATA_BYTES,
                 custom_translation_table=_translations(int8_matmul),
                 verbose=False,
-                optimize=False,  # its constant folding would store small int8 matrices as fp32
+                optimize=False,
             )
+            _optimize(program.model)
+        program.save(str(path), external_data=weight_bytes > _EXTERNAL_DATA_BYTES)
         for produced in Path(tmp).iterdir():
             os.replace(produced, directory / produced.name)
     specials = {}
