@@ -19,7 +19,7 @@ Runtime's ``com.microsoft.MatMulNBits`` (8 bits, one block of up to 128 inputs p
 same per-row scale repeated) with ``accuracy_level=4``, which quantizes the activations to int8
 per block as well. It is the fastest form here, and it is not the oracle's function (the
 activations are rounded): its quality is measured, not assumed (README, Quality). Exact int8
-products in MatMulNBits (``accuracy_level=0``) ran at 119 tok/s here, slower than fp32, so they
+products in MatMulNBits (``accuracy_level=0``) ran at 113–119 tok/s here, slower than fp32, so they
 are not offered.
 """
 
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from wiola.tokenizer import Tokenizer
 
 OPSET = 18
-NBITS_BLOCK = 128  # inputs per MatMulNBits scale block (the fastest of 32..256 measured here)
+NBITS_BLOCK = 128  # inputs per MatMulNBits scale block (each block repeats its row's one scale)
 _EXTERNAL_DATA_BYTES = 1_500_000_000  # past this, weights go to model.onnx.data (protobuf's 2 GB limit)
 
 
