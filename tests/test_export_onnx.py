@@ -72,6 +72,17 @@ def test_greedy_tokens_equal_the_oracle(exports: dict[str, Path], mode: str, B: 
     np.testing.assert_array_equal(got, want.numpy())
 
 
+@pytest.mark.parametrize("overrides", [{"gate": False}, {"gate_pre_rope": False}], ids=["no-gate", "gate-after-rope"])
+def test_gate_variants_export(tmp_path: Path, overrides: dict) -> None:
+    torch.manual_seed(1)
+    model = WiolaModel(WiolaConfig(**{**SMALL, **overrides})).eval().requires_grad_(False)
+    export_onnx(model, tmp_path)
+    ids, mask = left_padded_prompt(SMALL["vocab_size"], 3, 10, 4)
+    want = model.generate(ids, 20, attention_mask=mask)
+    got = OnnxModel(tmp_path).generate(ids.numpy(), 20, attention_mask=mask.numpy())
+    np.testing.assert_array_equal(got, want.numpy())
+
+
 @pytest.mark.parametrize("mode", ["fp32", "int8"])
 def test_logits_equal_the_full_pass(exports: dict[str, Path], mode: str) -> None:
     ref = _oracle(_quantized(mode))
@@ -166,6 +177,8 @@ def test_what_cannot_be_exported_is_refused(tmp_path: Path, capsys: pytest.Captu
         export_onnx(quantize(_model(), "bf16"), tmp_path / "b", int8_matmul=True)
     with pytest.raises(ValueError, match="float16.*export an fp32"):
         export_onnx(WiolaModel(WiolaConfig(**SMALL)).half(), tmp_path / "c")
+    with pytest.raises(ValueError, match="on meta; move it to the CPU"):
+        export_onnx(WiolaModel(WiolaConfig(**SMALL)).to("meta"), tmp_path / "m")
     with pytest.raises(TypeError, match="expected a WiolaModel"):
         export_onnx(torch.nn.Linear(2, 2), tmp_path / "d")  # type: ignore[arg-type]
     odd = quantize(FastModel(WiolaConfig(**{**SMALL, "d_model": 72, "n_heads": 4, "d_ff": 100})).eval().requires_grad_(False), "int8")  # fmt: skip

@@ -227,7 +227,7 @@ def export_onnx(
         with torch.no_grad(), _quiet_exporter():
             program = torch.onnx.export(
                 step,
-                step.example_inputs(2, 8),
+                step.example_inputs(2, min(8, c.max_seq_len)),
                 input_names=list(runner.INPUT_NAMES),
                 output_names=list(OUTPUT_NAMES),
                 dynamic_shapes=dims,

@@ -3,8 +3,9 @@
 ``DecodeStep(model)`` computes what ``model(ids, cache=cache)`` computes for one new token per
 row, with the static cache passed in and the new state passed out (no Python state, no in-place
 writes, no data-dependent control flow), so that ``torch.export`` / ``torch.onnx.export`` can
-trace it. The caller (``wiola.export.runner.StepDriver``) keeps the cache buffers and writes each step's new key and
-value into them.
+trace it. The caller (``wiola.export.runner.StepDriver``) keeps the cache buffers and writes
+each step's new key and value into them. The norms, the rotation and the gate are the reference
+ops themselves (``wiola.ops``); attention is written for one query over the cache plus itself.
 
 Inputs (``L`` layers, ``B`` rows, ``S`` cache slots, ``H`` heads, ``D`` head width):
 
@@ -35,7 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from wiola.export.runner import INPUT_NAMES, StepFn
-from wiola.ops.rope import helix_frequencies
+from wiola.ops.gate import gate
+from wiola.ops.rms_norm import rms_norm
+from wiola.ops.rope import apply_rope, helix_frequencies
 
 if TYPE_CHECKING:
     from wiola.model import WiolaModel
@@ -64,17 +67,6 @@ class PackedMatrix(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dense())
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x`` ``(B, ..., D)`` rotated pairwise ``(x_i, x_{i+D/2})`` with ``cos, sin`` ``(B, ..., D/2)``."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
 class DecodeStep(nn.Module):
@@ -135,12 +127,11 @@ class DecodeStep(nn.Module):
         B = input_ids.shape[0]
         H, D = self.n_heads, self.head_dim
         angles = position.to(torch.float32).unsqueeze(-1) * self.freqs  # (B, D/2)
-        cos, sin = torch.cos(angles), torch.sin(angles)
-        cos_h, sin_h = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+        cos, sin = torch.cos(angles).unsqueeze(1), torch.sin(angles).unsqueeze(1)  # (B, T=1, D/2)
         scale = 1.0 / math.sqrt(D)
         masked = torch.zeros_like(key_mask, dtype=torch.float32).masked_fill(~key_mask, float("-inf"))
         masked = masked.unsqueeze(1)  # (B, 1, S)
-        real_col = real.unsqueeze(-1)
+        real_mask = real.unsqueeze(1)  # (B, T=1)
 
         h = self.embed.rows(input_ids[:, 0])  # (B, d)
         residual = torch.zeros_like(h)
@@ -148,39 +139,36 @@ class DecodeStep(nn.Module):
         for i in range(self.n_layers):
             mats = self.matrices[i]
             residual = residual + h
-            x = _rms_norm(residual, getattr(self, f"attn_norm_{i}"), self.eps)
-            q = mats["q_proj"](x).view(B, H, D)
-            k = mats["k_proj"](x).view(B, H, D)
+            x = rms_norm(residual, getattr(self, f"attn_norm_{i}"), self.eps)
+            q = mats["q_proj"](x).view(B, 1, H, D)
+            k = mats["k_proj"](x).view(B, 1, H, D)
             v = mats["v_proj"](x).view(B, H, D)
             if self.gate:
-                m = q.mean(dim=1)  # (B, D)
-                if not self.gate_pre_rope:
-                    m = _rope(m, cos, sin)
-                running = gate_sum[i] + m * real_col
-                count = gate_count[i] + real
-                c = running / count.clamp(min=1.0).unsqueeze(-1)
-                hidden = F.silu(c @ getattr(self, f"gate_w1_{i}").t())
-                g = torch.sigmoid(hidden @ getattr(self, f"gate_w2_{i}").t() + getattr(self, f"gate_b2_{i}"))
+                w = (getattr(self, f"gate_{n}_{i}") for n in ("w1", "w2", "b2"))
+                rope = {} if self.gate_pre_rope else {"cos": cos, "sin": sin}
+                carry = (gate_sum[i], gate_count[i])
+                g, running, count = gate(q, *w, attention_mask=real_mask, carry=carry, **rope)
+                g = g[:, 0]  # (B, H)
                 sums.append(running)
-                counts.append(count)
+                counts.append(count.to(torch.float32))
             else:
                 g = torch.ones(B, H, dtype=torch.float32)
                 sums.append(gate_sum[i])
                 counts.append(gate_count[i])
-            qr, kr = _rope(q, cos_h, sin_h), _rope(k, cos_h, sin_h)
+            qr, kr = apply_rope(q, cos, sin)[:, 0], apply_rope(k, cos, sin)[:, 0]  # (B, H, D)
             gs = g * scale  # (B, H)
             cached = torch.einsum("bhd,bhsd->bhs", qr, k_cache[i]) * gs.unsqueeze(-1) + masked
-            own = (qr * kr).sum(dim=-1) * gs  # (B, H)
+            own = (qr * kr).sum(dim=-1) * gs  # the token's score for its own key
             p = torch.softmax(torch.cat((cached, own.unsqueeze(-1)), dim=-1), dim=-1)
             o = torch.einsum("bhs,bhsd->bhd", p[..., :-1], v_cache[i]) + p[..., -1:] * v
             h = mats["o_proj"](o.reshape(B, H * D))
             residual = residual + h
-            x = _rms_norm(residual, getattr(self, f"ffn_norm_{i}"), self.eps)
+            x = rms_norm(residual, getattr(self, f"ffn_norm_{i}"), self.eps)
             a, b = mats["up_proj"](x).chunk(2, dim=-1)
             h = mats["down_proj"](F.silu(a) * b + mats["bypass_proj"](x))
             keys.append(kr)
             values.append(v)
-        x = _rms_norm(residual + h, self.norm, self.eps)
+        x = rms_norm(residual + h, self.norm, self.eps)
         logits = self.embed(x)
         return logits, torch.stack(keys), torch.stack(values), torch.stack(sums), torch.stack(counts)
 
