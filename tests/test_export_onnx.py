@@ -154,6 +154,9 @@ def test_the_folder_runs_without_torch(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.rstrip("\n") == want
+    too_long = script.replace('"12"]', '"600"]')
+    done = subprocess.run([sys.executable, "-c", too_long], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "run_onnx: error:" in done.stderr and "past max_seq_len=64" in done.stderr
 
 
 def test_cli_exports_a_checkpoint_with_its_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

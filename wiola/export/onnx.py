@@ -212,15 +212,15 @@ def export_onnx(
         try:
             __import__(package)
         except ImportError as e:
-            raise ImportError(f"export to ONNX needs {package}: pip install 'wiola[export]'") from e
+            raise ImportError(f"export to ONNX needs {package}: pip install 'wiola-slm[export]'") from e
     step = decode_step(model, int8_matmul=int8_matmul)
     c = model.config
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     batch = torch.export.Dim("batch", min=1, max=4096)
     slots = torch.export.Dim("slots", min=1, max=c.max_seq_len)
-    dims = [{0: batch}] * 4 + [{1: batch, 3: slots}] * 2 + [{1: batch}] * 2
-    dims[3] = {0: batch, 1: slots}
+    cache = {1: batch, 3: slots}  # (L, B, H, S, D)
+    dims = [{0: batch}, {0: batch}, {0: batch}, {0: batch, 1: slots}, cache, cache, {1: batch}, {1: batch}]
     weight_bytes = sum(t.numel() * t.element_size() for t in step.buffers())
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         path = Path(tmp) / runner.MODEL_FILE
@@ -239,6 +239,8 @@ def export_onnx(
             )
             _optimize(program.model)
         program.save(str(path), external_data=weight_bytes > _EXTERNAL_DATA_BYTES)
+        for stale in directory.glob(runner.MODEL_FILE + "*"):  # an earlier export's (external data too)
+            stale.unlink()
         for produced in Path(tmp).iterdir():
             os.replace(produced, directory / produced.name)
     specials = {}

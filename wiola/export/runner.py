@@ -238,10 +238,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=100)
     p.add_argument("--threads", type=int, help="intra-op threads (default: ONNX Runtime's)")
     args = p.parse_args(argv)
-    model = OnnxModel(args.export, threads=args.threads)
-    t0 = time.perf_counter()
-    text = model.generate_text(args.prompt, args.max_new_tokens)
-    dt = time.perf_counter() - t0
+    try:
+        model = OnnxModel(args.export, threads=args.threads)
+        t0 = time.perf_counter()
+        text = model.generate_text(args.prompt, args.max_new_tokens)
+        dt = time.perf_counter() - t0
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"run_onnx: error: {e}", file=sys.stderr)
+        return 2
     print(text)
     m = model.meta
     print(
