@@ -57,29 +57,13 @@ def _onnx_forms(model: Any, int8: Any, work: Path) -> dict[str, tuple[Callable, 
     from wiola.export import onnx as wonnx
 
     out = {}
-    forms = [("fp32", model, False, None), ("int8 stored, dequantized at load", int8, False, None)]
+    forms = [("fp32", model, False, 4), ("int8 stored, dequantized at load", int8, False, 4)]
     forms += [("int8 MatMulNBits, int8 activations", int8, True, 4), ("int8 MatMulNBits, exact", int8, True, 0)]
     for name, m, nbits, level in forms:
         folder = work / f"ort-{len(out)}"
-        translations = wonnx._translations
-        if level == 0:  # the exact form is not offered by `wiola export`: patch the level in here
-
-            def exact(int8_matmul: bool, _orig: Callable = translations) -> dict:
-                table = _orig(int8_matmul)
-                msft = wonnx._register_matmul_nbits_schema()
-
-                def matmul_nbits_onnx(x: Any, w: Any, scale: Any, K: int, N: int, block_size: int) -> Any:
-                    return msft.MatMulNBits(x, w, scale, K=K, N=N, bits=8, block_size=block_size, accuracy_level=0)
-
-                return {k: matmul_nbits_onnx for k in table}
-
-            wonnx._translations = exact
-        try:
-            t0 = time.perf_counter()
-            wonnx.export_onnx(m, folder, int8_matmul=nbits)
-            seconds = time.perf_counter() - t0
-        finally:
-            wonnx._translations = translations
+        t0 = time.perf_counter()
+        wonnx.export_onnx(m, folder, int8_matmul=nbits, accuracy_level=level)
+        seconds = time.perf_counter() - t0
         options = ort.SessionOptions()
         options.intra_op_num_threads = torch.get_num_threads()
         session = ort.InferenceSession(str(folder / "model.onnx"), options, providers=["CPUExecutionProvider"])

@@ -254,7 +254,7 @@ ONNX_MODES = ["fp32", "int8", "int8-matmul"]
 
 
 @pytest.fixture(scope="module")
-def onnx_exports(model, tmp_path_factory) -> dict:
+def onnx_exports() -> dict:
     """Filled by ``_onnx_export``: mode -> (the wiola.fast model, its ONNX Runtime export folder),
     or the reason the export is unavailable; each mode exported once per module."""
     return {}

@@ -1,8 +1,11 @@
 """Helpers of the tests: the device, the per-dtype tolerance table, the named relative-error
-assert, NaN-poisoned buffers and left-padded prompts. Imported by the test files (``from numerics
+assert, NaN-poisoned buffers, left-padded prompts, the reference oracle of a model and the
+loop that drives the C++ CPU step beside it. Imported by the test files (``from numerics
 import ...``; pytest puts ``tests/`` on the path), never from ``conftest``."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -44,3 +47,26 @@ def left_padded_prompt(vocab_size: int, B: int, T: int, pad: int) -> tuple[torch
         mask[1, :pad] = 0
         mask[B - 1, : pad // 2] = 0
     return ids, mask
+
+
+def reference_on(model: torch.nn.Module) -> torch.nn.Module:
+    """The reference ``wiola.WiolaModel`` (eval mode) on ``model``'s weights: for a model quantized
+    by ``wiola.fast.quantize``, its dequantized weights (the oracle of the C++ step and exports)."""
+    import wiola
+
+    ref = wiola.WiolaModel(model.config).eval().requires_grad_(False)  # an oracle, never trained
+    ref.load_state_dict(model.state_dict())
+    return ref
+
+
+def step_beside(ref: torch.nn.Module, ref_cache: Any, step: Any, cache: Any, steps: int, name: str, tol: float) -> None:
+    """Feed ``steps`` random one-token steps (seeded) to ``step`` (a ``DecodeStepCPU`` bound to
+    ``cache``) and to ``ref`` with ``ref_cache``; each step's logits within ``tol``."""
+    B, V = cache.batch_size, ref.config.vocab_size
+    gen = torch.Generator().manual_seed(7)
+    for i in range(steps):
+        tokens = torch.randint(0, V, (B, 1), generator=gen)
+        want = ref(tokens, cache=ref_cache).logits[:, 0]
+        got = step(tokens.view(-1), cache.length)
+        cache.length += 1
+        assert_close(f"{name}[step {i}]", want, got, tol)

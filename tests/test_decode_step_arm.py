@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from numerics import TOL, assert_close
+from numerics import TOL, assert_close, reference_on
 
 import wiola
 import wiola.fast
@@ -92,8 +92,7 @@ def _model(config: wiola.WiolaConfig, scheme: str) -> wiola.fast.WiolaModel:
 def test_arm_step_matches_oracle(scheme, variant, B, prompt, steps, pad, arm_harness, tmp_path):
     config = VARIANTS[variant]
     model = _model(config, scheme)
-    ref = wiola.WiolaModel(config).eval()
-    ref.load_state_dict(model.state_dict())  # the dequantized weights
+    ref = reference_on(model)  # the dequantized weights
     gen = torch.Generator().manual_seed(B * 100 + prompt)
     ids = torch.randint(0, config.vocab_size, (B, prompt), generator=gen)
     mask = torch.ones(B, prompt, dtype=torch.long)

@@ -17,7 +17,7 @@ import warnings
 
 import pytest
 import torch
-from numerics import TOL, assert_close, left_padded_prompt
+from numerics import TOL, assert_close, left_padded_prompt, step_beside
 
 import wiola
 import wiola.fast
@@ -114,13 +114,7 @@ def test_step_matches_reference_forward(variant, B, prompt, steps, pad, isa):
         buf.masked_fill_(unread[None, :, None, :, None], float("nan"))
     step = decode_step_cpu.DecodeStepCPU(model, cache, isa=isa)
     assert step.isa == isa
-    gen = torch.Generator().manual_seed(7)
-    for i in range(steps):
-        tokens = torch.randint(0, config.vocab_size, (B, 1), generator=gen)
-        want = model(tokens, cache=ref_cache).logits[:, 0]
-        got = step(tokens.view(-1), cache.length)
-        cache.length += 1
-        assert_close(f"logits[step {i}]", want, got, FP32)
+    step_beside(model, ref_cache, step, cache, steps, "logits", FP32)
     _assert_caches_equal(ref_cache, cache, S)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from numerics import left_padded_prompt
+from numerics import left_padded_prompt, reference_on
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
@@ -45,13 +45,6 @@ def _quantized(mode: str) -> FastModel:
     return model if mode == "fp32" else quantize(model, mode.removesuffix("-matmul"))
 
 
-def _oracle(model: FastModel) -> WiolaModel:
-    """The reference model on ``model``'s (dequantized) weights."""
-    ref = WiolaModel(model.config).eval().requires_grad_(False)
-    ref.load_state_dict(model.state_dict())
-    return ref
-
-
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {}
@@ -65,7 +58,7 @@ def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.mark.parametrize("mode", ["fp32", "int8", "bf16"])
 @pytest.mark.parametrize("B, pad", [(1, 0), (4, 5)])
 def test_greedy_tokens_equal_the_oracle(exports: dict[str, Path], mode: str, B: int, pad: int) -> None:
-    ref = _oracle(_quantized(mode))
+    ref = reference_on(_quantized(mode))
     ids, mask = left_padded_prompt(SMALL["vocab_size"], B, 12, pad)
     want = ref.generate(ids, 40, attention_mask=mask)
     got = OnnxModel(exports[mode]).generate(ids.numpy(), 40, attention_mask=mask.numpy())
@@ -85,7 +78,7 @@ def test_gate_variants_export(tmp_path: Path, overrides: dict) -> None:
 
 @pytest.mark.parametrize("mode", ["fp32", "int8"])
 def test_logits_equal_the_full_pass(exports: dict[str, Path], mode: str) -> None:
-    ref = _oracle(_quantized(mode))
+    ref = reference_on(_quantized(mode))
     ids, mask = left_padded_prompt(SMALL["vocab_size"], 3, 16, 6)
     want = ref(ids, attention_mask=mask).logits
     logits: list[np.ndarray] = []
@@ -105,7 +98,7 @@ def test_int8_matmul_runs_int8_products_close_to_the_oracle(exports: dict[str, P
     )
     assert biggest_float < SMALL["d_model"] * SMALL["vocab_size"] // 4, "an fp32 copy of a matrix is stored"
     # Not the oracle's function (the activations are rounded to int8), but close to it:
-    ref = _oracle(_quantized("int8"))
+    ref = reference_on(_quantized("int8"))
     ids, _ = left_padded_prompt(SMALL["vocab_size"], 2, 16, 0)
     want = ref(ids).logits
     logits: list[np.ndarray] = []
@@ -118,6 +111,20 @@ def test_int8_matmul_runs_int8_products_close_to_the_oracle(exports: dict[str, P
 def _weight_bytes(folder: Path) -> int:
     graph = onnx.load(str(folder / MODEL_FILE)).graph
     return sum(onnx.numpy_helper.to_array(t).nbytes for t in graph.initializer)
+
+
+def test_int8_matmul_at_accuracy_level_0_is_exact(tmp_path: Path) -> None:
+    """MatMulNBits with fp32 products (level 0, for comparisons): the oracle's greedy tokens."""
+    export_onnx(_quantized("int8"), tmp_path, int8_matmul=True, accuracy_level=0)
+    graph = onnx.load(str(tmp_path / MODEL_FILE)).graph
+    levels = {a.i for n in graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "accuracy_level"}
+    assert levels == {0}
+    ids, mask = left_padded_prompt(SMALL["vocab_size"], 3, 12, 4)
+    want = reference_on(_quantized("int8")).generate(ids, 30, attention_mask=mask)
+    got = OnnxModel(tmp_path).generate(ids.numpy(), 30, attention_mask=mask.numpy())
+    np.testing.assert_array_equal(got, want.numpy())
+    with pytest.raises(ValueError, match="accuracy_level must be one of"):
+        export_onnx(_quantized("int8"), tmp_path / "x", int8_matmul=True, accuracy_level=7)
 
 
 def test_quantized_exports_are_smaller_and_recorded(exports: dict[str, Path]) -> None:
@@ -140,7 +147,7 @@ def test_the_folder_runs_without_torch(tmp_path: Path) -> None:
     export_onnx(model, tmp_path, tok)
     prompt = "Once upon a time"
     ids = torch.tensor([tok.encode(prompt)])
-    want = tok.decode(_oracle(model).generate(ids, 12)[0].tolist())
+    want = tok.decode(reference_on(model).generate(ids, 12)[0].tolist())
     script = textwrap.dedent(
         f"""
         import sys
@@ -168,7 +175,7 @@ def test_cli_exports_a_checkpoint_with_its_tokenizer(tmp_path: Path, capsys: pyt
     exported = OnnxModel(tmp_path / "x")
     assert exported.meta["bos_token_id"] == tok.bos_token_id and exported.meta["eos_token_id"] == tok.eos_token_id
     ids = torch.tensor([tok.encode("The dog")])
-    want = _oracle(quantize(copy.deepcopy(model), "int8")).generate(ids, 10, eos_token_id=tok.eos_token_id)
+    want = reference_on(quantize(copy.deepcopy(model), "int8")).generate(ids, 10, eos_token_id=tok.eos_token_id)
     got = exported.generate(ids.numpy(), 10)
     np.testing.assert_array_equal(got[:, : want.shape[1]], want.numpy())
 

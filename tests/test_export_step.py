@@ -9,7 +9,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from numerics import TOL, assert_close, left_padded_prompt
+from numerics import TOL, assert_close, left_padded_prompt, reference_on
 
 from wiola import WiolaConfig, WiolaModel
 from wiola.export.runner import StepDriver
@@ -67,9 +67,7 @@ def test_quantized_step_equals_the_dequantized_oracle(scheme: str) -> None:
     held = {name: module.weight.dtype for name, module in step.named_modules() if hasattr(module, "dense")}
     assert set(held.values()) == {torch.int8 if scheme == "int8" else torch.bfloat16}, held  # packed, not fp32
     ids, mask = left_padded_prompt(model.config.vocab_size, 3, 10, 4)
-    oracle = WiolaModel(model.config).eval()  # the reference model on the dequantized weights
-    oracle.load_state_dict(model.state_dict())
-    ref = oracle(ids, attention_mask=mask).logits
+    ref = reference_on(model)(ids, attention_mask=mask).logits  # the PyTorch path on the dequantized weights
     got = stepped_logits(model, ids, mask)
     real = mask.bool()
     assert_close(f"{scheme} logits", ref[real], got[real], TOL[torch.float32])
@@ -101,7 +99,8 @@ def test_the_step_leaves_the_model_alone() -> None:
     step = DecodeStep(model)
     with torch.no_grad():
         for t in step.buffers():
-            t.add_(1.0) if t.is_floating_point() else None
+            if t.is_floating_point():
+                t.add_(1.0)
     for name, t in model.state_dict().items():
         assert torch.equal(t, before[name]), name
 

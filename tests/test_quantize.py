@@ -17,7 +17,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from numerics import TOL, assert_close, left_padded_prompt
+from numerics import TOL, assert_close, left_padded_prompt, reference_on, step_beside
 
 import wiola
 import wiola.fast
@@ -64,13 +64,6 @@ def _quantized(config: wiola.WiolaConfig, scheme: str, seed: int = 0) -> wiola.f
     return quantize(model, scheme)
 
 
-def _oracle(model: wiola.fast.WiolaModel) -> wiola.WiolaModel:
-    """The reference model on the (dequantized) weights of ``model``."""
-    ref = wiola.WiolaModel(model.config).eval()
-    ref.load_state_dict(model.state_dict())
-    return ref
-
-
 # ----------------------------------------------------------------------------- packing
 def test_int8_packing_matches_hand_computed_values():
     w = torch.tensor([[0.5, -1.27, 0.01, 0.004], [0.0, 0.0, 0.0, 0.0], [2.54, 1.27, -0.635, 0.0]])
@@ -111,7 +104,7 @@ def test_step_matches_dequantized_oracle(scheme, variant, B, prompt, steps, pad,
     """Logits and cache after each one-token step equal the reference on the dequantized weights."""
     config = VARIANTS[variant]
     model = _quantized(config, scheme)
-    ref = _oracle(model)
+    ref = reference_on(model)
     ids, mask = left_padded_prompt(config.vocab_size, B, prompt, pad)
     S = prompt + steps
     ref_cache, cache = ref.new_cache(B, S), model.new_cache(B, S)
@@ -119,13 +112,7 @@ def test_step_matches_dequantized_oracle(scheme, variant, B, prompt, steps, pad,
     ref(ids, attention_mask=mask, cache=cache)  # prefill: the dequantized PyTorch path
     step = decode_step_cpu.DecodeStepCPU(model, cache, isa=isa)
     assert step.quantization == scheme
-    gen = torch.Generator().manual_seed(7)
-    for i in range(steps):
-        tokens = torch.randint(0, config.vocab_size, (B, 1), generator=gen)
-        want = ref(tokens, cache=ref_cache).logits[:, 0]
-        got = step(tokens.view(-1), cache.length)
-        cache.length += 1
-        assert_close(f"{scheme} logits[step {i}]", want, got, FP32)
+    step_beside(ref, ref_cache, step, cache, steps, f"{scheme} logits", FP32)
     real = ref_cache.key_mask[None, :, None, :, None].expand_as(ref_cache.k)
     assert torch.equal(ref_cache.key_mask, cache.key_mask) and torch.equal(ref_cache.n_real, cache.n_real)
     assert_close("cache.k", ref_cache.k[real], cache.k[real], FP32)
@@ -152,7 +139,7 @@ def test_step_reads_the_packed_matrices(scheme):
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_fast_model_generates_the_oracles_greedy_tokens(scheme, plain_cpu):
     model = _quantized(SHAPE_13M, scheme)
-    ref = _oracle(model)
+    ref = reference_on(model)
     ids, mask = left_padded_prompt(SHAPE_13M.vocab_size, 8, 16, 5)
     assert fast_ops.cpu_decode_step(model, ids[:, :1], model.new_cache(8, 4)) is not None
     want = ref.generate(ids, 12, attention_mask=mask, temperature=0)

@@ -19,8 +19,8 @@ Runtime's ``com.microsoft.MatMulNBits`` (8 bits, one block of up to 128 inputs p
 same per-row scale repeated) with ``accuracy_level=4``, which quantizes the activations to int8
 per block as well. It is the fastest form here, and it is not the oracle's function (the
 activations are rounded): its quality is measured, not assumed (README, Quality). Exact int8
-products in MatMulNBits (``accuracy_level=0``) ran at 113–119 tok/s here, slower than fp32, so they
-are not offered.
+products in MatMulNBits (``export_onnx(..., accuracy_level=0)``, kept for comparisons) ran at
+113–119 tok/s here, slower than fp32, so the command line does not offer them.
 """
 
 from __future__ import annotations
@@ -125,13 +125,13 @@ def _register_matmul_nbits_schema() -> Any:
     return onnxscript.values.Opset("com.microsoft", 1)
 
 
-def _translations(int8_matmul: bool) -> dict[Any, Any]:
+def _translations(int8_matmul: bool, accuracy_level: int) -> dict[Any, Any]:
     if not int8_matmul:
         return {}
     msft = _register_matmul_nbits_schema()
 
     def matmul_nbits_onnx(x: Any, w: Any, scale: Any, K: int, N: int, block_size: int) -> Any:
-        return msft.MatMulNBits(x, w, scale, K=K, N=N, bits=8, block_size=block_size, accuracy_level=4)
+        return msft.MatMulNBits(x, w, scale, K=K, N=N, bits=8, block_size=block_size, accuracy_level=accuracy_level)
 
     return {torch.ops.wiola_export.matmul_nbits.default: matmul_nbits_onnx}
 
@@ -201,9 +201,13 @@ def export_onnx(
     tokenizer: Tokenizer | None = None,
     *,
     int8_matmul: bool = False,
+    accuracy_level: int = 4,
 ) -> dict[str, Any]:
     """Write ``model`` (fp32, or quantized by ``wiola.fast.quantize``) as an ONNX Runtime export
     into ``directory`` (see the module); returns what ``wiola_onnx.json`` records.
+
+    ``accuracy_level`` (with ``int8_matmul``): MatMulNBits' own; 4 rounds the activations to int8
+    (the fast form), 0 keeps fp32 products (exact, and far slower here: for comparisons).
 
     Raises ``TypeError`` for something that is not a ``WiolaModel``, ``ValueError`` for a model
     the export cannot express (not fp32, not on the CPU, ``int8_matmul`` without int8 weights or
@@ -213,6 +217,8 @@ def export_onnx(
             __import__(package)
         except ImportError as e:
             raise ImportError(f"export to ONNX needs {package}: pip install 'wiola-slm[export]'") from e
+    if accuracy_level not in (0, 1, 2, 3, 4):
+        raise ValueError(f"export: accuracy_level must be one of MatMulNBits' 0-4, got {accuracy_level!r}")
     step = decode_step(model, int8_matmul=int8_matmul)
     c = model.config
     directory = Path(directory)
@@ -233,7 +239,7 @@ def export_onnx(
                 dynamic_shapes=dims,
                 dynamo=True,
                 opset_version=OPSET,
-                custom_translation_table=_translations(int8_matmul),
+                custom_translation_table=_translations(int8_matmul, accuracy_level),
                 verbose=False,
                 optimize=False,
             )
@@ -269,6 +275,7 @@ def export_onnx(
         **specials,
         "quantization": step.scheme,
         "int8_matmul": int8_matmul,
+        "accuracy_level": accuracy_level if int8_matmul else None,
         "inputs": list(runner.INPUT_NAMES),
         "outputs": list(OUTPUT_NAMES),
         "opset": OPSET,

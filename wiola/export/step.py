@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from wiola.export.runner import INPUT_NAMES, StepFn
+from wiola.fast.quantize import LAYER_MATRICES
 from wiola.ops.gate import gate
 from wiola.ops.rms_norm import rms_norm
 from wiola.ops.rope import apply_rope, helix_frequencies
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
     from wiola.model import WiolaModel
 
 OUTPUT_NAMES = ("logits", "k_new", "v_new", "gate_sum_out", "gate_count_out")
-LAYER_MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "bypass_proj", "down_proj")
 
 
 class PackedMatrix(nn.Module):
@@ -91,13 +91,8 @@ class DecodeStep(nn.Module):
             return PackedMatrix(params[name])
 
         self.embed = matrix("embed.weight")
-        self.matrices = nn.ModuleList(
-            nn.ModuleDict(
-                {
-                    m: matrix(f"layers.{i}.{'attn' if m in LAYER_MATRICES[:4] else 'ffn'}.{m}.weight")
-                    for m in LAYER_MATRICES
-                }
-            )
+        self.matrices = nn.ModuleList(  # per layer: "q_proj", ..., "down_proj"
+            nn.ModuleDict({m.split(".")[1]: matrix(f"layers.{i}.{m}.weight") for m in LAYER_MATRICES})
             for i in range(c.n_layers)
         )
         small = {}
