@@ -60,10 +60,10 @@ def pytest_configure(config: Any) -> None:
         return
     from triton.runtime.autotuner import Autotuner
 
-    from kernels._utils import AOT_OPS  # every kernels/<op>.py
+    from wiola_kernels._utils import AOT_OPS  # every kernels/<op>.py
 
     for name in AOT_OPS:
-        mod = importlib.import_module(f"kernels.{name}")
+        mod = importlib.import_module(f"wiola_kernels.{name}")
         for attr, obj in vars(mod).items():
             if isinstance(obj, Autotuner) and f"{name}.{attr}" not in PATCHED:
                 one_config(obj)

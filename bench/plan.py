@@ -88,11 +88,11 @@ def _spec(n: int) -> str:
 
 
 def attention(dtype: str, D: int, T: int, mask: bool, backward: bool) -> list[Launch]:
-    """The launches of one ``kernels.attention`` call (forward, and the backward's three kernels).
+    """The launches of one ``wiola_kernels.attention`` call (forward, and the backward's three kernels).
 
     Keys as the autotuners form them: (T_BUCKET, D, HAS_MASK), the forward's STORE_RESIDUAL (set
     for a bf16/fp16 call that needs gradients), and the dtypes (``dtype`` stands for them)."""
-    from kernels.attention import _t_bucket
+    from wiola_kernels.attention import _t_bucket
 
     residual = backward and dtype != "fp32"
     key = (_t_bucket(T), D, mask)
@@ -107,10 +107,10 @@ def attention(dtype: str, D: int, T: int, mask: bool, backward: bool) -> list[La
 
 
 def butterfly(dtype: str, D: int, F: int, N: int, residual: str | None, backward: bool) -> list[Launch]:
-    """The launches of one ``kernels.butterfly`` call on N rows: autotuned for bf16/fp16 (keys
+    """The launches of one ``wiola_kernels.butterfly`` call on N rows: autotuned for bf16/fp16 (keys
     (N_BUCKET, D, F), down's HAS_RESIDUAL, and the dtypes, the residual's included), one small
     fixed tile for fp32. ``residual``: the residual's dtype, or ``None``."""
-    from kernels.butterfly import _n_bucket
+    from wiola_kernels.butterfly import _n_bucket
 
     if dtype == "fp32":
         out = [Launch("butterfly_up", dtype, (_spec(N),)), Launch("butterfly_down", dtype, (_spec(N), residual))]
@@ -274,7 +274,7 @@ def kernel_tuners() -> dict[str, Tuner]:
     """The autotuners of ``kernels/``, by the family name of their ahead-of-time builds.
 
     Found as the ``triton.autotune`` objects among the attributes of the modules that
-    ``kernels._utils.AOT_OPS`` names; each is named after the specs of ``aot_specs(op)`` built
+    ``wiola_kernels._utils.AOT_OPS`` names; each is named after the specs of ``aot_specs(op)`` built
     from the same ``@triton.jit`` function. The returned ``tuner(dtype, D)`` gives the configs
     after the autotuner's own ``early_config_prune``, called as Triton calls it at launch: the
     positional arguments (here ``Q``: an empty tensor of the launch's dtype) and the constexpr
@@ -285,18 +285,18 @@ def kernel_tuners() -> dict[str, Tuner]:
     import torch
     from triton.runtime.autotuner import Autotuner
 
-    from kernels._utils import AOT_OPS, TRITON_DTYPE, aot_specs
+    from wiola_kernels._utils import AOT_OPS, TRITON_DTYPE, aot_specs
 
     torch_dtype = {name: dt for dt, name in TRITON_DTYPE.items()}
     tuners: dict[str, Tuner] = {}
     for op in AOT_OPS:
-        mod, specs = importlib.import_module(f"kernels.{op}"), aot_specs(op)
+        mod, specs = importlib.import_module(f"wiola_kernels.{op}"), aot_specs(op)
         for attr, obj in vars(mod).items():
             if not isinstance(obj, Autotuner):
                 continue
             names = {s.kernel for s in specs if s.fn is obj.fn}
             if len(names) != 1:
-                raise RuntimeError(f"kernels.{op}.{attr}: no single AOT family for its @triton.jit function: {names}")
+                raise RuntimeError(f"wiola_kernels.{op}.{attr}: no single AOT family for its @triton.jit function: {names}")
 
             def configs(dtype: str | None, D: int | None, tuner: Autotuner = obj) -> list[dict[str, Any]]:
                 cfgs = list(tuner.configs)

@@ -102,7 +102,7 @@ def _flex(gate_in_q: bool = False) -> Callable | str:
 
 @pytest.mark.parametrize("shape, mode", CASES, ids=[f"{shape_id(c.values[0])}-{c.values[1]}" for c in CASES])
 def test_attention(cuda_bench, shape, mode):
-    attention_kernels = pytest.importorskip("kernels.attention")
+    attention_kernels = pytest.importorskip("wiola_kernels.attention")
     ours = attention_kernels.attention
     B, T, H, D = shape["B"], shape["T"], shape["H"], shape["D"]
     freqs = helix_frequencies(D)  # the model's helix_alpha = 0.05

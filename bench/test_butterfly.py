@@ -25,7 +25,7 @@ CASES = [("fwd", False), ("fwd_bwd", False), ("fwd_bwd", True)]
 @pytest.mark.parametrize(("mode", "residual"), CASES, ids=[f"{m}{'-residual' if r else ''}" for m, r in CASES])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"N{s['N']}-d{s['d']}-ff{s['d_ff']}")
 def test_butterfly(cuda_bench, shape, mode, residual):
-    from kernels.butterfly import butterfly as ours  # import inside: the file must import on CPU
+    from wiola_kernels.butterfly import butterfly as ours  # import inside: the file must import on CPU
 
     N, d, d_ff, dtype = shape["N"], shape["d"], shape["d_ff"], torch.bfloat16
 

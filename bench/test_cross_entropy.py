@@ -34,7 +34,7 @@ def _liger() -> object:
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"N{s['N']}-d{s['d']}-V{s['V']}")
 def test_linear_cross_entropy_fwd_bwd(cuda_bench, shape):
-    from kernels.cross_entropy import linear_cross_entropy as ours  # import inside: the file imports on CPU
+    from wiola_kernels.cross_entropy import linear_cross_entropy as ours  # import inside: the file imports on CPU
 
     N, d, V, dtype = shape["N"], shape["d"], shape["V"], torch.bfloat16
 

@@ -46,7 +46,7 @@ def _copy(times: int):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"B{s['B']}-T{s['T']}-H{s['H']}-D{s['D']}")
 def test_gate(cuda_bench, shape, mode):
-    gate_kernels = pytest.importorskip("kernels.gate")
+    gate_kernels = pytest.importorskip("wiola_kernels.gate")
     ours = gate_kernels.gate
     B, T, H, D = shape["B"], shape["T"], shape["H"], shape["D"]
     grad = mode == "fwd_bwd"

@@ -57,7 +57,7 @@ def _fwd_bwd_both(f):
 @pytest.mark.parametrize(("mode", "res_dtype"), CASES, ids=[f"{m}{RES_IDS[r]}" for m, r in CASES])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"N{s['N']}-d{s['d']}")
 def test_rms_norm(cuda_bench, shape, mode, res_dtype):
-    from kernels.rms_norm import rms_norm as ours  # import inside: the file must import on CPU
+    from wiola_kernels.rms_norm import rms_norm as ours  # import inside: the file must import on CPU
 
     N, d, dtype = shape["N"], shape["d"], torch.bfloat16
     residual = res_dtype is not None

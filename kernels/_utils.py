@@ -71,4 +71,4 @@ def aot_specs(op: str) -> list[AotSpec]:
     """Every ahead-of-time build of ``kernels/<op>.py``: each kernel x launch/autotune config x dtype."""
     if op not in AOT_OPS:
         raise ValueError(f"aot_specs: unknown op {op!r}; the registered ops are {AOT_OPS}")
-    return importlib.import_module(f"kernels.{op}").aot_specs()
+    return importlib.import_module(f"wiola_kernels.{op}").aot_specs()

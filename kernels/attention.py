@@ -76,7 +76,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import TRITON_DTYPE, AotSpec, interpreting, kernels_usable
+from wiola_kernels._utils import TRITON_DTYPE, AotSpec, interpreting, kernels_usable
 
 LOG2E = 1.4426950408889634
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)

@@ -67,7 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import TRITON_DTYPE, AotSpec, interpreting, kernels_usable
+from wiola_kernels._utils import TRITON_DTYPE, AotSpec, interpreting, kernels_usable
 
 MEMORY_FRACTION = 0.05  # extra memory target, as a fraction of the fp32 logits 4·N·V (the issue's)
 MIN_CHUNK_ROWS = 128  # below this the GEMMs are launch-bound; N ≤ 128 runs as one chunk

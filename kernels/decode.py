@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import TRITON_DTYPE, AotSpec
+from wiola_kernels._utils import TRITON_DTYPE, AotSpec
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 16  # query rows per program (tl.dot needs >= 16; decoding has T = 1, so most are masked)

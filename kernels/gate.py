@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import TRITON_DTYPE, AotSpec, kernels_usable
+from wiola_kernels._utils import TRITON_DTYPE, AotSpec, kernels_usable
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import AotSpec, interpreting, kernels_usable
+from wiola_kernels._utils import AotSpec, interpreting, kernels_usable
 
 MAX_WIDTH = 8192
 

@@ -1,4 +1,4 @@
-"""kernels.attention against the reference wiola.ops.attention and a float64 oracle: forward,
+"""wiola_kernels.attention against the reference wiola.ops.attention and a float64 oracle: forward,
 log-sum-exp and every gradient (q, k, v, g), NaN-poisoned outputs, fused-QKV strided views,
 stride-0 tables, left/right/ragged padding, every autotune block shape, torch.compile."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from numerics import DEVICE, KERNEL_DTYPES, TOL, assert_close, poisoned
 
-from kernels import attention as K
+from wiola_kernels import attention as K
 from wiola.ops.attention import attention as reference_attention
 from wiola.ops.rope import helix_frequencies, positions_from_mask, rope_tables
 

@@ -1,4 +1,4 @@
-"""kernels.butterfly against the reference wiola.ops.butterfly: forward and every gradient
+"""wiola_kernels.butterfly against the reference wiola.ops.butterfly: forward and every gradient
 (x, w_up, w_bp, w_down, residual) with one random upstream gradient, odd sizes, NaN-poisoned
 kernel outputs, torch.compile, and bad inputs.
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from numerics import DEVICE, KERNEL_DTYPES, TOL, assert_close, poisoned
 
-from kernels import butterfly as kb
+from wiola_kernels import butterfly as kb
 from wiola.ops.butterfly import butterfly as reference
 
 # (lead shape of x, d, d_ff): N = 1, 17, 300 rows; d 64/256; d_ff 128/512.

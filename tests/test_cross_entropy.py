@@ -1,4 +1,4 @@
-"""kernels.cross_entropy.linear_cross_entropy against the reference wiola.ops.linear_cross_entropy:
+"""wiola_kernels.cross_entropy.linear_cross_entropy against the reference wiola.ops.linear_cross_entropy:
 loss and both gradients with one random upstream scalar, odd sizes, extreme logits, ignored
 rows, the tied embedding, torch.compile, bad inputs, and the memory bound.
 
@@ -17,8 +17,8 @@ from numerics import DEVICE, KERNEL_DTYPES, TOL, assert_close, poisoned
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import kernels.cross_entropy as ce
-from kernels.cross_entropy import linear_cross_entropy
+import wiola_kernels.cross_entropy as ce
+from wiola_kernels.cross_entropy import linear_cross_entropy
 from wiola.ops import linear_cross_entropy as reference
 
 # Triton's interpreter on numpy 2.2 warns at every scalar conversion; nothing of ours.

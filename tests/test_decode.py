@@ -11,7 +11,7 @@ from numerics import DEVICE, KERNEL_DTYPES, TOL, assert_close, poisoned
 from wiola.ops.decode import decode_attention as reference
 from wiola.ops.rope import helix_frequencies, rope_tables
 
-decode = pytest.importorskip("kernels.decode")
+decode = pytest.importorskip("wiola_kernels.decode")
 
 # (B, T, H, D, S, start, num_splits, left_pad): T new tokens written at slot `start` of an S-slot cache.
 CASES = [

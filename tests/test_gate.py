@@ -11,7 +11,7 @@ import pytest
 import torch
 from numerics import DEVICE, KERNEL_DTYPES, TOL, assert_close
 
-import kernels.gate as kgate
+import wiola_kernels.gate as kgate
 from wiola.ops.gate import gate as ref_gate
 from wiola.ops.rope import helix_frequencies, positions_from_mask, rope_tables
 

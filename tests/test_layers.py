@@ -19,7 +19,7 @@ LAYERS = ["kernels", "ops", "model", "fast", "export", "train", "cli"]
 
 
 def _layer(module: str) -> str:
-    if module == "kernels" or module.startswith("kernels."):
+    if module == "wiola_kernels" or module.startswith("wiola_kernels."):
         return "kernels"
     if module == "wiola.ops" or module.startswith("wiola.ops."):
         return "ops"
@@ -30,11 +30,11 @@ def _layer(module: str) -> str:
 
 
 def _modules() -> dict[str, Path]:
-    """Every module of wiola/ and kernels/ by dotted name."""
+    """Every module of wiola/ and kernels/ (installed as ``wiola_kernels``) by dotted name."""
     out = {}
-    for package in ("wiola", "kernels"):
-        for path in sorted((ROOT / package).rglob("*.py")):
-            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    for package, folder in (("wiola", "wiola"), ("wiola_kernels", "kernels")):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = [package, *path.relative_to(ROOT / folder).with_suffix("").parts]
             if parts[-1] == "__init__":
                 parts.pop()
             out[".".join(parts)] = path
@@ -70,7 +70,7 @@ def test_the_walker_sees_every_kind_of_import() -> None:
     assert "wiola.train.plots" in graph["wiola.train.loop"], "an import inside a function was missed"
     assert "wiola.fast.ops" in graph["wiola.fast.generation"], "`from package import submodule` was missed"
     assert "wiola.model" in graph["wiola.fast.generation"], "an `if TYPE_CHECKING:` import was missed"
-    assert {"wiola.cli", "wiola.train", "wiola.fast", "kernels"} <= set(graph)
+    assert {"wiola.cli", "wiola.train", "wiola.fast", "wiola_kernels"} <= set(graph)
 
 
 def test_layers_import_downwards_only() -> None:
@@ -158,3 +158,13 @@ def test_python_m_wiola_is_the_command() -> None:
         [sys.executable, "-m", "wiola", "budget", "--preset", "13m"], cwd=ROOT, capture_output=True, text=True
     )
     assert proc.returncode == 0 and "12,915,888" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_pyproject_lists_every_package():
+    """pyproject.toml lists the packages by hand (kernels/ installs as ``wiola_kernels``), so a
+    subpackage missing from the list would be absent from a non-editable install."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    tree = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "wiola").rglob("__init__.py")}
+    assert listed == tree | {"wiola_kernels"}, f"pyproject.toml packages: missing {tree - listed}, extra {listed - tree}"

@@ -158,7 +158,7 @@ _LISTS = {"attention_fwd": "FWD_CONFIGS", "attention_bwd_dq": "DQ_CONFIGS", "att
 
 
 def test_real_autotuners_as_the_planner_reads_them() -> None:
-    from kernels import attention, butterfly
+    from wiola_kernels import attention, butterfly
 
     t = plan.kernel_tuners()
     assert set(t) == {*_LISTS, "butterfly_up", "butterfly_up_bwd", "butterfly_down"}
@@ -177,7 +177,7 @@ def test_real_autotuners_as_the_planner_reads_them() -> None:
 def test_stage_counts_what_the_real_autotuners_compile() -> None:
     """bf16 D 64 attention forward + backward and a bf16 and fp32 butterfly, counted by hand from
     the kernels' config lists: the half lists at D 64; butterfly fp32 is one fixed build each."""
-    from kernels import attention, butterfly
+    from wiola_kernels import attention, butterfly
 
     launches = plan.attention("bf16", 64, 300, True, True) + plan.butterfly("bf16", 64, 128, 17, None, True)
     launches += plan.butterfly("fp32", 64, 128, 17, None, True)
@@ -210,7 +210,7 @@ def test_default_plan_puts_the_headline_first_and_fits() -> None:
 def test_parity_plugin_picks_one_of_the_dtype_pruned_configs(dtype: torch.dtype) -> None:
     """On a copy of the real forward autotuner: per key one config, always one listed for q's
     dtype class and D (the autotuner's own pruning), and different keys get different ones."""
-    from kernels import attention
+    from wiola_kernels import attention
 
     tuner = copy.copy(attention._attn_fwd_tuned)
     parity_plugin.one_config(tuner)

@@ -1,4 +1,4 @@
-"""kernels.rms_norm against the reference wiola.ops.rms_norm: forward (y and h) and every
+"""wiola_kernels.rms_norm against the reference wiola.ops.rms_norm: forward (y and h) and every
 gradient (x, γ, residual — including the upstream gradient flowing into h) with the same random
 upstream gradients, odd sizes and widths up to 8,192, dtype promotion, NaN-poisoned kernel
 outputs, deterministic dγ, torch.compile, and bad inputs.
@@ -13,7 +13,7 @@ import pytest
 import torch
 from numerics import DEVICE, KERNEL_DTYPES, TOL, assert_close, poisoned
 
-from kernels import rms_norm as kr
+from wiola_kernels import rms_norm as kr
 from wiola.ops.rms_norm import rms_norm as reference
 
 # (lead shape, d): N = 1, 17, 300 rows; a non-power-of-2 width; the 8,192 maximum.

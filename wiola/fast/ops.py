@@ -1,7 +1,7 @@
 """The op functions of ``wiola.fast.WiolaModel``: each has the name and signature of its
 reference in ``wiola.ops`` and dispatches per call.
 
-- Triton kernel (``kernels/<op>.py``) when ``kernels._utils.kernels_usable(tensor)``: on CUDA,
+- Triton kernel (``kernels/<op>.py``) when ``wiola_kernels._utils.kernels_usable(tensor)``: on CUDA,
   or on CPU tensors under ``TRITON_INTERPRET=1`` (how CI tests them). Custom ops do not go
   through autocast, so under ``torch.autocast`` these wrappers cast the fp32 master weights
   and activations to the autocast dtype themselves, the way autocast would for the reference.
@@ -54,7 +54,7 @@ KERNELS: dict[str, Callable[..., Any]] = {}
 MISSING: dict[str, str] = {}
 
 
-_HAVE_KERNELS = importlib.util.find_spec("kernels") is not None  # an install may lack kernels/
+_HAVE_KERNELS = importlib.util.find_spec("wiola_kernels") is not None  # an install may lack kernels/
 
 
 def _import_kernels() -> None:
@@ -67,14 +67,14 @@ def _import_kernels() -> None:
         reason = None
     for name, module in _KERNEL_MODULES:
         if reason is not None:
-            MISSING[name] = f"kernels.{module}.{name}: {reason}"
+            MISSING[name] = f"wiola_kernels.{module}.{name}: {reason}"
         else:  # any exception here is a bug in the kernel module: let it propagate
-            KERNELS[name] = getattr(importlib.import_module(f"kernels.{module}"), name)
+            KERNELS[name] = getattr(importlib.import_module(f"wiola_kernels.{module}"), name)
 
 
 _import_kernels()
 if _HAVE_KERNELS:
-    from kernels._utils import kernels_usable
+    from wiola_kernels._utils import kernels_usable
 else:  # pragma: no cover - an install without kernels/ still gets the torch path
 
     def kernels_usable(t: torch.Tensor) -> bool:
