@@ -296,7 +296,9 @@ def kernel_tuners() -> dict[str, Tuner]:
                 continue
             names = {s.kernel for s in specs if s.fn is obj.fn}
             if len(names) != 1:
-                raise RuntimeError(f"wiola_kernels.{op}.{attr}: no single AOT family for its @triton.jit function: {names}")
+                raise RuntimeError(
+                    f"wiola_kernels.{op}.{attr}: no single AOT family for its @triton.jit function: {names}"
+                )
 
             def configs(dtype: str | None, D: int | None, tuner: Autotuner = obj) -> list[dict[str, Any]]:
                 cfgs = list(tuner.configs)

@@ -11,9 +11,9 @@ import pytest
 import torch
 from numerics import DEVICE, KERNEL_DTYPES, TOL, assert_close, poisoned
 
-from wiola_kernels import attention as K
 from wiola.ops.attention import attention as reference_attention
 from wiola.ops.rope import helix_frequencies, positions_from_mask, rope_tables
+from wiola_kernels import attention as K
 
 # triton 3.6's interpreter converts a 1-element array to an int in range() bounds.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")

@@ -15,8 +15,8 @@ import pytest
 import torch
 from numerics import DEVICE, KERNEL_DTYPES, TOL, assert_close, poisoned
 
-from wiola_kernels import butterfly as kb
 from wiola.ops.butterfly import butterfly as reference
+from wiola_kernels import butterfly as kb
 
 # (lead shape of x, d, d_ff): N = 1, 17, 300 rows; d 64/256; d_ff 128/512.
 SHAPES = [((1,), 64, 128), ((17,), 64, 128), ((3, 100), 64, 128), ((17,), 256, 512), ((300,), 256, 512)]

@@ -18,8 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import wiola_kernels.cross_entropy as ce
-from wiola_kernels.cross_entropy import linear_cross_entropy
 from wiola.ops import linear_cross_entropy as reference
+from wiola_kernels.cross_entropy import linear_cross_entropy
 
 # Triton's interpreter on numpy 2.2 warns at every scalar conversion; nothing of ours.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

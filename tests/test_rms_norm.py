@@ -13,8 +13,8 @@ import pytest
 import torch
 from numerics import DEVICE, KERNEL_DTYPES, TOL, assert_close, poisoned
 
-from wiola_kernels import rms_norm as kr
 from wiola.ops.rms_norm import rms_norm as reference
+from wiola_kernels import rms_norm as kr
 
 # (lead shape, d): N = 1, 17, 300 rows; a non-power-of-2 width; the 8,192 maximum.
 SHAPES = [((1,), 64), ((17,), 256), ((3, 100), 256), ((17,), 1000), ((300,), 64), ((5,), 8192)]
