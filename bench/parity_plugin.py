@@ -60,7 +60,7 @@ def pytest_configure(config: Any) -> None:
         return
     from triton.runtime.autotuner import Autotuner
 
-    from wiola_kernels._utils import AOT_OPS  # every kernels/<op>.py
+    from wiola_kernels.aot import AOT_OPS  # every kernels/<op>.py
 
     for name in AOT_OPS:
         mod = importlib.import_module(f"wiola_kernels.{name}")

@@ -274,7 +274,7 @@ def kernel_tuners() -> dict[str, Tuner]:
     """The autotuners of ``kernels/``, by the family name of their ahead-of-time builds.
 
     Found as the ``triton.autotune`` objects among the attributes of the modules that
-    ``wiola_kernels._utils.AOT_OPS`` names; each is named after the specs of ``aot_specs(op)`` built
+    ``wiola_kernels.aot.AOT_OPS`` names; each is named after the specs of ``aot_specs(op)`` built
     from the same ``@triton.jit`` function. The returned ``tuner(dtype, D)`` gives the configs
     after the autotuner's own ``early_config_prune``, called as Triton calls it at launch: the
     positional arguments (here ``Q``: an empty tensor of the launch's dtype) and the constexpr
@@ -285,7 +285,8 @@ def kernel_tuners() -> dict[str, Tuner]:
     import torch
     from triton.runtime.autotuner import Autotuner
 
-    from wiola_kernels._utils import AOT_OPS, TRITON_DTYPE, aot_specs
+    from wiola_kernels._utils import TRITON_DTYPE
+    from wiola_kernels.aot import AOT_OPS, aot_specs
 
     torch_dtype = {name: dt for dt, name in TRITON_DTYPE.items()}
     tuners: dict[str, Tuner] = {}

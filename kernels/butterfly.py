@@ -49,7 +49,16 @@ import torch
 import triton
 import triton.language as tl
 
-from wiola_kernels._utils import TRITON_DTYPE, AotSpec, kernels_usable
+from wiola_kernels._utils import (
+    FLOAT_DTYPES,
+    LaunchConfig,
+    autotuned,
+    check_runnable,
+    check_tensor,
+    empty,
+    fail,
+    launch,
+)
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -210,24 +219,23 @@ def _up_bwd_kernel(
 
 # ----------------------------------------------------------------------------- configs
 
+
 # bf16/fp16 autotune candidates, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). The up
 # kernels hold three (BM, BN) fp32 accumulators (96 registers a thread at BM·BN = 4,096 per 128
 # threads); BLOCK_M ≥ 64 and 4/8 warps let sm_90 use wgmma. Shared memory a stage: (BM + 3·BN)·BK·2
 # bytes forward, (2·BM + 3·BN)·BK·2 backward. Every entry builds for sm_90 and sm_80 without spills
 # (tests/test_compile.py); the backward's five operand tiles need BK = 32 for that on sm_80.
-_UP_CONFIGS = [(64, 64, 64, 4, 3), (128, 64, 64, 8, 3), (128, 64, 32, 8, 4), (64, 128, 32, 8, 3)]
-_UP_BWD_CONFIGS = [(64, 64, 32, 4, 4), (128, 64, 32, 8, 4), (64, 128, 32, 8, 3)]
-_DOWN_CONFIGS = [(64, 64, 64, 4, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 64, 8, 3)]
+def _tile(m: int, n: int, k: int, warps: int, stages: int) -> LaunchConfig:
+    return LaunchConfig({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
+
+
+_UP_CONFIGS = [_tile(64, 64, 64, 4, 3), _tile(128, 64, 64, 8, 3), _tile(128, 64, 32, 8, 4), _tile(64, 128, 32, 8, 3)]
+_UP_BWD_CONFIGS = [_tile(64, 64, 32, 4, 4), _tile(128, 64, 32, 8, 4), _tile(64, 128, 32, 8, 3)]
+_DOWN_CONFIGS = [_tile(64, 64, 64, 4, 4), _tile(128, 64, 64, 4, 4), _tile(64, 128, 64, 4, 4), _tile(128, 128, 64, 8, 3)]
 # One small fixed tile for everything else: fp32 (ieee, no tensor cores), the CPU interpreter,
 # and inputs whose widths or addresses are not multiples of 16 (the compiler then cannot
 # vectorise loads, and the large tiles above would spill).
-_SMALL_CONFIG = (32, 32, 32, 4, 2)
-
-
-def _configs(table: list[tuple[int, int, int, int, int]]) -> list[triton.Config]:
-    return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for m, n, k, w, s in table
-    ]
+_SMALL_CONFIG = _tile(32, 32, 32, 4, 2)
 
 
 # Tuned per (widths, N bucket): the best tiles depend on how many row blocks fill the GPU, so a
@@ -241,9 +249,9 @@ def _n_bucket(N: int) -> int:
     return min(N_BUCKET_CAP, max(16, triton.next_power_of_2(N)))
 
 
-_up_tuned = triton.autotune(_configs(_UP_CONFIGS), key=["N_BUCKET", "D", "F"])(_up_kernel)
-_up_bwd_tuned = triton.autotune(_configs(_UP_BWD_CONFIGS), key=["N_BUCKET", "D", "F"])(_up_bwd_kernel)
-_down_tuned = triton.autotune(_configs(_DOWN_CONFIGS), key=["N_BUCKET", "D", "F", "HAS_RESIDUAL"])(_down_kernel)
+_up_tuned = autotuned(_up_kernel, _UP_CONFIGS, key=["N_BUCKET", "D", "F"])
+_up_bwd_tuned = autotuned(_up_bwd_kernel, _UP_BWD_CONFIGS, key=["N_BUCKET", "D", "F"])
+_down_tuned = autotuned(_down_kernel, _DOWN_CONFIGS, key=["N_BUCKET", "D", "F", "HAS_RESIDUAL"])
 
 
 def _aligned(D: int, F: int, *tensors: torch.Tensor) -> bool:
@@ -254,18 +262,19 @@ def _aligned(D: int, F: int, *tensors: torch.Tensor) -> bool:
 
 def _launch(kernel, tuned, grid_cols: int, N: int, D: int, F: int, *args, **constexprs) -> None:
     """Launch ``kernel`` over (rows of N) × (columns of ``grid_cols``): autotuned for aligned
-    bf16/fp16 on CUDA, the small fixed tile otherwise."""
+    bf16/fp16 on CUDA, the small fixed tile otherwise (and under the interpreter)."""
     if N == 0:
         return
     tensors = [t for t in args if isinstance(t, torch.Tensor)]
-    if tensors[0].is_cuda and tensors[0].dtype != torch.float32 and _aligned(D, F, *tensors):
-        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(grid_cols, meta["BLOCK_N"]))
-        tuned[grid](*args, **constexprs, PRECISION="ieee")
-        return
-    bm, bn, bk, warps, stages = _SMALL_CONFIG
-    grid = (triton.cdiv(N, bm), triton.cdiv(grid_cols, bn))
-    kernel[grid](
-        *args, **constexprs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION="ieee", num_warps=warps, num_stages=stages
+    tune = tensors[0].is_cuda and tensors[0].dtype != torch.float32 and _aligned(D, F, *tensors)
+    launch(
+        kernel,
+        lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(grid_cols, meta["BLOCK_N"])),
+        args,
+        {**constexprs, "PRECISION": "ieee"},
+        tuned=tuned if tune else None,
+        interpret=_SMALL_CONFIG,
+        default=_SMALL_CONFIG,
     )
 
 
@@ -315,9 +324,9 @@ def _butterfly_fwd(
     x, w_up, w_bp, w_down = x.contiguous(), w_up.contiguous(), w_bp.contiguous(), w_down.contiguous()
     N, D = x.shape
     F = w_bp.shape[0]
-    r = torch.empty(N, F, dtype=x.dtype, device=x.device)
+    r = empty(N, F, dtype=x.dtype, device=x.device)
     out_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    y = torch.empty(N, D, dtype=out_dtype, device=x.device)
+    y = empty(N, D, dtype=out_dtype, device=x.device)
     _up(x, w_up, w_bp, r)
     _down(r, w_down, None if residual is None else residual.contiguous(), y)
     return y, r
@@ -336,7 +345,7 @@ def _butterfly_up_bwd(dy: torch.Tensor, x: torch.Tensor, w_up: torch.Tensor, w_d
     dy, x, w_up, w_down = dy.contiguous(), x.contiguous(), w_up.contiguous(), w_down.contiguous()
     N, D = x.shape
     F = w_down.shape[1]
-    dabc = torch.empty(N, 3 * F, dtype=x.dtype, device=x.device)
+    dabc = empty(N, 3 * F, dtype=x.dtype, device=x.device)
     _up_bwd(dy, x, w_up, w_down, dabc)
     return dabc
 
@@ -377,8 +386,6 @@ torch.library.register_autograd("wiola::butterfly_fwd", _backward, setup_context
 
 # ----------------------------------------------------------------------------- public function
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 def butterfly(
     x: torch.Tensor,
@@ -407,83 +414,26 @@ def butterfly(
         TypeError: a dtype other than float32/bfloat16/float16, or weights whose dtype differs
             from ``x``'s outside autocast.
     """
-    tensors = {"x": x, "w_up": w_up, "w_bp": w_bp, "w_down": w_down}
-    if residual is not None:
-        tensors["residual"] = residual
-    for name, t in tensors.items():
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"butterfly: {name} has dtype {t.dtype}; expected float32, bfloat16 or float16")
-        if t.device != x.device:
-            raise ValueError(f"butterfly: {name} is on {t.device} but x is on {x.device}")
-    if x.dim() < 1 or w_up.dim() != 2 or w_bp.dim() != 2 or w_down.dim() != 2:
-        raise ValueError("butterfly: x must be (..., d) and the three weights 2-D")
+    check_tensor("butterfly", "x", x, dtypes=FLOAT_DTYPES)
+    check_tensor("butterfly", "w_bp", w_bp, shape=(None, None), dtypes=FLOAT_DTYPES, device=x.device)
+    if x.dim() < 1:
+        fail("butterfly", f"x must have at least one dimension, got shape {tuple(x.shape)}")
     d, d_ff = x.shape[-1], w_bp.shape[0]
-    expected = {"w_up": (2 * d_ff, d), "w_bp": (d_ff, d), "w_down": (d, d_ff)}
-    for name, shape in expected.items():
-        if tuple(tensors[name].shape) != shape:
-            raise ValueError(
-                f"butterfly: {name} has shape {tuple(tensors[name].shape)}, expected {shape} for d={d}, d_ff={d_ff}"
-            )
-    if residual is not None and residual.shape != x.shape:
-        raise ValueError(f"butterfly: residual has shape {tuple(residual.shape)}, x has {tuple(x.shape)}")
-    if not kernels_usable(x):
-        raise ValueError(
-            f"butterfly: the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU ones), got {x.device}; "
-            "use wiola.ops.butterfly there"
-        )
+    for name, t, shape in (("w_up", w_up, (2 * d_ff, d)), ("w_bp", w_bp, (d_ff, d)), ("w_down", w_down, (d, d_ff))):
+        check_tensor("butterfly", name, t, shape=shape, dtypes=FLOAT_DTYPES, device=x.device)
+    if residual is not None:
+        check_tensor("butterfly", "residual", residual, shape=tuple(x.shape), dtypes=FLOAT_DTYPES, device=x.device)
+    check_runnable("butterfly", x, "wiola.ops.butterfly")
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
         x, w_up, w_bp, w_down = (t.to(dtype) for t in (x, w_up, w_bp, w_down))
     for name, t in (("w_up", w_up), ("w_bp", w_bp), ("w_down", w_down)):
         if t.dtype != x.dtype:
-            raise TypeError(f"butterfly: {name} has dtype {t.dtype} but x has {x.dtype}; cast them to one dtype")
+            fail(
+                "butterfly", f"{name} must have x's dtype {x.dtype} (cast them to one dtype), got {t.dtype}", TypeError
+            )
 
     lead = x.shape[:-1]
     res2d = None if residual is None else residual.reshape(-1, d)
     y, _ = torch.ops.wiola.butterfly_fwd(x.reshape(-1, d), w_up, w_bp, w_down, res2d)
     return y.view(*lead, d)
-
-
-# ----------------------------------------------------------------------------- AOT builds
-
-
-def aot_specs() -> list[AotSpec]:
-    """Every autotune config, bf16 and fp16, built as the JIT specializes aligned inputs; the small
-    fixed tile for fp32 (aligned and not), and for unaligned bf16/fp16 inputs."""
-    specs: list[AotSpec] = []
-    blocks = {"BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PRECISION": "constexpr"}
-    sizes = {"N": "i32", "D": "i32", "F": "i32", "N_BUCKET": "i32"}
-
-    def add(name, fn, pointers, table, aligned, flags=None):
-        for m, n, k, w, s in table:
-            half = any(v in ("*bf16", "*fp16") for v in pointers.values())
-            specs.append(
-                AotSpec(
-                    name=f"butterfly_{name}{'' if aligned else ',unaligned'},BM{m},BN{n},BK{k},w{w}s{s}]",
-                    fn=fn,
-                    signature={**pointers, **sizes, **dict.fromkeys(flags or {}, "constexpr"), **blocks},
-                    constexprs={**(flags or {}), "BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "PRECISION": "ieee"},
-                    num_warps=w,
-                    num_stages=s,
-                    expect_wgmma=half and m >= 64,
-                    divisible_by_16=(*pointers, "D", "F", "N_BUCKET") if aligned else ("N_BUCKET",),
-                )
-            )
-
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        t, p = TRITON_DTYPE[dtype], f"*{TRITON_DTYPE[dtype]}"
-        small = [_SMALL_CONFIG]
-        tables = [(True, small, small, small)] if dtype == torch.float32 else []
-        tables += [(True, _UP_CONFIGS, _UP_BWD_CONFIGS, _DOWN_CONFIGS)] if dtype != torch.float32 else []
-        tables += [(False, small, small, small)]
-        for aligned, up_table, bwd_table, down_table in tables:
-            add(f"up[{t}", _up_kernel, {"X": p, "W_UP": p, "W_BP": p, "R": p}, up_table, aligned)
-            bwd_pointers = {"DY": p, "X": p, "W_UP": p, "W_DOWN": p, "DABC": p}
-            add(f"up_bwd[{t}", _up_bwd_kernel, bwd_pointers, bwd_table, aligned)
-            # residual: none, same dtype, and the model's fp32 residual stream under autocast
-            for res in dict.fromkeys([None, t, "fp32"]):
-                pointers = {"R": p, "W_DOWN": p, "RES": f"*{res or t}", "Y": f"*{'fp32' if res == 'fp32' else t}"}
-                tag = "" if res is None else f"+res{res}"
-                flags = {"HAS_RESIDUAL": res is not None}
-                add(f"down[{t}{tag}", _down_kernel, pointers, down_table, aligned, flags)
-    return specs

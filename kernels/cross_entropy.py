@@ -15,7 +15,7 @@ GEMM that accumulates in fp32 and writes the input dtype after the last chunk).
 - **Memory.** Extra bytes ≈ ``C·V·s`` (the chunk, ``s`` = element size) ``+ 4·V·d`` (the fp32
   ``dW`` accumulator; only for fp16/bf16 with more than one chunk) ``+ 4·N`` (per-row losses).
   ``chunk_rows`` picks the largest power of two ``C`` in [128, 1024] that keeps this within
-  ``MEMORY_FRACTION`` (5 %, the issue's target) of the fp32 logits ``4·N·V``. At N 16,384,
+  ``MEMORY_FRACTION`` (5 %) of the fp32 logits ``4·N·V``. At N 16,384,
   V 50,257, d 256, bf16: ``C`` = 1,024, 103.0 MB + 51.5 MB + 64 KB = 154.6 MB = 4.7 % of the
   3.29 GB avoided; the gradients ``dh`` (8.4 MB) and ``dW`` (25.7 MB), which every
   implementation returns, come on top. Cut Cross-Entropy needs almost nothing (the per-row
@@ -36,7 +36,7 @@ GEMM that accumulates in fp32 and writes the input dtype after the last chunk).
   memory-bound pass that reads the chunk twice and writes it once. Cut Cross-Entropy avoids the
   ``N·V`` memory traffic but recomputes the logits in the backward (four GEMMs, all in Triton)
   and filters small gradient tiles; at d 256 the head GEMMs are short in K, so the extra GEMM
-  is not free. Which one is faster on an H200 at these shapes is unmeasured (no GPU was lent).
+  is not free. Which one is faster on an H200 at these shapes has not been measured.
 - **Determinism.** No atomics: every ``dW`` tile belongs to one program, chunks are added in a
   fixed order, the loss is ``torch.sum`` of the per-row losses. Bitwise reproducible run to run.
   Blockwise CCE needs atomics (or per-block partial buffers) for ``dh`` and ``dW``.
@@ -67,9 +67,18 @@ import torch
 import triton
 import triton.language as tl
 
-from wiola_kernels._utils import TRITON_DTYPE, AotSpec, interpreting, kernels_usable
+from wiola_kernels._utils import (
+    TRITON_DTYPE,
+    LaunchConfig,
+    check_tensor,
+    empty,
+    fail,
+    interpreting,
+    kernels_usable,
+    launch,
+)
 
-MEMORY_FRACTION = 0.05  # extra memory target, as a fraction of the fp32 logits 4·N·V (the issue's)
+MEMORY_FRACTION = 0.05  # extra memory target, as a fraction of the fp32 logits 4·N·V
 MIN_CHUNK_ROWS = 128  # below this the GEMMs are launch-bound; N ≤ 128 runs as one chunk
 MAX_CHUNK_ROWS = 1024  # beyond this cuBLAS gains little and memory grows
 BLOCK_V = 4096  # vocabulary block of the row kernel (fp32 statistics over 16 values per thread)
@@ -179,32 +188,30 @@ def _dw_accumulate_kernel(
 # --------------------------------------------------------------------------------------------
 # Launch wrappers (with a PyTorch fallback when Triton cannot run on the tensors)
 # --------------------------------------------------------------------------------------------
-def _row_config(v: int, interpret: bool) -> dict[str, int]:
-    """One row per program on the GPU. The interpreter's cost is per operation, not per
-    element, so there it runs 64 rows per program (same code, same masks)."""
-    if interpret:
-        return {"BLOCK_ROWS": 64, "BLOCK_V": min(BLOCK_V, triton.next_power_of_2(v)), "num_warps": 1}
-    return {"BLOCK_ROWS": 1, "BLOCK_V": BLOCK_V, "num_warps": ROW_WARPS}
+# The row kernel: one row per program on the GPU (num_stages: Triton's default). The interpreter's
+# cost is per operation, not per element, so there it runs 64 rows per program (same code, same masks).
+ROW_CONFIG = LaunchConfig({"BLOCK_ROWS": 1, "BLOCK_V": BLOCK_V}, num_warps=ROW_WARPS, num_stages=3)
 
 
-def _dw_config(dtype: torch.dtype, interpret: bool) -> dict[str, int]:
+def _interpret_row_config(v: int) -> LaunchConfig:
+    return LaunchConfig(
+        {"BLOCK_ROWS": 64, "BLOCK_V": min(BLOCK_V, triton.next_power_of_2(v))}, num_warps=1, num_stages=3
+    )
+
+
+def _dw_config(dtype: torch.dtype) -> LaunchConfig:
     """Tile sizes of the dW GEMM: V tiles of ``V_ALIGN`` (the chunk's column padding), d tiles
     of 64, rows in steps of 64 (16 for fp32, whose ieee dots hold their operands in registers:
     at 32, triton 3.9's sm_80 build needed 255 registers and 16 bytes of stack)."""
-    if interpret:
-        return {"BLOCK_V": V_ALIGN, "BLOCK_D": 64, "BLOCK_R": 64, "num_warps": 1, "num_stages": 1}
-    if dtype == torch.float32:
-        return {"BLOCK_V": V_ALIGN, "BLOCK_D": 64, "BLOCK_R": 16, "num_warps": 8, "num_stages": 3}
-    return {"BLOCK_V": V_ALIGN, "BLOCK_D": 64, "BLOCK_R": 64, "num_warps": 8, "num_stages": 3}
+    rows = 16 if dtype == torch.float32 else 64
+    return LaunchConfig({"BLOCK_V": V_ALIGN, "BLOCK_D": 64, "BLOCK_R": rows}, num_warps=8, num_stages=3)
+
+
+INTERPRET_DW_CONFIG = LaunchConfig({"BLOCK_V": V_ALIGN, "BLOCK_D": 64, "BLOCK_R": 64}, num_warps=1, num_stages=1)
 
 
 def _padded(v: int) -> int:
     return triton.cdiv(v, V_ALIGN) * V_ALIGN
-
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Every buffer the op writes comes from here (tests swap in NaN-filled buffers)."""
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _softmax_grad_rows(
@@ -222,11 +229,14 @@ def _softmax_grad_rows(
     if rows == 0:
         return
     if kernels_usable(logits):
-        cfg = _row_config(v, interpreting())
-        _softmax_grad_rows_kernel[(triton.cdiv(rows, cfg["BLOCK_ROWS"]),)](
-            logits, logits.stride(0), labels, loss_rows, inv_count, rows, v, ignore_index,
-            COMPUTE_GRAD=compute_grad, **cfg,
-        )  # fmt: skip
+        launch(
+            _softmax_grad_rows_kernel,
+            lambda blocks: (triton.cdiv(rows, blocks["BLOCK_ROWS"]),),
+            (logits, logits.stride(0), labels, loss_rows, inv_count, rows, v, ignore_index),
+            {"COMPUTE_GRAD": compute_grad},
+            interpret=_interpret_row_config(v),
+            default=ROW_CONFIG,
+        )
         return
     x = logits.float()  # (R, V)
     m = x.amax(dim=1, keepdim=True)
@@ -253,12 +263,14 @@ def _accumulate_dw(g: torch.Tensor, h: torch.Tensor, acc: torch.Tensor, out: tor
     # Triton 3.6's interpreter multiplies bf16 bit patterns as integers in tl.dot: not there.
     if kernels_usable(g) and not (interpreting() and g.dtype == torch.bfloat16):
         assert g.stride(1) == 1 and g.stride(0) >= _padded(v), "g must be a view of a V_ALIGN-padded buffer"
-        cfg = _dw_config(g.dtype, interpreting())
-        grid = (triton.cdiv(d, cfg["BLOCK_D"]), triton.cdiv(v, cfg["BLOCK_V"]))
-        _dw_accumulate_kernel[grid](
-            g, h, acc, out, rows, v, d, g.stride(0), h.stride(0), out.stride(0),
-            ACCUMULATE=accumulate, INPUT_PRECISION="ieee", **cfg,
-        )  # fmt: skip
+        launch(
+            _dw_accumulate_kernel,
+            lambda blocks: (triton.cdiv(d, blocks["BLOCK_D"]), triton.cdiv(v, blocks["BLOCK_V"])),
+            (g, h, acc, out, rows, v, d, g.stride(0), h.stride(0), out.stride(0)),
+            {"ACCUMULATE": accumulate, "INPUT_PRECISION": "ieee"},
+            interpret=INTERPRET_DW_CONFIG,
+            default=_dw_config(g.dtype),
+        )
         return
     prod = torch.mm(g.t(), h).float()
     if accumulate:
@@ -299,9 +311,10 @@ def _check_labels(labels: torch.Tensor, v: int, ignore_index: int) -> None:
     if labels.device.type == "cpu":
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
-            raise ValueError(
+            fail(
+                "linear_cross_entropy",
                 f"labels: {int(bad.sum())} value(s) outside [0, {v}) that are not ignore_index ({ignore_index}), "
-                f"e.g. labels[{i}] = {int(labels[i])}"
+                f"e.g. labels[{i}] = {int(labels[i])}",
             )
     else:  # no host sync (CUDA graphs, torch.compile): a device-side assert; the loss is NaN too
         torch._assert_async(~bad.any(), f"linear_cross_entropy: a label is outside [0, {v}) and not ignore_index")
@@ -324,16 +337,16 @@ def _forward(
     chunks = list(range(0, n, rows))
 
     v_pad = _padded(v)
-    logits = _empty((min(rows, n), v_pad), dtype, dev)  # (C, V_pad): rows V_ALIGN-aligned, reused
+    logits = empty(min(rows, n), v_pad, dtype=dtype, device=dev)  # (C, V_pad): rows V_ALIGN-aligned, reused
     logits[:, v:].zero_()  # the padding, read (and discarded) by the dW kernel
     logits = logits[:, :v]
-    loss_rows = _empty((n,), torch.float32, dev)
-    dh = _empty((n, d), dtype, dev) if need_dh else h.new_empty(0)
-    dw = _empty((v, d), dtype, dev) if need_dw else weight.new_empty(0)
+    loss_rows = empty(n, dtype=torch.float32, device=dev)
+    dh = empty(n, d, dtype=dtype, device=dev) if need_dh else h.new_empty(0)
+    dw = empty(v, d, dtype=dtype, device=dev) if need_dw else weight.new_empty(0)
     if need_dw and n == 0:
         dw.zero_()
     # fp32 across chunks; fp32 weights accumulate in the output itself
-    acc = _empty((v, d), torch.float32, dev) if need_dw and dtype in _HALF and len(chunks) > 1 else dw
+    acc = empty(v, d, dtype=torch.float32, device=dev) if need_dw and dtype in _HALF and len(chunks) > 1 else dw
 
     for i, r0 in enumerate(chunks):
         r1 = min(r0 + rows, n)
@@ -407,115 +420,39 @@ def linear_cross_entropy(
             that is not ``ignore_index`` (on CUDA: an asynchronous device-side assert and a NaN
             loss, since checking on the host would need a synchronisation).
     """
-    if not isinstance(h, torch.Tensor) or not isinstance(weight, torch.Tensor) or not isinstance(labels, torch.Tensor):
-        raise TypeError("linear_cross_entropy: h, weight and labels must be tensors")
+    for name, t in (("h", h), ("weight", weight), ("labels", labels)):
+        check_tensor("linear_cross_entropy", name, t)
     if h.dim() != 2 or weight.dim() != 2 or labels.dim() != 1:
-        raise ValueError(
-            f"linear_cross_entropy: expected h (N, d), weight (V, d), labels (N,); got h {tuple(h.shape)}, "
-            f"weight {tuple(weight.shape)}, labels {tuple(labels.shape)}"
+        fail(
+            "linear_cross_entropy",
+            f"expected h (N, d), weight (V, d), labels (N,); got h {tuple(h.shape)}, "
+            f"weight {tuple(weight.shape)}, labels {tuple(labels.shape)}",
         )
     if torch.is_autocast_enabled(h.device.type):
         dtype = torch.get_autocast_dtype(h.device.type)
         h, weight = h.to(dtype), weight.to(dtype)
     if h.dtype not in TRITON_DTYPE or weight.dtype != h.dtype:
-        raise TypeError(
-            f"linear_cross_entropy: h and weight must share one dtype among float32, bfloat16, float16; "
-            f"got h {h.dtype}, weight {weight.dtype}"
+        fail(
+            "linear_cross_entropy",
+            f"h and weight must share one dtype among float32, bfloat16, float16; "
+            f"got h {h.dtype}, weight {weight.dtype}",
+            TypeError,
         )
     if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        raise TypeError(f"linear_cross_entropy: labels must be an integer tensor, got {labels.dtype}")
+        fail("linear_cross_entropy", f"labels must be an integer tensor, got {labels.dtype}", TypeError)
     if h.shape[1] != weight.shape[1]:
-        raise ValueError(
-            f"linear_cross_entropy: h has width {h.shape[1]} but weight {tuple(weight.shape)} has {weight.shape[1]}"
-        )
+        fail("linear_cross_entropy", f"h has width {h.shape[1]} but weight {tuple(weight.shape)} has {weight.shape[1]}")
     if labels.shape[0] != h.shape[0]:
-        raise ValueError(f"linear_cross_entropy: labels has {labels.shape[0]} rows but h has {h.shape[0]}")
+        fail("linear_cross_entropy", f"labels has {labels.shape[0]} rows but h has {h.shape[0]}")
     if weight.shape[0] == 0:
-        raise ValueError("linear_cross_entropy: weight has no rows (vocabulary of size 0)")
+        fail("linear_cross_entropy", "weight has no rows (vocabulary of size 0)")
     if not (h.device == weight.device == labels.device):
-        raise ValueError(
-            f"linear_cross_entropy: h, weight, labels on different devices ({h.device}, {weight.device}, {labels.device})"
+        fail(
+            "linear_cross_entropy",
+            f"h, weight, labels on different devices ({h.device}, {weight.device}, {labels.device})",
         )
     grad = torch.is_grad_enabled()
     loss, _, _ = _linear_cross_entropy_op(
         h, weight, labels, int(ignore_index), grad and h.requires_grad, grad and weight.requires_grad
     )
     return loss
-
-
-# --------------------------------------------------------------------------------------------
-# Ahead-of-time builds for tests/test_compile.py: every kernel variant the wrappers launch
-# --------------------------------------------------------------------------------------------
-def aot_specs() -> list[AotSpec]:
-    """The row kernel (loss only, and loss + gradient) and the dW kernel (first chunk and
-    accumulating, fp32 or final output) for every dtype, as the JIT specializes aligned inputs."""
-    specs = []
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        t = TRITON_DTYPE[dtype]
-        for grad in (True, False):
-            specs.append(
-                AotSpec(
-                    name=f"cross_entropy_rows[{t},BR1,BV{BLOCK_V},{'grad' if grad else 'loss'}]",
-                    fn=_softmax_grad_rows_kernel,
-                    signature={
-                        "LOGITS": f"*{t}",
-                        "stride_row": "i32",
-                        "LABELS": "*i64",
-                        "LOSS": "*fp32",
-                        "INV_COUNT": "*fp32",
-                        "R": "i32",
-                        "V": "i32",
-                        "ignore_index": "i32",
-                        "BLOCK_ROWS": "constexpr",
-                        "BLOCK_V": "constexpr",
-                        "COMPUTE_GRAD": "constexpr",
-                    },
-                    constexprs={"BLOCK_ROWS": 1, "BLOCK_V": BLOCK_V, "COMPUTE_GRAD": grad},
-                    num_warps=ROW_WARPS,
-                    num_stages=1,
-                    # aligned pointers, the padded row stride
-                    divisible_by_16=("LOGITS", "stride_row", "LABELS", "LOSS", "INV_COUNT"),
-                )
-            )
-        # fp16/bf16 write either the fp32 accumulator or (last chunk) the final gradient
-        cfg = _dw_config(dtype, interpret=False)
-        for out in ["fp32", t] if dtype in _HALF else ["fp32"]:
-            for accumulate in (False, True):
-                specs.append(
-                    AotSpec(
-                        name=(
-                            f"cross_entropy_dw[{t}->{out},BV{cfg['BLOCK_V']},BD{cfg['BLOCK_D']},"
-                            f"BR{cfg['BLOCK_R']},{'acc' if accumulate else 'init'}]"
-                        ),
-                        fn=_dw_accumulate_kernel,
-                        signature={
-                            "G": f"*{t}",
-                            "H": f"*{t}",
-                            "ACC": "*fp32",
-                            "OUT": f"*{out}",
-                            "R": "i32",
-                            "V": "i32",
-                            "D": "i32",
-                            "stride_g": "i32",
-                            "stride_h": "i32",
-                            "stride_out": "i32",
-                            "BLOCK_V": "constexpr",
-                            "BLOCK_D": "constexpr",
-                            "BLOCK_R": "constexpr",
-                            "ACCUMULATE": "constexpr",
-                            "INPUT_PRECISION": "constexpr",
-                        },
-                        constexprs={
-                            "BLOCK_V": cfg["BLOCK_V"],
-                            "BLOCK_D": cfg["BLOCK_D"],
-                            "BLOCK_R": cfg["BLOCK_R"],
-                            "ACCUMULATE": accumulate,
-                            "INPUT_PRECISION": "ieee",
-                        },
-                        num_warps=cfg["num_warps"],
-                        num_stages=cfg["num_stages"],
-                        expect_wgmma=dtype in _HALF,
-                        divisible_by_16=("G", "H", "ACC", "OUT", "D", "stride_g", "stride_h", "stride_out"),
-                    )
-                )
-    return specs

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from wiola_kernels._utils import TRITON_DTYPE, AotSpec
+from wiola_kernels._utils import FLOAT_DTYPES, LaunchConfig, empty, fail, sm_count
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 16  # query rows per program (tl.dot needs >= 16; decoding has T = 1, so most are masked)
@@ -38,10 +38,15 @@ BLOCK_S = 16  # splits merged per step of the reduction
 MIN_SPLIT = 128  # fewest cache slots worth a split of their own
 
 
-def _partial_warps(head_dim: int, ieee: bool) -> int:
-    """Warps of the partial kernel: 8 from D = 64 up keeps it under 255 registers (no spills on sm_80);
-    fp32 (ieee dots) at D = 16 takes 8 too: with 4, sm_80 reserves 8 bytes of stack at 80 registers."""
-    return 4 if head_dim == 32 or (head_dim == 16 and not ieee) else 8
+WRITE_CONFIG = LaunchConfig({}, num_warps=1, num_stages=3)  # num_stages: Triton's default
+REDUCE_CONFIG = LaunchConfig({"BLOCK_S": BLOCK_S}, num_warps=1, num_stages=3)
+
+
+def _partial_config(head_dim: int, ieee: bool) -> LaunchConfig:
+    """The partial kernel's launch: 8 warps from D = 64 up keep it under 255 registers (no spills on
+    sm_80); fp32 (ieee dots) at D = 16 takes 8 too: with 4, sm_80 reserves 8 bytes of stack at 80 registers."""
+    warps = 4 if head_dim == 32 or (head_dim == 16 and not ieee) else 8
+    return LaunchConfig({"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N}, num_warps=warps, num_stages=2)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -198,11 +203,7 @@ def default_num_splits(batch: int, heads: int, q_tiles: int, max_len: int, devic
 
     Depends only on static shapes (the cache's ``max_len``, not its fill), so a CUDA graph keeps it.
     """
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        sms = 2  # the interpreter: a couple of splits exercise the reduction without slowing tests
-    want = max(1, (2 * sms) // max(1, batch * heads * q_tiles))
+    want = max(1, (2 * sm_count(device)) // max(1, batch * heads * q_tiles))
     return max(1, min(want, triton.cdiv(max_len, MIN_SPLIT), 64))
 
 
@@ -219,7 +220,7 @@ def _launch_write(k, v, cos, sin, k_cache, v_cache, start_tensor, start) -> None
         cos.stride(0), cos.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HEAD_DIM=D, START_IN_MEMORY=in_memory, num_warps=1,
+        HEAD_DIM=D, START_IN_MEMORY=in_memory, **WRITE_CONFIG.kwargs(),
     )  # fmt: skip
 
 
@@ -263,9 +264,9 @@ def _decode_attention_op(
     _launch_write(k, v, cos, sin, k_cache, v_cache, start_tensor, start)
 
     q_tiles = triton.cdiv(T, BLOCK_M)
-    m_part = torch.empty(B * H, num_splits, T, device=q.device, dtype=torch.float32)
-    l_part = torch.empty_like(m_part)
-    acc_part = torch.empty(B * H, num_splits, T, D, device=q.device, dtype=torch.float32)
+    m_part = empty(B * H, num_splits, T, device=q.device, dtype=torch.float32)
+    l_part = empty(B * H, num_splits, T, device=q.device, dtype=torch.float32)
+    acc_part = empty(B * H, num_splits, T, D, device=q.device, dtype=torch.float32)
     _decode_partial_kernel[(B * H, num_splits, q_tiles)](
         q, g, cos, sin, k_cache, v_cache, key_mask, start_ptr, start, m_part, l_part, acc_part,
         T, H, num_splits, LOG2E / math.sqrt(D),
@@ -273,15 +274,15 @@ def _decode_attention_op(
         cos.stride(0), cos.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_mask.stride(0),
-        HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, START_IN_MEMORY=in_memory,
-        IEEE=k_cache.dtype == torch.float32, num_warps=_partial_warps(D, k_cache.dtype == torch.float32), num_stages=2,
+        HEAD_DIM=D, START_IN_MEMORY=in_memory, IEEE=k_cache.dtype == torch.float32,
+        **_partial_config(D, k_cache.dtype == torch.float32).kwargs(),
     )  # fmt: skip
 
-    o = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
+    o = empty(B, T, H, D, device=q.device, dtype=q.dtype)
     _decode_reduce_kernel[(B * H, T)](
         m_part, l_part, acc_part, o, T, H, num_splits,
         o.stride(0), o.stride(1), o.stride(2),
-        HEAD_DIM=D, BLOCK_S=BLOCK_S, num_warps=1,
+        HEAD_DIM=D, **REDUCE_CONFIG.kwargs(),
     )  # fmt: skip
     return o
 
@@ -291,41 +292,42 @@ def _(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start_tensor, start, num
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-def _check(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start) -> None:
+def _check(op: str, q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start) -> None:
     if q.dim() != 4:
-        raise ValueError(f"q must have shape (B, T, H, D), got {tuple(q.shape)}")
+        fail(op, f"q must have shape (B, T, H, D), got {tuple(q.shape)}")
     B, T, H, D = q.shape
     if k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must match q {tuple(q.shape)}")
+        fail(op, f"k {tuple(k.shape)} and v {tuple(v.shape)} must match q {tuple(q.shape)}")
     if D not in (16, 32, 64, 128):
-        raise ValueError(f"head width D={D} is not supported by the decode kernel (16, 32, 64 or 128)")
+        fail(op, f"head width D={D} is not supported by the decode kernel (16, 32, 64 or 128)")
     if g.shape != (B, T, H) or g.dtype != torch.float32:
-        raise ValueError(f"g must be float32 of shape {(B, T, H)}, got {g.dtype} {tuple(g.shape)}")
+        fail(op, f"g must be float32 of shape {(B, T, H)}, got {g.dtype} {tuple(g.shape)}")
     if cos.shape != (B, T, D // 2) or sin.shape != cos.shape:
-        raise ValueError(f"cos/sin must have shape {(B, T, D // 2)}, got {tuple(cos.shape)} / {tuple(sin.shape)}")
+        fail(op, f"cos/sin must have shape {(B, T, D // 2)}, got {tuple(cos.shape)} / {tuple(sin.shape)}")
     if cos.dtype != torch.float32 or sin.dtype != torch.float32:
-        raise ValueError(f"cos/sin must be float32, got {cos.dtype} / {sin.dtype}")
+        fail(op, f"cos/sin must be float32, got {cos.dtype} / {sin.dtype}")
     if k_cache.dim() != 4 or k_cache.shape[:2] != (B, H) or k_cache.shape[3] != D or v_cache.shape != k_cache.shape:
-        raise ValueError(
+        fail(
+            op,
             f"k_cache/v_cache must have shape (B={B}, H={H}, S, D={D}), "
-            f"got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}"
+            f"got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}",
         )
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache must be contiguous along the head width (written in place)")
-    if k_cache.dtype not in TRITON_DTYPE or v_cache.dtype != k_cache.dtype:
-        raise TypeError(f"k_cache/v_cache must share a float dtype, got {k_cache.dtype} / {v_cache.dtype}")
-    if q.dtype not in TRITON_DTYPE or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must share a float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        fail(op, "k_cache and v_cache must be contiguous along the head width (written in place)")
+    if k_cache.dtype not in FLOAT_DTYPES or v_cache.dtype != k_cache.dtype:
+        fail(op, f"k_cache/v_cache must share a float dtype, got {k_cache.dtype} / {v_cache.dtype}", TypeError)
+    if q.dtype not in FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        fail(op, f"q, k, v must share a float dtype, got {q.dtype}, {k.dtype}, {v.dtype}", TypeError)
     S = k_cache.shape[2]
     if key_mask.shape != (B, S) or key_mask.dtype != torch.bool:
-        raise ValueError(f"key_mask must be bool of shape {(B, S)}, got {key_mask.dtype} {tuple(key_mask.shape)}")
+        fail(op, f"key_mask must be bool of shape {(B, S)}, got {key_mask.dtype} {tuple(key_mask.shape)}")
     if isinstance(start, torch.Tensor):
         if start.numel() != 1 or start.dtype not in (torch.int32, torch.int64) or start.device != q.device:
-            raise ValueError("a tensor start must be a one-element int32/int64 tensor on the device of q")
+            fail(op, "a tensor start must be a one-element int32/int64 tensor on the device of q")
     elif isinstance(start, bool) or not isinstance(start, int):
-        raise TypeError(f"start must be an int or a 0-d integer tensor, got {type(start).__name__}")
+        fail(op, f"start must be an int or a 0-d integer tensor, got {type(start).__name__}", TypeError)
     elif not 0 <= start <= S - T:
-        raise ValueError(f"start={start} with T={T} new tokens does not fit a cache of {S} slots")
+        fail(op, f"start={start} with T={T} new tokens does not fit a cache of {S} slots")
 
 
 # --------------------------------------------------------------------------- public
@@ -363,12 +365,12 @@ def decode_attention(
     Not differentiable (decoding only). Raises ``ValueError``/``TypeError`` naming a bad shape,
     dtype or start.
     """
-    _check(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start)
+    _check("decode_attention", q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start)
     B, T, H, _ = q.shape
     if num_splits is None:
         num_splits = default_num_splits(B, H, triton.cdiv(T, BLOCK_M), k_cache.shape[2], q.device)
     if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+        fail("decode_attention", f"num_splits must be >= 1, got {num_splits}")
     if isinstance(start, torch.Tensor):
         return _decode_attention_op(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start.reshape(()), 0, num_splits)
     return _decode_attention_op(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, None, start, num_splits)
@@ -392,45 +394,8 @@ def write_cache(
     B, T, H, D = k.shape
     g = torch.empty(B, T, H, device=k.device, dtype=torch.float32)  # shape-checks only
     mask = torch.empty(B, k_cache.shape[2], device=k.device, dtype=torch.bool)
-    _check(k, k, v, g, cos, sin, k_cache, v_cache, mask, start)
+    _check("write_cache", k, k, v, g, cos, sin, k_cache, v_cache, mask, start)
     if isinstance(start, torch.Tensor):
         _write_cache_op(k, v, cos, sin, k_cache, v_cache, start.reshape(()), 0)
     else:
         _write_cache_op(k, v, cos, sin, k_cache, v_cache, None, start)
-
-
-# --------------------------------------------------------------------------- AOT specs
-def _signature(fn, pointers: dict[str, str], constexprs: dict[str, object]) -> dict[str, str]:
-    """Triton types of every argument of ``fn``: pointers as given, ``qk_scale`` fp32, other scalars i32."""
-    kinds = {**pointers, **dict.fromkeys(constexprs, "constexpr"), "qk_scale": "fp32"}
-    return {name: kinds.get(name, "i32") for name in fn.arg_names}
-
-
-def aot_specs() -> list[AotSpec]:
-    """The write, partial and reduce kernels for every dtype and head width, start as int or pointer."""
-    specs = []
-    for dt in ("bf16", "fp16", "fp32"):
-        for D in (16, 32, 64, 128):
-            for in_memory in (False, True):
-                tag = f"{dt},D{D},{'start_ptr' if in_memory else 'start_int'}"
-                rope = {"COS": "*fp32", "SIN": "*fp32", "START": "*i64"}
-                consts = {"HEAD_DIM": D, "START_IN_MEMORY": in_memory}
-                ptrs = {"K": f"*{dt}", "V": f"*{dt}", "KC": f"*{dt}", "VC": f"*{dt}", **rope}
-                specs.append(
-                    AotSpec(f"decode_write[{tag}]", _decode_write_kernel,
-                            _signature(_decode_write_kernel, ptrs, consts), consts, num_warps=1, num_stages=1)
-                )  # fmt: skip
-                consts = {**consts, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "IEEE": dt == "fp32"}
-                ptrs = {"Q": f"*{dt}", "G": "*fp32", "KC": f"*{dt}", "VC": f"*{dt}", "MASK": "*u8", **rope}
-                ptrs.update(M_OUT="*fp32", L_OUT="*fp32", ACC_OUT="*fp32")
-                specs.append(
-                    AotSpec(f"decode_partial[{tag},BM{BLOCK_M},BN{BLOCK_N}]", _decode_partial_kernel,
-                            _signature(_decode_partial_kernel, ptrs, consts), consts, num_warps=_partial_warps(D, dt == "fp32"), num_stages=2)
-                )  # fmt: skip
-            consts = {"HEAD_DIM": D, "BLOCK_S": BLOCK_S}
-            ptrs = {"M_IN": "*fp32", "L_IN": "*fp32", "ACC_IN": "*fp32", "O": f"*{dt}"}
-            specs.append(
-                AotSpec(f"decode_reduce[{dt},D{D},BS{BLOCK_S}]", _decode_reduce_kernel,
-                        _signature(_decode_reduce_kernel, ptrs, consts), consts, num_warps=1, num_stages=1)
-            )  # fmt: skip
-    return specs

@@ -34,14 +34,11 @@ normally does not). None for cos/sin, the mask and the integer counts.
 
 from __future__ import annotations
 
-import functools
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
-from wiola_kernels._utils import TRITON_DTYPE, AotSpec, kernels_usable
+from wiola_kernels._utils import FLOAT_DTYPES, LaunchConfig, check_runnable, empty, fail, sm_count
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
@@ -349,19 +346,11 @@ def _gate_bwd_scan_kernel(
 NUM_STAGES = 2
 
 
-class _Config(NamedTuple):
-    """Block sizes and warps for one ``(H, D)``; ``tests/test_compile.py`` builds each of them."""
-
-    block_t: int  # tokens per block: forward pre-pass, forward and reverse scan
-    block_t_bwd: int  # tokens per block in the recomputing backward (smaller: more live tensors)
-    block_h: int
-    block_half: int
-    warps: int
-    warps_bwd: int
-
-
-def _config(H: int, D: int, dtype: torch.dtype) -> _Config:
-    """Chosen so that every build compiles without spills for sm_80 and sm_90 (tests/test_compile.py).
+def _configs(H: int, D: int, dtype: torch.dtype) -> dict[str, LaunchConfig]:
+    """The launches for one ``(H, D)`` and dtype: ``"scan"`` (the forward pre-pass and the backward's
+    reverse scan), ``"fwd"`` and ``"bwd"`` (the recomputing backward: 16-token blocks, more live
+    tensors). Chosen so that every build compiles without spills for sm_80 and sm_90
+    (tests/test_compile.py builds each of them).
 
     tl.dot needs every dimension >= 16; the fp32 ``ieee`` dots run on FMA units and hold whole
     operand rows per thread, so wide H x D tiles get 8 warps.
@@ -373,12 +362,14 @@ def _config(H: int, D: int, dtype: torch.dtype) -> _Config:
     if dtype == torch.float32 and (block_h, block_half) == (16, 64):
         warps_bwd = 16  # with 8, sm_80 reserves 8 bytes of stack at 128 registers
     block_t = 16 if dtype == torch.float32 and block_h * block_half <= 256 else 32  # fp32: else 8 B of stack
-    return _Config(block_t, 16, block_h, block_half, warps, warps_bwd)
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    scan = LaunchConfig({"BLOCK_T": block_t, "BLOCK_HALF": block_half}, num_warps=warps, num_stages=NUM_STAGES)
+    return {
+        "scan": scan,
+        "fwd": LaunchConfig({**scan.blocks, "BLOCK_H": block_h}, num_warps=warps, num_stages=NUM_STAGES),
+        "bwd": LaunchConfig(
+            {"BLOCK_T": 16, "BLOCK_H": block_h, "BLOCK_HALF": block_half}, num_warps=warps_bwd, num_stages=NUM_STAGES
+        ),
+    }
 
 
 def _span_tokens(B: int, T: int, block_t: int, device: torch.device) -> int:
@@ -386,10 +377,7 @@ def _span_tokens(B: int, T: int, block_t: int, device: torch.device) -> int:
 
     Under the interpreter the target is 4 programs, so small tests exercise the multi-span scan.
     """
-    if device.type == "cuda":
-        target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    else:
-        target = 4
+    target = 2 * sm_count(device)
     n_blocks = triton.cdiv(T, block_t)
     spans = min(n_blocks, max(1, triton.cdiv(target, B)))
     return triton.cdiv(n_blocks, spans) * block_t
@@ -412,11 +400,6 @@ def _flag_args(q, cos, sin, mask):
     else:
         masks = (q, 0, 0)
     return rot, masks
-
-
-def _empty(*shape: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Every buffer the kernels write comes from here: tests swap in NaN-filled ones."""
-    return torch.empty(*shape, device=device, dtype=dtype)
 
 
 def _q_strides(q: torch.Tensor) -> torch.Tensor:
@@ -445,11 +428,11 @@ def _gate_fwd(
     B, T, H, D = q.shape
     ns = triton.cdiv(T, span)
     dev = q.device
-    g = _empty(B, T, H, device=dev, dtype=torch.float32)
-    total = _empty(B, D, device=dev, dtype=torch.float32)
-    count = _empty(B, device=dev, dtype=torch.int64)
-    prefix_sum = _empty(B, ns, D, device=dev, dtype=torch.float32)
-    prefix_count = _empty(B, ns, device=dev, dtype=torch.int32)
+    g = empty(B, T, H, device=dev, dtype=torch.float32)
+    total = empty(B, D, device=dev, dtype=torch.float32)
+    count = empty(B, device=dev, dtype=torch.int64)
+    prefix_sum = empty(B, ns, D, device=dev, dtype=torch.float32)
+    prefix_count = empty(B, ns, device=dev, dtype=torch.int32)
     if B == 0:
         return g, total, count, prefix_sum, prefix_count
     q = _q_strides(q)
@@ -460,22 +443,21 @@ def _gate_fwd(
         carry_sum, carry_count = carry_sum.float().contiguous(), carry_count.contiguous()
     else:
         carry_sum, carry_count = total, count  # dummies, never read
-    cfg = _config(H, D, q.dtype)
+    cfg = _configs(H, D, q.dtype)
     strides = (q.stride(0), q.stride(1), q.stride(2), s_cb, s_ct, s_mb, s_mt)
     flags = {"ROTATE": cos is not q, "HAS_MASK": mask is not q}
-    launch = {"BLOCK_T": cfg.block_t, "BLOCK_HALF": cfg.block_half, "num_warps": cfg.warps, "num_stages": NUM_STAGES}
     span_sum, span_count = prefix_sum, prefix_count  # read only when ns > 1
     if ns > 1:
-        span_sum = _empty(B, ns, D, device=dev, dtype=torch.float32)
-        span_count = _empty(B, ns, device=dev, dtype=torch.int32)
+        span_sum = empty(B, ns, D, device=dev, dtype=torch.float32)
+        span_count = empty(B, ns, device=dev, dtype=torch.int32)
         _gate_span_sums_kernel[(ns, B)](
-            q, cos, sin, mask, span_sum, span_count, T, H, D // 2, span, ns, *strides, **flags, **launch
+            q, cos, sin, mask, span_sum, span_count, T, H, D // 2, span, ns, *strides, **flags, **cfg["scan"].kwargs()
         )
     _gate_fwd_kernel[(ns, B)](
         q, cos, sin, mask, w1, w2, b2, carry_sum, carry_count, span_sum, span_count,
         g, total, count, prefix_sum, prefix_count,
         T, H, D // 2, span, ns, *strides,
-        **flags, HAS_CARRY=has_carry, BLOCK_H=cfg.block_h, **launch,
+        **flags, HAS_CARRY=has_carry, **cfg["fwd"].kwargs(),
     )  # fmt: skip
     return g, total, count, prefix_sum, prefix_count
 
@@ -512,36 +494,34 @@ def _gate_bwd(
     B, T, H, D = q.shape
     ns = triton.cdiv(T, span)
     dev = q.device
-    dq = _empty(B, T, H, D, device=dev, dtype=q.dtype)
-    dcarry = _empty(B, D, device=dev, dtype=torch.float32)
+    dq = empty(B, T, H, D, device=dev, dtype=q.dtype)
+    dcarry = empty(B, D, device=dev, dtype=torch.float32)
     if B == 0:
         return dq, torch.zeros_like(w1), torch.zeros_like(w2), torch.zeros_like(b2), dcarry
     q = _q_strides(q)
     w1f, w2f, b2f = w1.float().contiguous(), w2.float().contiguous(), b2.float().contiguous()
     (cos, sin, s_cb, s_ct), (mask, s_mb, s_mt) = _flag_args(q, cos, sin, mask)
     dg = dg.float()
-    cfg = _config(H, D, q.dtype)
-    e = _empty(B, T, D, device=dev, dtype=torch.float32)
-    e_span = _empty(B, ns, D, device=dev, dtype=torch.float32)
-    c = _empty(B, T, D, device=dev, dtype=torch.float32)
-    da = _empty(B, T, H, device=dev, dtype=torch.float32)
-    dw2_part = _empty(B * ns, H, H, device=dev, dtype=torch.float32)
-    db2_part = _empty(B * ns, H, device=dev, dtype=torch.float32)
+    cfg = _configs(H, D, q.dtype)
+    e = empty(B, T, D, device=dev, dtype=torch.float32)
+    e_span = empty(B, ns, D, device=dev, dtype=torch.float32)
+    c = empty(B, T, D, device=dev, dtype=torch.float32)
+    da = empty(B, T, H, device=dev, dtype=torch.float32)
+    dw2_part = empty(B * ns, H, H, device=dev, dtype=torch.float32)
+    db2_part = empty(B * ns, H, device=dev, dtype=torch.float32)
     flags = {"ROTATE": cos is not q, "HAS_MASK": mask is not q}
-    launch = {"BLOCK_T": cfg.block_t, "BLOCK_HALF": cfg.block_half, "num_warps": cfg.warps, "num_stages": NUM_STAGES}
     _gate_bwd_kernel[(ns, B)](
         q, cos, sin, mask, w1f, w2f, b2f, prefix_sum, prefix_count, dg,
         e, e_span, c, da, dw2_part, db2_part,
         T, H, D // 2, span, ns,
         q.stride(0), q.stride(1), q.stride(2), s_cb, s_ct, s_mb, s_mt, dg.stride(0), dg.stride(1), dg.stride(2),
-        **flags, BLOCK_T=cfg.block_t_bwd, BLOCK_H=cfg.block_h, BLOCK_HALF=cfg.block_half,
-        num_warps=cfg.warps_bwd, num_stages=NUM_STAGES,
+        **flags, **cfg["bwd"].kwargs(),
     )  # fmt: skip
     has_dsum = dsum is not None
     dsum = dsum.float().contiguous() if has_dsum else dcarry  # dummy when absent
     _gate_bwd_scan_kernel[(ns, B)](
         cos, sin, mask, e, e_span, dsum, dq, dcarry, T, H, D // 2, span, ns, s_cb, s_ct, s_mb, s_mt,
-        **flags, HAS_DSUM=has_dsum, **launch,
+        **flags, HAS_DSUM=has_dsum, **cfg["scan"].kwargs(),
     )  # fmt: skip
     # Fixed-order sums of the per-program partials: deterministic, no atomics.
     dw1 = (da.view(B * T, H).t() @ c.view(B * T, D)).to(w1.dtype)  # Σ_t da_t ⊗ c_t
@@ -599,56 +579,53 @@ _gate_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def _check(q, w1, w2, b2, cos, sin, attention_mask, carry) -> None:
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise ValueError(f"q must be a (B, T, H, D) tensor, got {getattr(q, 'shape', type(q))}")
+        fail("gate", f"q must be a (B, T, H, D) tensor, got {getattr(q, 'shape', type(q))}")
     if not q.is_floating_point():
-        raise TypeError(f"q must be a floating-point tensor, got {q.dtype}")
-    if q.dtype not in TRITON_DTYPE:
-        raise TypeError(f"q dtype {q.dtype} is not supported (float32, float16, bfloat16)")
+        fail("gate", f"q must be a floating-point tensor, got {q.dtype}", TypeError)
+    if q.dtype not in FLOAT_DTYPES:
+        fail("gate", f"q dtype {q.dtype} is not supported (float32, float16, bfloat16)", TypeError)
     B, T, H, D = q.shape
     if T == 0:
-        raise ValueError("q has no tokens (T = 0)")
+        fail("gate", "q has no tokens (T = 0)")
     if D % 2:
-        raise ValueError(f"head width D must be even, got {D}")
-    if not kernels_usable(q):
-        raise ValueError(f"q is on {q.device}: the Triton gate needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+        fail("gate", f"head width D must be even, got {D}")
+    check_runnable("gate", q, "wiola.ops.gate")
     for name, t, shape in (("w1", w1, (H, D)), ("w2", w2, (H, H)), ("b2", b2, (H,))):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape} for q of shape {tuple(q.shape)}, got {tuple(t.shape)}")
+            fail("gate", f"{name} must have shape {shape} for q of shape {tuple(q.shape)}, got {tuple(t.shape)}")
         if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+            fail("gate", f"{name} must be a floating-point tensor, got {t.dtype}", TypeError)
         if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+            fail("gate", f"{name} is on {t.device}, q on {q.device}")
     if (cos is None) != (sin is None):
-        raise ValueError("cos and sin must be given together")
+        fail("gate", "cos and sin must be given together")
     if cos is not None:
         for name, t in (("cos", cos), ("sin", sin)):
             if t.dim() != 3 or t.shape[-1] != D // 2:
-                raise ValueError(f"{name} must have shape (B, T, D/2) = {(B, T, D // 2)}, got {tuple(t.shape)}")
-            try:
-                torch.broadcast_shapes(tuple(t.shape), (B, T, D // 2))
-            except RuntimeError:
-                raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast to {(B, T, D // 2)}") from None
+                fail("gate", f"{name} must have shape (B, T, D/2) = {(B, T, D // 2)}, got {tuple(t.shape)}")
+            if any(n not in (1, want) for n, want in zip(t.shape, (B, T, D // 2))):
+                fail("gate", f"{name} of shape {tuple(t.shape)} does not broadcast to {(B, T, D // 2)}")
             if not t.is_floating_point():
-                raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+                fail("gate", f"{name} must be a floating-point tensor, got {t.dtype}", TypeError)
             if t.device != q.device:
-                raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+                fail("gate", f"{name} is on {t.device}, q on {q.device}")
     if attention_mask is not None:
         if tuple(attention_mask.shape) != (B, T):
-            raise ValueError(f"attention_mask must have shape (B, T) = {(B, T)}, got {tuple(attention_mask.shape)}")
+            fail("gate", f"attention_mask must have shape (B, T) = {(B, T)}, got {tuple(attention_mask.shape)}")
         if attention_mask.device != q.device:
-            raise ValueError(f"attention_mask is on {attention_mask.device}, q on {q.device}")
+            fail("gate", f"attention_mask is on {attention_mask.device}, q on {q.device}")
     if carry is not None:
         if not isinstance(carry, (tuple, list)) or len(carry) != 2:
-            raise ValueError("carry must be a (sum, count) pair")
+            fail("gate", "carry must be a (sum, count) pair")
         total, count = carry
         if tuple(total.shape) != (B, D) or total.dtype != torch.float32:
-            raise ValueError(f"carry sum must be float32 of shape {(B, D)}, got {total.dtype} {tuple(total.shape)}")
+            fail("gate", f"carry sum must be float32 of shape {(B, D)}, got {total.dtype} {tuple(total.shape)}")
         if tuple(count.shape) != (B,) or count.is_floating_point() or count.dtype == torch.bool:
-            raise ValueError(
-                f"carry count must be an integer tensor of shape {(B,)}, got {count.dtype} {tuple(count.shape)}"
+            fail(
+                "gate", f"carry count must be an integer tensor of shape {(B,)}, got {count.dtype} {tuple(count.shape)}"
             )
         if total.device != q.device or count.device != q.device:
-            raise ValueError(f"carry is on {total.device}/{count.device}, q on {q.device}")
+            fail("gate", f"carry is on {total.device}/{count.device}, q on {q.device}")
 
 
 def gate(
@@ -687,66 +664,7 @@ def gate(
     """
     _check(q, w1, w2, b2, cos, sin, attention_mask, carry)
     B, T, H, D = q.shape
-    span = _span_tokens(B, T, _config(H, D, q.dtype).block_t, q.device)
+    span = _span_tokens(B, T, _configs(H, D, q.dtype)["fwd"]["BLOCK_T"], q.device)
     carry_sum, carry_count = (None, None) if carry is None else carry
     g, total, count, _, _ = _gate_fwd(q, w1, w2, b2, cos, sin, attention_mask, carry_sum, carry_count, span)
     return g, total, count
-
-
-# --------------------------------------------------------------------------------------------
-# Ahead-of-time builds (tests/test_compile.py): every kernel at every configuration _config
-# picks for H <= 32 and D in {16..128} (block_h 16/32 x block_half 16/32/64), bf16, fp16 and fp32 q;
-# all features on, and the forward once with all of them off.
-# --------------------------------------------------------------------------------------------
-
-_ROT = {"COS": "*fp32", "SIN": "*fp32", "MASK": "*u8"}
-_SIZES = {"T": "i32", "H": "i32", "HALF": "i32", "SPAN": "i32", "NS": "i32"}
-_Q_STRIDES = {"stride_qb": "i32", "stride_qt": "i32", "stride_qh": "i32"}
-_RC_STRIDES = {"stride_cb": "i32", "stride_ct": "i32", "stride_mb": "i32", "stride_mt": "i32"}
-
-
-def _spec(name: str, fn, pointers: dict[str, str], scalars: dict[str, str], constexprs: dict, warps: int) -> AotSpec:
-    signature = {**pointers, **scalars, **dict.fromkeys(constexprs, "constexpr")}
-    return AotSpec(name, fn, signature, constexprs, num_warps=warps, num_stages=NUM_STAGES)
-
-
-def aot_specs() -> list[AotSpec]:
-    """Every kernel at every configuration ``_config`` picks (see the comment above), per dtype."""
-    specs = []
-    shapes = [(H, D) for H in (8, 32) for D in (32, 64, 128)]  # one per (block_h, block_half)
-    builds = [(dt, H, D) for dt in ("bf16", "fp16", "fp32") for H, D in shapes]
-    dtypes = {name: dtype for dtype, name in TRITON_DTYPE.items()}
-    for dt, H, D in builds:
-        cfg = _config(H, D, dtypes[dt])
-        q, feats = {"Q": f"*{dt}"}, {"ROTATE": True, "HAS_MASK": True}
-        blocks = {"BLOCK_T": cfg.block_t, "BLOCK_HALF": cfg.block_half}
-        scalars = {**_SIZES, **_Q_STRIDES, **_RC_STRIDES}
-        tag = f"{dt},H{cfg.block_h},D{2 * cfg.block_half}"
-        if H == 8:  # the pre-pass and the reverse scan do not depend on H
-            specs.append(
-                _spec(f"gate_span_sums[{dt},BT{cfg.block_t},D{2 * cfg.block_half}]", _gate_span_sums_kernel,
-                      {**q, **_ROT, "SPAN_SUM": "*fp32", "SPAN_COUNT": "*i32"}, scalars, {**feats, **blocks}, cfg.warps)
-            )  # fmt: skip
-            specs.append(
-                _spec(f"gate_bwd_scan[{dt},BT{cfg.block_t},D{2 * cfg.block_half}]", _gate_bwd_scan_kernel,
-                      {**_ROT, "E": "*fp32", "E_SPAN": "*fp32", "DSUM": "*fp32", "DQ": f"*{dt}", "DCARRY": "*fp32"},
-                      {**_SIZES, **_RC_STRIDES}, {**feats, "HAS_DSUM": True, **blocks}, cfg.warps)
-            )  # fmt: skip
-        weights = {"W1": "*fp32", "W2": "*fp32", "B2": "*fp32"}
-        for on in (True, False) if (dt, H, D) == ("bf16", 8, 32) else (True,):
-            fwd_flags = {"ROTATE": on, "HAS_MASK": on, "HAS_CARRY": on, **blocks, "BLOCK_H": cfg.block_h}
-            specs.append(
-                _spec(f"gate_fwd[{tag},BT{cfg.block_t}{'' if on else ',plain'}]", _gate_fwd_kernel,
-                      {**q, **_ROT, **weights, "CARRY_SUM": "*fp32", "CARRY_COUNT": "*i64", "SPAN_SUM": "*fp32",
-                       "SPAN_COUNT": "*i32", "G": "*fp32", "SUM_OUT": "*fp32", "COUNT_OUT": "*i64",
-                       "PREFIX_SUM": "*fp32", "PREFIX_COUNT": "*i32"},
-                      scalars, fwd_flags, cfg.warps)
-            )  # fmt: skip
-        bwd_flags = {**feats, "BLOCK_T": cfg.block_t_bwd, "BLOCK_H": cfg.block_h, "BLOCK_HALF": cfg.block_half}
-        specs.append(
-            _spec(f"gate_bwd[{tag},BT{cfg.block_t_bwd}]", _gate_bwd_kernel,
-                  {**q, **_ROT, **weights, "PREFIX_SUM": "*fp32", "PREFIX_COUNT": "*i32", "DG": "*fp32",
-                   "E": "*fp32", "E_SPAN": "*fp32", "C": "*fp32", "DA": "*fp32", "DW2_PART": "*fp32", "DB2_PART": "*fp32"},
-                  {**scalars, "stride_gb": "i32", "stride_gt": "i32", "stride_gh": "i32"}, bwd_flags, cfg.warps_bwd)
-        )  # fmt: skip
-    return specs

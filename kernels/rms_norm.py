@@ -16,13 +16,11 @@ strided set of row blocks and the ``(programs, d)`` partials are reduced afterwa
 atomics, bit-identical run to run.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from wiola_kernels._utils import AotSpec, interpreting, kernels_usable
+from wiola_kernels._utils import FLOAT_DTYPES, LaunchConfig, check_runnable, check_tensor, empty, fail, sm_count
 
 MAX_WIDTH = 8192
 
@@ -108,8 +106,8 @@ def _bwd_kernel(
 # ----------------------------------------------------------------------------- launch shapes
 
 
-def _block(D: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_D, num_warps): whole rows, up to 16 of them and ≥ 4,096 elements a block.
+def _block(D: int) -> LaunchConfig:
+    """``BLOCK_R`` rows of ``BLOCK_D`` and the warps of a launch: whole rows, up to 16 of them and ≥ 4,096 elements a block.
     One row a block: 8 elements a thread (one 16-byte load of bf16); at 16 a thread the 8,192-wide
     backward with an unaligned width spilled (16 warps cap a thread at 128 registers). Several
     rows a block: at most 8 warps (16 elements a thread); with 16, sm_90 reserved 8 bytes of
@@ -117,18 +115,13 @@ def _block(D: int) -> tuple[int, int, int]:
     block_d = triton.next_power_of_2(D)
     block_r = max(1, min(16, 4096 // block_d))
     warps = max(4, min(32 if block_r == 1 else 8, block_r * block_d // 256))
-    return block_r, block_d, warps
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return LaunchConfig({"BLOCK_R": block_r, "BLOCK_D": block_d}, num_warps=warps, num_stages=1)
 
 
 def _bwd_programs(device: torch.device, n_blocks: int) -> int:
     """Programs of the backward: a few per SM, each looping over a fixed stride of row blocks,
     so the dγ partials stay small ((programs, d) fp32) and their order never changes."""
-    limit = 8 if interpreting() or device.type != "cuda" else 4 * _num_sms(device)
+    limit = 4 * sm_count(device)
     return max(1, min(n_blocks, limit))
 
 
@@ -137,10 +130,10 @@ def _forward(x, weight, eps: float, residual, y, h, rstd) -> None:
     N, D = x.shape
     if N == 0:
         return
-    block_r, block_d, warps = _block(D)
-    _fwd_kernel[(triton.cdiv(N, block_r),)](
+    cfg = _block(D)
+    _fwd_kernel[(triton.cdiv(N, cfg["BLOCK_R"]),)](
         x, x if residual is None else residual, weight, y, y if residual is None else h, rstd, N, D, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
+        HAS_RESIDUAL=residual is not None, **cfg.kwargs(),
     )  # fmt: skip
 
 
@@ -148,10 +141,9 @@ def _backward_partial(dy, dh, hx, weight, rstd, dx, dres, partial) -> None:
     """``dx`` (and ``dres`` when given) (N, D) and the dγ ``partial`` (programs, D) from contiguous
     inputs; ``partial.shape[0]`` is the number of programs (see ``_bwd_programs``)."""
     N, D = hx.shape
-    block_r, block_d, warps = _block(D)
     _bwd_kernel[(partial.shape[0],)](
         dy, dy if dh is None else dh, hx, weight, rstd, dx, dx if dres is None else dres, partial, N, D,
-        HAS_DH=dh is not None, SEPARATE_DRES=dres is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
+        HAS_DH=dh is not None, SEPARATE_DRES=dres is not None, **_block(D).kwargs(),
     )  # fmt: skip
 
 
@@ -166,9 +158,9 @@ def _rms_norm_fwd(
     x, weight = x.contiguous(), weight.contiguous()
     N, D = x.shape
     h_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    y = torch.empty(N, D, dtype=h_dtype, device=x.device)
-    h = torch.empty(N if residual is not None else 0, D, dtype=h_dtype, device=x.device)
-    rstd = torch.empty(N, dtype=torch.float32, device=x.device)
+    y = empty(N, D, dtype=h_dtype, device=x.device)
+    h = empty(N if residual is not None else 0, D, dtype=h_dtype, device=x.device)
+    rstd = empty(N, dtype=torch.float32, device=x.device)
     _forward(x, weight, eps, None if residual is None else residual.contiguous(), y, h, rstd)
     return y, h, rstd
 
@@ -197,12 +189,12 @@ def _rms_norm_bwd(
     dh = None if dh is None else dh.contiguous()
     N, D = hx.shape
     separate = residual_dtype is not None and residual_dtype != x_dtype
-    dx = torch.empty(N, D, dtype=x_dtype, device=hx.device)
-    dres = torch.empty(N if separate else 0, D, dtype=residual_dtype or x_dtype, device=hx.device)
+    dx = empty(N, D, dtype=x_dtype, device=hx.device)
+    dres = empty(N if separate else 0, D, dtype=residual_dtype or x_dtype, device=hx.device)
     if N == 0:
         return dx, dres, torch.zeros_like(weight)
-    partial = torch.empty(
-        _bwd_programs(hx.device, triton.cdiv(N, _block(D)[0])), D, dtype=torch.float32, device=hx.device
+    partial = empty(
+        _bwd_programs(hx.device, triton.cdiv(N, _block(D)["BLOCK_R"])), D, dtype=torch.float32, device=hx.device
     )
     _backward_partial(dy, dh, hx, weight, rstd, dx, dres if separate else None, partial)
     return dx, dres, partial.sum(dim=0).to(weight.dtype)
@@ -242,8 +234,6 @@ torch.library.register_autograd("wiola::rms_norm_fwd", _backward, setup_context=
 
 # ----------------------------------------------------------------------------- public function
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 def rms_norm(
     x: torch.Tensor,
@@ -270,71 +260,19 @@ def rms_norm(
             the kernels cannot run on (CPU without the Triton interpreter).
         TypeError: a dtype other than float32/bfloat16/float16.
     """
-    tensors = {"x": x, "weight": weight} if residual is None else {"x": x, "weight": weight, "residual": residual}
-    for name, t in tensors.items():
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"rms_norm: {name} has dtype {t.dtype}; expected float32, bfloat16 or float16")
-        if t.device != x.device:
-            raise ValueError(f"rms_norm: {name} is on {t.device} but x is on {x.device}")
-    if x.dim() < 1 or weight.shape != x.shape[-1:]:
-        raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected ({x.shape[-1:]},) for x")
+    check_tensor("rms_norm", "x", x, dtypes=FLOAT_DTYPES)
+    if x.dim() < 1:
+        fail("rms_norm", f"x must have at least one dimension, got shape {tuple(x.shape)}")
     d = x.shape[-1]
+    check_tensor("rms_norm", "weight", weight, shape=(d,), dtypes=FLOAT_DTYPES, device=x.device)
+    if residual is not None:
+        check_tensor("rms_norm", "residual", residual, shape=tuple(x.shape), dtypes=FLOAT_DTYPES, device=x.device)
     if not 1 <= d <= MAX_WIDTH:
-        raise ValueError(f"rms_norm: row width {d} is outside 1..{MAX_WIDTH}")
-    if residual is not None and residual.shape != x.shape:
-        raise ValueError(f"rms_norm: residual has shape {tuple(residual.shape)}, x has {tuple(x.shape)}")
-    if not kernels_usable(x):
-        raise ValueError(
-            f"rms_norm: the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU ones), got {x.device}; "
-            "use wiola.ops.rms_norm there"
-        )
+        fail("rms_norm", f"row width must be in 1..{MAX_WIDTH}, got {d}")
+    check_runnable("rms_norm", x, "wiola.ops.rms_norm")
     lead = x.shape[:-1]
     res2d = None if residual is None else residual.reshape(-1, d)
     y, h, _ = torch.ops.wiola.rms_norm_fwd(x.reshape(-1, d), weight, float(eps), res2d)
     if residual is None:
         return y.view(*lead, d)
     return y.view(*lead, d), h.view(*lead, d)
-
-
-# ----------------------------------------------------------------------------- AOT builds
-
-
-def aot_specs() -> list[AotSpec]:
-    """Every launch shape ``_block`` gives (widths 64 … 8,192; any other width rounds up to one of
-    these) for bf16, fp16 and fp32 alone and with a same-dtype residual (γ in the same dtype: a
-    model cast to that dtype), and for bf16/fp16 with the fp32 residual stream and fp32 γ of
-    autocast training, built as the JIT specializes 16-aligned inputs; and the unaligned build
-    (a width like 1,000 or 8,000) for bf16 at the two widest blocks."""
-    specs: list[AotSpec] = []
-    widths = (64, 256, 1024, 4096, 8192)
-    builds = [(block_d, t, True) for block_d in widths for t in ("bf16", "fp16", "fp32")]
-    builds += [(block_d, "bf16", False) for block_d in (1024, 8192)]
-    for block_d, t, aligned in builds:
-        block_r, _, warps = _block(block_d)
-        blocks = {"BLOCK_R": block_r, "BLOCK_D": block_d}
-        for res in dict.fromkeys((None, "fp32") if not aligned else (None, t, "fp32")):
-            h = "fp32" if res == "fp32" else t
-            name = f"{t}{'' if res is None else f'+res{res}'},D{block_d}{'' if aligned else ',unaligned'}"
-            name += f",R{block_r},w{warps}"
-            w = "fp32" if res == "fp32" else t  # γ: fp32 beside an fp32 stream, else the model's dtype
-            fwd = {"X": t, "RES": res or t, "W": w, "Y": h, "H": h, "RSTD": "fp32"}
-            bwd = {"DY": h, "DH": h, "HX": h, "W": w, "RSTD": "fp32", "DX": t, "DRES": res or t}
-            bwd["DW_PARTIAL"] = "fp32"
-            fwd_flags = {"HAS_RESIDUAL": res is not None, **blocks}
-            bwd_flags = {"HAS_DH": res is not None, "SEPARATE_DRES": res not in (None, t), **blocks}
-            for kind, fn, pointers, sizes, flags in (
-                ("fwd", _fwd_kernel, fwd, {"N": "i32", "D": "i32", "eps": "fp32"}, fwd_flags),
-                ("bwd", _bwd_kernel, bwd, {"N": "i32", "D": "i32"}, bwd_flags),
-            ):
-                specs.append(
-                    AotSpec(
-                        name=f"rms_norm_{kind}[{name}]",
-                        fn=fn,
-                        signature={k: f"*{v}" for k, v in pointers.items()} | sizes | dict.fromkeys(flags, "constexpr"),
-                        constexprs=flags,
-                        num_warps=warps,
-                        num_stages=1,
-                        divisible_by_16=(*pointers, "D") if aligned else (),
-                    )
-                )
-    return specs

@@ -4,7 +4,7 @@ shared memory and compile time.
 Two uses:
 
 * ``python -m tests.aot_build --json bench/aot_builds.json [--ops attention ...] [--arch sm_90 ...]``
-  builds every registered spec (``wiola_kernels._utils.aot_specs``) for each target — one worker process
+  builds every registered spec (``wiola_kernels.aot.aot_specs``) for each target — one worker process
   per target, side by side, each with a fresh Triton cache so the seconds are real compiles — and
   writes one record per (spec, target): the measured compile data ``bench/`` plans GPU runs with.
 * ``tests/test_compile.py`` starts ``python tests/aot_build.py --worker sm_90 --names FILE`` (a JSON
@@ -35,7 +35,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from wiola_kernels._utils import AOT_OPS, AotSpec, aot_specs
+from wiola_kernels.aot import AOT_OPS, AotSpec, aot_specs
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "sm_80": GPUTarget("cuda", 80, 32)}

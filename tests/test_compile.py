@@ -28,7 +28,7 @@ pytest.importorskip("triton")
 import triton
 from aot_build import build_in_workers
 
-from wiola_kernels._utils import AOT_OPS, AotSpec, aot_specs
+from wiola_kernels.aot import AOT_OPS, AotSpec, aot_specs
 
 ARCHS = ["sm_80", "sm_90"]
 SHARED_LIMIT = {"sm_90": 227 * 1024, "sm_80": 163 * 1024}

@@ -14,17 +14,14 @@ from numerics import DEVICE, KERNEL_DTYPES, TOL, assert_close
 import wiola_kernels.gate as kgate
 from wiola.ops.gate import gate as ref_gate
 from wiola.ops.rope import helix_frequencies, positions_from_mask, rope_tables
+from wiola_kernels._utils import poisoned_outputs
 
 
 @pytest.fixture(autouse=True)
-def nan_buffers(monkeypatch):
-    """Every kernel output and scratch buffer starts as NaN (integers as -7)."""
-
-    def empty(*shape, device, dtype):
-        fill = float("nan") if dtype.is_floating_point else -7
-        return torch.full(shape, fill, device=device, dtype=dtype)
-
-    monkeypatch.setattr(kgate, "_empty", empty)
+def nan_buffers():
+    """Every kernel output and scratch buffer starts as NaN (integers as -1)."""
+    with poisoned_outputs():
+        yield
 
 
 def make_inputs(B, T, H, D, *, dtype=torch.float32, pad="none", rotate=False, alpha=0.05, carry=False, seed=0):
