@@ -31,7 +31,6 @@ PARITY_TESTS = [
     "tests/test_decode.py",
     "tests/test_fast.py",
 ]
-PARITY_DESELECT = "not torch_compile"
 # Without CUDA (CI's dry run) a small selection under the Triton interpreter.
 PARITY_TESTS_CPU = ["tests/test_decode.py"]  # the flash-decoding kernel: about 20 s interpreted
 # The GPU benchmark files in the order of their value (the headline's first); the CPU-only
@@ -129,16 +128,11 @@ def headline_lines(results: Path) -> list[str]:
     ]
     for r in recs:
         timed = "time_s" in r and not r.get("quick")
-        base = []
-        for name, b in r.get("baselines", {}).items():
-            s = report.speedup(r, b)
-            base.append(f"{name} {report.fmt_speedup(s)}" if s is not None else f"{name} n/a")
-        base += [f"{name} not measured" for name in r.get("baselines_pending", [])]
         lines.append(
-            f"{report._group_key(r)[:22]:<22} {r.get('shape_id', '')[:18]:<18} {r.get('impl', '')[:11]:<11} "
+            f"{report.group_key(r)[:22]:<22} {r.get('shape_id', '')[:18]:<18} {r.get('impl', '')[:11]:<11} "
             f"{report.fmt_time(r['time_s']) if timed else 'not timed':>10} "
             f"{report.fmt_rate(r['tokens_per_s']) if 'tokens_per_s' in r else '—':>11} "
-            f"{report.fmt_pct(r['mfu_pct']) if 'mfu_pct' in r else '—':>6}  " + ", ".join(base)
+            f"{report.fmt_pct(r['mfu_pct']) if 'mfu_pct' in r else '—':>6}  " + ", ".join(report.speedup_cells(r))
         )
         agree = (r.get("info") or {}).get("greedy_vs_reference")
         if agree:

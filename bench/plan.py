@@ -23,6 +23,7 @@ estimates; the plan prints them as such.
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -391,27 +392,56 @@ def build_seconds(records: Sequence[dict[str, Any]], arch: str = "sm_90") -> Sec
 
 # ------------------------------------------------------------------------ the workloads
 DTYPES = ("fp32", "bf16", "fp16")  # the kernel tests' dtypes on CUDA (tests/conftest.py KERNEL_DTYPES)
-# tests/test_attention.py CASES: (T, D, masked)
-_ATTENTION_TEST_CASES = [(1, 16, False), (17, 32, False), (17, 64, True), (64, 16, True), (64, 32, True),
-                         (300, 32, False), (300, 64, True), (17, 128, True)]  # fmt: skip
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+
+
+def read_test_constant(test_file: str, name: str) -> Any:
+    """The value of the module-level constant ``name`` of ``tests/<test_file>``, read from its source
+    (a literal, or ``dict(key=literal, ...)``) without importing the test module.
+
+    Raises ``ValueError`` when the file has no such constant or it is not a literal."""
+    import ast
+
+    tree = ast.parse((TESTS / test_file).read_text(), test_file)
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            value = node.value
+            if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "dict":
+                return {kw.arg: ast.literal_eval(kw.value) for kw in value.keywords}
+            return ast.literal_eval(value)
+    raise ValueError(f"tests/{test_file} has no module-level constant {name}")
+
+
+def attention_test_cases() -> list[tuple[int, int, bool]]:
+    """``(T, D, masked)`` of every case of tests/test_attention.py (``CASES``)."""
+    cases = read_test_constant("test_attention.py", "CASES")
+    return list(dict.fromkeys((T, D, pad != "none") for _, T, _, D, _, pad in cases))
+
+
+def butterfly_test_shapes() -> list[tuple[int, int, int]]:
+    """``(rows, d, d_ff)`` of every shape of tests/test_butterfly.py (``SHAPES``)."""
+    shapes = read_test_constant("test_butterfly.py", "SHAPES")
+    return [(math.prod(lead), d, d_ff) for lead, d, d_ff in shapes]
 
 
 def parity_launches() -> list[Launch]:
     """The minimal parity selection on CUDA (``bench.device_check.PARITY_TESTS``)."""
     out: list[Launch] = []
     for dtype in DTYPES:  # tests/test_attention.py: every case forward + backward in every dtype
-        for T, D, mask in _ATTENTION_TEST_CASES:
+        for T, D, mask in attention_test_cases():
             out += attention(dtype, D, T, mask, backward=True)
     out += attention("bf16", 32, 256, True, True)  # CUDA graph capture
     out += attention("fp32", 32, 33, False, True) + attention("fp32", 16, 50, True, True)  # layouts, determinism
     for k in ("attention_fwd", "attention_bwd_dq", "attention_bwd_dkdv"):  # every block shape, forced
         out += forced(k, "fp32", (32, True, "n", False) if k == "attention_fwd" else (32, True, "n"))
-    for dtype in ("fp32", "bf16"):  # tests/test_fast.py: d_model 64, 4 heads (D 16), d_ff 128
+    fast = read_test_constant("test_fast.py", "CONFIG")  # tests/test_fast.py's model
+    d, head, d_ff = fast["d_model"], fast["d_model"] // fast["n_heads"], fast["d_ff"]
+    for dtype in ("fp32", "bf16"):
         for T in (1, 17, 130):
-            out += attention(dtype, 16, T, False, True) + attention(dtype, 16, T, True, True)
-            out += butterfly(dtype, 64, 128, 3 * T, "fp32" if dtype == "bf16" else None, True)
+            out += attention(dtype, head, T, False, True) + attention(dtype, head, T, True, True)
+            out += butterfly(dtype, d, d_ff, 3 * T, "fp32" if dtype == "bf16" else None, True)
     for dtype in ("bf16", "fp16"):  # tests/test_butterfly.py: shapes x residual none / same / fp32
-        for N, D, F in ((1, 64, 128), (17, 64, 128), (300, 64, 128), (17, 256, 512), (300, 256, 512)):
+        for N, D, F in butterfly_test_shapes():
             for res in (None, dtype, "fp32"):
                 out += butterfly(dtype, D, F, N, res, True)
     # gate (7 kernels), rms_norm (2), cross_entropy (2), decode (4) and the fast model's decode

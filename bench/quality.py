@@ -70,18 +70,17 @@ def agreement(ref: torch.Tensor, got: torch.Tensor) -> dict[str, float]:
 
 def measure(checkpoint: Path, windows: int, seq_len: int, new_tokens: int, work: Path) -> dict[str, Any]:
     from wiola import WiolaModel
-    from wiola.checkpoint import load_checkpoint_tokenizer
+    from wiola.checkpoint import load_checkpoint_tokenizer, resolve_checkpoint
     from wiola.export.onnx import export_onnx
     from wiola.export.runner import OnnxModel
     from wiola.fast import WiolaModel as FastModel
     from wiola.fast import decode_step_cpu
     from wiola.fast.quantize import quantize
-    from wiola.train.data import prepare_data, resolve_source, token_byte_lengths
-    from wiola.train.evaluate import evaluate
-    from wiola.train.run_folder import find_checkpoint
+    from wiola.train.evaluate import evaluate, token_byte_lengths
+    from wiola.train.sources import resolve_source
+    from wiola.train.token_cache import prepare_data
 
-    if not (checkpoint / "config.json").is_file() and (checkpoint / "checkpoints").is_dir():
-        checkpoint = find_checkpoint(checkpoint)
+    checkpoint = resolve_checkpoint(checkpoint)  # a run folder: its latest checkpoint
     tokenizer = load_checkpoint_tokenizer(checkpoint)
     reference = WiolaModel.from_pretrained(checkpoint).eval()
     data = prepare_data(resolve_source("sample"), tokenizer, work / "tokens", progress=False, log=lambda *a: None)

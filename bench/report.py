@@ -133,7 +133,8 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")
 
 
-def _group_key(rec: dict[str, Any]) -> str:
+def group_key(rec: dict[str, Any]) -> str:
+    """The op group a record belongs to: its op and mode (``"attention fwd+bwd"``)."""
     return f"{rec['op']} {rec.get('mode', '')}".strip()
 
 
@@ -174,6 +175,16 @@ def _baseline_cell(r: dict[str, Any], b: dict[str, Any] | None, notes: list[str]
     if s is not None:
         cell += f" (ours {fmt_speedup(s)})"
     return cell
+
+
+def speedup_cells(r: dict[str, Any]) -> list[str]:
+    """One short cell per baseline of record ``r`` for a terminal table: ``"name N×"`` (baseline time /
+    our time), ``"name n/a"`` (unavailable or not timed) or ``"name not measured"`` (the run ended first)."""
+    cells = []
+    for name, b in r.get("baselines", {}).items():
+        s = speedup(r, b)
+        cells.append(f"{name} {fmt_speedup(s)}" if s is not None else f"{name} n/a")
+    return cells + [f"{name} not measured" for name in r.get("baselines_pending", [])]
 
 
 def _baseline(r: dict[str, Any], name: str) -> dict[str, Any] | None:
@@ -262,7 +273,7 @@ def run_section(run: Run, level: int = 3, chart_links: dict[str, str] | None = N
     out = _meta_lines(run)
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in run.records:
-        groups.setdefault(_group_key(r), []).append(r)
+        groups.setdefault(group_key(r), []).append(r)
     for key, recs in groups.items():
         header, rows, notes = group_table(recs)
         out.append("")
@@ -325,7 +336,7 @@ def _timed_groups(run: Run) -> dict[str, list[dict[str, Any]]]:
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in run.records:
         if "time_s" in r and not r.get("quick"):
-            groups.setdefault(_group_key(r), []).append(r)
+            groups.setdefault(group_key(r), []).append(r)
     return groups
 
 
@@ -421,20 +432,12 @@ def summary_lines(runs: Sequence[Run]) -> list[str]:
     lines = [f"{'benchmark':<34} {'shape':<22} {'impl':<12} {'ours':>20} {'floor':>7}  baselines (ours N×)"]
     for run in runs:
         for r in run.records:
-            key = _group_key(r)[:34]
+            key = group_key(r)[:34]
             pct = fmt_pct(r["pct_floor"]) if "pct_floor" in r else "—"
-            base = []
-            for name, b in r.get("baselines", {}).items():
-                s = speedup(r, b)
-                if s is not None:
-                    base.append(f"{name} {fmt_speedup(s)}")
-                elif "unavailable" in b:
-                    base.append(f"{name} n/a")
-            base += [f"{name} not measured" for name in r.get("baselines_pending", [])]
             ours = _ours_cell(r)
             lines.append(
                 f"{key:<34} {r.get('shape_id', '')[:22]:<22} {r.get('impl', '')[:12]:<12} {ours:>20} {pct:>7}  "
-                + ", ".join(base)
+                + ", ".join(speedup_cells(r))
             )
     return lines
 

@@ -12,19 +12,12 @@ import pytest
 import torch
 
 from wiola.tokenizer import TiktokenTokenizer
-from wiola.train import data as wdata
+from wiola.train import token_cache
+from wiola.train.batches import BatchStream, eval_batches, num_windows
 from wiola.train.corpus import EOT, write_sample_corpus
-from wiola.train.data import (
-    BatchStream,
-    TokenSplit,
-    eval_batches,
-    iter_documents,
-    num_windows,
-    prepare_data,
-    resolve_source,
-    token_byte_lengths,
-    unigram_entropy,
-)
+from wiola.train.evaluate import token_byte_lengths, unigram_entropy
+from wiola.train.sources import iter_documents, resolve_source
+from wiola.train.token_cache import TokenSplit, prepare_data
 
 BPE_FILE = "/work/shared/tokenizers/gpt2.tiktoken"
 
@@ -166,13 +159,13 @@ def test_second_run_skips_tokenisation(tmp_path, enc, monkeypatch) -> None:
     src = resolve_source(tmp_path / "c")
     first = prepare_data(src, TiktokenTokenizer(enc), tmp_path / "cache", progress=False, log=_quiet)
     calls = Counter()
-    real = wdata._tokenize_split
+    real = token_cache._tokenize_split
 
     def counting(*a, **k):
         calls["tokenize"] += 1
         return real(*a, **k)
 
-    monkeypatch.setattr(wdata, "_tokenize_split", counting)
+    monkeypatch.setattr(token_cache, "_tokenize_split", counting)
     second = prepare_data(src, TiktokenTokenizer(enc), tmp_path / "cache", progress=False, log=_quiet)
     assert calls["tokenize"] == 0, "the second run tokenised again instead of using the cache"
     assert np.array_equal(first.train.tokens(), second.train.tokens()), "cached tokens differ"

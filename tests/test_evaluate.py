@@ -15,9 +15,9 @@ from wiola import WiolaConfig, WiolaModel
 from wiola.ops.rope import positions_from_mask, rope_tables
 from wiola.tokenizer import TiktokenTokenizer
 from wiola.train.corpus import generate_stories
-from wiola.train.data import TokenSplit, token_byte_lengths
-from wiola.train.evaluate import evaluate, gate_statistics
+from wiola.train.evaluate import evaluate, gate_statistics, token_byte_lengths
 from wiola.train.plots import plot_gate_heatmap, plot_loss_curve
+from wiola.train.token_cache import TokenSplit
 
 BPE_FILE = "/work/shared/tokenizers/gpt2.tiktoken"
 SMALL = dict(d_model=32, n_layers=3, n_heads=4, d_ff=48, max_seq_len=64)

@@ -281,15 +281,17 @@ def test_headline_table_reads_only_the_headline_stage(tmp_path: Path) -> None:
 
 
 def test_declared_workloads_follow_the_tests_they_describe() -> None:
-    """The planner's parity launches are written from the tests: they must change together."""
+    """The planner reads its parity launches from the tests' own constants (as importing them gives)."""
     import test_attention
     import test_butterfly
     import test_fast
 
-    assert {(T, D, pad != "none") for _, T, _, D, _, pad in test_attention.CASES} == set(plan._ATTENTION_TEST_CASES)
-    assert (test_fast.CONFIG["d_model"] // test_fast.CONFIG["n_heads"], test_fast.CONFIG["d_ff"]) == (16, 128)
-    declared = {(1, 64, 128), (17, 64, 128), (300, 64, 128), (17, 256, 512), (300, 256, 512)}
-    assert {(math.prod(lead), d, f) for lead, d, f in test_butterfly.SHAPES} == declared
+    assert {(T, D, pad != "none") for _, T, _, D, _, pad in test_attention.CASES} == set(plan.attention_test_cases())
+    assert plan.read_test_constant("test_fast.py", "CONFIG") == test_fast.CONFIG
+    declared = {(math.prod(lead), d, f) for lead, d, f in test_butterfly.SHAPES}
+    assert set(plan.butterfly_test_shapes()) == declared
+    with pytest.raises(ValueError, match="no module-level constant NOPE"):
+        plan.read_test_constant("test_fast.py", "NOPE")
 
 
 def test_device_check_selections_exist() -> None:

@@ -30,7 +30,7 @@ from wiola.cache import Cache
 from wiola.checkpoint import load_pretrained, save_pretrained
 from wiola.config import WiolaConfig
 from wiola.generation import generate
-from wiola.ops.linear import DecodeLayout, decode_layout, linear, uses_decode_layout
+from wiola.ops.linear import DecodeLayout, autocast_dtype, decode_layout, linear, uses_decode_layout
 from wiola.ops.rope import helix_frequencies, positions_from_mask, rope_tables, upcast
 
 if TYPE_CHECKING:
@@ -129,11 +129,6 @@ class DerivedWeights:
 
 
 _GATE = ("gate_w1", "gate_w2", "gate_b2")
-
-
-def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
 def _cast_of(derived: DerivedWeights, key: Hashable, weight: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -265,7 +260,7 @@ class GatedHelicalAttention(nn.Module):
         if uses_decode_layout(x):
             qkv = linear(x, self.q_proj.weight, self._layout("qkv", "q_proj", "k_proj", "v_proj"))
         else:
-            qkv = linear(x, self.qkv_weight(_autocast_dtype(x)))
+            qkv = linear(x, self.qkv_weight(autocast_dtype(x)))
         q, k, v = qkv.view(B, T, 3, H, D).unbind(2)  # (B, T, H, D) strided views, not rotated
         if self.gate is None:
             g = torch.ones(B, T, H, device=x.device, dtype=cos.dtype)
@@ -283,7 +278,7 @@ class GatedHelicalAttention(nn.Module):
         o = o.reshape(B, T, H * D)
         if uses_decode_layout(o):
             return linear(o, self.o_proj.weight, self._layout("o", "o_proj"))
-        return linear(o, _cast_of(self.derived, ("o", i), self.o_proj.weight, _autocast_dtype(o)))
+        return linear(o, _cast_of(self.derived, ("o", i), self.o_proj.weight, autocast_dtype(o)))
 
     def _layout(self, key: str, *names: str) -> DecodeLayout:
         weights = [getattr(self, name).weight for name in names]
@@ -310,7 +305,7 @@ class Butterfly(nn.Module):
         weights = (self.up_proj.weight, self.bypass_proj.weight, self.down_proj.weight)
         names = ("up", "bypass", "down")
         if not uses_decode_layout(x):
-            dtype = _autocast_dtype(x)  # the casts autocast makes, once per weight version
+            dtype = autocast_dtype(x)  # the casts autocast makes, once per weight version
             weights = tuple(_cast_of(self.derived, (n, self.layer_index), w, dtype) for n, w in zip(names, weights))
             return self.ops.butterfly(x, *weights)
         layouts = tuple(_decode_layout_of(self.derived, (n, self.layer_index), w) for n, w in zip(names, weights))
@@ -541,7 +536,7 @@ class WiolaModel(nn.Module):
             if uses_decode_layout(x):
                 logits = upcast(linear(x, E, _decode_layout_of(self.derived_weights, "head", E)))  # (B, T, V) fp32
             else:  # under autocast, E cast once per version (not an 8 MB copy per decoded token)
-                logits = upcast(linear(x, _cast_of(self.derived_weights, "head", E, _autocast_dtype(x))))
+                logits = upcast(linear(x, _cast_of(self.derived_weights, "head", E, autocast_dtype(x))))
             if labels is not None:
                 loss = F.cross_entropy(logits[:, :-1].reshape(-1, V), labels.reshape(-1), reduction="sum")
                 loss = loss / (labels != -100).sum().clamp(min=1)

@@ -39,8 +39,10 @@ def run_demo(args: argparse.Namespace) -> int:
     import numpy as np
 
     from wiola.train import train
-    from wiola.train.data import prepare_data, resolve_source, unigram_entropy
     from wiola.train.env import resolve_device
+    from wiola.train.evaluate import unigram_entropy
+    from wiola.train.sources import resolve_source
+    from wiola.train.token_cache import prepare_data
 
     t_start = time.perf_counter()
     device = resolve_device(args.device)

@@ -23,8 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     from wiola.tokenizer import train_tokenizer
-    from wiola.train.data import iter_documents, resolve_source
     from wiola.train.env import require
+    from wiola.train.sources import iter_documents, resolve_source
 
     if args.max_documents is not None and args.max_documents < 1:
         raise ValueError(f"--max-documents must be >= 1, got {args.max_documents}")

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 import wiola.ops as reference
 from wiola.model import Ops
-from wiola.ops.linear import DecodeLayout
+from wiola.ops.linear import DecodeLayout, autocast_dtype
 from wiola.ops.rope import apply_rope
 
 _KERNEL_MODULES = (
@@ -117,13 +117,6 @@ _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def _kernel(name: str, t: torch.Tensor) -> Callable[..., Any] | None:
     if t.dtype in _KERNEL_DTYPES and kernels_usable(t) and kernels_on():
         return KERNELS.get(name)
-    return None
-
-
-def _autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
-    device = t.device.type
-    if torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
     return None
 
 
@@ -232,7 +225,7 @@ def butterfly(
     kernel = _kernel("butterfly", x)
     if kernel is None:
         return reference.butterfly(x, w_up, w_bp, w_down, residual, layouts)
-    dtype = _autocast_dtype(x)
+    dtype = autocast_dtype(x)
     x, w_up, w_bp, w_down = _cast(dtype, x, w_up, w_bp, w_down)
     if residual is not None and dtype is not None:
         (residual,) = _cast(torch.promote_types(dtype, residual.dtype), residual)
@@ -246,7 +239,7 @@ def linear_cross_entropy(
     kernel = _kernel("linear_cross_entropy", h)
     if kernel is None:
         return reference.linear_cross_entropy(h, weight, labels, ignore_index)
-    h, weight = _cast(_autocast_dtype(h), h, weight)
+    h, weight = _cast(autocast_dtype(h), h, weight)
     return kernel(h, weight, labels, ignore_index)
 
 

@@ -42,6 +42,12 @@ def uses_decode_layout(x: torch.Tensor) -> bool:
     )
 
 
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` casts matmul inputs to on ``x``'s device, or None outside autocast."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, layout: DecodeLayout | None = None) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias); ``x`` ``(..., in)``, ``weight`` ``(out, in)``.
 

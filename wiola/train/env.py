@@ -12,9 +12,14 @@ import contextlib
 import importlib
 import os
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from wiola.config import WiolaConfig
+    from wiola.tokenizer import Tokenizer
 
 PRECISIONS = ("auto", "bf16", "fp32")
 TRAIN_EXTRA = "pip install 'wiola-slm[train]'"
@@ -114,3 +119,23 @@ def init_distributed() -> tuple[int, int, int, bool]:
         torch.cuda.set_device(local_rank)
     dist.init_process_group(backend=backend)
     return dist.get_rank(), dist.get_world_size(), local_rank, True
+
+
+def tokenizer_for(config: WiolaConfig, spec: str | os.PathLike | None) -> Tokenizer:
+    """The tokenizer for a model of ``config``: ``spec`` (a name or a ``tokenizer.json`` path,
+    ``wiola.tokenizer.load_tokenizer``), or the tiktoken encoding whose vocabulary is the model's.
+
+    Raises ``ValueError`` when the tokenizer has more ids than the model has embedding rows (fewer
+    is fine: padded embeddings), ``RuntimeError`` (saying what to set) when it cannot load.
+    """
+    from wiola.tokenizer import TiktokenTokenizer, encoding_for_vocab, load_tokenizer
+
+    if spec is None:
+        return TiktokenTokenizer(encoding_for_vocab(config.vocab_size))
+    tokenizer = load_tokenizer(spec)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(
+            f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size:,} ids but the model's vocab_size is "
+            f"{config.vocab_size:,}; set vocab_size to at least {tokenizer.vocab_size} (--model vocab_size=N)"
+        )
+    return tokenizer

@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
-from wiola.train.data import TokenSplit, eval_batches, eval_windows
+from wiola.train.batches import eval_batches, eval_windows
 from wiola.train.env import autocast
+from wiola.train.token_cache import TokenSplit
+
+if TYPE_CHECKING:
+    from wiola.tokenizer import Tokenizer
 
 
 @dataclass
@@ -57,7 +62,7 @@ def evaluate(
         model: a ``WiolaModel`` (or a wrapper with the same ``forward``), on any device.
         split: the validation tokens; windows of ``seq_len + 1`` tokens at stride ``seq_len``
             (every token after the first is a target once).
-        byte_lengths: ``(V,)`` int64 bytes per token (``wiola.train.data.token_byte_lengths``).
+        byte_lengths: ``(V,)`` int64 bytes per token (``token_byte_lengths``).
         precision: ``"auto"``, ``"bf16"`` or ``"fp32"``, as in training (``wiola.train.env.autocast``).
         rank, world_size: under DDP every rank scores a disjoint share and the sums are
             all-reduced, so every rank returns the same result.
@@ -141,3 +146,20 @@ def gate_statistics(
     if attention_mask is not None:
         real = attention_mask.to(device=g.device, dtype=torch.float64)
     return ((g * real[None, :, :, None]).sum(dim=(1, 2)) / real.sum()).cpu()
+
+
+def token_byte_lengths(tokenizer: Tokenizer) -> torch.Tensor:
+    """``(vocab_size,)`` int64: the UTF-8 bytes each token decodes to; special tokens count 0.
+
+    Byte-level BPE decodes a sequence to the concatenation of its tokens' bytes, so summing this
+    table over the targets gives the exact byte count of the decoded text.
+    """
+    return torch.tensor(tokenizer.token_byte_lengths(), dtype=torch.int64)
+
+
+def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
+    """Entropy in nats of the tokens' empirical unigram distribution: the loss of the best model
+    that ignores context, the bar a trained model must get well below."""
+    counts = np.bincount(tokens, minlength=vocab_size).astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())

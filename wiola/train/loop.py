@@ -238,10 +238,7 @@ def _init_checkpoint(cfg: TrainConfig) -> Path | None:
         return None
     if cfg.model:
         raise ValueError("--init takes the model configuration from the checkpoint; drop --model")
-    path = resolve_checkpoint(cfg.init)
-    if not (path / "config.json").is_file() and (path / "checkpoints").is_dir():
-        path = find_checkpoint(path)
-    return path
+    return resolve_checkpoint(cfg.init)
 
 
 def _load_data(cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int, log: Log) -> TokenData:

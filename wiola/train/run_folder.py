@@ -28,12 +28,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from wiola.checkpoint import LATEST_FILE, latest_checkpoint
+
 if TYPE_CHECKING:
     from wiola.config import WiolaConfig
     from wiola.tokenizer import Tokenizer
+    from wiola.train.batches import BatchStream
     from wiola.train.config import TrainConfig
-    from wiola.train.data import BatchStream, TokenData
     from wiola.train.evaluate import EvalResult
+    from wiola.train.token_cache import TokenData
 
 
 def read_optimizer_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
@@ -52,7 +55,6 @@ def read_optimizer_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
 
 TRAINER_FILE = "trainer.json"
 OPTIMIZER_FILE = "optimizer.pt"
-LATEST_FILE = "latest"
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -84,12 +86,13 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
     path = Path(path)
     if (path / TRAINER_FILE).is_file():
         return path
-    latest = path / "checkpoints" / LATEST_FILE
-    if latest.is_file():
-        ckpt = path / "checkpoints" / latest.read_text().strip()
+    ckpt = latest_checkpoint(path)
+    if ckpt is not None:
         if (ckpt / TRAINER_FILE).is_file():
             return ckpt
-        raise FileNotFoundError(f"{latest} names {ckpt.name}, which holds no {TRAINER_FILE}")
+        raise FileNotFoundError(
+            f"{path / 'checkpoints' / LATEST_FILE} names {ckpt.name}, which holds no {TRAINER_FILE}"
+        )
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path {str(path)!r} does not exist")
     raise FileNotFoundError(

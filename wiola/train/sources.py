@@ -1,0 +1,249 @@
+"""Where training text comes from (``--data``, ``--val-data``): a ``DataSource`` and its documents.
+
+- ``None`` / ``"tinystories"``: ``roneneldan/TinyStories`` through ``datasets`` (train and
+  validation splits); needs network (or the ``datasets`` cache).
+- ``"sample"`` (or ``"sample:N"`` for N training stories, default 1000): the built-in generated
+  corpus (``wiola.train.corpus``), no download.
+- a path: text (``.txt``), JSON lines (``.jsonl``, ``.json`` lists), Parquet (``.parquet``)
+  files, or a folder of them (searched recursively). In a text file, documents are separated by
+  ``<|endoftext|>``; a file without that separator is one document. JSON and Parquet records
+  carry their text in a ``text`` (or ``story``) field. The validation split is ``--val-data``
+  when given; else the files of a folder whose names say ``val``/``valid``/``validation``; else
+  every ``1/val_fraction``-th document.
+
+``source_fingerprint`` keys the token cache (``wiola.train.token_cache``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from wiola.train.env import TRAIN_EXTRA
+
+PIPELINE_VERSION = 2  # part of the cache key: bump when tokenisation or the shard layout changes
+TEXT_SUFFIXES = {
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".jsonl": "jsonl",
+    ".json": "json",
+    ".parquet": "parquet",
+}
+TEXT_FIELDS = ("text", "story")
+EOT_TEXT = "<|endoftext|>"
+VAL_NAMES = ("val", "valid", "validation", "dev", "test")
+DEFAULT_HF_DATASET = "roneneldan/TinyStories"
+
+
+@dataclass
+class DataSource:
+    """Where the documents of the train and validation splits come from."""
+
+    kind: str  # "hf", "sample" or "files"
+    name: str  # for messages and the manifest
+    train_files: list[Path] = field(default_factory=list)
+    val_files: list[Path] = field(default_factory=list)
+    val_fraction: float = 0.01  # for "files" without a validation file: every round(1/f)-th document
+    sample_size: tuple[int, int, int] = (1000, 100, 0)  # sample corpus: n_train, n_val, seed
+
+    def describe(self) -> str:
+        if self.kind == "files":
+            val = f"{len(self.val_files)} validation file(s)" if self.val_files else f"1/{self.holdout_every} held out"
+            return f"{self.name} ({len(self.train_files)} training file(s), {val})"
+        return self.name
+
+    @property
+    def holdout_every(self) -> int:
+        return max(2, round(1 / self.val_fraction))
+
+
+def _data_files(path: Path) -> list[Path]:
+    if path.is_file():
+        if path.suffix.lower() not in TEXT_SUFFIXES:
+            raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use {', '.join(sorted(TEXT_SUFFIXES))}")
+        return [path]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+    files = [p for p in files if not any(part.startswith(".") for part in p.relative_to(path).parts)]
+    if not files:
+        raise ValueError(f"{path}: the folder holds no {', '.join(sorted(TEXT_SUFFIXES))} files")
+    return files
+
+
+def _is_val_file(path: Path) -> bool:
+    words = path.stem.lower().replace("-", "_").replace(".", "_").split("_")
+    return any(w in VAL_NAMES for w in words)
+
+
+def resolve_source(
+    data: str | os.PathLike | None, val_data: str | os.PathLike | None = None, val_fraction: float = 0.01
+) -> DataSource:
+    """The ``DataSource`` for a ``--data`` value (see the module docstring).
+
+    Raises ``FileNotFoundError`` for a path that does not exist and ``ValueError`` for an
+    unsupported file or a folder with no data files, before anything is read.
+    """
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    if data is None or str(data).lower() in ("tinystories", DEFAULT_HF_DATASET.lower()):
+        if val_data is not None:
+            raise ValueError("--val-data needs --data PATH; TinyStories brings its own validation split")
+        return DataSource("hf", DEFAULT_HF_DATASET)
+    text = str(data).lower()
+    if text == "sample" or text.startswith("sample:"):
+        if val_data is not None:
+            raise ValueError("--val-data needs --data PATH; the sample corpus brings its own validation split")
+        n_train = 1000
+        if text.startswith("sample:"):
+            try:
+                n_train = int(text.split(":", 1)[1])
+            except ValueError:
+                n_train = 0
+            if n_train < 1:
+                raise ValueError(f"--data {data!r}: expected sample:N with N a positive number of stories")
+        return DataSource(
+            "sample",
+            f"sample corpus (wiola.corpus, {n_train} stories)",  # the module's old name: part of the cache key
+            sample_size=(n_train, max(100, n_train // 10), 0),
+        )
+    path = Path(data).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"data path {str(path)!r} does not exist; pass text/JSONL/Parquet files or a folder, "
+            "'sample' for the built-in corpus, or 'tinystories'"
+        )
+    files = _data_files(path)
+    if val_data is not None:
+        val_path = Path(val_data).expanduser()
+        if not val_path.exists():
+            raise FileNotFoundError(f"validation data path {str(val_path)!r} does not exist")
+        return DataSource("files", str(path), files, _data_files(val_path), val_fraction)
+    if path.is_dir():
+        val = [p for p in files if _is_val_file(p)]
+        train = [p for p in files if not _is_val_file(p)]
+        if val and train:
+            return DataSource("files", str(path), train, val, val_fraction)
+    return DataSource("files", str(path), files, [], val_fraction)
+
+
+def _read_file(path: Path) -> Iterator[str]:
+    kind = TEXT_SUFFIXES[path.suffix.lower()]
+    if kind == "text":
+        text = path.read_text(encoding="utf-8")
+        for doc in text.split(EOT_TEXT) if EOT_TEXT in text else [text]:
+            doc = doc.strip()
+            if doc:
+                yield doc
+        return
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(path)
+        names = pf.schema_arrow.names
+        column = next((c for c in TEXT_FIELDS if c in names), None)
+        if column is None:
+            raise ValueError(f"{path}: no text column; expected one of {TEXT_FIELDS}, found {names}")
+        for batch in pf.iter_batches(columns=[column], batch_size=4096):
+            for doc in batch.column(0).to_pylist():
+                if doc and doc.strip():
+                    yield doc.strip()
+        return
+    if kind == "json":
+        records: Iterable[Any] = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(records, list):
+            raise ValueError(f"{path}: a .json file must hold a list of records or strings")
+    else:
+        records = (json.loads(line) for line in path.open(encoding="utf-8") if line.strip())
+    for i, record in enumerate(records):
+        if isinstance(record, dict):
+            text = next((record[c] for c in TEXT_FIELDS if c in record), None)
+            if text is None:
+                raise ValueError(f"{path}: record {i} has no text field; expected one of {TEXT_FIELDS}")
+        else:
+            text = record
+        if not isinstance(text, str):
+            raise ValueError(f"{path}: record {i} holds {type(text).__name__}, not a string")
+        if text.strip():
+            yield text.strip()
+
+
+def _hf_split(name: str, split: str) -> Any:
+    try:
+        import datasets
+    except Exception as e:  # not installed, or an incompatible huggingface_hub
+        raise RuntimeError(
+            f"cannot load {name}: the `datasets` package is not usable ({type(e).__name__}: {e}). "
+            f"Install it ({TRAIN_EXTRA}), or train on local files with --data PATH "
+            "(text/JSONL/Parquet files or a folder) or on the built-in sample corpus with --data sample."
+        ) from e
+    try:
+        return datasets.load_dataset(name, split=split)
+    except Exception as e:
+        raise RuntimeError(
+            f"cannot load {name} (split {split!r}) through `datasets`: {type(e).__name__}: {e}. Without network, "
+            "pass --data PATH (text/JSONL/Parquet files or a folder, e.g. TinyStories' parquet files) or "
+            "--data sample for the built-in sample corpus."
+        ) from e
+
+
+def iter_documents(source: DataSource, split: str) -> tuple[Iterator[str], int | None]:
+    """The documents of ``split`` (``"train"`` or ``"val"``) and their number when known."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    if source.kind == "sample":
+        from wiola.train.corpus import sample_corpus
+
+        n_train, n_val, seed = source.sample_size
+        train, val = sample_corpus(n_train, n_val, seed)
+        docs = train if split == "train" else val
+        return iter(docs), len(docs)
+    if source.kind == "hf":
+        ds = _hf_split(source.name, "train" if split == "train" else "validation")
+        column = next((c for c in TEXT_FIELDS if c in ds.column_names), None)
+        if column is None:
+            raise ValueError(f"{source.name}: no text column; expected one of {TEXT_FIELDS}, found {ds.column_names}")
+        return (d.strip() for d in ds[column] if d and d.strip()), len(ds)
+
+    def from_files(files: list[Path], keep: Any) -> Iterator[str]:
+        i = 0
+        for path in files:
+            for doc in _read_file(path):
+                if keep(i):
+                    yield doc
+                i += 1
+
+    every = source.holdout_every
+    if source.val_files:
+        return from_files(source.train_files if split == "train" else source.val_files, lambda i: True), None
+    if split == "train":
+        return from_files(source.train_files, lambda i: i % every != every - 1), None
+    return from_files(source.train_files, lambda i: i % every == every - 1), None
+
+
+def source_fingerprint(source: DataSource) -> str:
+    """A hex digest that changes when the source's documents or split rule may have changed.
+
+    Files are identified by resolved path, size and modification time (hashing the content of
+    gigabytes on every start would cost more than it saves).
+    """
+    h = hashlib.sha256()
+    h.update(f"wiola-data v{PIPELINE_VERSION} {source.kind} {source.name}".encode())
+    if source.kind == "sample":
+        from wiola.train.corpus import CORPUS_VERSION
+
+        h.update(f"corpus v{CORPUS_VERSION} {source.sample_size}".encode())
+    elif source.kind == "hf":
+        for split in ("train", "validation"):
+            h.update(str(getattr(_hf_split(source.name, split), "_fingerprint", "")).encode())
+    else:
+        h.update(f"holdout {source.holdout_every if not source.val_files else 0}".encode())
+        for role, files in (("train", source.train_files), ("val", source.val_files)):
+            for p in files:
+                st = p.stat()
+                h.update(f"{role} {p.resolve()} {st.st_size} {st.st_mtime_ns}\n".encode())
+    return h.hexdigest()

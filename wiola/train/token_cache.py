@@ -1,0 +1,267 @@
+"""The token cache: documents of a ``DataSource`` tokenised once into memmap shards.
+
+Tokenisation uses the run's tokenizer (``--tokenizer``: ``gpt2``, ``gpt2-32k``, or a
+``tokenizer.json``; default: the tiktoken encoding matching the model vocabulary). Every document
+is framed by ``Tokenizer.document_prefix`` / ``document_suffix``: ``<|endoftext|>`` before it with
+GPT-2's, ``<s> ... </s>`` with a tokenizer that has a bos token. It runs in batches behind a tqdm
+bar and is cached as memmap shards (uint16 for up to 65,536 ids, uint32 beyond) plus a
+``manifest.json`` (source fingerprint, tokenizer fingerprint, counts), in a folder keyed by both:
+a second run opens the memmaps and skips tokenisation; a changed tokenizer never reuses them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from wiola.tokenizer import Tokenizer
+from wiola.train.env import require
+from wiola.train.sources import PIPELINE_VERSION, DataSource, iter_documents, source_fingerprint
+
+SHARD_TOKENS = 1 << 28  # 256 Mi tokens = 512 MiB per uint16 shard
+
+
+def default_cache_dir() -> Path:
+    """``$WIOLA_CACHE`` or ``~/.cache/wiola``: where token shards are kept."""
+    return Path(os.environ.get("WIOLA_CACHE") or Path.home() / ".cache" / "wiola")
+
+
+@dataclass
+class TokenSplit:
+    """One split's tokens: uint16 memmap shards read as one sequence."""
+
+    shards: list[np.ndarray]
+    documents: int
+    text_bytes: int  # UTF-8 bytes of the documents (without the separators)
+
+    def __post_init__(self) -> None:
+        self._ends = np.cumsum([len(s) for s in self.shards]) if self.shards else np.zeros(0, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)`` as int64 (crossing shard boundaries if needed)."""
+        if start < 0 or start + length > len(self):
+            raise IndexError(f"tokens [{start}, {start + length}) are outside the split of {len(self)} tokens")
+        out = np.empty(length, dtype=np.int64)
+        filled = 0
+        shard = int(np.searchsorted(self._ends, start, side="right"))
+        offset = start - (int(self._ends[shard - 1]) if shard else 0)
+        while filled < length:
+            piece = self.shards[shard][offset : offset + length - filled]
+            out[filled : filled + len(piece)] = piece
+            filled += len(piece)
+            shard, offset = shard + 1, 0
+        return out
+
+    def tokens(self) -> np.ndarray:
+        """All tokens as one int64 array (small splits; tests and statistics)."""
+        return self.read(0, len(self))
+
+
+@dataclass
+class TokenData:
+    """Both splits of a tokenised source, and the manifest that describes them."""
+
+    train: TokenSplit
+    val: TokenSplit
+    manifest: dict[str, Any]
+    directory: Path
+
+    @property
+    def tokenizer(self) -> str:
+        """The tokenizer's name."""
+        return self.manifest["tokenizer"]
+
+
+class _ShardWriter:
+    def __init__(self, directory: Path, split: str, shard_tokens: int) -> None:
+        self.directory, self.split, self.shard_tokens = directory, split, shard_tokens
+        self.shards: list[dict[str, Any]] = []
+        self._file: Any = None
+        self._in_shard = 0
+
+    def write(self, tokens: np.ndarray) -> None:
+        while len(tokens):
+            if self._file is None:
+                name = f"{self.split}_{len(self.shards):04d}.bin"
+                self._file = open(self.directory / name, "wb")
+                self.shards.append({"file": name, "tokens": 0})
+                self._in_shard = 0
+            take = min(len(tokens), self.shard_tokens - self._in_shard)
+            tokens[:take].tofile(self._file)
+            self._in_shard += take
+            self.shards[-1]["tokens"] += take
+            tokens = tokens[take:]
+            if self._in_shard == self.shard_tokens:
+                self.close()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+
+
+def _tokenize_split(
+    docs: Iterator[str],
+    total: int | None,
+    tokenizer: Tokenizer,
+    writer: _ShardWriter,
+    *,
+    num_threads: int,
+    batch_docs: int,
+    desc: str,
+    progress: bool,
+) -> tuple[int, int, int]:
+    tqdm = require("tqdm.auto", "tokenising a corpus").tqdm
+    prefix, suffix = tokenizer.document_prefix, tokenizer.document_suffix
+    dtype = token_dtype(tokenizer.vocab_size)
+    n_docs = n_tokens = n_bytes = 0
+    bar = tqdm(total=total, desc=desc, unit="doc", disable=not progress, dynamic_ncols=True)
+    batch: list[str] = []
+
+    def flush() -> None:
+        nonlocal n_docs, n_tokens, n_bytes
+        if not batch:
+            return
+        encoded = tokenizer.encode_batch(batch, num_threads=num_threads)
+        lengths = [len(prefix) + len(e) + len(suffix) for e in encoded]
+        flat = np.empty(sum(lengths), dtype=dtype)
+        pos = 0
+        for e, n in zip(encoded, lengths):
+            flat[pos : pos + len(prefix)] = prefix
+            flat[pos + len(prefix) : pos + n - len(suffix)] = e
+            flat[pos + n - len(suffix) : pos + n] = suffix
+            pos += n
+        writer.write(flat)
+        n_docs += len(batch)
+        n_tokens += len(flat)
+        n_bytes += sum(len(d.encode("utf-8")) for d in batch)
+        bar.update(len(batch))
+        batch.clear()
+
+    for doc in docs:
+        batch.append(doc)
+        if len(batch) >= batch_docs:
+            flush()
+    flush()
+    writer.close()
+    bar.close()
+    return n_docs, n_tokens, n_bytes
+
+
+def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
+    """The shard dtype: uint16 for up to 65,536 ids, uint32 beyond."""
+    return np.uint16 if vocab_size <= 1 << 16 else np.uint32
+
+
+def _open_cache(directory: Path) -> TokenData:
+    manifest = json.loads((directory / "manifest.json").read_text())
+    dtype = np.dtype(manifest.get("dtype", "uint16"))
+    splits = {}
+    for split in ("train", "val"):
+        info = manifest["splits"][split]
+        shards = []
+        for shard in info["shards"]:
+            path = directory / shard["file"]
+            if path.stat().st_size != dtype.itemsize * shard["tokens"]:
+                raise ValueError(
+                    f"token cache {directory} is damaged: {path.name} has the wrong size; delete the folder"
+                )
+            shards.append(np.memmap(path, dtype=dtype, mode="r") if shard["tokens"] else np.zeros(0, dtype))
+        splits[split] = TokenSplit(shards, info["documents"], info["bytes"])
+    return TokenData(splits["train"], splits["val"], manifest, directory)
+
+
+def prepare_data(
+    source: DataSource,
+    tokenizer: Tokenizer,
+    cache_dir: str | os.PathLike | None = None,
+    *,
+    num_threads: int | None = None,
+    batch_docs: int = 1024,
+    shard_tokens: int = SHARD_TOKENS,
+    progress: bool = True,
+    log: Any = print,
+) -> TokenData:
+    """Tokenise ``source`` with ``tokenizer`` (or open the cache of an earlier run) and return both splits.
+
+    The cache folder is ``cache_dir/tokens/<source>-<tokenizer>-<hash of both fingerprints>``; it
+    is built in a temporary folder and renamed into place, so an interrupted run leaves no half
+    cache. Raises ``ValueError`` when a split is empty.
+    """
+    fingerprint = source_fingerprint(source)
+    slug = {"hf": "tinystories", "sample": "sample"}.get(source.kind) or Path(source.name).name.replace(".", "_")[:40]
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    key = hashlib.sha256(f"{fingerprint} {tokenizer.fingerprint}".encode()).hexdigest()
+    name = re.sub(r"[^\w.-]", "_", tokenizer.name)[:40]
+    directory = root / "tokens" / f"{slug}-{name}-{key[:16]}"
+    if (directory / "manifest.json").is_file():
+        data = _open_cache(directory)
+        if (data.manifest.get("fingerprint"), data.manifest.get("tokenizer_fingerprint")) == (
+            fingerprint,
+            tokenizer.fingerprint,
+        ):
+            log(f"tokens: cached in {directory} ({len(data.train):,} train / {len(data.val):,} val)")
+            return data
+    tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    threads = num_threads or min(8, os.cpu_count() or 1)
+    splits: dict[str, Any] = {}
+    t0 = time.time()
+    try:
+        for split in ("train", "val"):
+            docs, total = iter_documents(source, split)
+            writer = _ShardWriter(tmp, split, shard_tokens)
+            n_docs, n_tokens, n_bytes = _tokenize_split(
+                docs,
+                total,
+                tokenizer,
+                writer,
+                num_threads=threads,
+                batch_docs=batch_docs,
+                desc=f"tokenising {split} ({tokenizer.name})",
+                progress=progress,
+            )
+            if n_docs == 0:
+                raise ValueError(f"the {split} split of {source.describe()} holds no documents (empty corpus)")
+            splits[split] = {"shards": writer.shards, "documents": n_docs, "tokens": n_tokens, "bytes": n_bytes}
+        manifest = {
+            "format": PIPELINE_VERSION,
+            "source": source.describe(),
+            "fingerprint": fingerprint,
+            "tokenizer": tokenizer.name,
+            "tokenizer_fingerprint": tokenizer.fingerprint,
+            "vocab_size": tokenizer.vocab_size,
+            "document_prefix": tokenizer.document_prefix,
+            "document_suffix": tokenizer.document_suffix,
+            "dtype": np.dtype(token_dtype(tokenizer.vocab_size)).name,
+            "splits": splits,
+            "seconds": round(time.time() - t0, 3),
+        }
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    data = _open_cache(directory)
+    log(
+        f"tokens: {len(data.train):,} train / {len(data.val):,} val with {tokenizer.name} in {time.time() - t0:.1f}s, cached in {directory}"
+    )
+    return data
