@@ -173,3 +173,86 @@ def test_export_to_wiola13m_names_and_back():
     back = convert_wiola13m_state(theirs, CFG.n_layers)
     assert back.keys() == model.state_dict().keys()
     assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
+
+
+# ------------------------------------------------------------------ checks before allocating
+HUGE_VOCAB_SCRIPT = """
+import json, resource, sys
+from pathlib import Path
+from wiola import WiolaModel
+from wiola.fast import WiolaModel as Fast
+
+folder = Path(sys.argv[1])
+meta = json.loads((folder / "config.json").read_text())
+meta["config"]["vocab_size"] = 2_000_000_000  # x d_model 32 x 4 bytes: a 256 GB embedding
+(folder / "config.json").write_text(json.dumps(meta))
+resource.setrlimit(resource.RLIMIT_AS, (16 << 30, 16 << 30))  # any attempt to allocate it fails loudly
+for cls in (WiolaModel, Fast):
+    try:
+        cls.from_pretrained(folder)
+    except ValueError as e:
+        print(cls.__module__, "ValueError:", e)
+"""
+
+
+def test_a_config_larger_than_its_weights_is_refused_before_allocating(tmp_path):
+    """config.json says vocab_size 2,000,000,000 beside a 120-row embedding: the meta-device model's
+    shapes are compared with the safetensors header and the load fails naming the tensor, under an
+    address-space limit far below what building the model would allocate."""
+    import subprocess
+    import sys
+
+    WiolaModel(CFG).save_pretrained(tmp_path)
+    run = subprocess.run(
+        [sys.executable, "-c", HUGE_VOCAB_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    assert [line.split()[0] for line in lines] == ["wiola.model", "wiola.fast"], run.stdout + run.stderr[-2000:]
+    for line in lines:
+        assert "'embed.weight' has shape (120, 32), but config.json makes it (2000000000, 32)" in line, line
+
+
+def test_header_mismatch_is_named_before_the_tensors_are_read(tmp_path, monkeypatch):
+    """A mismatched shape is found from the safetensors header: the tensors are never loaded."""
+    import wiola.checkpoint as checkpoint
+
+    WiolaModel(CFG).save_pretrained(tmp_path)
+    meta = json.loads((tmp_path / "config.json").read_text())
+    meta["config"]["n_heads"], meta["config"]["d_model"] = 2, 48
+    (tmp_path / "config.json").write_text(json.dumps(meta))
+
+    def never(*args, **kwargs):
+        raise AssertionError("the tensors were read before the shapes were checked")
+
+    monkeypatch.setattr(checkpoint, "_read_tensors", never)
+    with pytest.raises(ValueError, match=r"'embed.weight' has shape \(120, 32\), but config.json makes it \(120, 48\)"):
+        WiolaModel.from_pretrained(tmp_path)
+
+
+def test_wiola13m_config_larger_than_its_weights_is_refused(tmp_path, monkeypatch):
+    import wiola.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint, "_read_tensors", lambda *a: pytest.fail("tensors read before the check"))
+    folder = write_hf(tmp_path, hf_state(2), config={**HF_CONFIG, "vocab_size": 10**9})
+    with pytest.raises(ValueError, match=r"'embed.weight' has shape \(120, 32\), but config.json makes it"):
+        WiolaModel.from_pretrained(folder)
+
+
+def test_a_run_folder_resolves_to_its_latest_checkpoint(tmp_path):
+    from wiola.checkpoint import LATEST_FILE, resolve_checkpoint
+
+    torch.manual_seed(3)
+    model = WiolaModel(CFG)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    model.save_pretrained(checkpoints / "step_0000007")
+    with pytest.raises(FileNotFoundError, match="config.json"):  # no pointer yet: not a checkpoint
+        WiolaModel.from_pretrained(tmp_path / "run")
+    (checkpoints / LATEST_FILE).write_text("step_0000007\n")
+    assert resolve_checkpoint(tmp_path / "run") == checkpoints / "step_0000007"
+    assert resolve_checkpoint(checkpoints / "step_0000007") == checkpoints / "step_0000007"
+    loaded = WiolaModel.from_pretrained(tmp_path / "run")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+    (checkpoints / LATEST_FILE).write_text("step_0000009\n")
+    with pytest.raises(FileNotFoundError, match="names step_0000009, which does not exist"):
+        resolve_checkpoint(tmp_path / "run")

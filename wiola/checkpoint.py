@@ -58,6 +58,10 @@ HF_CONFIG_KEYS = {
     "eos_token_id": "eos_token_id",
     "pad_token_id": "pad_token_id",
 }
+# A training run folder (wiola.train.run_folder) keeps its checkpoints in checkpoints/step_NNNNNNN/ and
+# names the newest in checkpoints/latest.
+RUN_CHECKPOINTS = "checkpoints"
+LATEST_FILE = "latest"
 HUB_FILES = ["*.json", "*.safetensors", "pytorch_model.bin"]  # what a checkpoint needs from a Hub repo
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -110,8 +114,24 @@ def save_pretrained(model: nn.Module, directory: str | Path, tokenizer: Tokenize
     _atomic_write(directory / CONFIG_FILE, lambda p: Path(p).write_text(json.dumps(meta, indent=2) + "\n"))
 
 
+def latest_checkpoint(run: str | os.PathLike) -> Path | None:
+    """The newest checkpoint folder of a training run folder (the one ``checkpoints/latest`` names),
+    or None when ``run`` has no ``checkpoints/latest``.
+
+    Raises ``FileNotFoundError`` when the pointer names a folder that does not exist.
+    """
+    latest = Path(run) / RUN_CHECKPOINTS / LATEST_FILE
+    if not latest.is_file():
+        return None
+    checkpoint = latest.parent / latest.read_text().strip()
+    if not checkpoint.is_dir():
+        raise FileNotFoundError(f"{latest} names {checkpoint.name}, which does not exist")
+    return checkpoint
+
+
 def resolve_checkpoint(name: str | os.PathLike, revision: str | None = None) -> Path:
-    """The local folder of a checkpoint: ``name`` itself when it exists, else the Hugging Face Hub
+    """The local folder of a checkpoint: ``name`` itself when it holds a checkpoint, the newest
+    checkpoint of a training run folder ``name`` (``latest_checkpoint``), else the Hugging Face Hub
     repo ``name`` (``"org/model"``) at ``revision`` through ``huggingface_hub`` (its cache, and
     only the cache when ``HF_HUB_OFFLINE=1``).
 
@@ -121,6 +141,8 @@ def resolve_checkpoint(name: str | os.PathLike, revision: str | None = None) -> 
     if path.exists():
         if revision is not None:
             raise ValueError(f"revision={revision!r} applies to Hub ids, but {str(path)!r} is a local path")
+        if not (path / CONFIG_FILE).is_file():
+            return latest_checkpoint(path) or path
         return path
     repo = str(name)
     if not REPO_ID.match(repo) or repo.count("/") != 1:
@@ -196,6 +218,68 @@ def _read_tensors(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
             raise ValueError(f"{pt} does not hold a dict of tensors")
         return state, pt
     raise FileNotFoundError(f"no weights in {directory}: expected {WEIGHTS_FILE} (or pytorch_model.bin)")
+
+
+def _header_shapes(directory: Path) -> tuple[dict[str, tuple[int, ...]], Path] | None:
+    """Name -> shape of every tensor in ``model.safetensors``, from its header alone (no tensor is
+    read); None when the folder has no safetensors file. Raises ``ValueError`` for a damaged file."""
+    st = directory / WEIGHTS_FILE
+    if not st.is_file():
+        return None
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(st), framework="pt") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}, st
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"{st} is corrupt or not a safetensors file: {e}") from e
+
+
+def _check_shapes(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], source: Any) -> None:
+    """Every tensor the model has, none it lacks, each of the model's shape; ``ValueError`` naming
+    the first tensors that differ (and, for a shape, the config fields it follows from)."""
+    missing = sorted(set(expected) - set(found))
+    extra = sorted(set(found) - set(expected))
+    if missing:
+        raise ValueError(f"{source}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if extra:
+        raise ValueError(f"{source}: unexpected tensor(s) {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+    for name, shape in found.items():
+        if tuple(shape) != tuple(expected[name]):
+            raise ValueError(
+                f"{source}: tensor {name!r} has shape {tuple(shape)}, but config.json makes it "
+                f"{tuple(expected[name])}: the config does not describe these weights"
+            )
+
+
+class _SkipRandomInit(torch.overrides.TorchFunctionMode):
+    """Inside it, the random fills of weight initialisation return their tensor untouched: on the
+    meta device they compute nothing anyway, and ``normal_`` there would import ``torch._dynamo``
+    (seconds) through its decomposition. Per thread, like every torch function mode."""
+
+    SKIPPED = frozenset(
+        {
+            torch.Tensor.normal_,
+            torch.Tensor.uniform_,
+            torch.nn.init.normal_,
+            torch.nn.init.trunc_normal_,
+            torch.nn.init.uniform_,
+            torch.nn.init.kaiming_uniform_,
+        }
+    )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.SKIPPED:  # init functions pass the tensor by keyword, methods as self
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
+def _expected_shapes(cls: Callable[[WiolaConfig], nn.Module], config: WiolaConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of ``cls(config)``'s state dict, built on the meta device (nothing
+    is allocated, whatever sizes the config asks for)."""
+    with torch.device("meta"), _SkipRandomInit():
+        skeleton = cls(config)
+    return {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
 
 
 def convert_wiola13m_state(state: dict[str, torch.Tensor], n_layers: int, source: Any = "") -> dict[str, torch.Tensor]:
@@ -321,7 +405,14 @@ def load_pretrained(
     revision: str | None = None,
 ) -> ModelT:
     """Build ``cls(config)`` (a ``WiolaModel`` class) from a checkpoint directory (ours or
-    ``wiola13m``'s) or a Hub id (``resolve_checkpoint``); every tensor is checked."""
+    ``wiola13m``'s), a training run folder (its latest checkpoint) or a Hub id (``resolve_checkpoint``).
+
+    Every tensor is checked before the model is allocated: the shapes ``config.json`` implies (the
+    model built on the meta device) against the safetensors header, so a config that does not
+    describe the weights (say ``vocab_size`` 2,000,000,000 beside a 3,000-row embedding) raises
+    ``ValueError`` naming the tensor instead of allocating. Raises ``FileNotFoundError`` for a missing
+    folder or file, ``ValueError`` for a damaged or mismatched one.
+    """
     directory = resolve_checkpoint(directory, revision)
     config, flavour = read_config(directory)
     record = _read_json(directory / CONFIG_FILE).get("quantization") if flavour == "wiola" else None
@@ -336,26 +427,25 @@ def load_pretrained(
         scheme = quantize.read_record(record, directory / CONFIG_FILE)
         if dtype not in (None, torch.float32):
             raise ValueError(f"{directory} holds {scheme}-quantized weights: load them as fp32 (dtype={dtype})")
+    # Before anything is allocated: the config's shapes (a meta-device model) against the file's header.
+    expected = _expected_shapes(cls, config)
+    header = _header_shapes(directory) if record is None else None  # packed tensors: checked after unpacking
+    if header is not None:
+        shapes, source = header
+        if flavour == "wiola13m":
+            names = wiola13m_names(config.n_layers)
+            shapes = {names.get(name, name): shape for name, shape in shapes.items() if name != "lm_head.weight"}
+        _check_shapes(expected, shapes, source)
     state, source = _read_tensors(directory)
     if flavour == "wiola13m":
         state = convert_wiola13m_state(state, config.n_layers, source)
     if record is not None:
         state, packed = quantize.unpack_state(state, scheme, config.n_layers, source)
-    model = cls(config)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    extra = sorted(set(state) - set(expected))
-    if missing:
-        raise ValueError(f"{source}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    if extra:
-        raise ValueError(f"{source}: unexpected tensor(s) {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+    _check_shapes(expected, {name: tuple(t.shape) for name, t in state.items()}, source)
     for name, tensor in state.items():
-        if tensor.shape != expected[name].shape:
-            raise ValueError(
-                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}"
-            )
         if not tensor.dtype.is_floating_point:
             raise ValueError(f"{source}: tensor {name!r} has dtype {tensor.dtype}, expected a float type")
+    model = cls(config)
     model.load_state_dict(state)
     model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     if packed is not None:

@@ -52,11 +52,7 @@ def run_export(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--quantize and --int8-matmul are for --format onnx; the {args.format} format stores fp32 weights"
         )
-    path = resolve_checkpoint(args.checkpoint, args.revision)
-    if not (path / "config.json").is_file() and (path / "checkpoints").is_dir():
-        from wiola.train.run_folder import find_checkpoint
-
-        path = find_checkpoint(path)
+    path = resolve_checkpoint(args.checkpoint, args.revision)  # a run folder: its latest checkpoint
     out = Path(args.out)
     if out.resolve() == path.resolve():
         raise ValueError(f"--out {out} is the checkpoint itself; write the export to another folder")

@@ -50,11 +50,7 @@ def _load_model(args: argparse.Namespace):
     if getattr(args, "fast", False):
         from wiola.fast import WiolaModel as cls
     if args.checkpoint:
-        path = resolve_checkpoint(args.checkpoint, args.revision)
-        if not (path / "config.json").is_file() and (path / "checkpoints").is_dir():
-            from wiola.train.run_folder import find_checkpoint
-
-            path = find_checkpoint(path)  # a training run folder: its latest checkpoint
+        path = resolve_checkpoint(args.checkpoint, args.revision)  # a run folder: its latest checkpoint
         model = cls.from_pretrained(path, device=args.device)
         if args.tokenizer:
             c = model.config
