@@ -85,6 +85,20 @@ def test_loglikelihood_equals_the_reference_model(checkpoint, quantize):
             assert greedy == want_greedy
 
 
+def test_wiola13m_folder_scores_as_ours(checkpoint, tmp_path):
+    """The same weights and tokenizer written in the published package's format score the same."""
+    from wiola.checkpoint import export_wiola13m
+    from wiola.tokenizer import TiktokenTokenizer
+
+    model = WiolaModel.from_pretrained(checkpoint)
+    export_wiola13m(model, tmp_path / "w13", TiktokenTokenizer(encoding_for_vocab(model.config.vocab_size)))
+    pairs = _instances("loglikelihood", [(c, k) for c in CONTEXTS[:2] for k in CHOICES])
+    ours, theirs = WiolaLM(str(checkpoint), device="cpu"), WiolaLM(str(tmp_path / "w13"), device="cpu")
+    for lm in (ours, theirs):
+        lm.model.use_kernels(False)
+    assert ours.loglikelihood(pairs, disable_tqdm=True) == theirs.loglikelihood(pairs, disable_tqdm=True)
+
+
 def test_loglikelihood_rolling_sums_windows(checkpoint):
     """A text longer than max_seq_len: the rolling score equals the reference's windows (each
     predicts the next up to max_length tokens from the max_length tokens before their end, the

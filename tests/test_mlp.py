@@ -174,6 +174,7 @@ def test_checkpoint_without_ffn_is_butterfly(tmp_path):
 def test_butterfly_only_paths_refuse_variants():
     import warnings
 
+    from wiola.checkpoint import export_wiola13m
     from wiola.export.onnx import export_onnx
     from wiola.fast import WiolaModel as Fast
     from wiola.fast import quantize
@@ -186,6 +187,8 @@ def test_butterfly_only_paths_refuse_variants():
         quantize.quantize(fast, "int8")
     with pytest.raises(ValueError, match="export supports only the butterfly.*ffn='gelu'"):
         export_onnx(fast, "unused.onnx")
+    with pytest.raises(ValueError, match="wiola13m format supports only the butterfly"):
+        export_wiola13m(fast, "unused")
     if load() is not None:
         with pytest.raises(ValueError, match="C\\+\\+ CPU decode step supports only the butterfly"):
             DecodeStepCPU(fast, fast.new_cache(1))
