@@ -11,6 +11,12 @@ For each checkpoint (a model folder or a run folder) and its own tokenizer:
   call (the C++ step on this CPU) for fp32, bf16 and int8 weights, and the ONNX export run by
   ONNX Runtime (fp32, bf16, int8 stored and dequantized at load, and ``--int8-matmul``);
 - the reference's full pass in fp32 (``wiola.train.evaluate``) is the row they are read against;
+- next-token distributions against the fp32 reference's, over every scored position, as
+  llama.cpp's ``perplexity --kl-divergence`` reports them: the KL divergence
+  ``KL(p_fp32 ‖ p_form) = Σ_v p_fp32(v) (log p_fp32(v) − log p_form(v))`` per position (mean
+  with its standard error, median, 99th percentile, max), "same top token" (the share of
+  positions whose argmax equals the reference's) and Δ loss (the form's mean next-token loss
+  minus fp32's);
 - greedy agreement: 8 prompts (the first 16 tokens of validation windows), ``--new-tokens``
   greedy tokens each (default 256, no stop at eos), each form against the fp32 reference: the
   tokens before the first difference (mean and minimum over the prompts) and the share of
@@ -58,6 +64,29 @@ def runtime_logits(runtime: Any, x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.stack(logits, axis=1))
 
 
+def kl_statistics(ref_logits: torch.Tensor, logits: torch.Tensor, chunk: int = 4096) -> dict[str, float]:
+    """Per-position ``KL(softmax(ref) ‖ softmax(logits))`` in nats, over ``(..., V)`` logits (float64
+    sums, ``chunk`` positions at a time): mean, its standard error, median, 99th percentile, max,
+    and the percentage of positions whose top token is the reference's."""
+    ref_logits, logits = ref_logits.reshape(-1, ref_logits.shape[-1]), logits.reshape(-1, logits.shape[-1])
+    kls, same = [], 0
+    for start in range(0, ref_logits.shape[0], chunk):
+        lp = torch.log_softmax(ref_logits[start : start + chunk].double(), -1)
+        lq = torch.log_softmax(logits[start : start + chunk].double(), -1)
+        kls.append((lp.exp() * (lp - lq)).sum(-1).clamp_min(0.0))  # >= 0 up to rounding
+        same += int((lp.argmax(-1) == lq.argmax(-1)).sum())
+    kl = torch.cat(kls)
+    n = kl.numel()
+    return {
+        "kl_mean": float(kl.mean()),
+        "kl_mean_stderr": float(kl.std() / math.sqrt(n)) if n > 1 else 0.0,
+        "kl_median": float(kl.quantile(0.5)),
+        "kl_p99": float(kl.quantile(0.99)),
+        "kl_max": float(kl.max()),
+        "same_top_pct": 100.0 * same / n,
+    }
+
+
 def agreement(ref: torch.Tensor, got: torch.Tensor) -> dict[str, float]:
     same = got[:, PROMPT_LEN:] == ref[:, PROMPT_LEN:]
     first = same.cumprod(dim=1).sum(dim=1).double()
@@ -89,6 +118,8 @@ def measure(checkpoint: Path, windows: int, seq_len: int, new_tokens: int, work:
     vals = torch.from_numpy(data.val.read(0, windows * seq_len + 1))
     x = torch.stack([vals[i * seq_len : (i + 1) * seq_len + 1] for i in range(windows)])  # (W, T + 1)
     inputs, targets = x[:, :-1], x[:, 1:]
+    with torch.inference_mode():  # the reference's full-pass distributions, one window at a time
+        ref_logits = torch.cat([reference(inputs[i : i + 1]).logits for i in range(windows)])
     n_bytes = int(lengths[targets].sum())
     prompts = x[:PROMPTS, :PROMPT_LEN]
     want = reference.generate(prompts, new_tokens, temperature=0)
@@ -102,6 +133,7 @@ def measure(checkpoint: Path, windows: int, seq_len: int, new_tokens: int, work:
             "val_loss": loss,
             "bits_per_byte": nats / math.log(2) / n_bytes,
             "delta_loss_vs_fp32": loss - full.loss,
+            "next_token": kl_statistics(ref_logits, logits),
             "greedy": agreement(want, tokens),
             **(extra or {}),
         }
@@ -113,6 +145,7 @@ def measure(checkpoint: Path, windows: int, seq_len: int, new_tokens: int, work:
             "val_loss": full.loss,
             "bits_per_byte": full.bits_per_byte,
             "delta_loss_vs_fp32": 0.0,
+            "next_token": kl_statistics(ref_logits, ref_logits),
             "greedy": agreement(want, want),
         }
     ]
@@ -164,14 +197,16 @@ def markdown(results: list[dict[str, Any]]) -> str:
             f"{v['windows']} validation windows × {v['seq_len']} tokens ({v['targets']:,} targets, {v['bytes']:,} bytes); "
             f"greedy: {g['prompts']} prompts × {g['new_tokens']} new tokens against the fp32 reference.",
             "",
-            "| weights | runs in | val loss | Δ loss | bits/byte | greedy: tokens before the first difference (mean / min) | same tokens |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "| weights | runs in | val loss | Δ loss | bits/byte | mean KLD | 99% KLD | same top token "
+            "| greedy: tokens before the first difference (mean / min) | same tokens |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in res["rows"]:
-            a = r["greedy"]
+            a, k = r["greedy"], r["next_token"]
             lines.append(
                 f"| {r['form']} | {r['runs_in']} | {r['val_loss']:.4f} | {r['delta_loss_vs_fp32']:+.4f} | "
-                f"{r['bits_per_byte']:.4f} | {a['mean_before_diff']:.0f} / {a['min_before_diff']} | {a['same_pct']:.1f}% |"
+                f"{r['bits_per_byte']:.4f} | {k['kl_mean']:.2e} ± {k['kl_mean_stderr']:.1e} | {k['kl_p99']:.2e} | "
+                f"{k['same_top_pct']:.2f}% | {a['mean_before_diff']:.0f} / {a['min_before_diff']} | {a['same_pct']:.1f}% |"
             )
         lines.append("")
     return "\n".join(lines)

@@ -28,6 +28,29 @@ def frequencies(D: int, base: float, alpha: float) -> torch.Tensor:
     return base ** (-2 * i / D) * (1 + alpha * torch.sqrt(i + 1) / math.sqrt(D / 2))
 
 
+def _silu(u: torch.Tensor) -> torch.Tensor:
+    return u / (1 + torch.exp(-u))
+
+
+def _gelu(u: torch.Tensor) -> torch.Tensor:
+    return 0.5 * u * (1 + torch.erf(u / math.sqrt(2)))
+
+
+def feed_forward(kind: str, x: torch.Tensor, w: dict) -> torch.Tensor:
+    """One feed-forward block on ``x`` (T, d) float64, its weights ``w`` by name within the block
+    (``up_proj.weight``, ...): the butterfly (SPEC eq. 14-16), SwiGLU or the erf-GELU MLP."""
+    w = {k.removesuffix(".weight"): v.double() for k, v in w.items()}
+    if kind == "butterfly":
+        ab = x @ w["up_proj"].T
+        a, b = ab[:, : ab.shape[1] // 2], ab[:, ab.shape[1] // 2 :]
+        return (_silu(a) * b + x @ w["bypass_proj"].T) @ w["down_proj"].T
+    if kind == "swiglu":
+        return (_silu(x @ w["gate_proj"].T) * (x @ w["up_proj"].T)) @ w["down_proj"].T
+    if kind == "gelu":
+        return _gelu(x @ w["up_proj"].T) @ w["down_proj"].T
+    raise ValueError(f"unknown feed-forward block {kind!r}")
+
+
 def forward_row(state: dict, cfg, ids: list[int], real: list[bool] | None = None) -> torch.Tensor:
     """Logits ``(T, V)`` float64 of one row; ``real`` marks non-padding tokens (default all)."""
     sd = {k: v.double() for k, v in state.items()}
@@ -66,8 +89,9 @@ def forward_row(state: dict, cfg, ids: list[int], real: list[bool] | None = None
                 z[t, head] = torch.softmax(scores, 0) @ v[keys, head]
         h = h + z.reshape(T, H * D) @ sd[p + "attn.o_proj.weight"].T
         x = _rms(h, sd[p + "ffn_norm.weight"], eps)
-        ab = x @ sd[p + "ffn.up_proj.weight"].T
-        a, b = ab[:, : cfg.d_ff], ab[:, cfg.d_ff :]
-        r = a * torch.sigmoid(a) * b + x @ sd[p + "ffn.bypass_proj.weight"].T
-        h = h + r @ sd[p + "ffn.down_proj.weight"].T
+        h = h + feed_forward(
+            getattr(cfg, "ffn", "butterfly"),
+            x,
+            {k[len(p + "ffn.") :]: v for k, v in sd.items() if k.startswith(p + "ffn.")},
+        )
     return _rms(h, sd["norm.weight"], eps) @ sd["embed.weight"].T

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from wiola.config import WiolaConfig
+
+# Weight matrices of shape d × d_ff in one feed-forward block, and their names in the table.
+FFN_MATRICES = {"butterfly": 4, "swiglu": 3, "gelu": 2}
+FFN_NAMES = {"butterfly": "butterfly up, bypass, down", "swiglu": "swiglu gate, up, down", "gelu": "gelu up, down"}
+MATCH_TOLERANCE = 0.005  # match_params: the largest relative gap to the base total it accepts
 
 
 @dataclass
@@ -67,7 +73,7 @@ def budget(config: WiolaConfig, seq_len: int | None = None) -> Budget:
         "embedding (tied head)": V * d,
         "attention q,k,v,o": L * 4 * d * d,
         "gate W1, W2, b2": L * (H * D + H * H + H) if config.gate else 0,
-        "butterfly up, bypass, down": L * 4 * d * f,
+        FFN_NAMES[config.ffn]: L * FFN_MATRICES[config.ffn] * d * f,
         "norms": L * 2 * d + d,
     }
     n_keys = (T + 1) / 2
@@ -75,7 +81,32 @@ def budget(config: WiolaConfig, seq_len: int | None = None) -> Budget:
         "attention projections": L * 2 * 4 * d * d,
         "attention scores + values": L * 2 * 2 * d * n_keys,
         "gate": L * 2 * (D * H + H * H) if config.gate else 0,
-        "butterfly": L * 2 * 4 * d * f,
+        config.ffn: L * 2 * FFN_MATRICES[config.ffn] * d * f,
         "head (logits)": 2 * d * V,
     }
     return Budget(config=config, seq_len=T, params=params, forward_flops_per_token=flops)
+
+
+def match_params(config: WiolaConfig, base: WiolaConfig, tolerance: float = MATCH_TOLERANCE) -> WiolaConfig:
+    """``config`` with the ``d_ff`` whose exact total parameter count is nearest ``base``'s.
+
+    The total is ``c + L·k·d·d_ff`` (``k`` = ``FFN_MATRICES[config.ffn]``; ``c`` counts everything
+    else, the gate included when on), so the nearest integer is ``round((base_total - c) / (L·k·d))``
+    (ties to the smaller). Raises ``ValueError`` when that ``d_ff`` is below 1 or its total is more
+    than ``tolerance`` (relative) away from ``base``'s.
+    """
+    target = budget(base).total_params
+    per_unit = config.n_layers * FFN_MATRICES[config.ffn] * config.d_model
+    rest = budget(dataclasses.replace(config, d_ff=1)).total_params - per_unit
+    num = target - rest
+    d_ff = num // per_unit + (1 if 2 * (num % per_unit) > per_unit else 0)
+    if d_ff < 1:
+        raise ValueError(f"no d_ff matches {target:,} parameters: the rest of the model alone has {rest:,}")
+    matched = dataclasses.replace(config, d_ff=d_ff)
+    gap = abs(budget(matched).total_params - target) / target
+    if gap > tolerance:
+        raise ValueError(
+            f"the nearest d_ff={d_ff} gives {budget(matched).total_params:,} parameters, {gap:.2%} from "
+            f"{target:,} (more than {tolerance:.1%})"
+        )
+    return matched

@@ -372,6 +372,7 @@ def export_wiola13m(model: nn.Module, directory: str | Path, tokenizer: Tokenize
     from wiola.tokenizer import TiktokenTokenizer
 
     cfg: WiolaConfig = model.config
+    cfg.require_butterfly("the wiola13m format")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     theirs = {hf: getattr(cfg, ours) for hf, ours in HF_CONFIG_KEYS.items()}

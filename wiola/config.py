@@ -15,6 +15,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=32000, d_model=128, n_layers=4, n_heads=4, d_ff=256, max_seq_len=512),
 }
 
+# The feed-forward blocks (docs/SPEC.md, Feed-forward variants); the first is the paper's.
+FFN_KINDS = ("butterfly", "swiglu", "gelu")
+
 
 @dataclass
 class WiolaConfig:
@@ -24,7 +27,7 @@ class WiolaConfig:
     d_model: int = 256  # [d] hidden width
     n_layers: int = 6  # [L]
     n_heads: int = 8  # [H]; head width d_h = d_model / n_heads must be even (rotation pairs)
-    d_ff: int = 512  # [d_ff] butterfly inner width
+    d_ff: int = 512  # [d_ff] inner width of the feed-forward block
     max_seq_len: int = 1024  # longest sequence (prompt + generation) the model accepts
     rope_base: float = 10000.0  # base of the rotary frequency schedule
     helix_alpha: float = 0.05  # helical perturbation; 0 gives standard RoPE
@@ -35,6 +38,7 @@ class WiolaConfig:
     eos_token_id: int | None = None  # generation stops here; None: the tokenizer's, if any
     bos_token_id: int | None = None  # None: the tokenizer's, if any
     pad_token_id: int | None = None  # fills left padding and finished rows; None: the tokenizer's (or eos)
+    ffn: str = "butterfly"  # feed-forward block: "butterfly" (the paper's), "swiglu" or "gelu" (FFN_KINDS)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
@@ -47,6 +51,8 @@ class WiolaConfig:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head width d_model/n_heads = {self.head_dim} must be even (n_heads={self.n_heads})")
+        if self.ffn not in FFN_KINDS:
+            raise ValueError(f"ffn must be one of {', '.join(FFN_KINDS)}, got {self.ffn!r}")
         if self.rope_base <= 1.0:
             raise ValueError(f"rope_base must be > 1, got {self.rope_base}")
         if self.helix_alpha < 0:
@@ -70,6 +76,12 @@ class WiolaConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
+
+    def require_butterfly(self, what: str) -> None:
+        """Raise ``ValueError`` naming ``what`` (a path that implements only the paper's block)
+        when this config's feed-forward block is not the butterfly."""
+        if self.ffn != "butterfly":
+            raise ValueError(f"{what} supports only the butterfly feed-forward block; this model has ffn={self.ffn!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

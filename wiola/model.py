@@ -312,6 +312,54 @@ class Butterfly(nn.Module):
         return self.ops.butterfly(x, *weights, layouts=layouts)
 
 
+class _Projections(nn.Module):
+    """A feed-forward block of the ablations (``wiola.ops.mlp``): bias-free ``nn.Linear``
+    projections named as in Llama (``gate_proj``, ``up_proj``, ``down_proj``, what peft targets),
+    computed by ``function`` in both model classes (no fused kernel; ``wiola.fast`` says so)."""
+
+    function: ClassVar[Callable[..., Any]]
+    names: ClassVar[tuple[str, ...]]  # the up-side projections (d -> d_ff) in call order
+
+    def __init__(
+        self, config: WiolaConfig, layer_index: int = 0, ops: Ops = REFERENCE_OPS, derived: DerivedWeights | None = None
+    ) -> None:
+        super().__init__()
+        d, f = config.d_model, config.d_ff
+        self.layer_index = layer_index
+        self.derived = derived if derived is not None else DerivedWeights()
+        for name in self.names:
+            setattr(self, name, nn.Linear(d, f, bias=False))
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(..., d)`` -> ``(..., d)``."""
+        names = (*self.names, "down_proj")
+        weights = tuple(getattr(self, n).weight for n in names)
+        if not uses_decode_layout(x):
+            dtype = _autocast_dtype(x)
+            weights = tuple(_cast_of(self.derived, (n, self.layer_index), w, dtype) for n, w in zip(names, weights))
+            return type(self).function(x, *weights)
+        layouts = tuple(_decode_layout_of(self.derived, (n, self.layer_index), w) for n, w in zip(names, weights))
+        return type(self).function(x, *weights, layouts=layouts)
+
+
+class SwiGLU(_Projections):
+    """``W_down (SiLU(W_gate x) ⊙ W_up x)``: the Llama feed-forward block (``wiola.ops.swiglu``)."""
+
+    function = staticmethod(reference_ops.swiglu)
+    names = ("gate_proj", "up_proj")
+
+
+class GeluMLP(_Projections):
+    """``W_down GELU(W_up x)``: the GPT-2 feed-forward block without biases (``wiola.ops.gelu_mlp``)."""
+
+    function = staticmethod(reference_ops.gelu_mlp)
+    names = ("up_proj",)
+
+
+FFN_BLOCKS: dict[str, type[nn.Module]] = {"butterfly": Butterfly, "swiglu": SwiGLU, "gelu": GeluMLP}
+
+
 class Block(nn.Module):
     """One pre-norm decoder layer on the pair ``(hidden, residual)``.
 
@@ -329,7 +377,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps, ops)
         self.attn = GatedHelicalAttention(config, layer_index, ops, derived)
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps, ops)
-        self.ffn = Butterfly(config, layer_index, ops, derived)
+        self.ffn = FFN_BLOCKS[config.ffn](config, layer_index, ops, derived)
 
     def forward(
         self,

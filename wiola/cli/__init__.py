@@ -2,7 +2,8 @@
 
 Sub-commands: ``budget`` (``wiola.cli.budget``), ``generate`` (``wiola.cli.generate``), ``train``
 (``wiola.cli.train``), ``eval`` and ``gates`` (``wiola.cli.evaluate``), ``demo`` (``wiola.cli.demo``),
-``tokenizer train`` (``wiola.cli.tokenizer``), ``export`` (``wiola.cli.export``).
+``tokenizer train`` (``wiola.cli.tokenizer``), ``export`` (``wiola.cli.export``), ``ablate``
+(``wiola.cli.ablate``).
 Every handler takes the parsed arguments and returns an exit code (0 done, 2 bad input, 130
 interrupted with a checkpoint saved). Bad input is one line on stderr, no traceback.
 """
@@ -12,13 +13,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from wiola.cli import budget, demo, evaluate, export, generate, tokenizer, train
+from wiola.cli import ablate, budget, demo, evaluate, export, generate, tokenizer, train
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wiola", description="Wiola small language model")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (budget, generate, train, evaluate, demo, tokenizer, export):
+    for command in (budget, generate, train, evaluate, demo, tokenizer, export, ablate):
         command.register(sub)
     return parser
 

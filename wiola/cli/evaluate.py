@@ -14,6 +14,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="validation loss, perplexity and bits per byte of a checkpoint")
     _add_eval_arguments(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    g = p.add_argument_group("lm-evaluation-harness (the eval extra): --tasks scores tasks instead of val loss")
+    g.add_argument("--tasks", help="comma-separated lm-eval task names (or groups)")
+    g.add_argument("--include-path", help="a folder of extra task YAML files")
+    g.add_argument("--num-fewshot", type=int)
+    g.add_argument("--limit", type=float, help="documents per task (a fraction when < 1)")
+    g.add_argument("--quantize", choices=["int8", "bf16"], help="weight-only int8/bf16 (the C++ CPU step's forms)")
+    g.add_argument("--output", help="write lm-eval's results JSON here")
     p.set_defaults(func=run_eval)
 
     p = sub.add_parser("gates", help="mean gate per layer × head of a checkpoint, as a heat-map PNG")
@@ -70,7 +77,42 @@ def _load_for_eval(args: argparse.Namespace) -> tuple[Any, Any, Any, int, str, P
     return model, encoding, data, seq_len, precision, path
 
 
+def run_tasks(args: argparse.Namespace) -> int:
+    """``wiola eval --tasks``: lm-eval's ``simple_evaluate`` on ``wiola.train.harness.WiolaLM``."""
+    try:
+        import lm_eval
+    except ImportError as e:
+        raise RuntimeError(f"wiola eval --tasks needs lm-eval ({e}): pip install 'wiola-slm[eval]'") from e
+
+    from wiola.train.harness import WiolaLM, task_manager
+
+    if args.include_path and not Path(args.include_path).is_dir():
+        raise FileNotFoundError(f"--include-path {args.include_path!r} is not a folder")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise ValueError("--tasks names no task")
+    manager = task_manager(args.include_path)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise ValueError(f"unknown lm-eval task(s) {unknown} (add --include-path DIR for local YAML tasks)")
+    lm = WiolaLM(args.checkpoint, batch_size=args.batch_size, device=args.device, quantize=args.quantize)
+    results = lm_eval.simple_evaluate(
+        model=lm, tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit, task_manager=manager, log_samples=False
+    )
+    from lm_eval.utils import make_table
+
+    print(make_table(results))
+    if args.output:
+        Path(args.output).write_text(json.dumps(results, indent=2, default=str) + "\n")
+        print(f"results: {args.output}")
+    return 0
+
+
 def run_eval(args: argparse.Namespace) -> int:
+    if args.tasks is not None:
+        return run_tasks(args)
+    if args.quantize:
+        raise ValueError("--quantize goes with --tasks")
     from wiola.train.data import token_byte_lengths
     from wiola.train.evaluate import evaluate
 

@@ -144,6 +144,7 @@ def decode_step(model: WiolaModel, *, int8_matmul: bool = False) -> DecodeStep:
         raise TypeError(f"export: expected a WiolaModel, got {type(model).__module__}.{type(model).__qualname__}")
     if model.embed.weight.device.type != "cpu":
         raise ValueError(f"export: the model is on {model.embed.weight.device}; move it to the CPU first")
+    model.config.require_butterfly("export")
     scheme = getattr(model, "quantization", None)
     if int8_matmul and scheme != "int8":
         raise ValueError(

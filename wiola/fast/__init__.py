@@ -24,6 +24,10 @@ What runs where:
   runs every layer and the head (``wiola/fast/decode_step_cpu.py``, compiled on first use).
   ``wiola.fast.quantize.quantize(model, "int8" | "bf16")`` gives that step weight-only int8
   (per-row scales) or bf16 matrices; the PyTorch path then runs on the dequantized weights.
+- The ablations' feed-forward blocks (``ffn="swiglu"`` or ``"gelu"``) have no kernel and no
+  C++ step: they run ``wiola.ops.mlp`` (PyTorch) in every mode, the rest of the model on its
+  fast path, and one-token CPU steps stay in PyTorch. The constructor warns and ``describe()``
+  says so.
 - Without a GPU: under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (tests); else a
   PyTorch path (SDPA with the gate folded into the query, the static cache) that is at least
   as fast as the reference.
@@ -38,6 +42,7 @@ derived tensors and C++ step binding (``derived_weights``), none in the state di
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -69,6 +74,17 @@ class WiolaModel(ReferenceModel):
         super().__init__(config)
         self.kernels = True  # this model's switch (use_kernels); see kernels_enabled
         self.cuda_graphs = GraphSteps()
+        if config.ffn != "butterfly":
+            warnings.warn(self.describe(), stacklevel=2)
+
+    def describe(self) -> str:
+        """One line: what computes this model's feed-forward block (and whether the C++ CPU step can run)."""
+        if self.config.ffn == "butterfly":
+            return "wiola.fast: every op on its fused kernel where usable (the butterfly included)"
+        return (
+            f"wiola.fast: ffn={self.config.ffn!r} has no fused kernel and no C++ CPU step; its feed-forward "
+            f"block runs on PyTorch (wiola.ops.mlp), one-token CPU steps too"
+        )
 
     def use_kernels(self, enabled: bool = True) -> WiolaModel:
         """Run this model on the kernels (default) or, with ``False``, on the PyTorch path; returns

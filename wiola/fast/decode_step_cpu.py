@@ -334,6 +334,7 @@ class DecodeStepCPU:
             raise RuntimeError(f"the CPU decode step is not available: {BUILD_ERROR}")
         self.isa = select_isa(isa)
         cfg = model.config
+        cfg.require_butterfly("the C++ CPU decode step")
         if cfg.head_dim > MAX_HEAD or cfg.n_heads > MAX_HEAD:
             raise ValueError(f"the CPU decode step needs head_dim and n_heads <= {MAX_HEAD}")
         self.lib, self.config = lib, cfg

@@ -257,6 +257,7 @@ def cpu_decode_step(
     """
     if (
         not model.kernels_enabled
+        or model.config.ffn != "butterfly"  # the C++ step implements the paper's block only
         or input_ids.device.type != "cpu"
         or input_ids.dim() != 2
         or input_ids.shape[1] != 1

@@ -102,6 +102,7 @@ def _check_model(model: Any) -> None:
             f"quantized weights run in wiola.fast.WiolaModel's C++ CPU step; got a {type(model).__module__}."
             f"{type(model).__qualname__}"
         )
+    model.config.require_butterfly("wiola.fast.quantize")
 
 
 def attach(model: torch.nn.Module, scheme: str, packed: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> None:

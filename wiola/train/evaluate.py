@@ -1,4 +1,5 @@
-"""Evaluation: validation loss, perplexity and bits per byte; the mean gate per layer × head.
+"""Evaluation: validation loss, perplexity and bits per byte; the mean gate per layer × head;
+per-layer gradient norms; validation loss by token position.
 
 Bits per byte is the validation stream's code length in bits divided by its text's UTF-8 bytes:
 ``Σ_targets nats / ln 2 / Σ_targets bytes(target)``, where a token's bytes are those it decodes
@@ -163,3 +164,56 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
     counts = np.bincount(tokens, minlength=vocab_size).astype(np.float64)
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
+
+
+@torch.no_grad()
+def layer_grad_norms(model: torch.nn.Module) -> torch.Tensor | None:
+    """The L2 norm of each layer's gradients (every parameter of ``model.layers[i]``): ``(L,)``
+    float32 on the model's device, or None before any backward pass. Reads, never changes, the
+    gradients (clipping comes after)."""
+    norms = []
+    for layer in model.layers:
+        grads = [p.grad.detach().float().norm() for p in layer.parameters() if p.grad is not None]
+        if not grads:
+            return None
+        norms.append(torch.stack(grads).norm())
+    return torch.stack(norms)
+
+
+@torch.no_grad()
+def position_losses(
+    model: torch.nn.Module,
+    split: TokenSplit,
+    seq_len: int,
+    bucket: int = 64,
+    *,
+    batch_size: int = 8,
+    max_windows: int | None = None,
+) -> list[dict[str, float | int]]:
+    """Validation loss by the position of the target in its window: targets ``1 ... seq_len``
+    grouped by the predicting token's position ``t`` (0-based) into buckets
+    ``[0, bucket), [bucket, 2·bucket), ...``. Each entry: ``start``, ``end`` (exclusive),
+    ``loss`` (mean nats), ``tokens``. Same windows as ``evaluate``. Raises ``ValueError`` for
+    ``bucket < 1``."""
+    if bucket < 1:
+        raise ValueError(f"bucket must be >= 1, got {bucket}")
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(seq_len, dtype=torch.float64)
+    counts = torch.zeros(seq_len, dtype=torch.int64)
+    try:
+        for batch in eval_batches(split, seq_len, batch_size, max_windows=max_windows):
+            x = batch.to(device)
+            logits = model(x).logits[:, :-1].float()  # (B, T, V): position t predicts x[:, t + 1]
+            nats = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
+            sums += nats.double().sum(0).cpu()
+            counts += x.shape[0]
+    finally:
+        model.train(was_training)
+    out = []
+    for start in range(0, seq_len, bucket):
+        end = min(start + bucket, seq_len)
+        n = int(counts[start:end].sum())
+        out.append({"start": start, "end": end, "loss": float(sums[start:end].sum()) / max(n, 1), "tokens": n})
+    return out

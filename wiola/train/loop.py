@@ -57,7 +57,7 @@ from wiola.train.env import (
     resolve_device,
     uses_bf16,
 )
-from wiola.train.evaluate import EvalResult, evaluate, gate_statistics
+from wiola.train.evaluate import EvalResult, evaluate, gate_statistics, layer_grad_norms
 from wiola.train.optim import build_optimizer, build_scheduler, schedule
 from wiola.train.run_folder import (
     METRICS_FILE,
@@ -161,6 +161,7 @@ class _Run:
     last_ckpt: Path | None = None
     losses: list[tuple[int, float]] = field(default_factory=list)
     plots: dict[str, Path] = field(default_factory=dict)
+    layer_grad_norms: torch.Tensor | None = None  # (L,) of the latest step, before clipping
 
     @property
     def main(self) -> bool:
@@ -402,6 +403,7 @@ def _optimizer_step(run: _Run, loss_sum: torch.Tensor) -> tuple[float, torch.Ten
                 loss = model(x, labels=x).loss / run.grad_accum
             loss.backward()
         loss_sum += loss.detach()
+    run.layer_grad_norms = layer_grad_norms(run.raw_model)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), cfg.grad_clip) if cfg.grad_clip else None
     lr = run.scheduler.get_last_lr()[0]
     run.optimizer.step()
@@ -454,6 +456,8 @@ class _Meter:
         }
         if grad_norm is not None:
             record["grad_norm"] = float(grad_norm)
+        if run.layer_grad_norms is not None:
+            record["layer_grad_norms"] = run.layer_grad_norms.tolist()
         postfix = {"loss": f"{run.train_loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tok_s:,.0f}"}
         if self.peak:
             record["mfu"] = tok_s * self.flops_per_token / self.peak

@@ -1,0 +1,32 @@
+"""``bench.quality.kl_statistics``: the next-token statistics llama.cpp's perplexity tool reports,
+on distributions with closed-form answers."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from bench.quality import kl_statistics
+
+
+def test_identical_distributions():
+    logits = torch.randn(3, 7, 50, generator=torch.Generator().manual_seed(0))
+    stats = kl_statistics(logits, logits.clone())
+    assert stats["kl_mean"] == 0.0 and stats["kl_max"] == 0.0 and stats["same_top_pct"] == 100.0
+
+
+def test_two_token_distributions():
+    """Position i: reference (1/2, 1/2) against q_i = (1 - e_i, e_i); KL = ½ ln(½/(1-e)) + ½ ln(½/e)."""
+    eps = [0.4, 0.3, 0.1, 0.01]
+    ref = torch.zeros(len(eps), 2, dtype=torch.float64)
+    got = torch.tensor([[math.log(1 - e), math.log(e)] for e in eps], dtype=torch.float64)
+    want = [0.5 * math.log(0.5 / (1 - e)) + 0.5 * math.log(0.5 / e) for e in eps]
+    stats = kl_statistics(ref, got, chunk=3)  # chunks of 3 and 1 positions
+    assert math.isclose(stats["kl_mean"], sum(want) / 4, rel_tol=1e-12)
+    assert math.isclose(stats["kl_max"], max(want), rel_tol=1e-12)
+    # torch.quantile interpolates linearly: the 99th percentile of 4 sorted values is 0.97 of the way from the 3rd to the 4th.
+    ordered = sorted(want)
+    assert math.isclose(stats["kl_p99"], ordered[2] + 0.97 * (ordered[3] - ordered[2]), rel_tol=1e-12)
+    # The reference's argmax of a tie is token 0, which every q also ranks first.
+    assert stats["same_top_pct"] == 100.0

@@ -1,0 +1,227 @@
+"""The ``wiola`` model of lm-evaluation-harness (``wiola.train.harness``) on a local custom task
+(YAML + JSONL in a temporary folder; no Hub access): every log-likelihood against one computed
+directly from the reference model, rolling log-likelihoods, ``generate_until`` against
+``model.generate`` with the same stop strings, the int8 form, and ``wiola eval --tasks`` end to
+end in a subprocess with the Hub switched off."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from numerics import TOL
+
+from wiola import WiolaConfig, WiolaModel
+from wiola.tokenizer import encoding_for_vocab
+
+pytest.importorskip("lm_eval")
+from lm_eval.api.instance import Instance
+
+from wiola.train.harness import WiolaLM, cut_at_stop
+
+CPU = platform.processor() or platform.machine()
+CONTEXTS = ["Once upon a time", "The dog ran to the", "Lily said", "A"]
+CHOICES = [" park", " big red ball", " hello.", " cat and a dog"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A small model with spread-out logits (weights well above the init scale, so greedy choices
+    are far from ties) and the 32k tokenizer, saved as a folder."""
+    torch.manual_seed(0)
+    model = WiolaModel(WiolaConfig.preset("tiny", d_model=32, n_layers=2, n_heads=2, max_seq_len=48))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    path = tmp_path_factory.mktemp("harness") / "model"
+    model.save_pretrained(path)
+    return path
+
+
+def _direct_loglikelihood(model: WiolaModel, enc, context: str, continuation: str) -> tuple[float, bool, float]:
+    """The continuation's log-probability from one unpadded reference forward, its greediness and max|logit|."""
+    ctx, whole = enc.encode(context), enc.encode(context + continuation)
+    cont = whole[len(ctx) :]
+    logits = model(torch.tensor([whole[:-1]])).logits[0].double()
+    lp = torch.log_softmax(logits, -1)[-len(cont) :]
+    target = torch.tensor(cont)
+    greedy = bool((lp.argmax(-1) == target).all())
+    return float(lp.gather(1, target[:, None]).sum()), greedy, float(logits.abs().max())
+
+
+def _instances(kind: str, args: list[tuple]) -> list[Instance]:
+    return [Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_loglikelihood_equals_the_reference_model(checkpoint, quantize):
+    """Batched, left-padded scores equal each pair scored alone by the reference model (for int8:
+    the reference on the dequantized weights). Bound: log-softmax moves by at most 2·max|Δlogit|
+    per token, and the logits agree to fp32's table tolerance of max|logit|."""
+    lm = WiolaLM(str(checkpoint), batch_size=3, device="cpu", quantize=quantize)
+    lm.model.use_kernels(False)  # the PyTorch path a CPU runs (the Triton interpreter is for kernel tests)
+    ref = WiolaModel(lm.model.config)
+    ref.load_state_dict(lm.model.state_dict())
+    enc = encoding_for_vocab(ref.config.vocab_size)
+    pairs = [(c, k) for c in CONTEXTS for k in CHOICES]
+    got = lm.loglikelihood(_instances("loglikelihood", pairs), disable_tqdm=True)
+    with torch.no_grad():
+        for (context, continuation), (score, greedy) in zip(pairs, got):
+            want, want_greedy, scale = _direct_loglikelihood(ref, enc, context, continuation)
+            n = len(enc.encode(context + continuation)) - len(enc.encode(context))
+            bound = n * 2 * TOL[torch.float32] * scale
+            assert abs(score - want) <= bound, (
+                f"{context!r}+{continuation!r} ({quantize}, CPU {CPU}): {score} vs {want}"
+            )
+            assert greedy == want_greedy
+
+
+def test_wiola13m_folder_scores_as_ours(checkpoint, tmp_path):
+    """The same weights and tokenizer written in the published package's format score the same."""
+    from wiola.checkpoint import export_wiola13m
+    from wiola.tokenizer import TiktokenTokenizer
+
+    model = WiolaModel.from_pretrained(checkpoint)
+    export_wiola13m(model, tmp_path / "w13", TiktokenTokenizer(encoding_for_vocab(model.config.vocab_size)))
+    pairs = _instances("loglikelihood", [(c, k) for c in CONTEXTS[:2] for k in CHOICES])
+    ours, theirs = WiolaLM(str(checkpoint), device="cpu"), WiolaLM(str(tmp_path / "w13"), device="cpu")
+    for lm in (ours, theirs):
+        lm.model.use_kernels(False)
+    assert ours.loglikelihood(pairs, disable_tqdm=True) == theirs.loglikelihood(pairs, disable_tqdm=True)
+
+
+def test_loglikelihood_rolling_sums_windows(checkpoint):
+    """A text longer than max_seq_len: the rolling score equals the reference's windows (each
+    predicts the next up to max_length tokens from the max_length tokens before their end, the
+    first token predicted from <|endoftext|>)."""
+    lm = WiolaLM(str(checkpoint), batch_size=2, device="cpu")
+    lm.model.use_kernels(False)
+    enc = encoding_for_vocab(lm.model.config.vocab_size)
+    text = " ".join(["Once upon a time there was a little dog who liked to run."] * 12)
+    ids = enc.encode(text)
+    L, n = lm.max_length, len(ids)
+    assert n > 2 * L
+    ref = WiolaModel.from_pretrained(checkpoint)
+    full = [lm.eot_token_id, *ids]  # full[i] predicts ids[i]
+    want, scale, a = 0.0, 0.0, 0
+    with torch.no_grad():
+        while a < n:
+            e = min(n, a + L)
+            inputs = full[max(0, e - L) : e]
+            logits = ref(torch.tensor([inputs])).logits[0, -(e - a) :].double()
+            want += float(torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[a:e])[:, None]).sum())
+            scale = max(scale, float(logits.abs().max()))
+            a = e
+    (got,) = lm.loglikelihood_rolling(_instances("loglikelihood_rolling", [(text,)]))
+    assert abs(got - want) <= len(ids) * 2 * TOL[torch.float32] * scale, f"{got} vs {want} (CPU {CPU})"
+
+
+def test_generate_until_equals_model_generate(checkpoint):
+    lm = WiolaLM(str(checkpoint), batch_size=3, device="cpu")
+    lm.model.use_kernels(False)
+    ref = WiolaModel.from_pretrained(checkpoint)
+    enc = encoding_for_vocab(ref.config.vocab_size)
+    kwargs = {"until": [".", "\n"], "max_gen_toks": 12, "do_sample": False}
+    got = lm.generate_until(_instances("generate_until", [(c, kwargs) for c in CONTEXTS]))
+    for context, text in zip(CONTEXTS, got):
+        prompt = torch.tensor([enc.encode(context)])
+        new = ref.generate(prompt, 12, temperature=0, eos_token_id=lm.eot_token_id)[0, prompt.shape[1] :].tolist()
+        new = new[: new.index(lm.eot_token_id)] if lm.eot_token_id in new else new
+        assert text == cut_at_stop(enc.decode(new), [".", "\n"]), context
+        assert "." not in text and "\n" not in text
+
+
+def test_cut_at_stop():
+    assert cut_at_stop("a cat. a dog\n", [".", "\n"]) == "a cat"
+    assert cut_at_stop("abc", []) == "abc" and cut_at_stop("abc", [""]) == "abc"
+
+
+def _task_folder(root: Path) -> Path:
+    data = root / "data.jsonl"
+    rows = [
+        {"context": c, "choices": CHOICES, "label": i % len(CHOICES), "text": c + "."} for i, c in enumerate(CONTEXTS)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tasks = root / "tasks"
+    tasks.mkdir()
+    common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+    (tasks / "mc.yaml").write_text(
+        "task: wiola_local_mc\n"
+        + common
+        + textwrap.dedent("""\
+        output_type: multiple_choice
+        doc_to_text: "{{context}}"
+        doc_to_choice: "{{choices}}"
+        doc_to_target: "{{label}}"
+        metric_list:
+          - metric: acc
+        """)
+    )
+    (tasks / "gen.yaml").write_text(
+        "task: wiola_local_gen\n"
+        + common
+        + textwrap.dedent("""\
+        output_type: generate_until
+        doc_to_text: "{{context}}"
+        doc_to_target: "{{text}}"
+        generation_kwargs:
+          until: ["."]
+          max_gen_toks: 6
+          do_sample: false
+        metric_list:
+          - metric: exact_match
+        """)
+    )
+    (tasks / "ppl.yaml").write_text(
+        "task: wiola_local_ppl\n"
+        + common
+        + textwrap.dedent("""\
+        output_type: loglikelihood_rolling
+        doc_to_text: ""
+        doc_to_target: "{{text}}"
+        metric_list:
+          - metric: word_perplexity
+        """)
+    )
+    return tasks
+
+
+@pytest.mark.slow
+def test_wiola_eval_tasks_end_to_end(checkpoint, tmp_path):
+    """``wiola eval --tasks`` in a fresh process, offline: three local tasks (one per request type)."""
+    tasks = _task_folder(tmp_path)
+    out = tmp_path / "results.json"
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    env.pop("TRITON_INTERPRET", None)  # as a user's CPU runs it: PyTorch path and the C++ decoding step
+    cmd = [sys.executable, "-m", "wiola", "eval", "--checkpoint", str(checkpoint), "--device", "cpu",
+           "--tasks", "wiola_local_mc,wiola_local_gen,wiola_local_ppl", "--include-path", str(tasks),
+           "--output", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert 0 <= results["wiola_local_mc"]["acc,none"] <= 1
+    assert "exact_match,none" in results["wiola_local_gen"]
+    assert results["wiola_local_ppl"]["word_perplexity,none"] > 1
+    assert "wiola_local_mc" in done.stdout
+
+
+def test_eval_tasks_bad_input(checkpoint, tmp_path):
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "wiola", "eval", "--checkpoint", str(checkpoint), "--tasks", "no_such_task_x",
+           "--include-path", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 2 and "wiola eval: error: unknown lm-eval task(s) ['no_such_task_x']" in done.stderr
+
+
+def test_lm_eval_stays_lazy():
+    code = "import sys, wiola, wiola.cli, wiola.cli.evaluate; assert 'lm_eval' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
