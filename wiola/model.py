@@ -336,7 +336,7 @@ class _Projections(nn.Module):
         names = (*self.names, "down_proj")
         weights = tuple(getattr(self, n).weight for n in names)
         if not uses_decode_layout(x):
-            dtype = _autocast_dtype(x)
+            dtype = autocast_dtype(x)
             weights = tuple(_cast_of(self.derived, (n, self.layer_index), w, dtype) for n, w in zip(names, weights))
             return type(self).function(x, *weights)
         layouts = tuple(_decode_layout_of(self.derived, (n, self.layer_index), w) for n, w in zip(names, weights))
