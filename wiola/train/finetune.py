@@ -174,7 +174,7 @@ def save_finetuned(model: torch.nn.Module, tokenizer: Tokenizer, cfg: FinetuneCo
         model.save_pretrained(out, tokenizer)
         return out
     model.peft_config["default"].base_model_name_or_path = str(Path(init).resolve())
-    model.save_pretrained(str(out))
+    model.save_pretrained(str(out), save_embedding_layers=False)  # adapters only (the embedding is never one)
     tokenizer.save(out)  # its files (GPT-2's: the chat template alone); config.json is the base's
     return out
 
