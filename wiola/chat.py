@@ -21,7 +21,7 @@ Also here: ``add_role_tokens`` (the tokenizer) and ``resize_token_embeddings`` (
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -164,3 +164,63 @@ def resize_token_embeddings(model: torch.nn.Module, vocab_size: int) -> torch.nn
     if hasattr(model, "derived_weights"):
         model.derived_weights.clear()
     return model
+
+
+# --------------------------------------------------------------------------- conversations
+def fit_history(tokenizer: Tokenizer, messages: list[Message], budget: int) -> tuple[list[int], list[Message], int]:
+    """The prompt ids of ``messages`` (with the generation prompt) in at most ``budget`` tokens:
+    the oldest non-system turns are dropped (a user turn with the answer after it) until it
+    fits. Returns ``(ids, messages kept, turns dropped)``; raises ``ValueError`` when even the
+    system message and the last turn do not fit."""
+    system = [m for m in messages[:1] if m["role"] == "system"]
+    turns = messages[len(system) :]
+    dropped = 0
+    while True:
+        ids = apply_chat_template(tokenizer, system + turns, add_generation_prompt=True)
+        if len(ids) <= budget:
+            return ids, system + turns, dropped
+        if len(turns) <= 1:
+            raise ValueError(f"the message takes {len(ids)} tokens with the template; the model has room for {budget}")
+        cut = 2 if len(turns) > 2 and turns[1]["role"] == "assistant" else 1
+        turns, dropped = turns[cut:], dropped + cut
+
+
+@torch.no_grad()
+def stream_reply(
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    prompt: list[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Iterator[tuple[int, str]]:
+    """The reply to ``prompt`` (ids from ``apply_chat_template``) token by token: ``(token id,
+    new text)`` pairs (text held back while a character is incomplete), ending at eos (not
+    yielded) or after ``max_new_tokens``. Sampling as in ``wiola.generation.generate``; one
+    prefill, then one cached step per token. Raises ``ValueError`` when prompt and reply
+    would pass ``max_seq_len``."""
+    from wiola.generation import resolve_sampling, sample_next
+
+    limit = model.config.max_seq_len
+    if len(prompt) + max_new_tokens > limit:
+        raise ValueError(f"{len(prompt)} prompt tokens + {max_new_tokens} new ones pass max_seq_len={limit}")
+    sampling = resolve_sampling(temperature, top_k, top_p, model.config.vocab_size)
+    device = model.embed.weight.device if hasattr(model, "embed") else next(model.parameters()).device
+    cache = model.new_cache(1, len(prompt) + max_new_tokens)
+    logits = model(torch.tensor([prompt], device=device), cache=cache, logits_to_keep=1).logits[:, -1]
+    reply: list[int] = []
+    shown = ""
+    for _ in range(max_new_tokens):
+        token = int(sample_next(logits, sampling.temperature, sampling.top_k, sampling.top_p, generator)[0])
+        if token == tokenizer.eos_token_id:
+            return
+        reply.append(token)
+        text = tokenizer.decode(reply)
+        new = "" if text.endswith("\ufffd") else text[len(shown) :]
+        shown += new
+        yield token, new
+        if len(reply) < max_new_tokens:
+            logits = model(torch.tensor([[token]], device=device), cache=cache).logits[:, -1]

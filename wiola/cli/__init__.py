@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from wiola.cli import budget, demo, evaluate, export, finetune, generate, merge, tokenizer, train
+from wiola.cli import budget, chat, demo, evaluate, export, finetune, generate, merge, tokenizer, train
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wiola", description="Wiola small language model")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (budget, generate, train, evaluate, demo, tokenizer, export, finetune, merge):
+    for command in (budget, generate, train, evaluate, demo, tokenizer, export, finetune, merge, chat):
         command.register(sub)
     return parser
 

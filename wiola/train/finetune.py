@@ -128,7 +128,7 @@ def finetune(cfg: FinetuneConfig, log: Callable[[str], None] = print) -> Finetun
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        total, count = total + float(loss), count + 1
+        total, count = total + float(loss.detach()), count + 1
         if step % cfg.log_every == 0 or step == cfg.steps:
             losses.append((step, total / count))
             bar.set_postfix(loss=f"{total / count:.3f}")
