@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from wiola.cli import ablate, budget, demo, evaluate, export, generate, tokenizer, train
+from wiola.cli import ablate, budget, chat, demo, evaluate, export, finetune, generate, merge, tokenizer, train
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wiola", description="Wiola small language model")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (budget, generate, train, evaluate, demo, tokenizer, export, ablate):
+    for command in (budget, generate, train, evaluate, demo, tokenizer, export, ablate, finetune, merge, chat):
         command.register(sub)
     return parser
 
