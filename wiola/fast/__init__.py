@@ -47,6 +47,7 @@ from wiola.config import WiolaConfig
 from wiola.fast import ops, quantize
 from wiola.fast.generation import GraphSteps, graph_generate, graphs_usable
 from wiola.fast.ops import use_kernels
+from wiola.generation import hf_generate
 from wiola.model import ModelOutput
 from wiola.model import WiolaModel as ReferenceModel
 
@@ -149,5 +150,5 @@ class WiolaModel(ReferenceModel):
         loop runs on the fast ops and the static cache. Greedy tokens equal the reference's.
         """
         if graphs_usable(self, input_ids):
-            return graph_generate(self, input_ids, max_new_tokens, **kwargs)
+            return hf_generate(graph_generate, self, input_ids, max_new_tokens, **kwargs)
         return super().generate(input_ids, max_new_tokens, **kwargs)
