@@ -52,6 +52,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from wiola.fast import step_layout as layout
+
 if TYPE_CHECKING:
     from wiola.cache import Cache
     from wiola.model import WiolaModel
@@ -230,6 +232,14 @@ def _build(compiler: str, isa: str) -> ctypes.CDLL:
     lib.wiola_workspace_floats.restype = ctypes.c_int64
     lib.wiola_decode_step.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_float] + [ctypes.c_void_p] * 2
     lib.wiola_decode_step.restype = ctypes.c_int
+    lib.wiola_decode_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3
+    lib.wiola_decode_rows.argtypes += [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+    lib.wiola_decode_rows.restype = ctypes.c_int
+    lib.wiola_layout_counts.argtypes = [ctypes.c_void_p]
+    lib.wiola_layout_counts.restype = None
+    reported = (ctypes.c_int64 * 4)()
+    lib.wiola_layout_counts(reported)
+    layout.check_counts(tuple(reported), str(target))
     return lib
 
 
@@ -281,40 +291,34 @@ def describe(isa: str | None = None) -> str:
     return f"C++ step, {select_isa(isa)}, {n} thread{'s' if n != 1 else ''}"
 
 
-def matrix_slots(n_layers: int) -> list[int]:
-    """The positions in ``step_parameters`` of the matrices a quantized model packs, in the order of
-    ``wiola.fast.quantize.matrix_names``: the embedding, then per layer W_q, W_k, W_v, W_o, W_up,
-    W_bp, W_down."""
-    per_layer = (1, 2, 3, 4, 9, 10, 11)
-    return [0] + [3 + 12 * layer + i for layer in range(n_layers) for i in per_layer]
-
-
 def step_parameters(model: WiolaModel) -> list[torch.Tensor | None]:
-    """The tensors the step reads, in the C++'s order: embedding, final γ, helical frequencies,
-    then per layer attn γ, W_q, W_k, W_v, W_o, gate W_1, W_2, b_2 (None without a gate), ffn γ,
-    W_up, W_bp, W_down."""
-    tensors: list[torch.Tensor | None] = [model.embed.weight, model.norm.weight, model.rope_freqs]
-    for layer in model.layers:
-        a, f = layer.attn, layer.ffn
-        gate = (a.gate_w1.weight, a.gate_w2.weight, a.gate_w2.bias) if model.config.gate else (None,) * 3
-        tensors += [layer.attn_norm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight]
-        tensors += [*gate, layer.ffn_norm.weight, f.up_proj.weight, f.bypass_proj.weight, f.down_proj.weight]
-    return tensors
+    """The tensors the step reads, in the C++'s order (``wiola.fast.step_layout.slots``): the
+    embedding, final γ, helical frequencies, then per layer attn γ, W_q, W_k, W_v, W_o, gate W_1,
+    W_2, b_2 (None without a gate), ffn γ, W_up, W_bp, W_down."""
+    gate = model.config.gate
+    return [
+        None if s.gate and not gate else layout.tensor_at(model, path)
+        for path, s in layout.slots(model.config.n_layers)
+    ]
+
+
+def matrix_slots(n_layers: int) -> list[int]:
+    """The positions in ``step_parameters`` of the matrices a quantized model packs (see
+    ``wiola.fast.step_layout.matrix_slots``)."""
+    return layout.matrix_slots(n_layers)
 
 
 def _packed(model: WiolaModel) -> tuple[str | None, list[torch.Tensor], list[torch.Tensor | None]]:
     """A quantized model's scheme, packed matrices and scales in ``matrix_slots`` order (None and
     empty lists for an fp32 model)."""
-    from wiola.fast.quantize import matrix_names
-
     scheme = getattr(model, "quantization", None)
     if scheme is None:
         return None, [], []
-    pairs = [model.quantized[name] for name in matrix_names(model.config.n_layers)]
+    pairs = [model.quantized[name] for name in layout.matrix_names(model.config.n_layers)]
     return scheme, [q for q, _ in pairs], [s for _, s in pairs]
 
 
-WEIGHT_TYPES = {None: (0, torch.float32), "bf16": (1, torch.bfloat16), "int8": (2, torch.int8)}  # the C++'s enum
+WEIGHT_TYPES = layout.WEIGHT_TYPES
 
 
 class DecodeStepCPU:
@@ -322,6 +326,12 @@ class DecodeStepCPU:
     variant ``select_isa(isa)`` (``$WIOLA_CPU_ISA`` is read here, once per binding). For a model
     quantized by ``wiola.fast.quantize`` the step reads the packed matrices (int8 with per-row
     scales, or bf16) instead of the fp32 ones.
+
+    Two calls: ``step(tokens, slot)`` (also ``__call__``) steps every row of the cache at one
+    shared slot (a left-padded batch that started together, as ``generate`` runs it);
+    ``rows(rows, tokens, slots)`` steps some of the cache's rows, each at its own slot (rows that
+    joined at different times, ``wiola.fast.rows``). A row's logits are bitwise the same either
+    way, alone or beside any other rows, whichever cache row it occupies.
 
     Raises ``ValueError`` naming the tensor when a weight or cache buffer is not a contiguous
     CPU tensor of the expected dtype and shape (a cache made for another model, say), or when a
@@ -338,14 +348,14 @@ class DecodeStepCPU:
             raise ValueError(f"the CPU decode step needs head_dim and n_heads <= {MAX_HEAD}")
         self.lib, self.config = lib, cfg
         self.tensors = step_parameters(model)  # references keep the storage alive
-        d, H, D, F, L, V = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.d_ff, cfg.n_layers, cfg.vocab_size
-        layer = [(d,), (d, d), (d, d), (d, d), (d, d), (H, D), (H, H), (H,), (d,), (2 * F, d), (F, d), (d, F)]
-        shapes = [(V, d), (d,), (D // 2,), *(layer * L)]
-        for i, (t, shape) in enumerate(zip(self.tensors, shapes, strict=True)):
+        B, S = cache.batch_size, cache.max_len
+        size = layout.sizes(cfg, B, S)
+        shapes = [layout.shape(s.shape, size) for _, s in layout.slots(cfg.n_layers)]
+        for i, (t, shp) in enumerate(zip(self.tensors, shapes, strict=True)):
             if t is not None:
-                _check(t, f"weight #{i}", torch.float32, shape)
+                _check(t, f"weight #{i}", torch.float32, shp)
         self.quantization, packed, scales = _packed(model)
-        slots = matrix_slots(L)
+        slots = matrix_slots(cfg.n_layers)
         if self.quantization is not None:
             if tuple(self.tensors[i].data_ptr() for i in slots) != model.quantized_from:
                 raise ValueError(
@@ -362,19 +372,12 @@ class DecodeStepCPU:
                 _check(s, f"weight #{i} scales", torch.float32, shapes[i][:1])
             step_tensors[i], self.scales[i] = q, s
         self.step_tensors = step_tensors  # what the C++ reads, in its order (tests/test_decode_step_arm.py)
-        B, S = cache.batch_size, cache.max_len
-        self.state = (cache.k, cache.v, cache.key_mask, cache.gate_sum, cache.gate_count, cache.n_real)
-        for name, t, dtype, shape in zip(
-            ("k", "v", "key_mask", "gate_sum", "gate_count", "n_real"),
-            self.state,
-            (torch.float32, torch.float32, torch.bool, torch.float32, torch.int64, torch.int64),
-            ((L, B, H, S, D), (L, B, H, S, D), (B, S), (L, B, D), (L, B), (B,)),
-            strict=True,
-        ):
-            _check(t, f"cache.{name}", dtype, shape)
-        dims = (B, cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.d_ff, S)
+        self.state = tuple(getattr(cache, name) for name, _, _ in layout.STATE)
+        for (name, dtype, symbols), t in zip(layout.STATE, self.state, strict=True):
+            _check(t, f"cache.{name}", dtype, layout.shape(symbols, size))
+        values = {**size, "gate": int(cfg.gate), "gate_pre_rope": int(cfg.gate_pre_rope), "weight_type": wtype}
         self.batch_size, self.max_len = B, S
-        self.dims = (ctypes.c_int64 * 11)(*dims, int(cfg.gate), int(cfg.gate_pre_rope), wtype)
+        self.dims = (ctypes.c_int64 * len(layout.DIMS))(*(values[name] for name in layout.DIMS))
         self.weights = (ctypes.c_void_p * len(step_tensors))(*_pointers(step_tensors))
         self.scale_ptrs = (ctypes.c_void_p * len(self.scales))(*_pointers(self.scales))
         self.state_ptrs = (ctypes.c_void_p * len(self.state))(*(t.data_ptr() for t in self.state))
@@ -399,8 +402,8 @@ class DecodeStepCPU:
 
     def __call__(self, tokens: torch.Tensor, slot: int) -> torch.Tensor:
         """``(B, V)`` fp32 logits of ``tokens`` ``(B,)`` (int64, contiguous, each in range) placed at
-        cache slot ``slot``; writes the cache (k, v, key mask, gate sums and counts, ``n_real``).
-        The caller checks the ids and the slot, and advances ``cache.length``."""
+        cache slot ``slot`` of every row; writes the cache (k, v, key mask, gate sums and counts,
+        ``n_real``). The caller checks the ids and the slot, and advances ``cache.length``."""
         logits = torch.empty(self.batch_size, self.config.vocab_size, dtype=torch.float32)
         rc = self.lib.wiola_decode_step(
             self.dims, self.weights, self.scale_ptrs, self.state_ptrs, tokens.data_ptr(), slot, self.eps,
@@ -408,6 +411,21 @@ class DecodeStepCPU:
         )  # fmt: skip
         if rc != 0:  # pragma: no cover - only an unknown weight type fails, and the binding never passes one
             raise RuntimeError(f"wiola_decode_step returned {rc}")
+        return logits
+
+    def rows(self, rows: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """``(n, V)`` fp32 logits of ``tokens`` ``(n,)`` for the cache rows ``rows`` ``(n,)``, each at
+        its own slot ``slots`` ``(n,)`` (all int64, contiguous); writes those rows of the cache and
+        leaves the others untouched. The caller checks that the rows are distinct and in range,
+        the ids in range and each slot below ``max_len`` (``wiola.fast.rows.Rows`` does)."""
+        n = int(rows.numel())
+        logits = torch.empty(n, self.config.vocab_size, dtype=torch.float32)
+        rc = self.lib.wiola_decode_rows(
+            self.dims, self.weights, self.scale_ptrs, self.state_ptrs, n, rows.data_ptr(), tokens.data_ptr(),
+            slots.data_ptr(), self.eps, logits.data_ptr(), self.work.data_ptr(),
+        )  # fmt: skip
+        if rc != 0:  # pragma: no cover - only an unknown weight type fails, and the binding never passes one
+            raise RuntimeError(f"wiola_decode_rows returned {rc}")
         return logits
 
 
