@@ -257,7 +257,13 @@ def load_checkpoint_tokenizer(directory: str | Path, revision: str | None = None
     tiktoken encoding matching its vocabulary. Raises ``FileNotFoundError`` for a ``wiola13m``
     folder without ``tokenizer.json``, ``ValueError`` for a corrupt tokenizer.
     """
-    from wiola.tokenizer import TOKENIZER_FILE, TiktokenTokenizer, encoding_for_vocab, load_tokenizer
+    from wiola.tokenizer import (
+        TOKENIZER_FILE,
+        TiktokenTokenizer,
+        encoding_for_vocab,
+        load_tokenizer,
+        read_chat_template,
+    )
 
     directory = resolve_checkpoint(directory, revision)
     config, flavour = read_config(directory)
@@ -273,7 +279,9 @@ def load_checkpoint_tokenizer(directory: str | Path, revision: str | None = None
             f"{directory} holds no {TOKENIZER_FILE}: its tokenizer is unknown; copy the tokenizer files of the "
             "model's training run next to the weights, or name one with --tokenizer"
         )
-    return tokenizer.with_special_ids(config.bos_token_id, config.eos_token_id, config.pad_token_id)
+    tokenizer = tokenizer.with_special_ids(config.bos_token_id, config.eos_token_id, config.pad_token_id)
+    tokenizer.chat_template = tokenizer.chat_template or read_chat_template(directory)  # a tiktoken one's too
+    return tokenizer
 
 
 def export_wiola13m(model: nn.Module, directory: str | Path, tokenizer: Tokenizer | None = None) -> None:

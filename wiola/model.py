@@ -153,6 +153,28 @@ def _decode_layout_of(derived: DerivedWeights, key: Hashable, *weights: torch.Te
     return derived.get(key, build, *weights, extra=(torch.get_num_threads(),))
 
 
+def adapted(*modules: nn.Module) -> bool:
+    """Whether any of ``modules`` is more than a plain ``nn.Linear`` (a ``peft`` LoRA layer wraps
+    one). The blocks read plain projections' weights directly (fused, cast, in a decode layout);
+    those they call as modules instead, so an adapter is never bypassed."""
+    return any(type(m) is not nn.Linear for m in modules)
+
+
+def has_adapters(model: nn.Module) -> bool:
+    """Whether a projection of ``model`` is wrapped (``adapted``): paths that read the weights
+    themselves (``wiola.fast``'s C++ step, CUDA graphs, quantization, export) must not run it."""
+    return any(
+        adapted(getattr(m, name))
+        for m in model.modules()
+        for name in ADAPTER_TARGETS
+        if isinstance(getattr(m, name, None), nn.Module)
+    )
+
+
+# The projections a LoRA adapter may wrap (their names in the state dict).
+ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj", "bypass_proj")
+
+
 class RMSNorm(nn.Module):
     """``x / sqrt(mean(x²) + eps) ⊙ γ``; with ``residual``, first ``h = x + residual`` (fused)."""
 
@@ -262,7 +284,9 @@ class GatedHelicalAttention(nn.Module):
         B, T, _ = x.shape
         H, D = self.n_heads, self.head_dim
         i = self.layer_index
-        if uses_decode_layout(x):
+        if adapted(self.q_proj, self.k_proj, self.v_proj):  # called, so their adapters run
+            qkv = torch.cat([m(x) for m in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)
+        elif uses_decode_layout(x):
             qkv = linear(x, self.q_proj.weight, self._layout("qkv", "q_proj", "k_proj", "v_proj"))
         else:
             qkv = linear(x, self.qkv_weight(_autocast_dtype(x)))
@@ -281,6 +305,8 @@ class GatedHelicalAttention(nn.Module):
                 q, k, v, g, cos, sin, k_cache, v_cache, cache.key_mask, cache_start, unpadded=unpadded
             )
         o = o.reshape(B, T, H * D)
+        if adapted(self.o_proj):
+            return self.o_proj(o)
         if uses_decode_layout(o):
             return linear(o, self.o_proj.weight, self._layout("o", "o_proj"))
         return linear(o, _cast_of(self.derived, ("o", i), self.o_proj.weight, _autocast_dtype(o)))
@@ -307,6 +333,9 @@ class Butterfly(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(..., d)`` -> ``(..., d)``."""
+        if adapted(self.up_proj, self.bypass_proj, self.down_proj):  # ops.butterfly's formula on the modules
+            a, b = self.up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(a) * b + self.bypass_proj(x))
         weights = (self.up_proj.weight, self.bypass_proj.weight, self.down_proj.weight)
         names = ("up", "bypass", "down")
         if not uses_decode_layout(x):
@@ -491,6 +520,8 @@ class WiolaModel(nn.Module):
         lengths past ``max_seq_len`` or the cache, and a cache of another batch size.
         """
         self.check_inputs(input_ids, attention_mask, cache)
+        if type(self.embed) is not nn.Embedding:
+            raise ValueError("an adapter on the embedding is not supported: the tied head reads its weight directly")
         B, T = input_ids.shape
         if attention_mask is not None:
             attention_mask = attention_mask[:, -T:].to(torch.bool)

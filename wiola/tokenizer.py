@@ -101,13 +101,34 @@ SPECIAL_ROLES = ("unk_token", "bos_token", "eos_token", "pad_token")
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves a template; 4.x keeps it in the config
+
+
+def read_chat_template(directory: str | os.PathLike) -> str | None:
+    """The Jinja chat template saved in ``directory`` (``chat_template.jinja``, else the
+    ``chat_template`` string of ``tokenizer_config.json``), or None. Raises ``ValueError`` for a
+    corrupt config or a template that is not one string (a list of named templates included)."""
+    directory = Path(directory)
+    if (directory / CHAT_TEMPLATE_FILE).is_file():
+        return (directory / CHAT_TEMPLATE_FILE).read_text()
+    path = directory / TOKENIZER_CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        template = json.loads(path.read_text()).get("chat_template")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise ValueError(f"{path} is not a JSON object: {e}") from e
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{path}: chat_template must be one Jinja string, got {type(template).__name__}")
+    return template
 
 
 class Tokenizer:
     """Text <-> token ids, as the rest of wiola needs it.
 
     Attributes: ``name``; ``vocab_size`` (ids are ``0 .. vocab_size - 1``; a model may have more
-    rows); ``bos_token_id``, ``eos_token_id``, ``pad_token_id`` (``None`` when the tokenizer has none).
+    rows); ``bos_token_id``, ``eos_token_id``, ``pad_token_id`` (``None`` when the tokenizer has none);
+    ``chat_template``: the Jinja chat template saved with it (``wiola.chat``), None when it has none.
     """
 
     name: str
@@ -115,6 +136,7 @@ class Tokenizer:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
+    chat_template: str | None = None
 
     def encode(self, text: str) -> list[int]:
         """A prompt's ids: special-token text (``<s>``, ``<|endoftext|>``) becomes its id, and the
@@ -213,6 +235,12 @@ class TiktokenTokenizer(Tokenizer):
         return h.hexdigest()
 
     def save(self, directory: str | os.PathLike) -> dict[str, Any]:
+        """Nothing but the name goes to ``config.json``; a chat template goes to ``tokenizer_config.json``."""
+        if self.chat_template is not None:
+            directory = Path(directory)
+            directory.mkdir(parents=True, exist_ok=True)
+            config = {"chat_template": self.chat_template}
+            (directory / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         return {"tokenizer": self.name}
 
     def to_hf(self) -> HFTokenizer:
@@ -239,7 +267,9 @@ class TiktokenTokenizer(Tokenizer):
         tok.decoder = decoders.ByteLevel()
         tok.add_special_tokens(sorted(self.encoding._special_tokens, key=self.encoding._special_tokens.get))
         eot = self.encoding.decode([self.eos_token_id])
-        return HFTokenizer(tok, self.name, {"bos_token": eot, "eos_token": eot, "unk_token": eot})
+        out = HFTokenizer(tok, self.name, {"bos_token": eot, "eos_token": eot, "unk_token": eot})
+        out.chat_template = self.chat_template
+        return out
 
 
 def _bpe_below(ranks: dict[bytes, int], token: bytes, max_rank: int) -> tuple[bytes, bytes]:
@@ -332,7 +362,9 @@ class HFTokenizer(Tokenizer):
                 settings.update(data)
         specials = {role: _token_text(settings.get(role)) for role in SPECIAL_ROLES}
         name = file.parent.name if file.name == TOKENIZER_FILE else file.stem
-        return cls(tok, name, specials, bool(settings.get("clean_up_tokenization_spaces", False)))
+        out = cls(tok, name, specials, bool(settings.get("clean_up_tokenization_spaces", False)))
+        out.chat_template = read_chat_template(file.parent)
+        return out
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
@@ -383,6 +415,19 @@ class HFTokenizer(Tokenizer):
         out.__dict__.pop("fingerprint", None)
         return out
 
+    def with_added_tokens(self, tokens: list[str]) -> HFTokenizer:
+        """A copy with ``tokens`` added as special tokens (each one id, never split; those it
+        already has keep theirs): new ids follow the vocabulary, ``vocab_size`` grows."""
+        from tokenizers import AddedToken
+
+        tok = self._tok.__class__.from_str(self._tok.to_str())
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens])
+        out = HFTokenizer(tok, self.name, self._specials(), self.clean_up_spaces)
+        for role in ("bos", "eos", "pad"):  # ids a checkpoint's config set (with_special_ids) stay
+            setattr(out, f"{role}_token_id", getattr(self, f"{role}_token_id"))
+        out.chat_template = self.chat_template
+        return out
+
     def save(self, directory: str | os.PathLike) -> dict[str, Any]:
         """``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``, the files
         ``transformers.PreTrainedTokenizerFast.from_pretrained`` reads."""
@@ -396,6 +441,9 @@ class HFTokenizer(Tokenizer):
             "model_max_length": 1 << 30,
             **specials,
         }
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        (directory / CHAT_TEMPLATE_FILE).unlink(missing_ok=True)  # would win over the config's template
         (directory / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         (directory / SPECIAL_TOKENS_MAP_FILE).write_text(json.dumps(specials, indent=2) + "\n")
         return {}

@@ -16,7 +16,7 @@ import sys
 from typing import NoReturn
 
 from wiola import __version__
-from wiola.cli import budget, demo, evaluate, export, generate, serve, tokenizer, train
+from wiola.cli import budget, chat, demo, evaluate, export, finetune, generate, merge, serve, tokenizer, train
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="wiola", description="Wiola small language model")
     parser.add_argument("--version", action="version", version=f"wiola {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (budget, generate, train, evaluate, demo, tokenizer, export, serve):
+    for command in (budget, generate, train, evaluate, demo, tokenizer, export, finetune, merge, chat, serve):
         command.register(sub)
     return parser
 

@@ -48,7 +48,7 @@ from wiola.fast import ops, quantize
 from wiola.fast.generation import GraphSteps, graph_generate, graphs_usable
 from wiola.fast.ops import use_kernels
 from wiola.generation import hf_generate
-from wiola.model import ModelOutput
+from wiola.model import ModelOutput, has_adapters
 from wiola.model import WiolaModel as ReferenceModel
 
 __all__ = ["ModelOutput", "WiolaModel", "ops", "use_kernels"]
@@ -101,6 +101,7 @@ class WiolaModel(ReferenceModel):
             and attention_mask is None
             and labels is None
             and return_logits is not False
+            and not has_adapters(self)  # the C++ step reads the base weights
         ):
             step = ops.cpu_decode_step(self, input_ids, cache)
             if step is not None:
@@ -149,6 +150,6 @@ class WiolaModel(ReferenceModel):
         graph and sampling stays on the GPU (``wiola.fast.generation``); elsewhere the reference
         loop runs on the fast ops and the static cache. Greedy tokens equal the reference's.
         """
-        if graphs_usable(self, input_ids):
+        if graphs_usable(self, input_ids) and not has_adapters(self):
             return hf_generate(graph_generate, self, input_ids, max_new_tokens, **kwargs)
         return super().generate(input_ids, max_new_tokens, **kwargs)

@@ -1,0 +1,112 @@
+"""`wiola chat` as a person uses it: in a real terminal (tmux), typing, reading the screen,
+Ctrl-C in the middle of a reply, /reset, /exit, and the history kept within max_seq_len."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+import wiola
+from wiola.tokenizer import load_tokenizer
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed"),
+]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Terminal:
+    """A tmux session of its own server (``-L``), 120 x 40, running one command."""
+
+    def __init__(self, command: str) -> None:
+        self.server = f"wiola-test-{uuid.uuid4().hex[:8]}"
+        self._tmux("new-session", "-d", "-x", "120", "-y", "40", "-s", "chat", command)
+
+    def _tmux(self, *args: str) -> str:
+        return subprocess.run(["tmux", "-L", self.server, *args], capture_output=True, text=True, timeout=20).stdout
+
+    def type(self, text: str) -> None:
+        self._tmux("send-keys", "-t", "chat", "-l", text)
+        self._tmux("send-keys", "-t", "chat", "Enter")
+
+    def key(self, key: str) -> None:
+        self._tmux("send-keys", "-t", "chat", key)
+
+    def screen(self) -> str:
+        return self._tmux("capture-pane", "-p", "-J", "-S", "-200", "-t", "chat")
+
+    def wait_for(self, predicate, what: str, timeout: float = 90.0) -> str:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            screen = self.screen()
+            if predicate(screen):
+                return screen
+            time.sleep(0.2)
+        raise AssertionError(f"waited {timeout:.0f} s for {what}; the screen:\n{self.screen()}")
+
+    def alive(self) -> bool:
+        return "chat" in self._tmux("list-sessions", "-F", "#{session_name}")
+
+    def close(self) -> None:
+        self._tmux("kill-server")
+
+
+def _checkpoint(path: Path, max_seq_len: int, d_model: int) -> Path:
+    torch.manual_seed(0)
+    config = wiola.WiolaConfig(d_model=d_model, n_layers=2, n_heads=4, d_ff=2 * d_model, max_seq_len=max_seq_len)
+    wiola.WiolaModel(config).save_pretrained(path, load_tokenizer("gpt2-32k"))
+    return path
+
+
+def _chat(checkpoint: Path, *flags: str) -> Terminal:
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in os.environ.items() if k in ("WIOLA_BPE_FILE", "PYTHONPATH"))
+    cmd = [sys.executable, "-m", "wiola", "chat", "--checkpoint", str(checkpoint), *flags]
+    # `; sleep` keeps the pane readable after the program exits (its exit code is printed)
+    return Terminal(f"cd {shlex.quote(str(ROOT))} && env {env} {shlex.join(cmd)}; echo EXIT=$?; sleep 30")
+
+
+def test_chat_streams_stops_on_ctrl_c_resets_and_exits(tmp_path) -> None:
+    term = _chat(_checkpoint(tmp_path / "long", 1024, 64), "--max-new-tokens", "1000", "--temperature", "1")
+    try:
+        term.wait_for(lambda s: "you> " in s, "the banner and prompt")
+        assert "/reset" in term.screen()
+        term.type("Tell me a long story.")
+        # the reply streams: text appears after "model> " while it is still being written
+        term.wait_for(lambda s: "model> " in s and len(s.split("model> ")[-1].strip()) > 10, "streamed text")
+        term.key("C-c")
+        screen = term.wait_for(lambda s: "[stopped]" in s and s.rstrip().endswith("you>"), "the reply to stop")
+        assert "EXIT=" not in screen, "Ctrl-C ended the session"
+        term.type("/reset")
+        term.wait_for(lambda s: "(conversation cleared)" in s, "/reset")
+        term.type("/exit")
+        term.wait_for(lambda s: "EXIT=0" in s, "/exit to end the program with 0")
+    finally:
+        term.close()
+
+
+def test_chat_drops_old_turns_to_fit_and_says_so_once(tmp_path) -> None:
+    term = _chat(_checkpoint(tmp_path / "short", 64, 32), "--max-new-tokens", "8", "--temperature", "0")
+    try:
+        term.wait_for(lambda s: "you> " in s, "the prompt")
+        note = "older turns were dropped"
+        for i in range(5):
+            term.type(f"Turn {i}: tell me about the little red boat on the lake.")
+            term.wait_for(lambda s, n=i + 2: s.count("you> ") >= n, f"the reply to turn {i}")
+        screen = term.screen()
+        assert screen.count(note) == 1, f"the dropped-turns note appears {screen.count(note)} times:\n{screen}"
+        term.type("/bogus")
+        term.wait_for(lambda s: "unknown command /bogus" in s, "the unknown-command line")
+        term.key("C-d")
+        term.wait_for(lambda s: "EXIT=0" in s, "Ctrl-D to end the program with 0")
+    finally:
+        term.close()

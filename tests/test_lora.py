@@ -1,0 +1,126 @@
+"""LoRA through peft: adapters change the logits in both model classes (never bypassed, the
+fast model's C++ step included), equal the merged weights' logits, save in PEFT's format and
+reload with peft.PeftModel.from_pretrained; `wiola finetune --lora-rank` and `wiola merge`."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from numerics import TOL, assert_close, rel_err
+
+import wiola
+import wiola.fast
+from wiola.model import ADAPTER_TARGETS, has_adapters
+
+peft = pytest.importorskip("peft")
+
+CONFIG = wiola.WiolaConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=2, d_ff=48, max_seq_len=64)
+FP32 = TOL[torch.float32]  # merged W + s·BA against W x + s·B(A x): fp32 rounding, relative
+
+
+def _lora(model, targets=ADAPTER_TARGETS):
+    # init_lora_weights=False: B is random too, so the adapter changes the function from the start
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), init_lora_weights=False)
+    return peft.get_peft_model(copy.deepcopy(model), config).eval()
+
+
+@pytest.mark.parametrize("cls", [wiola.WiolaModel, wiola.fast.WiolaModel], ids=["reference", "fast"])
+@pytest.mark.parametrize(
+    "targets", [ADAPTER_TARGETS, ("q_proj",), ("bypass_proj", "down_proj")], ids=["all", "q", "ffn"]
+)
+def test_adapters_change_logits_and_equal_the_merged_model(cls, targets, tmp_path) -> None:
+    torch.manual_seed(0)
+    base = cls(CONFIG).eval()
+    ids = torch.randint(0, 300, (2, 9))
+    lora = _lora(base, targets)
+    assert has_adapters(lora) and not has_adapters(base)
+    with torch.no_grad():
+        b, lo = base(ids).logits, lora(ids).logits
+        changed = rel_err(b, lo)  # far above the rounding that separates adapters from merged weights
+        assert changed > 100 * FP32, f"{cls.__module__} {targets}: the adapter changed the logits by {changed:.1e} only"
+        lora.save_pretrained(str(tmp_path))
+        assert json.loads((tmp_path / "adapter_config.json").read_text())["r"] == 4
+        reloaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path)).eval()
+        assert torch.equal(reloaded(ids).logits, lo), "the reloaded adapter differs"
+        merged = lora.merge_and_unload()
+        assert type(merged) is cls and not has_adapters(merged)
+        assert_close(f"{cls.__module__} {targets} merged vs adapters", lo, merged(ids).logits, FP32)
+
+
+def test_fast_cpu_step_never_runs_base_weights_under_an_adapter(monkeypatch) -> None:
+    """On a plain CPU the fast model decodes one token in C++ from the weights it reads itself:
+    with an adapter attached it must not (the PyTorch path runs the adapter), and cached decoding
+    equals the merged model's, whose step does run in C++."""
+    decode_step_cpu = pytest.importorskip("wiola.fast.decode_step_cpu")
+    if decode_step_cpu.load() is None:
+        pytest.skip(f"the C++ step does not build here: {decode_step_cpu.BUILD_ERROR}")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    calls = [0]
+    original = decode_step_cpu.DecodeStepCPU.__call__
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(decode_step_cpu.DecodeStepCPU, "__call__", counted)
+    torch.manual_seed(0)
+    base = wiola.fast.WiolaModel(CONFIG).eval()
+    lora = _lora(base)
+    merged = copy.deepcopy(lora).merge_and_unload()
+    prompt, token = torch.randint(0, 300, (2, 7)), torch.randint(0, 300, (2, 1))
+    steps = {}
+    with torch.no_grad():
+        for name, model in (("adapters", lora), ("merged", merged), ("base", base)):
+            cache = model.new_cache(2, 16)
+            model(prompt, cache=cache)
+            before = calls[0]
+            steps[name] = model(token, cache=cache).logits
+            steps[f"{name} C++"] = calls[0] - before
+    assert steps["merged C++"] == 1 and steps["base C++"] == 1, "the C++ step did not run where it should"
+    assert steps["adapters C++"] == 0, "the C++ step ran for a model with adapters (it reads the base weights)"
+    assert rel_err(steps["base"], steps["adapters"]) > 100 * FP32
+    assert_close("cached step: adapters vs merged (C++)", steps["merged"], steps["adapters"], FP32)
+    out_lora = lora.generate(prompt, 5, temperature=0)
+    assert torch.equal(out_lora, merged.generate(prompt, 5, temperature=0))
+
+
+def test_adapter_on_the_embedding_is_refused() -> None:
+    model = wiola.WiolaModel(CONFIG)
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["embed"]))
+    with pytest.raises(ValueError, match="adapter on the embedding is not supported"):
+        wrapped(torch.tensor([[1, 2]]))
+
+
+@pytest.mark.slow
+def test_cli_lora_finetune_saves_peft_format_and_merges(tmp_path) -> None:
+    from wiola.cli import main
+    from wiola.tokenizer import load_tokenizer
+    from wiola.train.finetune import load_finetuned
+
+    torch.manual_seed(0)
+    config = wiola.WiolaConfig(vocab_size=32000, d_model=32, n_layers=2, n_heads=4, d_ff=48, max_seq_len=64)
+    base = wiola.WiolaModel(config)
+    base.save_pretrained(tmp_path / "base", load_tokenizer("gpt2-32k"))
+    chat = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}]}
+    (tmp_path / "d.jsonl").write_text(json.dumps(chat) + "\n")
+    args = ["finetune", "--init", str(tmp_path / "base"), "--data", str(tmp_path / "d.jsonl"), "--no-progress"]
+    args += ["--out", str(tmp_path / "lora"), "--steps", "3", "--batch-size", "1", "--lr", "1e-2"]
+    assert main([*args, "--lora-rank", "2", "--lora-targets", "q_proj,v_proj,down_proj"]) == 0
+    saved = json.loads((tmp_path / "lora" / "adapter_config.json").read_text())
+    assert saved["r"] == 2 and sorted(saved["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
+    lora, tok = load_finetuned(tmp_path / "lora")
+    assert isinstance(lora, peft.PeftModel) and tok.chat_template is not None
+    # only the adapters trained: the base weights under them are the checkpoint's
+    state = lora.get_base_model().state_dict()
+    assert torch.equal(state["layers.0.attn.q_proj.base_layer.weight"], base.layers[0].attn.q_proj.weight)
+    assert main(["merge", "--adapter", str(tmp_path / "lora"), "--out", str(tmp_path / "merged")]) == 0
+    merged = wiola.WiolaModel.from_pretrained(tmp_path / "merged").eval()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        lo = lora(ids).logits
+        assert (lo - base.eval()(ids).logits).abs().max() > 0, "training left the adapters at zero"
+        assert_close("merged checkpoint vs adapters", lo, merged(ids).logits, FP32)
+    assert main([*args, "--lora-rank", "2", "--lora-targets", "embed"]) == 2

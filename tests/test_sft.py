@@ -1,0 +1,154 @@
+"""Supervised fine-tuning data (wiola.train.sft) and `wiola finetune`: only answer tokens are
+labels, bad lines are named with their numbers, long examples are dropped and counted."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import wiola
+from wiola.chat import apply_chat_template
+from wiola.cli import main
+from wiola.tokenizer import load_tokenizer
+from wiola.train.sft import IGNORE, collate, encode_chat, encode_completion, load_sft_data
+
+CHAT = [
+    {"role": "system", "content": "You tell stories."},
+    {"role": "user", "content": "A story about a cat."},
+    {"role": "assistant", "content": "Once upon a time, a cat sat."},
+    {"role": "user", "content": "More."},
+    {"role": "assistant", "content": "The cat ran home."},
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("gpt2-32k")
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, tok):
+    torch.manual_seed(0)
+    config = wiola.WiolaConfig(vocab_size=32000, d_model=32, n_layers=2, n_heads=4, d_ff=48, max_seq_len=64)
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    wiola.WiolaModel(config).save_pretrained(path, tok)
+    return path
+
+
+def _write(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_chat_labels_are_the_assistant_turns(tok) -> None:
+    ids, labels = encode_chat(tok, CHAT)
+    assert ids == apply_chat_template(tok, CHAT, add_generation_prompt=False)
+    kept = [i for i, label in enumerate(labels) if label != IGNORE]
+    assert all(labels[i] == ids[i] for i in kept)
+    # two runs of labels: each assistant content and its eos, nothing of the markers or other turns
+    runs, run = [], []
+    for i in range(len(ids)):
+        if labels[i] != IGNORE:
+            run.append(ids[i])
+        elif run:
+            runs, run = [*runs, run], []
+    runs += [run] if run else []
+    assert [tok.decode(r) for r in runs] == [
+        "Once upon a time, a cat sat.<|endoftext|>",
+        "The cat ran home.<|endoftext|>",
+    ]
+    # each run is exactly what generation must produce after the generation prompt
+    prompt = apply_chat_template(tok, CHAT[:2], add_generation_prompt=True)
+    assert ids[: len(prompt)] == prompt and labels[len(prompt)] == ids[len(prompt)]
+    assert labels[len(prompt) - 1] == IGNORE
+
+
+def test_completion_labels(tok) -> None:
+    ids, labels = encode_completion(tok, "Tell me:", " a story.")
+    assert tok.decode(ids) == "<|endoftext|>Tell me: a story.<|endoftext|>"
+    assert tok.decode([t for t in labels if t != IGNORE]) == " a story.<|endoftext|>"
+
+
+def test_loss_counts_only_labelled_tokens(tok) -> None:
+    torch.manual_seed(0)
+    model = wiola.WiolaModel(wiola.WiolaConfig(vocab_size=32000, d_model=16, n_layers=1, n_heads=2, d_ff=16))
+    examples = [encode_chat(tok, CHAT), encode_completion(tok, "Hi", " there")]
+    ids, mask, labels = collate(examples, pad_id=0)
+    loss = model(ids, attention_mask=mask, labels=labels).loss
+    logits = model(ids, attention_mask=mask).logits
+    pos = [(b, t) for b in range(2) for t in range(ids.shape[1] - 1) if labels[b, t + 1] != IGNORE]
+    want = torch.stack([F.cross_entropy(logits[b, t], labels[b, t + 1]) for b, t in pos]).mean()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=0)
+    assert len(pos) == sum(int((torch.tensor(y) != IGNORE).sum()) - 0 for _, y in examples)
+
+
+@pytest.mark.parametrize(
+    "line, fmt, message",
+    [
+        ('{"messages": [', "chat", "malformed JSON"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "chat", "unknown role 'robot'"),
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]}, "chat", "empty"),
+        ({"messages": [{"role": "user", "content": "x"}]}, "chat", "no assistant turn"),
+        ({"prompt": "x"}, "completion", "needs a string 'completion'"),
+        ({"prompt": "x", "completion": " "}, "completion", "the completion is empty"),
+        ([1, 2], "chat", "expected a JSON object"),
+    ],
+)
+def test_bad_lines_are_named_with_their_number(tmp_path, tok, line, fmt, message) -> None:
+    good = {"messages": CHAT[1:3]} if fmt == "chat" else {"prompt": "a", "completion": "b"}
+    path = _write(tmp_path / "d.jsonl", [good, "", line])
+    with pytest.raises(ValueError, match=rf"d\.jsonl:3: .*{message}"):
+        load_sft_data(path, fmt, tok, 64)
+
+
+def test_long_examples_are_dropped_and_counted(tmp_path, tok) -> None:
+    long = {"prompt": "word " * 100, "completion": "end"}
+    path = _write(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"}, long, long])
+    data = load_sft_data(path, "completion", tok, 64)
+    assert len(data.examples) == 1 and data.dropped == [2, 3]
+    assert "2 longer than max_seq_len=64 dropped (lines 2, 3)" in data.summary(64)
+    with pytest.raises(ValueError, match="no usable example .all 2 are longer"):
+        load_sft_data(_write(tmp_path / "e.jsonl", [long, long]), "completion", tok, 64)
+
+
+def test_cli_bad_data_exits_2_naming_the_line(tmp_path, tiny_checkpoint, capsys) -> None:
+    path = _write(tmp_path / "d.jsonl", [{"messages": CHAT}, {"messages": [{"role": "bot", "content": "x"}]}])
+    code = main(["finetune", "--init", str(tiny_checkpoint), "--data", str(path), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("wiola finetune: error: ") and "d.jsonl:2:" in err[0]
+
+
+def test_cli_full_finetune_lowers_the_answer_loss_and_saves_the_template(tmp_path, tiny_checkpoint) -> None:
+    import subprocess
+
+    path = _write(tmp_path / "d.jsonl", [{"messages": CHAT}] * 4)
+    out = tmp_path / "full"
+    cmd = [sys.executable, "-m", "wiola", "finetune", "--init", str(tiny_checkpoint), "--data", str(path)]
+    cmd += [
+        "--out",
+        str(out),
+        "--steps",
+        "12",
+        "--batch-size",
+        "2",
+        "--lr",
+        "1e-2",
+        "--warmup",
+        "1",
+        "--log-every",
+        "4",
+        "--no-progress",
+    ]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "data: 4 examples" in run.stdout
+    losses = json.loads((out / "finetune.json").read_text())["losses"]
+    assert losses[-1][1] < 0.8 * losses[0][1], losses  # 4 copies of one conversation: memorised
+    from wiola.checkpoint import load_checkpoint_tokenizer
+
+    assert load_checkpoint_tokenizer(out).chat_template is not None
+    assert wiola.WiolaModel.from_pretrained(out).config.vocab_size == 32000

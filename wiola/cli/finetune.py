@@ -1,0 +1,75 @@
+"""``wiola finetune``: supervised fine-tuning of a checkpoint on JSONL conversations or
+prompt/completion pairs, the whole model or LoRA adapters (``wiola.train.finetune``)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from wiola.model import ADAPTER_TARGETS
+    from wiola.train.sft import FORMATS
+
+    p = sub.add_parser(
+        "finetune",
+        help="supervised fine-tuning (chat or prompt/completion JSONL; full or LoRA)",
+        description="Fine-tune a checkpoint on JSONL data; only the assistant/completion tokens count in the loss. "
+        "With --lora-rank only LoRA adapters train and are saved in PEFT's format (wiola merge folds them in).",
+    )
+    p.add_argument("--init", required=True, metavar="CHECKPOINT", help="the checkpoint to start from")
+    p.add_argument("--data", required=True, metavar="FILE.jsonl")
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="chat",
+        help="chat: {'messages': [...]}; completion: {'prompt', 'completion'}",
+    )
+    p.add_argument("--out", default="runs/finetune", help="output folder (a checkpoint, or the adapters)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--lora-rank", type=int, help="train LoRA adapters of this rank instead of every weight")
+    p.add_argument("--lora-alpha", type=float, help="LoRA scale numerator (default 2 x rank)")
+    p.add_argument(
+        "--lora-targets",
+        default=",".join(ADAPTER_TARGETS),
+        help=f"comma-separated projections to adapt (default all: {','.join(ADAPTER_TARGETS)})",
+    )
+    p.add_argument("--lora-dropout", type=float, default=0.0)
+    p.add_argument("--add-role-tokens", action="store_true", help="add <|system|> <|user|> <|assistant|> as tokens")
+    p.add_argument("--device")
+    p.add_argument("--fast", action="store_true", help="wiola.fast (fused kernels)")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.set_defaults(func=run_finetune)
+
+
+def run_finetune(args: argparse.Namespace) -> int:
+    from wiola.train.finetune import FinetuneConfig, finetune
+
+    cfg = FinetuneConfig(
+        init=args.init,
+        data=args.data,
+        format=args.format,
+        out=args.out,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        warmup=args.warmup,
+        weight_decay=args.weight_decay,
+        seed=args.seed,
+        log_every=args.log_every,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
+        lora_dropout=args.lora_dropout,
+        add_role_tokens=args.add_role_tokens,
+        device=args.device,
+        fast=args.fast,
+        progress=args.progress,
+    )
+    finetune(cfg)
+    return 0

@@ -1,0 +1,24 @@
+"""``wiola merge``: fold a LoRA folder's adapters into its base checkpoint's weights."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "merge",
+        help="fold LoRA adapters into the weights (for the fast model, quantization, export)",
+        description="Write a plain checkpoint whose weights are the base's plus the adapters' low-rank update.",
+    )
+    p.add_argument("--adapter", required=True, metavar="DIR", help="a folder written by wiola finetune --lora-rank")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--base", metavar="CHECKPOINT", help="the base checkpoint (default: the one the adapter names)")
+    p.set_defaults(func=run_merge)
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    from wiola.train.finetune import merge_adapters
+
+    print(f"merged checkpoint: {merge_adapters(args.adapter, args.out, args.base)}")
+    return 0

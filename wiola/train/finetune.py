@@ -1,0 +1,220 @@
+"""Supervised fine-tuning of a checkpoint (``wiola finetune``): the whole model, or LoRA
+adapters through ``peft`` (docs/SPEC.md "Chat and fine-tuning").
+
+The data is ``wiola.train.sft``'s (only answer tokens in the loss). A full fine-tune saves a
+checkpoint (``WiolaModel.from_pretrained`` reads it); a LoRA run saves the adapters in PEFT's
+own format (``adapter_config.json`` + ``adapter_model.safetensors``, which
+``peft.PeftModel.from_pretrained(base, folder)`` reads), naming the base checkpoint;
+``load_finetuned`` reads either and ``merge_adapters`` folds adapters into the weights. Both
+write the tokenizer with its chat template beside them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from wiola.chat import add_role_tokens, resize_token_embeddings, with_chat_template
+from wiola.checkpoint import load_checkpoint_tokenizer, resolve_checkpoint
+from wiola.model import ADAPTER_TARGETS
+from wiola.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, read_chat_template
+from wiola.train.env import autocast, model_class, require, resolve_device
+from wiola.train.optim import WarmupCosine
+from wiola.train.sft import FORMATS, batches, collate, load_sft_data
+
+ADAPTER_CONFIG = "adapter_config.json"
+RUN_FILE = "finetune.json"
+
+
+@dataclass
+class FinetuneConfig:
+    """One fine-tuning run's settings (the ``wiola finetune`` flags)."""
+
+    init: str  # the checkpoint to start from
+    data: str  # JSONL file
+    format: str = "chat"  # "chat" or "completion" (wiola.train.sft)
+    out: str = "runs/finetune"
+    steps: int = 200
+    batch_size: int = 8
+    lr: float = 3e-4  # a LoRA rate; a full fine-tune wants ~1e-4 or less
+    warmup: int = 10
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    log_every: int = 10
+    lora_rank: int | None = None  # None: every weight trains
+    lora_alpha: float | None = None  # None: 2 x rank
+    lora_targets: tuple[str, ...] = ADAPTER_TARGETS
+    lora_dropout: float = 0.0
+    add_role_tokens: bool = False
+    device: str | None = None
+    fast: bool = False
+    precision: str = "auto"
+    progress: bool = True
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the first bad setting."""
+        if self.format not in FORMATS:
+            raise ValueError(f"--format {self.format!r}: choose one of {', '.join(FORMATS)}")
+        for name in ("steps", "batch_size", "log_every"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a positive number, got {self.lr}")
+        if self.lora_rank is not None:
+            if self.lora_rank <= 0:
+                raise ValueError(f"--lora-rank must be positive, got {self.lora_rank}")
+            bad = sorted(set(self.lora_targets) - set(ADAPTER_TARGETS))
+            if bad or not self.lora_targets:
+                raise ValueError(f"--lora-targets {bad or '(none)'}: choose among {', '.join(ADAPTER_TARGETS)}")
+            if self.add_role_tokens:
+                raise ValueError(
+                    "--add-role-tokens with --lora-rank: the new embedding rows would stay untrained and the adapters' "
+                    "base would lack them; add role tokens in a full fine-tune first"
+                )
+
+
+@dataclass
+class FinetuneResult:
+    out: Path
+    losses: list[tuple[int, float]]  # (step, mean answer-token loss since the last log line)
+    examples: int
+    dropped: int
+    seconds: float
+
+
+def finetune(cfg: FinetuneConfig, log: Callable[[str], None] = print) -> FinetuneResult:
+    """Run ``cfg``: load, encode the data, train, save into ``cfg.out``. Raises
+    ``ValueError``/``FileNotFoundError``/``RuntimeError`` naming bad settings, data or a
+    missing package before any training."""
+    cfg.check()
+    tqdm = require("tqdm.auto", "fine-tuning").tqdm
+    device = resolve_device(cfg.device)
+    init = resolve_checkpoint(cfg.init)
+    model = model_class(cfg.fast).from_pretrained(init, device=device)
+    tokenizer = with_chat_template(load_checkpoint_tokenizer(init))
+    if cfg.add_role_tokens:
+        tokenizer = add_role_tokens(tokenizer)
+        resize_token_embeddings(model, max(model.config.vocab_size, tokenizer.vocab_size))
+    data = load_sft_data(cfg.data, cfg.format, tokenizer, model.config.max_seq_len)
+    log(f"data: {data.summary(model.config.max_seq_len)}")
+    if cfg.lora_rank is not None:
+        model = attach_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    log(f"training {sum(p.numel() for p in trainable):,} of {sum(p.numel() for p in model.parameters()):,} weights")
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(cfg.warmup, cfg.steps, cfg.min_lr_ratio))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+    stream = batches(data, cfg.batch_size, cfg.seed)
+    losses, total, count, start = [], 0.0, 0, time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    model.train()
+    bar = tqdm(range(1, cfg.steps + 1), desc="finetune", disable=not cfg.progress, dynamic_ncols=True)
+    for step in bar:
+        ids, mask, labels = (t.to(device) for t in collate(next(stream), pad))
+        with autocast(device, cfg.precision):
+            loss = model(ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        total, count = total + float(loss.detach()), count + 1
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            losses.append((step, total / count))
+            bar.set_postfix(loss=f"{total / count:.3f}")
+            if not cfg.progress:
+                log(f"step {step}/{cfg.steps}: loss {total / count:.4f}")
+            total, count = 0.0, 0
+    model.eval()
+    seconds = time.perf_counter() - start
+    out = save_finetuned(model, tokenizer, cfg, init)
+    record = {"config": asdict(cfg), "losses": losses, "examples": len(data.examples), "dropped": data.dropped}
+    (out / RUN_FILE).write_text(json.dumps({**record, "seconds": seconds}, indent=2) + "\n")
+    log(f"{cfg.steps} steps in {seconds:.0f} s; final loss {losses[-1][1]:.4f}; saved {out}")
+    return FinetuneResult(out, losses, len(data.examples), len(data.dropped), seconds)
+
+
+def attach_lora(
+    model: torch.nn.Module, rank: int, alpha: float | None, targets: tuple[str, ...], dropout: float = 0.0
+) -> torch.nn.Module:
+    """``model`` wrapped by ``peft.get_peft_model`` with LoRA adapters (rank ``rank``, scale
+    ``alpha / rank``) on the projections named ``targets`` in every block; only they train."""
+    peft = require_peft()
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, target_modules=list(targets), lora_dropout=dropout
+    )
+    return peft.get_peft_model(model, config)
+
+
+def require_peft() -> Any:
+    try:
+        import peft
+    except ImportError as e:
+        raise RuntimeError(
+            f"LoRA needs the `peft` package ({e}); install the finetune extra: pip install 'wiola-slm[finetune]'"
+        ) from e
+    return peft
+
+
+def save_finetuned(model: torch.nn.Module, tokenizer: Tokenizer, cfg: FinetuneConfig, init: Path) -> Path:
+    """Write a full checkpoint, or (a peft model) the adapters in PEFT's format with the base's path."""
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.lora_rank is None:
+        model.save_pretrained(out, tokenizer)
+        return out
+    model.peft_config["default"].base_model_name_or_path = str(Path(init).resolve())
+    model.save_pretrained(str(out), save_embedding_layers=False)  # adapters only (the embedding is never one)
+    tokenizer.save(out)  # its files (GPT-2's: the chat template alone); config.json is the base's
+    return out
+
+
+def is_adapter_folder(path: str | os.PathLike) -> bool:
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def load_finetuned(
+    path: str | os.PathLike, *, base: str | os.PathLike | None = None, fast: bool = False, device: str = "cpu"
+) -> tuple[torch.nn.Module, Tokenizer]:
+    """``(model, tokenizer)`` of a checkpoint, or of a LoRA folder on its base (``base``, else
+    the one its ``adapter_config.json`` names) as a ``peft.PeftModel``; in eval mode. The
+    tokenizer is the folder's own when it has one (with the chat template), else the base's."""
+    path = Path(path)
+    cls = model_class(fast)
+    if not is_adapter_folder(path):
+        return cls.from_pretrained(path, device=device).eval(), load_checkpoint_tokenizer(path)
+    peft = require_peft()
+    if base is None:
+        base = json.loads((path / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+        if not base:
+            raise ValueError(f"{path / ADAPTER_CONFIG} names no base model: give it with --base")
+    base_dir = resolve_checkpoint(base)
+    model = peft.PeftModel.from_pretrained(cls.from_pretrained(base_dir, device=device), str(path)).eval()
+    tokenizer = load_checkpoint_tokenizer(base_dir)
+    if (path / TOKENIZER_FILE).is_file():  # role tokens added: the folder's own tokenizer
+        ids = (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        tokenizer = load_tokenizer(path).with_special_ids(*ids)
+    tokenizer.chat_template = read_chat_template(path) or tokenizer.chat_template
+    return model, tokenizer
+
+
+def merge_adapters(path: str | os.PathLike, out: str | os.PathLike, base: str | os.PathLike | None = None) -> Path:
+    """Fold a LoRA folder's adapters into its base's weights and save a plain checkpoint in
+    ``out`` (for the fast model, quantization and ONNX export). Raises ``ValueError`` when
+    ``path`` holds no adapters."""
+    if not is_adapter_folder(path):
+        raise ValueError(f"{path} holds no {ADAPTER_CONFIG}: nothing to merge")
+    model, tokenizer = load_finetuned(path, base=base)
+    merged = model.merge_and_unload()
+    merged.save_pretrained(Path(out), tokenizer)
+    return Path(out)
