@@ -1,0 +1,29 @@
+"""``wiola serve``: an OpenAI-compatible HTTP server with continuous batching.
+
+- ``wiola.serve.engine``: one asyncio task owns a ``wiola.fast.rows.Rows`` and steps it (one
+  step for the whole batch per loop, in a worker thread); requests join and leave between steps.
+- ``wiola.serve.app``: the Starlette app (``/v1/completions``, ``/v1/chat/completions``,
+  ``/v1/models``, ``/health``, ``/tokenize``, ``/detokenize``, the playground at ``/``).
+- ``wiola.serve.protocol``: request validation and OpenAI's error JSON.
+
+``serve(model, tokenizer, ...)`` runs it under uvicorn until SIGINT/SIGTERM (requests in flight
+finish first).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def serve(model: Any, tokenizer: Any, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+          max_batch: int = 8, log_level: str = "info") -> None:  # fmt: skip
+    """Serve ``model`` (a ``wiola.fast.WiolaModel``, any weight type, or the reference model) with
+    ``tokenizer`` on ``host:port`` with up to ``max_batch`` rows decoding at once."""
+    import uvicorn
+
+    from wiola.serve.app import Server, create_app
+    from wiola.serve.engine import Engine
+
+    engine = Engine(model, max_batch)
+    app = create_app(Server(engine, tokenizer, model_name, model.config.max_seq_len))
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None)
