@@ -12,6 +12,9 @@ finish first).
 
 from __future__ import annotations
 
+import contextlib
+import signal
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -24,6 +27,20 @@ def serve(model: Any, tokenizer: Any, *, model_name: str, host: str = "127.0.0.1
     from wiola.serve.app import Server, create_app
     from wiola.serve.engine import Engine
 
+    class _Uvicorn(uvicorn.Server):
+        """SIGINT/SIGTERM: stop accepting, finish the requests in flight, then return (exit 0;
+        uvicorn itself re-raises the signal after its shutdown, which would end the process with 143)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
+
     engine = Engine(model, max_batch)
     app = create_app(Server(engine, tokenizer, model_name, model.config.max_seq_len))
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None)
+    _Uvicorn(config).run()

@@ -84,8 +84,9 @@ class Server:
                 self.engine.cancel(job)
 
     async def _token(self, job: Job, token: RowToken, stream: TextStream, pending: set[Job]):
-        if token.finish_reason == "stop":  # the eos token: not part of the text
+        if token.finish_reason == "stop":  # the eos token: counted, not part of the text
             pending.discard(job)
+            yield job, "", token
             yield job, stream.rest(), "stop"
             return
         delta = stream.add(token.token)
@@ -314,7 +315,7 @@ async def health(request: Request) -> Response:
     engine = server.engine
     return JSONResponse(
         {"status": "ok", "backend": engine.backend, "live_rows": len(engine.live), "waiting": len(engine.waiting),
-         "max_batch": engine.max_batch, "steps": engine.steps}
+         "max_batch": engine.max_batch, "steps": engine.steps, "left_early": engine.left}
     )  # fmt: skip
 
 

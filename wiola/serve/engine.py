@@ -45,6 +45,7 @@ class Engine:
         self.live: dict[int, Job] = {}
         self.leaving: list[int] = []
         self.steps = 0
+        self.left = 0  # rows that left before they finished (cancelled: a stop string, a client gone)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wiola-engine")
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -93,7 +94,7 @@ class Engine:
             joins = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.max_batch - len(self.live)))]
             leaves, self.leaving = self.leaving, []
             for row in leaves:
-                self.live.pop(row, None)
+                self.left += self.live.pop(row, None) is not None
             try:
                 joined, tokens = await loop.run_in_executor(self._executor, self._tick, joins, leaves)
             except Exception as e:  # a broken step: fail every job rather than hang them
