@@ -286,16 +286,22 @@ def test_a_client_that_leaves_mid_stream_frees_its_row(server, solo):
 
 # ---------------------------------------------------------------------------- load
 @pytest.mark.slow
-def test_32_streaming_clients_each_get_their_solo_result(server, solo):
+def test_32_streaming_clients_each_get_their_solo_result(server, checkpoint, solo):
     """32 clients × 4 streamed requests each, joining and leaving the batch at different steps
     (prompts, lengths and sampling vary): every request equals the same request alone."""
+    from wiola.checkpoint import load_checkpoint_tokenizer
+
     plans = []
     for c in range(32):
         for k in range(4):
             prompt = PROMPTS[(c + k) % len(PROMPTS)]
             sampled = (c + k) % 3 == 0
-            plans.append((c, prompt, 6 + (c * 7 + k * 5) % 20, 0.8 if sampled else 0.0, 0.9 if sampled else None, c))
-    want = {p: solo(p[1], p[2], p[3], p[4], p[5])[1] for p in plans}
+            plans.append(
+                (c, prompt, 6 + (c * 7 + k * 5) % 20, 0.8 if sampled else 0.0, 0.9 if sampled else None, c % 4)
+            )
+    decode = load_checkpoint_tokenizer(checkpoint).decode
+    # n tokens of a request are the first n of the same request with more (the same draws, in order)
+    want = {p: decode(solo(p[1], 25, p[3], p[4], p[5])[0][: p[2]]) for p in plans}
 
     async def request(client, plan) -> str:
         _, prompt, n, temperature, top_p, seed = plan

@@ -29,6 +29,14 @@ def _serve(args: argparse.Namespace) -> int:
     from wiola.cli.generate import load_model, quantize_model
     from wiola.serve import serve
 
+    for module in ("starlette", "uvicorn"):
+        try:
+            __import__(module)
+        except ImportError as e:
+            raise RuntimeError(
+                f"serving needs the `{module}` package, which cannot be imported ({e}); "
+                "install the serve extra: pip install 'wiola-slm[serve]'"
+            ) from e
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if not 0 <= args.port < 65536:

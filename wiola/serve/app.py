@@ -216,7 +216,7 @@ async def _stream_completion(server: Server, request: Request, req, jobs, head, 
                 completion += 1
                 if s.logprobs:
                     logprobs = _logprobs([server.logprobs_entry(what)])
-            if delta or finish or logprobs:
+            if delta or finish or not isinstance(what, str):  # a chunk per token, its text possibly held back
                 choice = {"text": delta, "index": job.index, "logprobs": logprobs, "finish_reason": finish}
                 yield _sse({**head, "choices": [choice]})
     except ApiError as e:
@@ -292,7 +292,7 @@ async def _stream_chat(server: Server, request: Request, s: Sampling, jobs, head
         async for job, delta, what in server.run(jobs, s.stop, request):
             finish = what if isinstance(what, str) else None
             count += finish is None
-            if delta or finish:
+            if delta or finish or not isinstance(what, str):
                 delta_obj = {"content": delta} if delta else {}
                 yield _sse({**head, "choices": [{"index": job.index, "delta": delta_obj, "finish_reason": finish}]})
     except ApiError as e:
