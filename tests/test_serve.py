@@ -157,6 +157,21 @@ def test_openai_client_greedy_equals_generate(server, solo):
         assert chunks[-1].choices[0].finish_reason == reason
 
 
+def test_served_text_equals_wiola_generate(server, checkpoint, solo, capsys):
+    """The same greedy and seeded requests through ``wiola generate --json`` and the server (``solo``: a plain CPU)."""
+    from wiola.cli import main
+
+    for extra, body in ((["--temperature", "0"], {"temperature": 0}),
+                        (["--temperature", "0.9", "--top-p", "0.95", "--seed", "5"], {"temperature": 0.9, "top_p": 0.95, "seed": 5})):  # fmt: skip
+        args = ["generate", "--checkpoint", str(checkpoint), "--prompt", PROMPTS[3], "--max-new-tokens", "20"]
+        assert main([*args, *extra, "--json", "--device", "cpu"]) == 0
+        cli = json.loads(capsys.readouterr().out)
+        r = httpx.post(
+            server.url + "/v1/completions", json={"prompt": PROMPTS[3], "max_tokens": 20, **body}, timeout=60
+        )
+        assert r.json()["choices"][0]["text"] == cli["text"], extra
+
+
 def test_seeded_sampling_equals_generate_with_that_seed(server, solo):
     client = _client(server)
     _, text, _ = solo(PROMPTS[0], 30, 0.9, 0.95, 11)
