@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from wiola.fast.rows import RowRequest, RowToken
 from wiola.serve.engine import Engine, Job
-from wiola.serve.protocol import ApiError, Sampling, new_id, now, parse_chat, parse_completion
+from wiola.serve.protocol import ApiError, Sampling, check_lengths, new_id, now, parse_chat, parse_completion
 from wiola.serve.text import TextStream
 
 MAX_BODY = 1 << 20  # bytes: a request body past this is refused with 413
@@ -161,14 +161,15 @@ async def completions(request: Request) -> Response:
     finish: dict[Job, str] = {}
     count = dict.fromkeys(jobs, 0)
     try:
-        async for job, delta, what in server.run(jobs, s.stop, request):
-            texts[job] += delta
-            if isinstance(what, str):
-                finish[job] = what
-            else:
-                count[job] += 1
-                if s.logprobs:
-                    logs[job].append(server.logprobs_entry(what))
+        async with contextlib.aclosing(server.run(jobs, s.stop, request)) as events:
+            async for job, delta, what in events:
+                texts[job] += delta
+                if isinstance(what, str):
+                    finish[job] = what
+                else:
+                    count[job] += 1
+                    if s.logprobs:
+                        logs[job].append(server.logprobs_entry(what))
     except ApiError as e:
         return _error(e)
     if len(finish) < len(jobs):  # the client went away
@@ -209,16 +210,17 @@ async def _stream_completion(server: Server, request: Request, req, jobs, head, 
                 {**head, "choices": [{"text": echo[k], "index": job.index, "logprobs": None, "finish_reason": None}]}
             )
     try:
-        async for job, delta, what in server.run(jobs, s.stop, request):
-            finish = what if isinstance(what, str) else None
-            logprobs = None
-            if not isinstance(what, str):
-                completion += 1
-                if s.logprobs:
-                    logprobs = _logprobs([server.logprobs_entry(what)])
-            if delta or finish or not isinstance(what, str):  # a chunk per token, its text possibly held back
-                choice = {"text": delta, "index": job.index, "logprobs": logprobs, "finish_reason": finish}
-                yield _sse({**head, "choices": [choice]})
+        async with contextlib.aclosing(server.run(jobs, s.stop, request)) as events:
+            async for job, delta, what in events:
+                finish = what if isinstance(what, str) else None
+                logprobs = None
+                if not isinstance(what, str):
+                    completion += 1
+                    if s.logprobs:
+                        logprobs = _logprobs([server.logprobs_entry(what)])
+                if delta or finish or not isinstance(what, str):  # a chunk per token, its text possibly held back
+                    choice = {"text": delta, "index": job.index, "logprobs": logprobs, "finish_reason": finish}
+                    yield _sse({**head, "choices": [choice]})
     except ApiError as e:
         yield _sse(e.body())
     if s.include_usage:
@@ -251,8 +253,6 @@ async def chat_completions(request: Request) -> Response:
         prompt = _chat_prompt(server, req.messages)
         s = req.sampling
         max_tokens = server.max_len - len(prompt) if s.max_tokens is None else s.max_tokens
-        from wiola.serve.protocol import check_lengths
-
         check_lengths([prompt], max_tokens, server.max_len)
     except ApiError as e:
         return _error(e)
@@ -262,12 +262,13 @@ async def chat_completions(request: Request) -> Response:
         return StreamingResponse(_stream_chat(server, request, s, jobs, head, prompt), media_type="text/event-stream")
     texts, finish, count = dict.fromkeys(jobs, ""), {}, 0
     try:
-        async for job, delta, what in server.run(jobs, s.stop, request):
-            texts[job] += delta
-            if isinstance(what, str):
-                finish[job] = what
-            else:
-                count += 1
+        async with contextlib.aclosing(server.run(jobs, s.stop, request)) as events:
+            async for job, delta, what in events:
+                texts[job] += delta
+                if isinstance(what, str):
+                    finish[job] = what
+                else:
+                    count += 1
     except ApiError as e:
         return _error(e)
     if len(finish) < len(jobs):
@@ -289,12 +290,13 @@ async def _stream_chat(server: Server, request: Request, s: Sampling, jobs, head
         yield _sse({**head, "choices": [choice]})
     count = 0
     try:
-        async for job, delta, what in server.run(jobs, s.stop, request):
-            finish = what if isinstance(what, str) else None
-            count += finish is None
-            if delta or finish or not isinstance(what, str):
-                delta_obj = {"content": delta} if delta else {}
-                yield _sse({**head, "choices": [{"index": job.index, "delta": delta_obj, "finish_reason": finish}]})
+        async with contextlib.aclosing(server.run(jobs, s.stop, request)) as events:
+            async for job, delta, what in events:
+                finish = what if isinstance(what, str) else None
+                count += finish is None
+                if delta or finish or not isinstance(what, str):
+                    delta_obj = {"content": delta} if delta else {}
+                    yield _sse({**head, "choices": [{"index": job.index, "delta": delta_obj, "finish_reason": finish}]})
     except ApiError as e:
         yield _sse(e.body())
     if s.include_usage:
