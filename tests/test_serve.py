@@ -243,6 +243,18 @@ def test_models_health_tokenize_detokenize(server):
 
 
 # ---------------------------------------------------------------------------- faults
+def test_serve_cli_bad_input_exits_2_with_one_line(server, checkpoint, tmp_path, capsys):
+    from wiola.cli import main
+
+    cases = [(["--checkpoint", str(checkpoint), "--port", str(server.port)], "cannot listen on 127.0.0.1:"),
+             (["--checkpoint", str(tmp_path / "none")], "does not exist"),
+             (["--checkpoint", str(checkpoint), "--max-batch", "0", "--port", "0"], "--max-batch must be >= 1")]  # fmt: skip
+    for args, message in cases:
+        assert main(["serve", *args]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert lines[-1].startswith("wiola serve: error: ") and message in lines[-1], lines
+
+
 @pytest.mark.parametrize(
     ("content", "status", "message"),
     [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 
 import torch
@@ -41,6 +42,11 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    try:  # a port in use is bad input, said before the model loads
+        with socket.create_server((args.host, args.port)):
+            pass
+    except OSError as e:
+        raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     model, tokenizer = load_model(args)
     model = quantize_model(model.eval().requires_grad_(False), args.quantize)
     name = args.model_name or Path(str(args.checkpoint).rstrip("/")).name
