@@ -37,7 +37,7 @@ class TextStream:
             return self._emit(full[:cut])
         if full.endswith("\ufffd"):
             return ""
-        return self._emit(full[: len(full) - self._hold] if self._hold else full)
+        return self._emit(full[: max(0, len(full) - self._hold)])
 
     def rest(self) -> str:
         """The held-back text once the sequence has ended (up to a stop string if one was hit)."""
