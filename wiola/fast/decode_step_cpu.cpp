@@ -19,6 +19,7 @@
 //                      no x86 assembly, compiles for any target
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -193,18 +194,19 @@ inline void dot_rows(const T* W, const float* scale, int64_t K, const float* x, 
   }
 }
 
-// Rows [r0, r1) of y = x Wᵀ, the block of 4 rows 8 rows ahead prefetched. The layers' weights
+// Rows [r0, r1) of y = x Wᵀ, the block of 4 rows `ahead` rows ahead prefetched. The layers' weights
 // (19 MB for the 13m preset) mostly come from L3, into L1 here: the hardware prefetcher alone
-// does not keep up (measured on this machine's EPYC, one thread: the AVX2 step took about a
-// third longer without it, the AVX-512 one about a tenth). With `stream` (the tied head, larger
-// than the last-level cache) the prefetch is non-temporal, which keeps the head from evicting
-// the layers' weights from L3 and halves the step (see the benchmark notes). For the head, 8 rows
-// ahead ran about 5% faster than 16 on one thread in interleaved runs (level with 4, 32 and 64
-// within the noise of a loaded machine) and level on two.
+// does not keep up (measured on an AMD EPYC, one thread: the AVX2 step took about a third longer
+// without it, the AVX-512 one about a tenth). With `stream` the prefetch is non-temporal: chosen
+// for the tied head when the matrices do not fit in the last-level cache together (the EPYC's
+// 32 MiB per CCD), where it keeps the head from evicting the layers' weights and halved the step;
+// where they fit (an Intel Xeon's 260 MiB L3) a non-temporal head comes from DRAM every step, and
+// keeping it cached ran the 13m step 1.45x (fp32) and 1.7x (int8) faster at batch 1 (interleaved,
+// one thread, a loaded machine). 8 rows ahead: level with 16 and 32 on the Xeon, about 5% faster
+// than 16 on the EPYC.
 template <typename T>
 void gemv_rows(const T* W, const float* scale, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t B,
-               int64_t r0, int64_t r1, bool stream) {
-  constexpr int64_t ahead = 8;
+               int64_t r0, int64_t r1, bool stream, int64_t ahead) {
   int64_t r = r0;
   for (; r + 4 <= r1; r += 4) {
     int64_t p0 = r + ahead, p1 = r + ahead + 4 < r1 ? r + ahead + 4 : r1;
@@ -223,11 +225,11 @@ void gemv_rows(const T* W, const float* scale, int64_t K, const float* x, int64_
 // This thread's share of the rows of an (N, K) product: contiguous, multiples of 4 rows.
 template <typename T>
 inline void gemv_share(const T* W, const float* scale, int64_t N, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy,
-                       int64_t B, int tid, int nth, bool stream = false) {
+                       int64_t B, int tid, int nth, bool stream, int64_t ahead) {
   int64_t blocks = (N + 3) / 4;
   int64_t b0 = blocks * tid / nth, b1 = blocks * (tid + 1) / nth;
   int64_t r0 = b0 * 4, r1 = b1 * 4 < N ? b1 * 4 : N;
-  if (r0 < r1) gemv_rows(W, scale, K, x, ldx, y, ldy, B, r0, r1, stream);
+  if (r0 < r1) gemv_rows(W, scale, K, x, ldx, y, ldy, B, r0, r1, stream, ahead);
 }
 
 // out = h / sqrt(mean(h²) + eps) ⊙ γ   (statistics in fp32, as the reference)
@@ -247,9 +249,40 @@ inline void rope(const float* x, const float* cs, const float* sn, float* out, i
   }
 }
 
+// How many threads a parallel region of `bytes` of streaming takes: one per `per_thread`, at
+// most OpenMP's maximum (torch.set_num_threads). A small model's step is done sooner by one
+// thread than the barriers of several cost, above all when other processes share the cores and
+// a waiting thread may lose its core for a scheduler tick. Results do not depend on the count.
+constexpr int64_t kSampleBytesPerThread = 1 << 21;
+inline int threads_for(int64_t bytes, int64_t per_thread = kSampleBytesPerThread) {
+  int64_t n = bytes / per_thread;
+  int most = omp_get_max_threads();
+  return n < 1 ? 1 : n < most ? static_cast<int>(n) : most;
+}
+
+// body(tid, nth) on `nth` threads of one parallel region, or on this thread alone without one
+// when nth is 1: a region of fewer threads than torch's pool would dock its idle threads first,
+// which costs a scheduler tick or more whenever the cores are shared (measured: 0.2 s a step on a
+// loaded 2-core machine, against 0.2 ms without the region). The barriers in body then bind to
+// this thread alone and return at once.
+template <typename Body>
+inline void parallel(int nth, const Body& body) {
+  if (nth <= 1) {
+    body(0, 1);
+    return;
+  }
+#pragma omp parallel num_threads(nth)
+  body(omp_get_thread_num(), omp_get_num_threads());
+}
+
 // The step's argument layout. wiola/fast/decode_step_cpu.py holds the same table (LAYOUT) and checks
 // it at load against wiola_layout_counts(): a drift between the two is refused, never misread.
-enum Dim { kB, kV, kD, kL, kH, kHd, kF, kS, kGate, kGatePreRope, kWeightType, kNumDims };
+// kStreamHead, kPrefetchRows and kBytesPerThread are the tuning the binding chose for this CPU
+// (wiola.fast.decode_step_cpu.choose_tuning); none of them changes a result.
+enum Dim {
+  kB, kV, kD, kL, kH, kHd, kF, kS, kGate, kGatePreRope, kWeightType,
+  kStreamHead, kPrefetchRows, kBytesPerThread, kNumDims
+};
 enum WeightType { kFp32, kBf16, kInt8 };
 enum Global { kEmbed, kFinalNorm, kFreqs, kNumGlobal };
 enum PerLayer { kAttnNorm, kWq, kWk, kWv, kWo, kGateW1, kGateW2, kGateB2, kFfnNorm, kWUp, kWBp, kWDown, kPerLayer };
@@ -299,7 +332,8 @@ inline void embed_row(const T* E, const float* scale, int64_t token, int64_t d, 
 template <typename T>
 struct Step {
   const int64_t R, B, V, d, L, H, D, F, S, half;
-  const bool gate, gate_pre_rope;
+  const bool gate, gate_pre_rope, stream_head;
+  const int64_t ahead, bytes_per_thread;
   const void* const* weights;
   const float* const* scales;
   float* const k_cache;
@@ -316,7 +350,8 @@ struct Step {
   Step(const int64_t* n, const void* const* w, const float* const* sc, void* const* state, int64_t b,
        const int64_t* rows_, const int64_t* tokens_, const int64_t* slots_, float eps_, float* logits_, float* work)
       : R(n[kB]), B(b), V(n[kV]), d(n[kD]), L(n[kL]), H(n[kH]), D(n[kHd]), F(n[kF]), S(n[kS]), half(n[kHd] / 2),
-        gate(n[kGate] != 0), gate_pre_rope(n[kGatePreRope] != 0), weights(w), scales(sc),
+        gate(n[kGate] != 0), gate_pre_rope(n[kGatePreRope] != 0), stream_head(n[kStreamHead] != 0),
+        ahead(n[kPrefetchRows]), bytes_per_thread(n[kBytesPerThread]), weights(w), scales(sc),
         k_cache(static_cast<float*>(state[kK])), v_cache(static_cast<float*>(state[kVc])),
         key_mask(static_cast<bool*>(state[kKeyMask])), gate_sum(static_cast<float*>(state[kGateSum])),
         gate_count(static_cast<int64_t*>(state[kGateCount])), n_real(static_cast<int64_t*>(state[kNReal])),
@@ -333,7 +368,7 @@ struct Step {
   // This thread's share of y = x Wᵀ for every active row (W of matrix slot `slot`, N x K).
   void product(int64_t slot, int64_t N, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int tid,
                int nth, bool stream = false) const {
-    gemv_share(mat(slot), scales[slot], N, K, x, ldx, y, ldy, B, tid, nth, stream);
+    gemv_share(mat(slot), scales[slot], N, K, x, ldx, y, ldy, B, tid, nth, stream, ahead);
   }
 
   // The residual stream from the embedding, the rotation tables at the row's position (fp32
@@ -476,16 +511,21 @@ struct Step {
   }
 
   // The tied head, logits = x Eᵀ, streamed past the last-level cache (see gemv_rows).
-  void head(int tid, int nth) { product(kEmbed, V, d, ws.x, d, logits, V, tid, nth, true); }
+  void head(int tid, int nth) { product(kEmbed, V, d, ws.x, d, logits, V, tid, nth, stream_head); }
+
+  // The bytes of the matrices one step streams (each read once, whatever B).
+  int64_t matrix_bytes() const {
+    return static_cast<int64_t>(sizeof(T)) * (V * d + L * (4 * d * d + 3 * F * d));
+  }
+
+  void layers_and_head(int tid, int nth) {
+    for (int64_t l = 0; l < L; ++l) layer(l, tid, nth);
+    head(tid, nth);
+  }
 
   void run() {
     for (int64_t i = 0; i < B; ++i) begin_row(i);
-#pragma omp parallel
-    {
-      const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-      for (int64_t l = 0; l < L; ++l) layer(l, tid, nth);
-      head(tid, nth);
-    }
+    parallel(threads_for(matrix_bytes(), bytes_per_thread), [this](int tid, int nth) { layers_and_head(tid, nth); });
     for (int64_t i = 0; i < B; ++i) n_real[rows[i]] += 1;
   }
 };
@@ -496,6 +536,101 @@ int decode_rows(const int64_t* n, const void* const* weights, const float* const
                 float* work) {
   Step<T>(n, weights, scales, state, B, rows, tokens, slots, eps, logits, work).run();
   return 0;
+}
+
+// ---------------------------------------------------------------------------------------- sampling
+// The sampler of wiola.generation, operation for operation in fp32, so that the tokens are the
+// Python sampler's bitwise: greedy is the first maximal logit (torch.argmax; a NaN wins, as
+// there); sampling divides by the temperature (x / float(t), as torch divides by a Python float),
+// sets to -inf every logit below the k-th largest (torch.topk's k-th value, ties kept), subtracts
+// log E (the caller's Exp(1) noise, its log taken by torch: the same draws and the same log as
+// wiola.generation.sample_next) and takes the first maximum. The nucleus (top-p) filter is not
+// here: its softmax and cumulative sum would round differently from torch's, so the caller
+// samples those rows with wiola.generation itself (kModeCaller).
+enum SampleMode { kGreedy, kSample, kModeCaller };
+
+inline int64_t argmax_first(const float* x, int64_t n) {
+  int64_t best = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    if (std::isnan(x[j])) return j;
+    if (x[j] > x[best]) best = j;
+  }
+  return best;
+}
+
+// The k-th largest of x[0, n) counting repeats (torch.topk(x, k).values[-1]); scratch holds n floats.
+inline float kth_largest(const float* x, int64_t n, int64_t k, float* scratch) {
+  std::memcpy(scratch, x, n * sizeof(float));
+  std::nth_element(scratch, scratch + (k - 1), scratch + n, [](float a, float b) { return a > b; });
+  return scratch[k - 1];
+}
+
+// One row's token. scratch: 2V floats.
+inline int64_t sample_row(const float* logits, int64_t V, int64_t mode, float temperature, int64_t top_k,
+                          const float* log_noise, float* scratch) {
+  if (mode == kGreedy) return argmax_first(logits, V);
+  float* x = scratch;
+  for (int64_t j = 0; j < V; ++j) x[j] = logits[j] / temperature;
+  if (top_k > 0 && top_k < V) {
+    float kth = kth_largest(x, V, top_k, scratch + V);
+    for (int64_t j = 0; j < V; ++j)
+      if (x[j] < kth) x[j] = -INFINITY;
+  }
+  for (int64_t j = 0; j < V; ++j) x[j] = x[j] - log_noise[j];
+  return argmax_first(x, V);
+}
+
+// log-softmax of the unfiltered logits at `token` and the k best (id, log-probability), best
+// first (ties: the lower id first); the sum of exponentials in double.
+inline void logprobs_row(const float* logits, int64_t V, int64_t token, int64_t k, float* logprob, int64_t* top_ids,
+                         float* top_values, int64_t* order) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < V; ++j) mx = logits[j] > mx ? logits[j] : mx;
+  double total = 0.0;
+  for (int64_t j = 0; j < V; ++j) total += std::exp(static_cast<double>(logits[j] - mx));
+  const double lse = static_cast<double>(mx) + std::log(total);
+  *logprob = static_cast<float>(logits[token] - lse);
+  if (k <= 0) return;
+  for (int64_t j = 0; j < V; ++j) order[j] = j;
+  auto better = [logits](int64_t a, int64_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+  std::partial_sort(order, order + k, order + V, better);
+  for (int64_t j = 0; j < k; ++j) {
+    top_ids[j] = order[j];
+    top_values[j] = static_cast<float>(logits[order[j]] - lse);
+  }
+}
+
+// Per-row sampler settings and outputs of one call (arrays of B; log_noise B x V, rows of
+// kGreedy/kModeCaller ignored; top_ids/top_values B x max_k; logprob null: none computed).
+struct Samplers {
+  const int64_t* mode;
+  const float* temperature;
+  const int64_t* top_k;
+  const float* log_noise;
+  const int64_t* n_logprobs;
+  int64_t max_k;
+  int64_t* token;
+  float* logprob;
+  int64_t* top_ids;
+  float* top_values;
+};
+
+// Every row's token (and log-probabilities), rows split between threads. scratch: the threads'
+// 2V floats + V int64 each (sample_scratch_floats).
+inline void sample_rows(const float* logits, int64_t B, int64_t V, const Samplers& s, float* scratch) {
+  int nt = threads_for(B * V * static_cast<int64_t>(sizeof(float)) * 16);  // ~16 passes over the logits
+  parallel(nt < B ? nt : static_cast<int>(B), [&](int tid, int nth) {
+    float* mine = scratch + tid * 4 * V;
+    for (int64_t i = tid; i < B; i += nth) {
+      const float* row = logits + i * V;
+      const int64_t mode = s.mode[i];
+      if (mode != kModeCaller)
+        s.token[i] = sample_row(row, V, mode, s.temperature[i], s.top_k[i], s.log_noise + i * V, mine);
+      if (s.logprob != nullptr && mode != kModeCaller)
+        logprobs_row(row, V, s.token[i], s.n_logprobs[i], s.logprob + i, s.top_ids + i * s.max_k,
+                     s.top_values + i * s.max_k, reinterpret_cast<int64_t*>(mine + 2 * V));
+    }
+  });
 }
 
 }  // namespace
@@ -530,6 +665,91 @@ int wiola_decode_rows(const int64_t* n, const void* const* weights, const float*
     case kInt8: return decode_rows<int8_t>(n, weights, scales, state, B, rows, tokens, slots, eps, logits, work);
     default: return 1;
   }
+}
+
+// Samples: sample_rows' scratch, in floats (4V per thread: 2V for the filter, V int64 for the top ids).
+int64_t wiola_sample_scratch_floats(int64_t V) { return 4 * V * omp_get_max_threads(); }
+
+// The tokens of B rows from their (B, V) logits: mode (B,) SampleMode, temperature (B,), top_k (B,)
+// (0: none), log_noise (B, V) (log of the Exp(1) draws; read for kSample rows), n_logprobs (B,)
+// (each <= max_k); out token (B,), logprob (B,) (null: not computed), top_ids / top_values
+// (B, max_k). kModeCaller rows are left to the caller. scratch: wiola_sample_scratch_floats(V).
+void wiola_sample_rows(const float* logits, int64_t B, int64_t V, const int64_t* mode, const float* temperature,
+                       const int64_t* top_k, const float* log_noise, const int64_t* n_logprobs, int64_t max_k,
+                       int64_t* token, float* logprob, int64_t* top_ids, float* top_values, float* scratch) {
+  Samplers s{mode, temperature, top_k, log_noise, n_logprobs, max_k, token, logprob, top_ids, top_values};
+  sample_rows(logits, B, V, s, scratch);
+}
+
+// One step of B rows (wiola_decode_rows) and their tokens (wiola_sample_rows) in one call.
+int wiola_step_rows(const int64_t* n, const void* const* weights, const float* const* scales, void* const* state,
+                    int64_t B, const int64_t* rows, const int64_t* tokens, const int64_t* slots, float eps,
+                    float* logits, float* work, const int64_t* mode, const float* temperature, const int64_t* top_k,
+                    const float* log_noise, const int64_t* n_logprobs, int64_t max_k, int64_t* token, float* logprob,
+                    int64_t* top_ids, float* top_values, float* scratch) {
+  int rc = wiola_decode_rows(n, weights, scales, state, B, rows, tokens, slots, eps, logits, work);
+  if (rc != 0) return rc;
+  wiola_sample_rows(logits, B, n[kV], mode, temperature, top_k, log_noise, n_logprobs, max_k, token, logprob, top_ids,
+                    top_values, scratch);
+  return 0;
+}
+
+// generate's loop over steps [i0, i1) for all R rows of the cache, as wiola.generation.decode_loop
+// runs it: step i samples from the prefill's logits (i == 0, `first`) or from a step of the
+// previous tokens at slot `start + i - 1`; with an eos (>= 0) finished rows emit `pad`, and the
+// loop stops before step i once every row has finished. out (R, N) int64 gets column i of step i;
+// finished (R,) uint8 carries across calls. One sampler for every row: greedy, or temperature and
+// top_k with log_noise ((i1 - i0), R, V). logits: (R, V) scratch. Returns the step it stopped
+// before (i1 when none finished early), or -1 for an unknown weight type.
+int64_t wiola_generate(const int64_t* n, const void* const* weights, const float* const* scales, void* const* state,
+                       float eps, float* work, int64_t start, int64_t i0, int64_t i1, int64_t N, const float* first,
+                       float* logits, int64_t greedy, float temperature, int64_t top_k, const float* log_noise,
+                       int64_t eos, int64_t pad, uint8_t* finished, int64_t* out, float* scratch) {
+  const int64_t R = n[kB], V = n[kV];
+  int64_t* idx = new int64_t[5 * R];
+  int64_t *rows = idx, *slots = idx + R, *tokens = idx + 2 * R, *modes = idx + 3 * R, *top_ks = idx + 4 * R;
+  float* temps = new float[R];
+  int64_t stopped = i1;
+  for (int64_t i = 0; i < R; ++i) {
+    rows[i] = i;
+    modes[i] = greedy ? kGreedy : kSample;
+    top_ks[i] = top_k;
+    temps[i] = temperature;
+  }
+  for (int64_t i = i0; i < i1; ++i) {
+    const float* step_logits = first;
+    if (i > 0) {
+      bool all = eos >= 0;
+      for (int64_t b = 0; b < R && all; ++b) all = finished[b] != 0;
+      if (all) {
+        stopped = i;
+        break;
+      }
+      for (int64_t b = 0; b < R; ++b) {
+        slots[b] = start + i - 1;
+        tokens[b] = out[b * N + i - 1];
+      }
+      if (wiola_decode_rows(n, weights, scales, state, R, rows, tokens, slots, eps, logits, work) != 0) {
+        stopped = -1;
+        break;
+      }
+      step_logits = logits;
+    }
+    Samplers s{modes, temps, top_ks, greedy ? nullptr : log_noise + (i - i0) * R * V, nullptr, 0,
+               tokens, nullptr, nullptr, nullptr};
+    sample_rows(step_logits, R, V, s, scratch);
+    for (int64_t b = 0; b < R; ++b) {
+      int64_t t = tokens[b];
+      if (eos >= 0) {
+        if (finished[b]) t = pad;
+        if (t == eos) finished[b] = 1;
+      }
+      out[b * N + i] = t;
+    }
+  }
+  delete[] idx;
+  delete[] temps;
+  return stopped;
 }
 
 // Every row of the cache at one shared slot (a batch that started together, left-padded):

@@ -56,6 +56,7 @@ from wiola.fast import step_layout as layout
 
 if TYPE_CHECKING:
     from wiola.cache import Cache
+    from wiola.config import WiolaConfig
     from wiola.model import WiolaModel
 
 SOURCE = Path(__file__).with_suffix(".cpp")
@@ -235,6 +236,15 @@ def _build(compiler: str, isa: str) -> ctypes.CDLL:
     lib.wiola_decode_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3
     lib.wiola_decode_rows.argtypes += [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
     lib.wiola_decode_rows.restype = ctypes.c_int
+    P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    lib.wiola_sample_scratch_floats.argtypes = [I]
+    lib.wiola_sample_scratch_floats.restype = I
+    lib.wiola_sample_rows.argtypes = [P, I, I, P, P, P, P, P, I, P, P, P, P, P]
+    lib.wiola_sample_rows.restype = None
+    lib.wiola_step_rows.argtypes = [P, P, P, P, I, P, P, P, F, P, P, P, P, P, P, P, I, P, P, P, P, P]
+    lib.wiola_step_rows.restype = ctypes.c_int
+    lib.wiola_generate.argtypes = [P, P, P, P, F, P, I, I, I, I, P, P, I, F, I, P, I, I, P, P, P]
+    lib.wiola_generate.restype = I
     lib.wiola_layout_counts.argtypes = [ctypes.c_void_p]
     lib.wiola_layout_counts.restype = None
     reported = (ctypes.c_int64 * 4)()
@@ -289,6 +299,67 @@ def describe(isa: str | None = None) -> str:
         return f"PyTorch path: the C++ step did not build ({_one_line(BUILD_ERROR or '')})"
     n = torch.get_num_threads()
     return f"C++ step, {select_isa(isa)}, {n} thread{'s' if n != 1 else ''}"
+
+
+PREFETCH_ROWS = 8  # rows ahead of the product's block that are prefetched
+BYTES_PER_THREAD = 1 << 21  # a parallel region takes one thread per this many bytes streamed
+
+
+def last_level_cache_bytes() -> int | None:
+    """The size of this CPU's largest cache (``/sys/devices/system/cpu/cpu0/cache``), or None."""
+    best = None
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+            kind = (index / "type").read_text().strip()
+        except OSError:
+            continue
+        if kind == "Instruction" or not text:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
+        size = int(text.rstrip("KMG")) * scale
+        best = size if best is None or size > best else best
+    return best
+
+
+def choose_tuning(config: WiolaConfig, weight_bytes: int = 4) -> dict[str, int | str | None]:
+    """The step's tuning for this CPU and a model of ``config`` with ``weight_bytes``-byte matrices:
+
+    - ``stream_head``: prefetch the tied head non-temporally (so that it does not evict the
+      layers' weights) when the matrices do not fit in the last-level cache together (an AMD EPYC
+      CCD's 32 MiB for the 13m fp32 step's 52 MB), else keep it cached: where everything fits (an
+      Intel Xeon's shared L3 of a few hundred MiB), a non-temporal head is fetched again from
+      DRAM every step;
+    - ``prefetch_rows``: rows of each product prefetched ahead (``PREFETCH_ROWS``);
+    - ``bytes_per_thread``: one thread per this many bytes streamed (``BYTES_PER_THREAD``).
+
+    Also records what it was chosen from: the CPU's vendor, family, model and cache size, and
+    the thread count. No choice changes a result, only the time."""
+    info = {}
+    for line in _cpuinfo_lines():
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if key in ("vendor_id", "cpu family", "model", "model name") and key not in info:
+            info[key] = value
+    llc = last_level_cache_bytes()
+    V, d, L, F = config.vocab_size, config.d_model, config.n_layers, config.d_ff
+    matrices = weight_bytes * (V * d + L * (4 * d * d + 3 * F * d))
+    stream = llc is None or matrices > llc // 2  # half: the cache also holds the cache and activations
+    return {
+        "vendor": info.get("vendor_id", platform.machine()), "family": info.get("cpu family"),
+        "model": info.get("model"), "cpu": info.get("model name", platform.processor()),
+        "last_level_cache_bytes": llc, "matrix_bytes": matrices, "threads": torch.get_num_threads(),
+        "stream_head": int(stream), "prefetch_rows": PREFETCH_ROWS, "bytes_per_thread": BYTES_PER_THREAD,
+    }  # fmt: skip
+
+
+def tuning(config: WiolaConfig | None = None, weight_bytes: int = 4) -> dict[str, int | str | None]:
+    """What the step chooses on this CPU (``choose_tuning``; for the 13m preset unless ``config``
+    is given), with the ISA variant, for benchmark records."""
+    from wiola.config import WiolaConfig as Config
+
+    out = choose_tuning(config or Config.preset("13m"), weight_bytes)
+    out["isa"] = select_isa()
+    return out
 
 
 def step_parameters(model: WiolaModel) -> list[torch.Tensor | None]:
@@ -375,7 +446,9 @@ class DecodeStepCPU:
         self.state = tuple(getattr(cache, name) for name, _, _ in layout.STATE)
         for (name, dtype, symbols), t in zip(layout.STATE, self.state, strict=True):
             _check(t, f"cache.{name}", dtype, layout.shape(symbols, size))
+        self.tuning = choose_tuning(cfg, wdtype.itemsize)
         values = {**size, "gate": int(cfg.gate), "gate_pre_rope": int(cfg.gate_pre_rope), "weight_type": wtype}
+        values.update({k: int(v) for k, v in self.tuning.items() if k in layout.DIMS})
         self.batch_size, self.max_len = B, S
         self.dims = (ctypes.c_int64 * len(layout.DIMS))(*(values[name] for name in layout.DIMS))
         self.weights = (ctypes.c_void_p * len(step_tensors))(*_pointers(step_tensors))
@@ -427,6 +500,89 @@ class DecodeStepCPU:
         if rc != 0:  # pragma: no cover - only an unknown weight type fails, and the binding never passes one
             raise RuntimeError(f"wiola_decode_rows returned {rc}")
         return logits
+
+    def _scratch(self) -> torch.Tensor:
+        n = self.lib.wiola_sample_scratch_floats(self.config.vocab_size)
+        if getattr(self, "scratch", None) is None or self.scratch.numel() < n:  # the thread count may grow
+            self.scratch = torch.empty(n, dtype=torch.float32)
+        return self.scratch
+
+    def step_rows(
+        self, rows: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, samplers: Samplers
+    ) -> torch.Tensor:
+        """``rows`` (one step of some rows, each at its own slot) and their tokens sampled in the same
+        C++ call (``Samplers``: greedy, temperature, top-k; the nucleus left to the caller). Returns the
+        ``(n, V)`` logits; the tokens and log-probabilities land in ``samplers``."""
+        n = int(rows.numel())
+        logits = torch.empty(n, self.config.vocab_size, dtype=torch.float32)
+        t = samplers
+        rc = self.lib.wiola_step_rows(
+            self.dims, self.weights, self.scale_ptrs, self.state_ptrs, n, rows.data_ptr(), tokens.data_ptr(),
+            slots.data_ptr(), self.eps, logits.data_ptr(), self.work.data_ptr(), t.mode.data_ptr(),
+            t.temperature.data_ptr(), t.top_k.data_ptr(), t.log_noise.data_ptr(), t.n_logprobs.data_ptr(), t.max_k,
+            t.token.data_ptr(), t.logprob.data_ptr(), t.top_ids.data_ptr(), t.top_values.data_ptr(),
+            self._scratch().data_ptr(),
+        )  # fmt: skip
+        if rc != 0:  # pragma: no cover - only an unknown weight type fails, and the binding never passes one
+            raise RuntimeError(f"wiola_step_rows returned {rc}")
+        return logits
+
+    def generate_loop(
+        self, start: int, steps: tuple[int, int], out: torch.Tensor, first: torch.Tensor, finished: torch.Tensor,
+        temperature: float, top_k: int | None, log_noise: torch.Tensor | None, eos: int | None, pad: int | None,
+    ) -> int:  # fmt: skip
+        """``generate``'s loop over steps ``[i0, i1)`` for every row of the cache, in one C++ call:
+        step 0 samples from the prefill's ``first`` ``(B, V)`` logits, step ``i`` from a step of
+        the previous tokens at slot ``start + i - 1``; tokens into ``out`` ``(B, N)`` int64;
+        ``finished`` ``(B,)`` uint8 carries the eos bookkeeping across calls. ``temperature`` 0 is
+        greedy; else ``log_noise`` ``(i1 - i0, B, V)``: the log of each step's Exp(1) draws.
+        Returns the step it stopped before (``i1``, or earlier once every row has finished)."""
+        i0, i1 = steps
+        logits = torch.empty(self.batch_size, self.config.vocab_size, dtype=torch.float32)
+        stopped = self.lib.wiola_generate(
+            self.dims, self.weights, self.scale_ptrs, self.state_ptrs, self.eps, self.work.data_ptr(), start, i0,
+            i1, out.shape[1], first.data_ptr(), logits.data_ptr(), int(temperature == 0), float(temperature),
+            top_k or 0, 0 if log_noise is None else log_noise.data_ptr(), -1 if eos is None else eos,
+            0 if pad is None else pad, finished.data_ptr(), out.data_ptr(), self._scratch().data_ptr(),
+        )  # fmt: skip
+        if stopped < 0:  # pragma: no cover - only an unknown weight type fails, and the binding never passes one
+            raise RuntimeError("wiola_generate: unknown weight type")
+        return stopped
+
+
+MODE = {"greedy": 0, "sample": 1, "caller": 2}  # the C++'s SampleMode
+
+
+class Samplers:
+    """The per-row sampler settings and outputs of one C++ sampling call, for ``n`` rows:
+    ``mode`` (``MODE``), ``temperature``, ``top_k`` (0: none), ``log_noise`` ``(n, V)`` (the log of
+    each sampled row's Exp(1) draws, taken by torch as ``wiola.generation.sample_next`` takes it),
+    ``n_logprobs`` (how many best log-probabilities per row, at most ``max_k``); out: ``token``,
+    ``logprob`` (the token's log-softmax), ``top_ids``/``top_values`` ``(n, max_k)``."""
+
+    def __init__(self, n: int, vocab_size: int, max_k: int) -> None:
+        self.max_k = max(1, max_k)
+        self.mode = torch.zeros(n, dtype=torch.int64)
+        self.temperature = torch.ones(n, dtype=torch.float32)
+        self.top_k = torch.zeros(n, dtype=torch.int64)
+        self.log_noise = torch.empty(n, vocab_size, dtype=torch.float32)  # read for sampled rows only
+        self.n_logprobs = torch.zeros(n, dtype=torch.int64)
+        self.token = torch.zeros(n, dtype=torch.int64)
+        self.logprob = torch.zeros(n, dtype=torch.float32)
+        self.top_ids = torch.zeros(n, self.max_k, dtype=torch.int64)
+        self.top_values = torch.zeros(n, self.max_k, dtype=torch.float32)
+
+
+def sample_rows(lib: ctypes.CDLL, logits: torch.Tensor, samplers: Samplers) -> None:
+    """The C++ sampler alone on ``(n, V)`` fp32 logits (contiguous); fills ``samplers``' outputs."""
+    n, V = logits.shape
+    t = samplers
+    scratch = torch.empty(lib.wiola_sample_scratch_floats(V), dtype=torch.float32)
+    lib.wiola_sample_rows(
+        logits.data_ptr(), n, V, t.mode.data_ptr(), t.temperature.data_ptr(), t.top_k.data_ptr(),
+        t.log_noise.data_ptr(), t.n_logprobs.data_ptr(), t.max_k, t.token.data_ptr(), t.logprob.data_ptr(),
+        t.top_ids.data_ptr(), t.top_values.data_ptr(), scratch.data_ptr(),
+    )  # fmt: skip
 
 
 def _pointers(tensors: list[torch.Tensor | None]) -> tuple[int, ...]:

@@ -181,9 +181,7 @@ class Rows:
             else:
                 self._rows[i] = None
         if going:
-            logits = self._advance(going)
-            for n, i in enumerate(going):
-                self._rows[i].pending = self._sample(self._rows[i], i, logits[n : n + 1])
+            self._advance(going)
         return out
 
     # ------------------------------------------------------------------ internals
@@ -237,26 +235,54 @@ class Rows:
         return logits
 
     @torch.inference_mode()
-    def _advance(self, going: list[int]) -> torch.Tensor:
-        """Feed each going row's pending token: ``(len(going), V)`` logits of the next position."""
+    def _advance(self, going: list[int]) -> None:
+        """Feed each going row's pending token and sample its next one (the new pending)."""
         rows = [self._rows[i] for i in going]
         if self._step is None:
-            out = []
-            for row in rows:
+            for i, row in zip(going, rows, strict=True):
                 ids = torch.tensor([[row.pending.token]], dtype=torch.int64, device=row.cache.device)
-                out.append(self.model(ids, cache=row.cache, logits_to_keep=1).logits[:, -1])
-            return torch.cat(out)
+                logits = self.model(ids, cache=row.cache, logits_to_keep=1).logits[:, -1]
+                row.pending = self._sample(row, i, logits)
+            return
         if not self._step.is_current():  # a weight was replaced or moved: bind again
             from wiola.fast.decode_step_cpu import DecodeStepCPU
 
             self._step = DecodeStepCPU(self.model, self.cache, isa=self.isa)
+        samplers = self._samplers(rows)
         index = torch.tensor(going, dtype=torch.int64)
         tokens = torch.tensor([row.pending.token for row in rows], dtype=torch.int64)
         slots = torch.tensor([row.slot for row in rows], dtype=torch.int64)
-        logits = self._step.rows(index, tokens, slots)
-        for row in rows:
+        logits = self._step.step_rows(index, tokens, slots, samplers)
+        for n, (i, row) in enumerate(zip(going, rows, strict=True)):
             row.slot += 1
-        return logits
+            if row.sampling.top_p is not None:  # the nucleus: wiola.generation's own sampler
+                row.pending = self._sample(row, i, logits[n : n + 1])
+                continue
+            token, k = int(samplers.token[n]), row.request.logprobs
+            ids, values = samplers.top_ids[n, :k].tolist(), samplers.top_values[n, :k].tolist()
+            row.pending = RowToken(i, token, float(samplers.logprob[n]), list(zip(ids, values, strict=True)))
+
+    def _samplers(self, rows: list[_Row]) -> Any:
+        """The C++ sampler's settings for ``rows``, each sampled row's noise drawn from its own
+        generator and its log taken exactly as ``wiola.generation.sample_next`` does."""
+        from wiola.fast.decode_step_cpu import MODE, Samplers
+
+        V = self.model.config.vocab_size
+        samplers = Samplers(len(rows), V, max(row.request.logprobs for row in rows))
+        for n, row in enumerate(rows):
+            s = row.sampling
+            samplers.n_logprobs[n] = row.request.logprobs
+            if s.greedy:
+                samplers.mode[n] = MODE["greedy"]
+            elif s.top_p is not None:
+                samplers.mode[n] = MODE["caller"]
+            else:
+                samplers.mode[n] = MODE["sample"]
+                samplers.temperature[n] = s.temperature
+                samplers.top_k[n] = s.top_k or 0
+                noise = torch.empty(1, V).exponential_(generator=row.generator)
+                samplers.log_noise[n] = torch.log(noise.clamp_min(1e-30))[0]
+        return samplers
 
     def _sample(self, row: _Row, index: int, logits: torch.Tensor) -> RowToken:
         """The row's next token from ``(1, V)`` logits, drawn as ``wiola.generation`` draws it."""

@@ -65,8 +65,12 @@ STATE: tuple[tuple[str, torch.dtype, tuple[str, ...]], ...] = (
     ("gate_count", torch.int64, ("L", "R")),
     ("n_real", torch.int64, ("R",)),
 )
-# The int64 dims array, in the C++'s Dim order (the last three: gate on, gate before RoPE, weight type).
-DIMS = ("R", "V", "d", "L", "H", "D", "F", "S", "gate", "gate_pre_rope", "weight_type")
+# The int64 dims array, in the C++'s Dim order: the sizes, gate on, gate before RoPE, the weight type,
+# then the tuning chosen for the CPU (wiola.fast.decode_step_cpu.choose_tuning).
+DIMS = (
+    "R", "V", "d", "L", "H", "D", "F", "S", "gate", "gate_pre_rope", "weight_type",
+    "stream_head", "prefetch_rows", "bytes_per_thread",
+)  # fmt: skip
 WEIGHT_TYPES = {None: (0, torch.float32), "bf16": (1, torch.bfloat16), "int8": (2, torch.int8)}  # the C++'s enum
 LAYER_MATRICES = tuple(s.path.removesuffix(".weight") for s in PER_LAYER if s.matrix)  # quantize's per-layer list
 
