@@ -262,11 +262,19 @@ def _count_calls(monkeypatch) -> list[int]:
 
 def test_fast_generate_uses_the_step_and_matches_reference(plain_cpu, monkeypatch):
     calls = _count_calls(monkeypatch)
+    loops = [0]
+    original = decode_step_cpu.DecodeStepCPU.generate_loop
+
+    def counted(self, *args, **kwargs):
+        loops[0] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(decode_step_cpu.DecodeStepCPU, "generate_loop", counted)
     ref, fast = _fast_pair(VARIANTS["13m-shape"])
     ids, mask = left_padded_prompt(ref.config.vocab_size, 3, 17, 6)
     want = ref.generate(ids, 12, attention_mask=mask, temperature=0)
     got = fast.generate(ids, 12, attention_mask=mask, temperature=0)
-    assert calls[0] == 11, f"the C++ step ran {calls[0]} times for 11 one-token steps"
+    assert (loops[0], calls[0]) == (1, 0), f"{loops[0]} C++ loop calls and {calls[0]} steps for one greedy request"
     assert torch.equal(want, got), f"greedy tokens differ:\n{want}\n{got}"
     # eos: rows stop and are padded, as in the reference loop
     eos = int(want[0, 20])

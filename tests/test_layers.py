@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Lower layers never import higher ones: kernels/ (Triton only) and wiola/ops/ (readable PyTorch)
 # at the bottom, each importing nothing else of ours; then the model (the rest of wiola/: config,
 # cache, model, generation, checkpoint, budget, tokenizer); then wiola.fast; then wiola.export
-# (the on-device runtime export); then wiola.train; then wiola.cli.
-LAYERS = ["kernels", "ops", "model", "fast", "export", "train", "cli"]
+# (the on-device runtime export); then wiola.train; then wiola.serve (the HTTP server); then wiola.cli.
+LAYERS = ["kernels", "ops", "model", "fast", "export", "train", "serve", "cli"]
 
 
 def _layer(module: str) -> str:
@@ -23,7 +23,7 @@ def _layer(module: str) -> str:
         return "kernels"
     if module == "wiola.ops" or module.startswith("wiola.ops."):
         return "ops"
-    for layer in ("fast", "export", "train", "cli"):
+    for layer in ("fast", "export", "train", "serve", "cli"):
         if module == f"wiola.{layer}" or module.startswith(f"wiola.{layer}."):
             return layer
     return "cli" if module == "wiola.__main__" else "model"

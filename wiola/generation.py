@@ -243,8 +243,151 @@ def resolve_pad_id(model: Decoder, eos_token_id: int | None, pad_token_id: int |
     return eos_token_id if config_pad is None else config_pad
 
 
+class TokenStreamer(Protocol):
+    """``transformers``' streamer protocol (``TextStreamer``, ``TextIteratorStreamer``): ``put``
+    receives the ``(B, T)`` prompt first, then each step's ``(B,)`` new tokens (CPU tensors);
+    ``end`` is called once after the last."""
+
+    def put(self, value: torch.Tensor) -> None: ...
+
+    def end(self) -> None: ...
+
+
+class TextDecoder(Protocol):
+    """What stop strings need of a tokenizer (ours or a ``transformers`` one): ``decode(ids)``."""
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+def resolve_do_sample(
+    do_sample: bool | None, temperature: float | None, top_k: int | None, top_p: float | None
+) -> tuple[float | None, int | None, float | None]:
+    """``transformers``' ``do_sample`` folded into ``(temperature, top_k, top_p)``: ``False`` is
+    greedy whatever the other settings, ``True`` samples (at temperature 1.0 unless given), None
+    keeps them. ``ValueError`` for ``do_sample=True`` with ``temperature=0``."""
+    if do_sample is None:
+        return temperature, top_k, top_p
+    if not isinstance(do_sample, bool):
+        raise TypeError(f"do_sample must be a bool or None, got {do_sample!r}")
+    if not do_sample:
+        return 0.0, None, None
+    if temperature is not None and not isinstance(temperature, bool) and temperature == 0:
+        raise ValueError("do_sample=True needs temperature > 0 (temperature=0 is greedy: pass do_sample=False)")
+    return 1.0 if temperature is None else temperature, top_k, top_p
+
+
+def find_stop(text: str, stop_strings: list[str]) -> int | None:
+    """Index in ``text`` of the earliest occurrence of any stop string, or None."""
+    hits = [i for i in (text.find(s) for s in stop_strings) if i >= 0]
+    return min(hits) if hits else None
+
+
+def check_stop_strings(stop_strings: str | list[str] | None) -> list[str]:
+    """``stop_strings`` as a list of non-empty strings (``ValueError``/``TypeError`` otherwise)."""
+    if stop_strings is None:
+        return []
+    stops = [stop_strings] if isinstance(stop_strings, str) else stop_strings
+    if not isinstance(stops, list | tuple) or not all(isinstance(s, str) for s in stops):
+        raise TypeError(f"stop_strings must be a string or a list of strings, got {stop_strings!r}")
+    if not all(stops):
+        raise ValueError("stop_strings must not contain an empty string")
+    return list(stops)
+
+
+class _AllStopped(Exception):
+    """Raised from the per-step callback once every row has stopped (ends the loop early)."""
+
+
+class _Front:
+    """The per-step callback of ``hf_generate``: collects the new tokens, feeds the caller's streamer
+    (a callable or a ``TokenStreamer``), tracks stop strings and eos per row."""
+
+    def __init__(self, B: int, streamer, stops: list[str], tokenizer, eos: int | None) -> None:
+        self.streamer, self.stops, self.tokenizer, self.eos = streamer, stops, tokenizer, eos
+        self.tokens: list[torch.Tensor] = []
+        self.new: list[list[int]] = [[] for _ in range(B)]
+        self.stopped_at = [-1] * B  # step at which a row's text first contained a stop string
+        self.ended = torch.zeros(B, dtype=torch.bool)  # stopped or emitted eos
+
+    def __call__(self, token: torch.Tensor) -> None:
+        step = len(self.tokens)
+        self.tokens.append(token)
+        if self.streamer is not None:
+            self.streamer.put(token.cpu()) if hasattr(self.streamer, "put") else self.streamer(token)
+        if not self.stops and self.eos is None:
+            return
+        host = token.tolist()
+        for row, t in enumerate(host):
+            if self.ended[row]:
+                continue
+            if self.eos is not None and t == self.eos:
+                self.ended[row] = True
+            elif self.stops:
+                self.new[row].append(t)
+                if find_stop(self.tokenizer.decode(self.new[row]), self.stops) is not None:
+                    self.stopped_at[row] = step
+                    self.ended[row] = True
+        if self.stops and bool(self.ended.all()):
+            raise _AllStopped
+
+
 @torch.inference_mode()
-def generate(
+def hf_generate(
+    loop: Callable[..., torch.Tensor],
+    model: Decoder,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+    streamer: Callable[[torch.Tensor], None] | TokenStreamer | None = None,
+    stop_strings: str | list[str] | None = None,
+    tokenizer: TextDecoder | None = None,
+    **options: Any,
+) -> torch.Tensor:
+    """``loop(model, input_ids, max_new_tokens, ...)`` (a generation loop with a per-step callback
+    ``streamer``) called as ``transformers`` callers write it: ``do_sample``, streamer objects, and
+    ``stop_strings`` (decoded with ``tokenizer``): a row whose new text contains one stops there, its
+    later slots hold the pad id, and generation ends once every row has stopped or hit eos. The
+    result keeps the ``(B, T + max_new_tokens)`` shape."""
+    temperature, top_k, top_p = resolve_do_sample(do_sample, temperature, top_k, top_p)
+    stops = check_stop_strings(stop_strings)
+    pad = resolve_pad_id(model, eos_token_id, pad_token_id)
+    if stops and tokenizer is None:
+        raise ValueError("stop_strings need tokenizer= (anything with decode(ids)) to read the text")
+    if stops and pad is None:
+        raise ValueError("stop_strings need pad_token_id or eos_token_id for the slots after a stop")
+    if streamer is None and not stops:
+        front = None
+    else:
+        front = _Front(input_ids.shape[0], streamer, stops, tokenizer, eos_token_id)
+    if hasattr(streamer, "put"):
+        streamer.put(input_ids.cpu())
+    kwargs = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id)
+    try:
+        out = loop(model, input_ids, max_new_tokens, pad_token_id=pad_token_id, streamer=front, **kwargs, **options)
+    except _AllStopped:
+        out = torch.full((input_ids.shape[0], input_ids.shape[1] + max_new_tokens), pad, dtype=torch.int64)
+        out = out.to(input_ids.device)
+        out[:, : input_ids.shape[1]] = input_ids
+        new = torch.stack(front.tokens, dim=1)
+        out[:, input_ids.shape[1] : input_ids.shape[1] + new.shape[1]] = new
+    finally:
+        if hasattr(streamer, "end"):
+            streamer.end()
+    if front is not None:
+        for row, step in enumerate(front.stopped_at):
+            if step >= 0:
+                out[row, input_ids.shape[1] + step + 1 :] = pad
+    return out
+
+
+@torch.inference_mode()
+def eager_generate(
     model: Decoder,
     input_ids: torch.Tensor,
     max_new_tokens: int,
@@ -258,25 +401,8 @@ def generate(
     generator: torch.Generator | None = None,
     streamer: Callable[[torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
-    """The prompt followed by up to ``max_new_tokens`` new tokens: ``(B, T + max_new_tokens)`` int64.
-
-    Args:
-        input_ids: ``(B, T)`` prompt ids; a batch of unequal prompts is left-padded.
-        attention_mask: ``(B, T)``, 0 on the left padding; every row then decodes exactly as
-            it would alone.
-        temperature: None (the default) or 0 is greedy, unless ``top_k``/``top_p`` is given
-            (then sampling at 1.0); a positive value samples from ``softmax(logits / temperature)``.
-        top_k, top_p: sample only from the ``top_k`` most likely tokens / the smallest nucleus
-            of probability ``top_p`` (ignored when greedy).
-        eos_token_id: a row that produces it stops; its later slots hold ``pad_token_id``
-            (default: the model config's ``pad_token_id``, else ``eos_token_id``). Generation ends early once every row has stopped,
-            and the result is still ``T + max_new_tokens`` wide.
-        generator: a ``torch.Generator`` (on the model's device) for reproducible sampling.
-        streamer: called with each step's ``(B,)`` new tokens as soon as they exist.
-
-    Raises ``ValueError``/``TypeError`` naming the problem for bad ids, masks, lengths past
-    ``max_seq_len`` and sampling settings that mean nothing.
-    """
+    """The reference loop of ``generate`` (a model's forward on a fresh static cache), without the
+    ``transformers``-style arguments; ``streamer`` is a per-step callback."""
     sampling = check_generate_inputs(model, input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p)
     B, T = input_ids.shape
     pad = resolve_pad_id(model, eos_token_id, pad_token_id)
@@ -284,3 +410,30 @@ def generate(
     if max_new_tokens > 0:
         steps = _EagerSteps(model, model.new_cache(B, T + max_new_tokens), sampling, eos_token_id, pad, generator)
     return decode_loop(steps, input_ids, attention_mask, max_new_tokens, eos_token_id, pad, streamer)
+
+
+def generate(model: Decoder, input_ids: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
+    """The prompt followed by up to ``max_new_tokens`` new tokens: ``(B, T + max_new_tokens)`` int64.
+
+    Keyword arguments (as ``transformers``' ``generate`` takes them):
+        attention_mask: ``(B, T)``, 0 on the left padding; every row then decodes exactly as
+            it would alone.
+        do_sample: ``False`` is greedy whatever the other settings; ``True`` samples (temperature
+            1.0 unless given); None (the default) decides by ``temperature``/``top_k``/``top_p``.
+        temperature: None (the default) or 0 is greedy, unless ``top_k``/``top_p`` is given
+            (then sampling at 1.0); a positive value samples from ``softmax(logits / temperature)``.
+        top_k, top_p: sample only from the ``top_k`` most likely tokens / the smallest nucleus
+            of probability ``top_p`` (ignored when greedy).
+        eos_token_id: a row that produces it stops; its later slots hold ``pad_token_id``
+            (default: the model config's ``pad_token_id``, else ``eos_token_id``). Generation ends
+            early once every row has stopped, and the result is still ``T + max_new_tokens`` wide.
+        stop_strings: a string or list; a row whose new text (decoded by ``tokenizer=``) contains
+            one stops after the token that completed it (later slots: the pad id).
+        generator: a ``torch.Generator`` (on the model's device) for reproducible sampling.
+        streamer: a callable given each step's ``(B,)`` new tokens as soon as they exist, or a
+            ``transformers`` streamer (``put`` gets the prompt, then each step's tokens; ``end``).
+
+    Raises ``ValueError``/``TypeError`` naming the problem for bad ids, masks, lengths past
+    ``max_seq_len``, sampling settings that mean nothing and unknown arguments.
+    """
+    return hf_generate(eager_generate, model, input_ids, max_new_tokens, **kwargs)

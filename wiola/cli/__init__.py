@@ -3,23 +3,35 @@
 Sub-commands: ``budget`` (``wiola.cli.budget``), ``generate`` (``wiola.cli.generate``), ``train``
 (``wiola.cli.train``), ``eval`` and ``gates`` (``wiola.cli.evaluate``), ``demo`` (``wiola.cli.demo``),
 ``tokenizer train`` (``wiola.cli.tokenizer``), ``export`` (``wiola.cli.export``), ``ablate``
-(``wiola.cli.ablate``).
+(``wiola.cli.ablate``), ``finetune``, ``merge``, ``chat``, ``serve`` (each ``wiola.cli.<name>``).
+``wiola --version`` prints the package version.
 Every handler takes the parsed arguments and returns an exit code (0 done, 2 bad input, 130
-interrupted with a checkpoint saved). Bad input is one line on stderr, no traceback.
+interrupted: Ctrl-C, with a checkpoint saved where training). Bad input is one line on stderr,
+``wiola <command>: error: ...``, no traceback; so is an argument argparse rejects.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
-from wiola.cli import ablate, budget, chat, demo, evaluate, export, finetune, generate, merge, tokenizer, train
+from wiola import __version__
+from wiola.cli import ablate, budget, chat, demo, evaluate, export, finetune, generate, merge, serve, tokenizer, train
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's one-line errors: ``wiola <command>: error: ...`` and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="wiola", description="Wiola small language model")
+    parser = _Parser(prog="wiola", description="Wiola small language model")
+    parser.add_argument("--version", action="version", version=f"wiola {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (budget, generate, train, evaluate, demo, tokenizer, export, ablate, finetune, merge, chat):
+    for command in (budget, generate, train, evaluate, demo, tokenizer, export, ablate, finetune, merge, chat, serve):
         command.register(sub)
     return parser
 
@@ -31,3 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError, TypeError) as e:
         print(f"wiola {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"wiola {args.command}: interrupted", file=sys.stderr)
+        return 130

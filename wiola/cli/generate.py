@@ -1,11 +1,18 @@
 """``wiola generate``: stream text from a checkpoint (``wiola.fast`` by default), encoded and
-decoded with the checkpoint's own tokenizer, stopping at the checkpoint's eos."""
+decoded with the checkpoint's own tokenizer, stopping at the checkpoint's eos or a ``--stop`` text.
+
+One prompt (``--prompt``) streams as it decodes; many (``--prompt-file FILE`` or ``-`` for stdin,
+one a line or JSONL, each ``--num-samples`` times) run as one left-padded batch and print when done,
+with a progress bar on a terminal only. ``--json`` prints one object a sample."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
+from typing import TextIO
 
 import torch
 
@@ -21,6 +28,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", help="gpt2, gpt2-32k or a tokenizer.json path (default: the checkpoint's)")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="random model when no checkpoint")
     p.add_argument("--prompt", default="Once upon a time")
+    p.add_argument(
+        "--prompt-file", metavar="FILE",
+        help='many prompts run as one left-padded batch: one a line, or JSONL ({"prompt": ...}); - reads stdin',
+    )  # fmt: skip
+    p.add_argument("--num-samples", type=int, default=1, help="samples per prompt (rows of the batch)")
+    p.add_argument("--stop", action="append", metavar="TEXT", help="stop a sample at this text (repeatable)")
+    p.add_argument("--json", action="store_true", help="one JSON object a sample: ids, text, finish_reason, tokens/s")
+    p.add_argument("--no-echo", action="store_true", help="print only the new text, not the prompt")
     p.add_argument("--max-new-tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=None)
@@ -40,8 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_generate)
 
 
-def _load_model(args: argparse.Namespace):
-    """(model, tokenizer) of ``--checkpoint`` (or a random ``--preset`` model and its tiktoken encoding)."""
+def load_model(args: argparse.Namespace):
+    """(model, tokenizer) of ``--checkpoint`` (``--revision``, ``--tokenizer``, ``--device``, ``--fast``) (or a random ``--preset`` model and its tiktoken encoding)."""
     from wiola import WiolaConfig, WiolaModel
     from wiola.checkpoint import load_checkpoint_tokenizer, resolve_checkpoint
     from wiola.tokenizer import TiktokenTokenizer, encoding_for_vocab, load_tokenizer
@@ -66,64 +81,163 @@ def _load_model(args: argparse.Namespace):
     )
 
 
-def _quantize(model, scheme: str | None):
-    """``model`` quantized with ``scheme`` (a no-op for a checkpoint already quantized with it)."""
+def quantize_model(model, scheme: str | None):
+    """``model`` quantized with ``scheme`` (a no-op for a checkpoint already quantized with it);
+    ``ValueError`` where it cannot be (another scheme already, the reference model, a GPU)."""
     current = getattr(model, "quantization", None)
     if scheme is None or current == scheme:
         return model
     if current is not None:
-        raise SystemExit(f"wiola generate: the checkpoint is {current}-quantized; --quantize {scheme} cannot redo it")
+        raise ValueError(f"the checkpoint is {current}-quantized; --quantize {scheme} cannot redo it")
     from wiola.fast import WiolaModel
     from wiola.fast.quantize import quantize
 
     if not isinstance(model, WiolaModel):
-        raise SystemExit("wiola generate: --quantize runs on wiola.fast (drop --reference)")
+        raise ValueError("--quantize runs on wiola.fast (drop --reference)")
     if next(model.parameters()).device.type != "cpu":
-        raise SystemExit("wiola generate: --quantize is for the CPU step (use --device cpu)")
+        raise ValueError("--quantize is for the CPU step (use --device cpu)")
     return quantize(model.eval().requires_grad_(False), scheme)
 
 
+def read_prompts(spec: str, stdin: TextIO | None = None) -> list[str]:
+    """Prompts of ``--prompt-file``: a path, or ``-`` for stdin. One prompt a line (blank lines
+    skipped), or JSONL when the first non-blank line starts with ``{`` or ``"`` (objects with a
+    ``"prompt"`` string, or JSON strings). ``ValueError`` naming the line for anything else."""
+    if spec == "-":
+        text = (stdin or sys.stdin).read()
+    else:
+        path = Path(spec)
+        if not path.is_file():
+            raise FileNotFoundError(f"--prompt-file {spec} does not exist")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--prompt-file {spec} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not lines:
+        raise ValueError(f"--prompt-file {spec} holds no prompt")
+    if lines[0][1].lstrip()[:1] not in ("{", '"'):
+        return [line for _, line in lines]
+    prompts = []
+    for n, line in lines:
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--prompt-file {spec} line {n} is not JSON ({e.msg})") from None
+        prompt = item.get("prompt") if isinstance(item, dict) else item
+        if not isinstance(prompt, str):
+            raise ValueError(f'--prompt-file {spec} line {n}: want a JSON string or an object with a "prompt" string')
+        prompts.append(prompt)
+    return prompts
+
+
+def encode_batch(enc, prompts: list[str], vocab_size: int, samples: int, device: str):
+    """``(ids, attention_mask, rows)``: every prompt ``samples`` times, left-padded into ``(B, T)``
+    int64 tensors; ``rows`` the per-row prompt ids. ``ValueError`` for an empty or out-of-vocabulary prompt."""
+    rows = []
+    for i, text in enumerate(prompts):
+        ids = enc.encode(text)
+        if not text or not ids:
+            raise ValueError(f"prompt {i + 1} is empty" if len(prompts) > 1 else "the prompt is empty")
+        enc.check_ids(ids, vocab_size)
+        rows += [ids] * samples
+    width = max(len(r) for r in rows)
+    pad = next((t for t in (enc.pad_token_id, enc.eos_token_id) if t is not None), 0)
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    return ids, mask, rows
+
+
+def finish(row: list[int], eos: int | None, enc, stops: list[str]) -> tuple[list[int], str, str]:
+    """A row's new ids up to eos or a stop string, its text (cut before the stop string) and its
+    finish reason (``stop`` or ``length``, as OpenAI's API names them)."""
+    from wiola.generation import find_stop
+
+    if eos is not None and eos in row:
+        row = row[: row.index(eos)]
+        return row, enc.decode(row), "stop"
+    for n in range(1, len(row) + 1) if stops else ():
+        text = enc.decode(row[:n])
+        cut = find_stop(text, stops)
+        if cut is not None:
+            return row[:n], text[:cut], "stop"
+    return row, enc.decode(row), "length"
+
+
+class _Printer:
+    """Streams one row's text to stdout as tokens arrive (waiting out partial UTF-8 characters),
+    holding back the text that could still become a stop string."""
+
+    def __init__(self, enc, stops: list[str]) -> None:
+        self.enc, self.stops, self.new, self.printed = enc, stops, [], 0
+
+    def __call__(self, token: torch.Tensor) -> None:
+        self.new.append(int(token[0]))
+        from wiola.generation import find_stop
+
+        text = self.enc.decode(self.new)
+        cut = find_stop(text, self.stops)
+        end = len(text) - max((len(s) - 1 for s in self.stops), default=0) if cut is None else cut
+        if not text.endswith("\ufffd") and end > self.printed:
+            sys.stdout.write(text[self.printed : end])
+            sys.stdout.flush()
+            self.printed = end
+
+
 def _generate(args: argparse.Namespace) -> int:
-    model, enc = _load_model(args)
-    model.eval()
-    model = _quantize(model, getattr(args, "quantize", None))
+    if args.num_samples < 1:
+        raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    prompts = read_prompts(args.prompt_file) if args.prompt_file else [args.prompt]
+    model, enc = load_model(args)
+    model = quantize_model(model.eval(), getattr(args, "quantize", None))
     if args.fast and torch.device(args.device).type == "cpu":  # which path decodes, in one line
         from wiola.fast.decode_step_cpu import describe
 
         scheme = getattr(model, "quantization", None)
         print(f"CPU decoding: {describe()}{f', {scheme} weights' if scheme else ''}", file=sys.stderr)
-    ids = enc.encode(args.prompt)
-    if not ids:
-        raise SystemExit("wiola generate: the prompt is empty")
-    enc.check_ids(ids, model.config.vocab_size)
-    prompt = torch.tensor([ids], device=args.device)
-    generator = torch.Generator(device=args.device).manual_seed(args.seed)
-    new: list[int] = []
-    printed = 0
+    ids, mask, rows = encode_batch(enc, prompts, model.config.vocab_size, args.num_samples, args.device)
+    printer = _Printer(enc, args.stop or []) if len(rows) == 1 and not args.json else None
+    if printer is not None and not args.no_echo:
+        sys.stdout.write(prompts[0])
+    progress = None
+    if printer is None and sys.stderr.isatty():  # a batch: a progress bar, on a terminal only
+        from tqdm import tqdm
 
-    def stream(token: torch.Tensor) -> None:
-        nonlocal printed
-        new.append(int(token[0]))
-        text = enc.decode(new)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            sys.stdout.write(text[printed:])
-            sys.stdout.flush()
-            printed = len(text)
-
-    sys.stdout.write(args.prompt)
+        progress = tqdm(total=args.max_new_tokens, unit="step", file=sys.stderr, leave=False)
     start = time.perf_counter()
-    model.generate(
-        prompt,
-        args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        eos_token_id=enc.eos_token_id,
-        pad_token_id=enc.pad_token_id,
-        generator=generator,
-        streamer=stream,
-    )
+    out = model.generate(
+        ids, args.max_new_tokens, attention_mask=None if len(rows) == 1 else mask,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_token_id=enc.eos_token_id,
+        pad_token_id=enc.pad_token_id, generator=torch.Generator(device=args.device).manual_seed(args.seed),
+        streamer=printer if progress is None else (lambda _: progress.update()),
+        stop_strings=args.stop, tokenizer=enc,
+    )  # fmt: skip
     elapsed = time.perf_counter() - start
-    sys.stdout.write(enc.decode(new)[printed:] + "\n")
-    print(f"[{len(new)} tokens in {elapsed:.2f} s, {len(new) / elapsed:.1f} tokens/s]", file=sys.stderr)
+    if progress is not None:
+        progress.close()
+    return _report(args, prompts, rows, out[:, ids.shape[1] :].tolist(), enc, elapsed, printer)
+
+
+def _report(args, prompts: list[str], rows: list[list[int]], new_rows, enc, elapsed: float, printer) -> int:
+    """Print each sample (its text, or one JSON object a line with ``--json``), then the summary on stderr."""
+    total = 0
+    for i, row in enumerate(new_rows):
+        new, text, reason = finish(row, enc.eos_token_id, enc, args.stop or [])
+        total += len(new)
+        index = i // args.num_samples
+        if args.json:
+            record = {
+                "prompt_index": index, "sample": i % args.num_samples, "prompt": prompts[index],
+                "prompt_ids": rows[i], "ids": new, "text": text, "finish_reason": reason,
+                "tokens_per_second": round(len(new) / elapsed, 2) if elapsed > 0 else None,
+            }  # fmt: skip
+            print(json.dumps(record, ensure_ascii=False))
+        elif printer is not None:
+            sys.stdout.write(text[printer.printed :] + "\n")
+        else:
+            print(("" if args.no_echo else prompts[index]) + text)
+    rate = total / elapsed if elapsed > 0 else 0.0
+    print(f"[{total} tokens in {elapsed:.2f} s, {rate:.1f} tokens/s, {len(new_rows)} samples]", file=sys.stderr)
     return 0

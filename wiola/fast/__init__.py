@@ -50,8 +50,9 @@ import torch
 from wiola.cache import Cache
 from wiola.config import WiolaConfig
 from wiola.fast import ops, quantize
-from wiola.fast.generation import GraphSteps, graph_generate, graphs_usable
+from wiola.fast.generation import GraphSteps, cpu_generate, cpu_loop_usable, graph_generate, graphs_usable
 from wiola.fast.ops import use_kernels
+from wiola.generation import eager_generate, hf_generate
 from wiola.model import ModelOutput, has_adapters
 from wiola.model import WiolaModel as ReferenceModel
 
@@ -162,9 +163,20 @@ class WiolaModel(ReferenceModel):
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
         """Prompt followed by up to ``max_new_tokens`` new tokens, ``(B, T + N)``; the arguments of
         ``wiola.generation.generate``. On CUDA with the kernels, the one-token step runs as a CUDA
-        graph and sampling stays on the GPU (``wiola.fast.generation``); elsewhere the reference
-        loop runs on the fast ops and the static cache. Greedy tokens equal the reference's.
+        graph and sampling stays on the GPU (``wiola.fast.generation``); on a CPU where the C++ step
+        applies, the whole loop (steps, sampling, eos) is one C++ call (``cpu_generate``; per step
+        with a nucleus ``top_p``); elsewhere the reference loop runs on the fast ops and the static
+        cache. Greedy tokens equal the reference's.
         """
         if graphs_usable(self, input_ids) and not has_adapters(self):
-            return graph_generate(self, input_ids, max_new_tokens, **kwargs)
-        return super().generate(input_ids, max_new_tokens, **kwargs)
+            return hf_generate(graph_generate, self, input_ids, max_new_tokens, **kwargs)
+        return hf_generate(_cpu_or_eager, self, input_ids, max_new_tokens, **kwargs)
+
+
+def _cpu_or_eager(model: WiolaModel, input_ids: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
+    """The loop ``generate`` runs off CUDA: the C++ loop where it applies (``cpu_generate``), else the reference loop."""
+    if not has_adapters(model) and cpu_loop_usable(model, input_ids, kwargs):
+        out = cpu_generate(model, input_ids, max_new_tokens, **kwargs)
+        if out is not None:
+            return out
+    return eager_generate(model, input_ids, max_new_tokens, **kwargs)

@@ -19,6 +19,7 @@
 //                      no x86 assembly, compiles for any target
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -193,18 +194,19 @@ inline void dot_rows(const T* W, const float* scale, int64_t K, const float* x, 
   }
 }
 
-// Rows [r0, r1) of y = x Wᵀ, the block of 4 rows 8 rows ahead prefetched. The layers' weights
+// Rows [r0, r1) of y = x Wᵀ, the block of 4 rows `ahead` rows ahead prefetched. The layers' weights
 // (19 MB for the 13m preset) mostly come from L3, into L1 here: the hardware prefetcher alone
-// does not keep up (measured on this machine's EPYC, one thread: the AVX2 step took about a
-// third longer without it, the AVX-512 one about a tenth). With `stream` (the tied head, larger
-// than the last-level cache) the prefetch is non-temporal, which keeps the head from evicting
-// the layers' weights from L3 and halves the step (see the benchmark notes). For the head, 8 rows
-// ahead ran about 5% faster than 16 on one thread in interleaved runs (level with 4, 32 and 64
-// within the noise of a loaded machine) and level on two.
+// does not keep up (measured on an AMD EPYC, one thread: the AVX2 step took about a third longer
+// without it, the AVX-512 one about a tenth). With `stream` the prefetch is non-temporal: chosen
+// for the tied head when the matrices do not fit in the last-level cache together (the EPYC's
+// 32 MiB per CCD), where it keeps the head from evicting the layers' weights and halved the step;
+// where they fit (an Intel Xeon's 260 MiB L3) a non-temporal head comes from DRAM every step, and
+// keeping it cached ran the 13m step 1.45x (fp32) and 1.7x (int8) faster at batch 1 (interleaved,
+// one thread, a loaded machine). 8 rows ahead: level with 16 and 32 on the Xeon, about 5% faster
+// than 16 on the EPYC.
 template <typename T>
 void gemv_rows(const T* W, const float* scale, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t B,
-               int64_t r0, int64_t r1, bool stream) {
-  constexpr int64_t ahead = 8;
+               int64_t r0, int64_t r1, bool stream, int64_t ahead) {
   int64_t r = r0;
   for (; r + 4 <= r1; r += 4) {
     int64_t p0 = r + ahead, p1 = r + ahead + 4 < r1 ? r + ahead + 4 : r1;
@@ -223,11 +225,11 @@ void gemv_rows(const T* W, const float* scale, int64_t K, const float* x, int64_
 // This thread's share of the rows of an (N, K) product: contiguous, multiples of 4 rows.
 template <typename T>
 inline void gemv_share(const T* W, const float* scale, int64_t N, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy,
-                       int64_t B, int tid, int nth, bool stream = false) {
+                       int64_t B, int tid, int nth, bool stream, int64_t ahead) {
   int64_t blocks = (N + 3) / 4;
   int64_t b0 = blocks * tid / nth, b1 = blocks * (tid + 1) / nth;
   int64_t r0 = b0 * 4, r1 = b1 * 4 < N ? b1 * 4 : N;
-  if (r0 < r1) gemv_rows(W, scale, K, x, ldx, y, ldy, B, r0, r1, stream);
+  if (r0 < r1) gemv_rows(W, scale, K, x, ldx, y, ldy, B, r0, r1, stream, ahead);
 }
 
 // out = h / sqrt(mean(h²) + eps) ⊙ γ   (statistics in fp32, as the reference)
@@ -247,27 +249,65 @@ inline void rope(const float* x, const float* cs, const float* sn, float* out, i
   }
 }
 
-enum Dim { kB, kV, kD, kL, kH, kHd, kF, kS, kGate, kGatePreRope, kWeightType, kNumDims };
+// How many threads a parallel region of `bytes` of streaming takes: one per `per_thread`, at
+// most OpenMP's maximum (torch.set_num_threads). A small model's step is done sooner by one
+// thread than the barriers of several cost, above all when other processes share the cores and
+// a waiting thread may lose its core for a scheduler tick. Results do not depend on the count.
+constexpr int64_t kSampleBytesPerThread = 1 << 21;
+inline int threads_for(int64_t bytes, int64_t per_thread = kSampleBytesPerThread) {
+  int64_t n = bytes / per_thread;
+  int most = omp_get_max_threads();
+  return n < 1 ? 1 : n < most ? static_cast<int>(n) : most;
+}
+
+// body(tid, nth) on `nth` threads of one parallel region, or on this thread alone without one
+// when nth is 1: a region of fewer threads than torch's pool would dock its idle threads first,
+// which costs a scheduler tick or more whenever the cores are shared (measured: 0.2 s a step on a
+// loaded 2-core machine, against 0.2 ms without the region). The barriers in body then bind to
+// this thread alone and return at once.
+template <typename Body>
+inline void parallel(int nth, const Body& body) {
+  if (nth <= 1) {
+    body(0, 1);
+    return;
+  }
+#pragma omp parallel num_threads(nth)
+  body(omp_get_thread_num(), omp_get_num_threads());
+}
+
+// The step's argument layout. wiola/fast/decode_step_cpu.py holds the same table (LAYOUT) and checks
+// it at load against wiola_layout_counts(): a drift between the two is refused, never misread.
+// kStreamHead, kPrefetchRows and kBytesPerThread are the tuning the binding chose for this CPU
+// (wiola.fast.decode_step_cpu.choose_tuning); none of them changes a result.
+enum Dim {
+  kB, kV, kD, kL, kH, kHd, kF, kS, kGate, kGatePreRope, kWeightType,
+  kStreamHead, kPrefetchRows, kBytesPerThread, kNumDims
+};
 enum WeightType { kFp32, kBf16, kInt8 };
 enum Global { kEmbed, kFinalNorm, kFreqs, kNumGlobal };
 enum PerLayer { kAttnNorm, kWq, kWk, kWv, kWo, kGateW1, kGateW2, kGateB2, kFfnNorm, kWUp, kWBp, kWDown, kPerLayer };
 enum State { kK, kVc, kKeyMask, kGateSum, kGateCount, kNReal, kNumState };
 
+// Scratch for up to R rows (R = n[kB], the cache's rows), carved from one fp32 buffer.
 struct Workspace {
   float *h, *x, *qkv, *o, *up, *bp, *cs, *sn, *g, *scores, *qrot;
   Workspace(const int64_t* n, float* w) {
-    int64_t B = n[kB], d = n[kD], H = n[kH], D = n[kHd], F = n[kF], S = n[kS];
-    h = w; w += B * d;
-    x = w; w += B * d;
-    qkv = w; w += B * 3 * d;
-    o = w; w += B * d;
-    up = w; w += B * 2 * F;
-    bp = w; w += B * F;
-    cs = w; w += B * (D / 2);
-    sn = w; w += B * (D / 2);
-    g = w; w += B * H;
-    scores = w; w += B * H * S;
-    qrot = w; w += B * d;
+    int64_t R = n[kB], d = n[kD], H = n[kH], D = n[kHd], F = n[kF], S = n[kS];
+    h = w; w += R * d;
+    x = w; w += R * d;
+    qkv = w; w += R * 3 * d;
+    o = w; w += R * d;
+    up = w; w += R * 2 * F;
+    bp = w; w += R * F;
+    cs = w; w += R * (D / 2);
+    sn = w; w += R * (D / 2);
+    g = w; w += R * H;
+    scores = w; w += R * H * S;
+    qrot = w; w += R * d;
+  }
+  static int64_t floats(const int64_t* n) {
+    int64_t R = n[kB], d = n[kD], H = n[kH], D = n[kHd], F = n[kF], S = n[kS];
+    return R * (d * 7 + 3 * F + D + H + H * S);
   }
 };
 
@@ -284,194 +324,447 @@ inline void embed_row(const T* E, const float* scale, int64_t token, int64_t d, 
   }
 }
 
-// The step for weight type T of the matrices (see wiola_decode_step); everything else is fp32.
+// One step of B active rows, the matrices of weight type T (everything else fp32). Active row i
+// is the cache's row rows[i], its new token tokens[i] goes to slot slots[i] of that row (rows
+// join at different times, so each has its own slot). Each row's arithmetic reads only its own
+// activations and cache row, in an order that does not depend on B, on i or on the thread count:
+// a row's logits are bitwise the same alone or beside any others.
 template <typename T>
-int decode_step(const int64_t* n, const void* const* weights, const float* const* scales, void* const* state,
-                const int64_t* tokens, int64_t slot, float eps, float* logits, float* work) {
-  const int64_t B = n[kB], V = n[kV], d = n[kD], L = n[kL], H = n[kH], D = n[kHd], F = n[kF], S = n[kS];
-  const bool gate = n[kGate] != 0, gate_pre_rope = n[kGatePreRope] != 0;
-  const int64_t half = D / 2;
-  auto f32 = [weights](int64_t i) { return static_cast<const float*>(weights[i]); };
-  const T* embed = static_cast<const T*>(weights[kEmbed]);
-  const float* embed_scale = scales[kEmbed];
-  const float* freqs = f32(kFreqs);
-  float* k_cache = static_cast<float*>(state[kK]);
-  float* v_cache = static_cast<float*>(state[kVc]);
-  bool* key_mask = static_cast<bool*>(state[kKeyMask]);
-  float* gate_sum = static_cast<float*>(state[kGateSum]);
-  int64_t* gate_count = static_cast<int64_t*>(state[kGateCount]);
-  int64_t* n_real = static_cast<int64_t*>(state[kNReal]);
-  Workspace ws(n, work);
-  const float sqrt_d = std::sqrt(static_cast<float>(D));
+struct Step {
+  const int64_t R, B, V, d, L, H, D, F, S, half;
+  const bool gate, gate_pre_rope, stream_head;
+  const int64_t ahead, bytes_per_thread;
+  const void* const* weights;
+  const float* const* scales;
+  float* const k_cache;
+  float* const v_cache;
+  bool* const key_mask;
+  float* const gate_sum;
+  int64_t* const gate_count;
+  int64_t* const n_real;
+  const int64_t *rows, *tokens, *slots;
+  const float eps, sqrt_d;
+  Workspace ws;
+  float* logits;
 
-  // Per row: the residual stream from the embedding, the rotation tables at the row's position
-  // (fp32 angle = position · θ̃_i, as wiola.ops.rope_tables), the new slot marked real.
-  for (int64_t b = 0; b < B; ++b) {
-    embed_row(embed, embed_scale, tokens[b], d, ws.h + b * d);
-    float pos = static_cast<float>(n_real[b]);
-    for (int64_t i = 0; i < half; ++i) {
-      float angle = pos * freqs[i];
-      ws.cs[b * half + i] = std::cos(angle);
-      ws.sn[b * half + i] = std::sin(angle);
-    }
-    key_mask[b * S + slot] = true;
-    rms_norm(ws.h + b * d, f32(kNumGlobal + kAttnNorm), ws.x + b * d, d, eps);
+  Step(const int64_t* n, const void* const* w, const float* const* sc, void* const* state, int64_t b,
+       const int64_t* rows_, const int64_t* tokens_, const int64_t* slots_, float eps_, float* logits_, float* work)
+      : R(n[kB]), B(b), V(n[kV]), d(n[kD]), L(n[kL]), H(n[kH]), D(n[kHd]), F(n[kF]), S(n[kS]), half(n[kHd] / 2),
+        gate(n[kGate] != 0), gate_pre_rope(n[kGatePreRope] != 0), stream_head(n[kStreamHead] != 0),
+        ahead(n[kPrefetchRows]), bytes_per_thread(n[kBytesPerThread]), weights(w), scales(sc),
+        k_cache(static_cast<float*>(state[kK])), v_cache(static_cast<float*>(state[kVc])),
+        key_mask(static_cast<bool*>(state[kKeyMask])), gate_sum(static_cast<float*>(state[kGateSum])),
+        gate_count(static_cast<int64_t*>(state[kGateCount])), n_real(static_cast<int64_t*>(state[kNReal])),
+        rows(rows_), tokens(tokens_), slots(slots_), eps(eps_), sqrt_d(std::sqrt(static_cast<float>(n[kHd]))),
+        ws(n, work), logits(logits_) {}
+
+  static int64_t at(int64_t l, int64_t i) { return kNumGlobal + l * kPerLayer + i; }
+  const float* vec(int64_t slot) const { return static_cast<const float*>(weights[slot]); }
+  const T* mat(int64_t slot) const { return static_cast<const T*>(weights[slot]); }
+  // Cache offsets of active row i: layer l's row, and head hh's slot s in it.
+  int64_t cache_row(int64_t l, int64_t i) const { return l * R + rows[i]; }
+  int64_t kv_at(int64_t l, int64_t i, int64_t hh, int64_t s) const { return ((cache_row(l, i) * H + hh) * S + s) * D; }
+
+  // This thread's share of y = x Wᵀ for every active row (W of matrix slot `slot`, N x K).
+  void product(int64_t slot, int64_t N, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int tid,
+               int nth, bool stream = false) const {
+    gemv_share(mat(slot), scales[slot], N, K, x, ldx, y, ldy, B, tid, nth, stream, ahead);
   }
 
-#pragma omp parallel
-  {
-    const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-    for (int64_t l = 0; l < L; ++l) {
-      const int64_t at = kNumGlobal + l * kPerLayer;
-      auto w = [&](int64_t i) { return static_cast<const float*>(weights[at + i]); };  // fp32 vectors
-      auto m = [&](int64_t i) { return static_cast<const T*>(weights[at + i]); };  // the matrices
-      auto sc = [&](int64_t i) { return scales[at + i]; };
-      // q, k, v = x W_qᵀ, x W_kᵀ, x W_vᵀ   -> qkv (B, 3d)
-      for (int j = 0; j < 3; ++j)
-        gemv_share(m(kWq + j), sc(kWq + j), d, d, ws.x, d, ws.qkv + j * d, 3 * d, B, tid, nth);
-#pragma omp barrier
-      // The gate from the running mean of the head-mean query, then q and k rotated and k, v
-      // written to the cache: per row, rows split between threads.
-      for (int64_t b = tid; b < B; b += nth) {
-        const float* q = ws.qkv + b * 3 * d;
-        const float* k = q + d;
-        const float* v = q + 2 * d;
-        const float* cs = ws.cs + b * half;
-        const float* sn = ws.sn + b * half;
-        float* g = ws.g + b * H;
-        if (gate) {
-          float m[1024], mr[1024];  // D <= 1024 (checked by the caller)
-          for (int64_t i = 0; i < D; ++i) {
-            float s = 0.0f;
-            for (int64_t hh = 0; hh < H; ++hh) s += q[hh * D + i];
-            m[i] = s / static_cast<float>(H);
-          }
-          const float* mm = m;
-          if (!gate_pre_rope) {
-            rope(m, cs, sn, mr, D);
-            mm = mr;
-          }
-          float* run = gate_sum + (l * B + b) * D;
-          int64_t count = gate_count[l * B + b] + 1;
-          gate_count[l * B + b] = count;
-          float denom = static_cast<float>(count);
-          float c[1024], hidden[1024];
-          for (int64_t i = 0; i < D; ++i) {
-            run[i] = mm[i] + run[i];
-            c[i] = run[i] / denom;
-          }
-          for (int64_t hh = 0; hh < H; ++hh) hidden[hh] = silu(dot(w(kGateW1) + hh * D, c, D));
-          for (int64_t hh = 0; hh < H; ++hh) g[hh] = sigmoid(dot(w(kGateW2) + hh * H, hidden, H) + w(kGateB2)[hh]);
-        } else {
-          for (int64_t hh = 0; hh < H; ++hh) g[hh] = 1.0f;
-        }
-        for (int64_t hh = 0; hh < H; ++hh) {
-          int64_t cache_at = (((l * B + b) * H + hh) * S + slot) * D;
-          rope(q + hh * D, cs, sn, ws.qrot + b * d + hh * D, D);
-          rope(k + hh * D, cs, sn, k_cache + cache_at, D);
-          std::memcpy(v_cache + cache_at, v + hh * D, D * sizeof(float));
-        }
-      }
-#pragma omp barrier
-      // Attention of each (row, head) over the cached slots [0, slot], padding left out:
-      // softmax(g · <q̃, k̃_s> / sqrt(D)) v_s, in fp32. (row, head) pairs split between threads.
-      for (int64_t p = tid; p < B * H; p += nth) {
-        int64_t b = p / H, hh = p % H;
-        const float* q = ws.qrot + b * d + hh * D;
-        const float* keys = k_cache + ((l * B + b) * H + hh) * S * D;
-        const float* values = v_cache + ((l * B + b) * H + hh) * S * D;
-        const bool* real = key_mask + b * S;
-        float* sc = ws.scores + p * S;
-        float gh = ws.g[b * H + hh];
-        float mx = -INFINITY;
-        for (int64_t s = 0; s <= slot; ++s) {
-          if (!real[s]) continue;
-          sc[s] = dot(q, keys + s * D, D) / sqrt_d * gh;
-          mx = sc[s] > mx ? sc[s] : mx;
-        }
-        float total = 0.0f;
-        for (int64_t s = 0; s <= slot; ++s) {
-          if (!real[s]) continue;
-          sc[s] = std::exp(sc[s] - mx);
-          total += sc[s];
-        }
-        float* o = ws.o + b * d + hh * D;
-        for (int64_t i = 0; i < D; ++i) o[i] = 0.0f;
-        for (int64_t s = 0; s <= slot; ++s) {
-          if (!real[s]) continue;
-          float ps = sc[s] / total;
-          const float* vs = values + s * D;
-          int64_t i = 0;
-          for (; i + kLanes <= D; i += kLanes) store(o + i, load(o + i) + ps * load(vs + i));
-          for (; i < D; ++i) o[i] += ps * vs[i];
-        }
-      }
-#pragma omp barrier
-      // h' = h + o W_oᵀ; x = RMSNorm(h') γ_ffn
-      gemv_share(m(kWo), sc(kWo), d, d, ws.o, d, ws.qkv, 3 * d, B, tid, nth);
-#pragma omp barrier
-      for (int64_t b = tid; b < B; b += nth) {
-        float* hb = ws.h + b * d;
-        const float* a = ws.qkv + b * 3 * d;
-        for (int64_t i = 0; i < d; ++i) hb[i] = a[i] + hb[i];
-        rms_norm(hb, w(kFfnNorm), ws.x + b * d, d, eps);
-      }
-#pragma omp barrier
-      // Butterfly: [a ‖ b] = x W_upᵀ, r = SiLU(a) ⊙ b + x W_bpᵀ, y = r W_downᵀ.
-      gemv_share(m(kWUp), sc(kWUp), 2 * F, d, ws.x, d, ws.up, 2 * F, B, tid, nth);
-      gemv_share(m(kWBp), sc(kWBp), F, d, ws.x, d, ws.bp, F, B, tid, nth);
-#pragma omp barrier
-      for (int64_t b = tid; b < B; b += nth) {
-        float* a = ws.up + b * 2 * F;
-        const float* bb = a + F;
-        const float* bp = ws.bp + b * F;
-        for (int64_t i = 0; i < F; ++i) a[i] = silu(a[i]) * bb[i] + bp[i];  // r, over a
-      }
-#pragma omp barrier
-      gemv_share(m(kWDown), sc(kWDown), d, F, ws.up, 2 * F, ws.qkv, 3 * d, B, tid, nth);
-#pragma omp barrier
-      // h'' = h' + y; x = RMSNorm(h'') with the next layer's γ (the final norm after the last).
-      const float* next_gamma = l + 1 < L ? f32(at + kPerLayer + kAttnNorm) : f32(kFinalNorm);
-      for (int64_t b = tid; b < B; b += nth) {
-        float* hb = ws.h + b * d;
-        const float* y = ws.qkv + b * 3 * d;
-        for (int64_t i = 0; i < d; ++i) hb[i] = y[i] + hb[i];
-        rms_norm(hb, next_gamma, ws.x + b * d, d, eps);
-      }
-#pragma omp barrier
+  // The residual stream from the embedding, the rotation tables at the row's position (fp32
+  // angle = position · θ̃_i, as wiola.ops.rope_tables), the new slot marked real, the first norm.
+  void begin_row(int64_t i) {
+    embed_row(mat(kEmbed), scales[kEmbed], tokens[i], d, ws.h + i * d);
+    const float* freqs = vec(kFreqs);
+    float pos = static_cast<float>(n_real[rows[i]]);
+    for (int64_t j = 0; j < half; ++j) {
+      float angle = pos * freqs[j];
+      ws.cs[i * half + j] = std::cos(angle);
+      ws.sn[i * half + j] = std::sin(angle);
     }
-    // The tied head: logits = x Eᵀ.
-    gemv_share(embed, embed_scale, V, d, ws.x, d, logits, V, B, tid, nth, true);
+    key_mask[rows[i] * S + slots[i]] = true;
+    rms_norm(ws.h + i * d, vec(at(0, kAttnNorm)), ws.x + i * d, d, eps);
   }
-  for (int64_t b = 0; b < B; ++b) n_real[b] += 1;
+
+  // Row i's gate of layer l: the running mean of the head-mean query (rotated unless
+  // gate_pre_rope), updated in the cache, through the small MLP: g = σ(W_2 SiLU(W_1 c) + b_2).
+  void gate_row(int64_t l, int64_t i) {
+    float* g = ws.g + i * H;
+    if (!gate) {
+      for (int64_t hh = 0; hh < H; ++hh) g[hh] = 1.0f;
+      return;
+    }
+    const float* q = ws.qkv + i * 3 * d;
+    float m[1024], mr[1024], c[1024], hidden[1024];  // D, H <= 1024 (checked by the caller)
+    for (int64_t j = 0; j < D; ++j) {
+      float s = 0.0f;
+      for (int64_t hh = 0; hh < H; ++hh) s += q[hh * D + j];
+      m[j] = s / static_cast<float>(H);
+    }
+    const float* mm = m;
+    if (!gate_pre_rope) {
+      rope(m, ws.cs + i * half, ws.sn + i * half, mr, D);
+      mm = mr;
+    }
+    float* run = gate_sum + cache_row(l, i) * D;
+    int64_t count = gate_count[cache_row(l, i)] + 1;
+    gate_count[cache_row(l, i)] = count;
+    float denom = static_cast<float>(count);
+    for (int64_t j = 0; j < D; ++j) {
+      run[j] = mm[j] + run[j];
+      c[j] = run[j] / denom;
+    }
+    const float *w1 = vec(at(l, kGateW1)), *w2 = vec(at(l, kGateW2)), *b2 = vec(at(l, kGateB2));
+    for (int64_t hh = 0; hh < H; ++hh) hidden[hh] = silu(dot(w1 + hh * D, c, D));
+    for (int64_t hh = 0; hh < H; ++hh) g[hh] = sigmoid(dot(w2 + hh * H, hidden, H) + b2[hh]);
+  }
+
+  // Row i's query and key rotated, the key and value written to the row's new cache slot.
+  void cache_write_row(int64_t l, int64_t i) {
+    const float* q = ws.qkv + i * 3 * d;
+    const float *cs = ws.cs + i * half, *sn = ws.sn + i * half;
+    for (int64_t hh = 0; hh < H; ++hh) {
+      int64_t to = kv_at(l, i, hh, slots[i]);
+      rope(q + hh * D, cs, sn, ws.qrot + i * d + hh * D, D);
+      rope(q + d + hh * D, cs, sn, k_cache + to, D);
+      std::memcpy(v_cache + to, q + 2 * d + hh * D, D * sizeof(float));
+    }
+  }
+
+  // Attention of (row, head) pair p over the row's cached slots [0, slot], padding left out:
+  // softmax(g · <q̃, k̃_s> / sqrt(D)) v_s, in fp32.
+  void attention_row(int64_t l, int64_t p) {
+    int64_t i = p / H, hh = p % H, slot = slots[i];
+    const float* q = ws.qrot + i * d + hh * D;
+    const float* keys = k_cache + kv_at(l, i, hh, 0);
+    const float* values = v_cache + kv_at(l, i, hh, 0);
+    const bool* real = key_mask + rows[i] * S;
+    float* sc = ws.scores + p * S;
+    float gh = ws.g[i * H + hh];
+    float mx = -INFINITY;
+    for (int64_t s = 0; s <= slot; ++s) {
+      if (!real[s]) continue;
+      sc[s] = dot(q, keys + s * D, D) / sqrt_d * gh;
+      mx = sc[s] > mx ? sc[s] : mx;
+    }
+    float total = 0.0f;
+    for (int64_t s = 0; s <= slot; ++s) {
+      if (!real[s]) continue;
+      sc[s] = std::exp(sc[s] - mx);
+      total += sc[s];
+    }
+    float* o = ws.o + i * d + hh * D;
+    for (int64_t j = 0; j < D; ++j) o[j] = 0.0f;
+    for (int64_t s = 0; s <= slot; ++s) {
+      if (!real[s]) continue;
+      float ps = sc[s] / total;
+      const float* vs = values + s * D;
+      int64_t j = 0;
+      for (; j + kLanes <= D; j += kLanes) store(o + j, load(o + j) + ps * load(vs + j));
+      for (; j < D; ++j) o[j] += ps * vs[j];
+    }
+  }
+
+  // h = h + y (row i of y, stride ldy); x = RMSNorm(h) γ.
+  void residual_norm_row(int64_t i, const float* y, int64_t ldy, const float* gamma) {
+    float* hb = ws.h + i * d;
+    const float* a = y + i * ldy;
+    for (int64_t j = 0; j < d; ++j) hb[j] = a[j] + hb[j];
+    rms_norm(hb, gamma, ws.x + i * d, d, eps);
+  }
+
+  // The butterfly's middle of row i: r = SiLU(a) ⊙ b + x W_bpᵀ, over a (up = [a ‖ b]).
+  void butterfly_row(int64_t i) {
+    float* a = ws.up + i * 2 * F;
+    const float* bb = a + F;
+    const float* bp = ws.bp + i * F;
+    for (int64_t j = 0; j < F; ++j) a[j] = silu(a[j]) * bb[j] + bp[j];
+  }
+
+  // One layer in the threads of the parallel region: products split by output rows, per-row
+  // work split by rows, a barrier wherever the next part reads what other threads wrote.
+  void layer(int64_t l, int tid, int nth) {
+    for (int j = 0; j < 3; ++j) product(at(l, kWq + j), d, d, ws.x, d, ws.qkv + j * d, 3 * d, tid, nth);
+#pragma omp barrier
+    for (int64_t i = tid; i < B; i += nth) {
+      gate_row(l, i);
+      cache_write_row(l, i);
+    }
+#pragma omp barrier
+    for (int64_t p = tid; p < B * H; p += nth) attention_row(l, p);
+#pragma omp barrier
+    product(at(l, kWo), d, d, ws.o, d, ws.qkv, 3 * d, tid, nth);
+#pragma omp barrier
+    for (int64_t i = tid; i < B; i += nth) residual_norm_row(i, ws.qkv, 3 * d, vec(at(l, kFfnNorm)));
+#pragma omp barrier
+    product(at(l, kWUp), 2 * F, d, ws.x, d, ws.up, 2 * F, tid, nth);
+    product(at(l, kWBp), F, d, ws.x, d, ws.bp, F, tid, nth);
+#pragma omp barrier
+    for (int64_t i = tid; i < B; i += nth) butterfly_row(i);
+#pragma omp barrier
+    product(at(l, kWDown), d, F, ws.up, 2 * F, ws.qkv, 3 * d, tid, nth);
+#pragma omp barrier
+    // h'' = h' + y; x = RMSNorm(h'') with the next layer's γ (the final norm after the last).
+    const float* next_gamma = l + 1 < L ? vec(at(l + 1, kAttnNorm)) : vec(kFinalNorm);
+    for (int64_t i = tid; i < B; i += nth) residual_norm_row(i, ws.qkv, 3 * d, next_gamma);
+#pragma omp barrier
+  }
+
+  // The tied head, logits = x Eᵀ, streamed past the last-level cache (see gemv_rows).
+  void head(int tid, int nth) { product(kEmbed, V, d, ws.x, d, logits, V, tid, nth, stream_head); }
+
+  // The bytes of the matrices one step streams (each read once, whatever B).
+  int64_t matrix_bytes() const {
+    return static_cast<int64_t>(sizeof(T)) * (V * d + L * (4 * d * d + 3 * F * d));
+  }
+
+  void layers_and_head(int tid, int nth) {
+    for (int64_t l = 0; l < L; ++l) layer(l, tid, nth);
+    head(tid, nth);
+  }
+
+  void run() {
+    for (int64_t i = 0; i < B; ++i) begin_row(i);
+    parallel(threads_for(matrix_bytes(), bytes_per_thread), [this](int tid, int nth) { layers_and_head(tid, nth); });
+    for (int64_t i = 0; i < B; ++i) n_real[rows[i]] += 1;
+  }
+};
+
+template <typename T>
+int decode_rows(const int64_t* n, const void* const* weights, const float* const* scales, void* const* state, int64_t B,
+                const int64_t* rows, const int64_t* tokens, const int64_t* slots, float eps, float* logits,
+                float* work) {
+  Step<T>(n, weights, scales, state, B, rows, tokens, slots, eps, logits, work).run();
   return 0;
+}
+
+// ---------------------------------------------------------------------------------------- sampling
+// The sampler of wiola.generation, operation for operation in fp32, so that the tokens are the
+// Python sampler's bitwise: greedy is the first maximal logit (torch.argmax; a NaN wins, as
+// there); sampling divides by the temperature (x / float(t), as torch divides by a Python float),
+// sets to -inf every logit below the k-th largest (torch.topk's k-th value, ties kept), subtracts
+// log E (the caller's Exp(1) noise, its log taken by torch: the same draws and the same log as
+// wiola.generation.sample_next) and takes the first maximum. The nucleus (top-p) filter is not
+// here: its softmax and cumulative sum would round differently from torch's, so the caller
+// samples those rows with wiola.generation itself (kModeCaller).
+enum SampleMode { kGreedy, kSample, kModeCaller };
+
+inline int64_t argmax_first(const float* x, int64_t n) {
+  int64_t best = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    if (std::isnan(x[j])) return j;
+    if (x[j] > x[best]) best = j;
+  }
+  return best;
+}
+
+// The k-th largest of x[0, n) counting repeats (torch.topk(x, k).values[-1]); scratch holds n floats.
+inline float kth_largest(const float* x, int64_t n, int64_t k, float* scratch) {
+  std::memcpy(scratch, x, n * sizeof(float));
+  std::nth_element(scratch, scratch + (k - 1), scratch + n, [](float a, float b) { return a > b; });
+  return scratch[k - 1];
+}
+
+// One row's token. scratch: 2V floats.
+inline int64_t sample_row(const float* logits, int64_t V, int64_t mode, float temperature, int64_t top_k,
+                          const float* log_noise, float* scratch) {
+  if (mode == kGreedy) return argmax_first(logits, V);
+  float* x = scratch;
+  for (int64_t j = 0; j < V; ++j) x[j] = logits[j] / temperature;
+  if (top_k > 0 && top_k < V) {
+    float kth = kth_largest(x, V, top_k, scratch + V);
+    for (int64_t j = 0; j < V; ++j)
+      if (x[j] < kth) x[j] = -INFINITY;
+  }
+  for (int64_t j = 0; j < V; ++j) x[j] = x[j] - log_noise[j];
+  return argmax_first(x, V);
+}
+
+// log-softmax of the unfiltered logits at `token` and the k best (id, log-probability), best
+// first (ties: the lower id first); the sum of exponentials in double.
+inline void logprobs_row(const float* logits, int64_t V, int64_t token, int64_t k, float* logprob, int64_t* top_ids,
+                         float* top_values, int64_t* order) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < V; ++j) mx = logits[j] > mx ? logits[j] : mx;
+  double total = 0.0;
+  for (int64_t j = 0; j < V; ++j) total += std::exp(static_cast<double>(logits[j] - mx));
+  const double lse = static_cast<double>(mx) + std::log(total);
+  *logprob = static_cast<float>(logits[token] - lse);
+  if (k <= 0) return;
+  for (int64_t j = 0; j < V; ++j) order[j] = j;
+  auto better = [logits](int64_t a, int64_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+  std::partial_sort(order, order + k, order + V, better);
+  for (int64_t j = 0; j < k; ++j) {
+    top_ids[j] = order[j];
+    top_values[j] = static_cast<float>(logits[order[j]] - lse);
+  }
+}
+
+// Per-row sampler settings and outputs of one call (arrays of B; log_noise B x V, rows of
+// kGreedy/kModeCaller ignored; top_ids/top_values B x max_k; logprob null: none computed).
+struct Samplers {
+  const int64_t* mode;
+  const float* temperature;
+  const int64_t* top_k;
+  const float* log_noise;
+  const int64_t* n_logprobs;
+  int64_t max_k;
+  int64_t* token;
+  float* logprob;
+  int64_t* top_ids;
+  float* top_values;
+};
+
+// Every row's token (and log-probabilities), rows split between threads. scratch: the threads'
+// 2V floats + V int64 each (sample_scratch_floats).
+inline void sample_rows(const float* logits, int64_t B, int64_t V, const Samplers& s, float* scratch) {
+  int nt = threads_for(B * V * static_cast<int64_t>(sizeof(float)) * 16);  // ~16 passes over the logits
+  parallel(nt < B ? nt : static_cast<int>(B), [&](int tid, int nth) {
+    float* mine = scratch + tid * 4 * V;
+    for (int64_t i = tid; i < B; i += nth) {
+      const float* row = logits + i * V;
+      const int64_t mode = s.mode[i];
+      if (mode != kModeCaller)
+        s.token[i] = sample_row(row, V, mode, s.temperature[i], s.top_k[i], s.log_noise + i * V, mine);
+      if (s.logprob != nullptr && mode != kModeCaller)
+        logprobs_row(row, V, s.token[i], s.n_logprobs[i], s.logprob + i, s.top_ids + i * s.max_k,
+                     s.top_values + i * s.max_k, reinterpret_cast<int64_t*>(mine + 2 * V));
+    }
+  });
 }
 
 }  // namespace
 
 extern "C" {
 
-int64_t wiola_workspace_floats(const int64_t* n) {
-  int64_t B = n[kB], d = n[kD], H = n[kH], D = n[kHd], F = n[kF], S = n[kS];
-  return B * (d * 7 + 3 * F + D + H + H * S);
+int64_t wiola_workspace_floats(const int64_t* n) { return Workspace::floats(n); }
+
+// The lengths of the argument arrays, for the Python table to be checked against: dims, global
+// weight slots, weight slots per layer, cache buffers.
+void wiola_layout_counts(int64_t* out) {
+  out[0] = kNumDims;
+  out[1] = kNumGlobal;
+  out[2] = kPerLayer;
+  out[3] = kNumState;
 }
 
-// dims: kNumDims int64 (see Dim; kWeightType a WeightType). weights: kNumGlobal + L·kPerLayer
-// pointers: the embedding and the seven projection matrices of each layer of that weight type, every
-// other one fp32 (gate ones may be null without a gate). scales: as many pointers, the fp32 per-row
-// scales of each int8 matrix (null elsewhere). state: the cache's buffers (k, v (L,B,H,S,D) fp32;
-// key_mask (B,S) bool; gate_sum (L,B,D) fp32; gate_count (L,B) int64; n_real (B,) int64).
-// tokens: (B,) int64 in range. slot: the cache slot of the new tokens (< S). logits: (B, V) out.
-// work: wiola_workspace_floats. The caller has checked every shape, dtype, range and that slot < S.
-// Returns 0, or 1 for an unknown weight type.
-int wiola_decode_step(const int64_t* n, const void* const* weights, const float* const* scales, void* const* state,
-                      const int64_t* tokens, int64_t slot, float eps, float* logits, float* work) {
+// dims: kNumDims int64 (see Dim; kB the cache's rows R, kWeightType a WeightType). weights:
+// kNumGlobal + L·kPerLayer pointers: the embedding and the seven projection matrices of each layer
+// of that weight type, every other one fp32 (gate ones may be null without a gate). scales: as
+// many pointers, the fp32 per-row scales of each int8 matrix (null elsewhere). state: the cache's
+// buffers (k, v (L,R,H,S,D) fp32; key_mask (R,S) bool; gate_sum (L,R,D) fp32; gate_count (L,R)
+// int64; n_real (R,) int64). B active rows: rows (B,) distinct cache rows, tokens (B,) ids in range,
+// slots (B,) each row's new slot (< S). logits: (B, V) out. work: wiola_workspace_floats. The
+// caller has checked every shape, dtype and range. Returns 0, or 1 for an unknown weight type.
+int wiola_decode_rows(const int64_t* n, const void* const* weights, const float* const* scales, void* const* state,
+                      int64_t B, const int64_t* rows, const int64_t* tokens, const int64_t* slots, float eps,
+                      float* logits, float* work) {
   switch (n[kWeightType]) {
-    case kFp32: return decode_step<float>(n, weights, scales, state, tokens, slot, eps, logits, work);
-    case kBf16: return decode_step<bf16>(n, weights, scales, state, tokens, slot, eps, logits, work);
-    case kInt8: return decode_step<int8_t>(n, weights, scales, state, tokens, slot, eps, logits, work);
+    case kFp32: return decode_rows<float>(n, weights, scales, state, B, rows, tokens, slots, eps, logits, work);
+    case kBf16: return decode_rows<bf16>(n, weights, scales, state, B, rows, tokens, slots, eps, logits, work);
+    case kInt8: return decode_rows<int8_t>(n, weights, scales, state, B, rows, tokens, slots, eps, logits, work);
     default: return 1;
   }
+}
+
+// Samples: sample_rows' scratch, in floats (4V per thread: 2V for the filter, V int64 for the top ids).
+int64_t wiola_sample_scratch_floats(int64_t V) { return 4 * V * omp_get_max_threads(); }
+
+// The tokens of B rows from their (B, V) logits: mode (B,) SampleMode, temperature (B,), top_k (B,)
+// (0: none), log_noise (B, V) (log of the Exp(1) draws; read for kSample rows), n_logprobs (B,)
+// (each <= max_k); out token (B,), logprob (B,) (null: not computed), top_ids / top_values
+// (B, max_k). kModeCaller rows are left to the caller. scratch: wiola_sample_scratch_floats(V).
+void wiola_sample_rows(const float* logits, int64_t B, int64_t V, const int64_t* mode, const float* temperature,
+                       const int64_t* top_k, const float* log_noise, const int64_t* n_logprobs, int64_t max_k,
+                       int64_t* token, float* logprob, int64_t* top_ids, float* top_values, float* scratch) {
+  Samplers s{mode, temperature, top_k, log_noise, n_logprobs, max_k, token, logprob, top_ids, top_values};
+  sample_rows(logits, B, V, s, scratch);
+}
+
+// One step of B rows (wiola_decode_rows) and their tokens (wiola_sample_rows) in one call.
+int wiola_step_rows(const int64_t* n, const void* const* weights, const float* const* scales, void* const* state,
+                    int64_t B, const int64_t* rows, const int64_t* tokens, const int64_t* slots, float eps,
+                    float* logits, float* work, const int64_t* mode, const float* temperature, const int64_t* top_k,
+                    const float* log_noise, const int64_t* n_logprobs, int64_t max_k, int64_t* token, float* logprob,
+                    int64_t* top_ids, float* top_values, float* scratch) {
+  int rc = wiola_decode_rows(n, weights, scales, state, B, rows, tokens, slots, eps, logits, work);
+  if (rc != 0) return rc;
+  wiola_sample_rows(logits, B, n[kV], mode, temperature, top_k, log_noise, n_logprobs, max_k, token, logprob, top_ids,
+                    top_values, scratch);
+  return 0;
+}
+
+// generate's loop over steps [i0, i1) for all R rows of the cache, as wiola.generation.decode_loop
+// runs it: step i samples from the prefill's logits (i == 0, `first`) or from a step of the
+// previous tokens at slot `start + i - 1`; with an eos (>= 0) finished rows emit `pad`, and the
+// loop stops before step i once every row has finished. out (R, N) int64 gets column i of step i;
+// finished (R,) uint8 carries across calls. One sampler for every row: greedy, or temperature and
+// top_k with log_noise ((i1 - i0), R, V). logits: (R, V) scratch. Returns the step it stopped
+// before (i1 when none finished early), or -1 for an unknown weight type.
+int64_t wiola_generate(const int64_t* n, const void* const* weights, const float* const* scales, void* const* state,
+                       float eps, float* work, int64_t start, int64_t i0, int64_t i1, int64_t N, const float* first,
+                       float* logits, int64_t greedy, float temperature, int64_t top_k, const float* log_noise,
+                       int64_t eos, int64_t pad, uint8_t* finished, int64_t* out, float* scratch) {
+  const int64_t R = n[kB], V = n[kV];
+  int64_t* idx = new int64_t[5 * R];
+  int64_t *rows = idx, *slots = idx + R, *tokens = idx + 2 * R, *modes = idx + 3 * R, *top_ks = idx + 4 * R;
+  float* temps = new float[R];
+  int64_t stopped = i1;
+  for (int64_t i = 0; i < R; ++i) {
+    rows[i] = i;
+    modes[i] = greedy ? kGreedy : kSample;
+    top_ks[i] = top_k;
+    temps[i] = temperature;
+  }
+  for (int64_t i = i0; i < i1; ++i) {
+    const float* step_logits = first;
+    if (i > 0) {
+      bool all = eos >= 0;
+      for (int64_t b = 0; b < R && all; ++b) all = finished[b] != 0;
+      if (all) {
+        stopped = i;
+        break;
+      }
+      for (int64_t b = 0; b < R; ++b) {
+        slots[b] = start + i - 1;
+        tokens[b] = out[b * N + i - 1];
+      }
+      if (wiola_decode_rows(n, weights, scales, state, R, rows, tokens, slots, eps, logits, work) != 0) {
+        stopped = -1;
+        break;
+      }
+      step_logits = logits;
+    }
+    Samplers s{modes, temps, top_ks, greedy ? nullptr : log_noise + (i - i0) * R * V, nullptr, 0,
+               tokens, nullptr, nullptr, nullptr};
+    sample_rows(step_logits, R, V, s, scratch);
+    for (int64_t b = 0; b < R; ++b) {
+      int64_t t = tokens[b];
+      if (eos >= 0) {
+        if (finished[b]) t = pad;
+        if (t == eos) finished[b] = 1;
+      }
+      out[b * N + i] = t;
+    }
+  }
+  delete[] idx;
+  delete[] temps;
+  return stopped;
+}
+
+// Every row of the cache at one shared slot (a batch that started together, left-padded):
+// wiola_decode_rows with rows 0..R-1 and slot for each.
+int wiola_decode_step(const int64_t* n, const void* const* weights, const float* const* scales, void* const* state,
+                      const int64_t* tokens, int64_t slot, float eps, float* logits, float* work) {
+  const int64_t R = n[kB];
+  int64_t* rows = new int64_t[2 * R];
+  for (int64_t i = 0; i < R; ++i) {
+    rows[i] = i;
+    rows[R + i] = slot;
+  }
+  int rc = wiola_decode_rows(n, weights, scales, state, R, rows, tokens, rows + R, eps, logits, work);
+  delete[] rows;
+  return rc;
 }
 
 }  // extern "C"

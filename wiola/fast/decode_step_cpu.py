@@ -52,8 +52,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from wiola.fast import step_layout as layout
+
 if TYPE_CHECKING:
     from wiola.cache import Cache
+    from wiola.config import WiolaConfig
     from wiola.model import WiolaModel
 
 SOURCE = Path(__file__).with_suffix(".cpp")
@@ -230,6 +233,23 @@ def _build(compiler: str, isa: str) -> ctypes.CDLL:
     lib.wiola_workspace_floats.restype = ctypes.c_int64
     lib.wiola_decode_step.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_float] + [ctypes.c_void_p] * 2
     lib.wiola_decode_step.restype = ctypes.c_int
+    lib.wiola_decode_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3
+    lib.wiola_decode_rows.argtypes += [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+    lib.wiola_decode_rows.restype = ctypes.c_int
+    P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    lib.wiola_sample_scratch_floats.argtypes = [I]
+    lib.wiola_sample_scratch_floats.restype = I
+    lib.wiola_sample_rows.argtypes = [P, I, I, P, P, P, P, P, I, P, P, P, P, P]
+    lib.wiola_sample_rows.restype = None
+    lib.wiola_step_rows.argtypes = [P, P, P, P, I, P, P, P, F, P, P, P, P, P, P, P, I, P, P, P, P, P]
+    lib.wiola_step_rows.restype = ctypes.c_int
+    lib.wiola_generate.argtypes = [P, P, P, P, F, P, I, I, I, I, P, P, I, F, I, P, I, I, P, P, P]
+    lib.wiola_generate.restype = I
+    lib.wiola_layout_counts.argtypes = [ctypes.c_void_p]
+    lib.wiola_layout_counts.restype = None
+    reported = (ctypes.c_int64 * 4)()
+    lib.wiola_layout_counts(reported)
+    layout.check_counts(tuple(reported), str(target))
     return lib
 
 
@@ -281,40 +301,95 @@ def describe(isa: str | None = None) -> str:
     return f"C++ step, {select_isa(isa)}, {n} thread{'s' if n != 1 else ''}"
 
 
-def matrix_slots(n_layers: int) -> list[int]:
-    """The positions in ``step_parameters`` of the matrices a quantized model packs, in the order of
-    ``wiola.fast.quantize.matrix_names``: the embedding, then per layer W_q, W_k, W_v, W_o, W_up,
-    W_bp, W_down."""
-    per_layer = (1, 2, 3, 4, 9, 10, 11)
-    return [0] + [3 + 12 * layer + i for layer in range(n_layers) for i in per_layer]
+PREFETCH_ROWS = 8  # rows ahead of the product's block that are prefetched
+BYTES_PER_THREAD = 1 << 21  # a parallel region takes one thread per this many bytes streamed
+
+
+def last_level_cache_bytes() -> int | None:
+    """The size of this CPU's largest cache (``/sys/devices/system/cpu/cpu0/cache``), or None."""
+    best = None
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+            kind = (index / "type").read_text().strip()
+        except OSError:
+            continue
+        if kind == "Instruction" or not text:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
+        size = int(text.rstrip("KMG")) * scale
+        best = size if best is None or size > best else best
+    return best
+
+
+def choose_tuning(config: WiolaConfig, weight_bytes: int = 4) -> dict[str, int | str | None]:
+    """The step's tuning for this CPU and a model of ``config`` with ``weight_bytes``-byte matrices:
+
+    - ``stream_head``: prefetch the tied head non-temporally (so that it does not evict the
+      layers' weights) when the matrices do not fit in the last-level cache together (an AMD EPYC
+      CCD's 32 MiB for the 13m fp32 step's 52 MB), else keep it cached: where everything fits (an
+      Intel Xeon's shared L3 of a few hundred MiB), a non-temporal head is fetched again from
+      DRAM every step;
+    - ``prefetch_rows``: rows of each product prefetched ahead (``PREFETCH_ROWS``);
+    - ``bytes_per_thread``: one thread per this many bytes streamed (``BYTES_PER_THREAD``).
+
+    Also records what it was chosen from: the CPU's vendor, family, model and cache size, and
+    the thread count. No choice changes a result, only the time."""
+    info = {}
+    for line in _cpuinfo_lines():
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if key in ("vendor_id", "cpu family", "model", "model name") and key not in info:
+            info[key] = value
+    llc = last_level_cache_bytes()
+    V, d, L, F = config.vocab_size, config.d_model, config.n_layers, config.d_ff
+    matrices = weight_bytes * (V * d + L * (4 * d * d + 3 * F * d))
+    stream = llc is None or matrices > llc // 2  # half: the cache also holds the cache and activations
+    return {
+        "vendor": info.get("vendor_id", platform.machine()), "family": info.get("cpu family"),
+        "model": info.get("model"), "cpu": info.get("model name", platform.processor()),
+        "last_level_cache_bytes": llc, "matrix_bytes": matrices, "threads": torch.get_num_threads(),
+        "stream_head": int(stream), "prefetch_rows": PREFETCH_ROWS, "bytes_per_thread": BYTES_PER_THREAD,
+    }  # fmt: skip
+
+
+def tuning(config: WiolaConfig | None = None, weight_bytes: int = 4) -> dict[str, int | str | None]:
+    """What the step chooses on this CPU (``choose_tuning``; for the 13m preset unless ``config``
+    is given), with the ISA variant, for benchmark records."""
+    from wiola.config import WiolaConfig as Config
+
+    out = choose_tuning(config or Config.preset("13m"), weight_bytes)
+    out["isa"] = select_isa()
+    return out
 
 
 def step_parameters(model: WiolaModel) -> list[torch.Tensor | None]:
-    """The tensors the step reads, in the C++'s order: embedding, final γ, helical frequencies,
-    then per layer attn γ, W_q, W_k, W_v, W_o, gate W_1, W_2, b_2 (None without a gate), ffn γ,
-    W_up, W_bp, W_down."""
-    tensors: list[torch.Tensor | None] = [model.embed.weight, model.norm.weight, model.rope_freqs]
-    for layer in model.layers:
-        a, f = layer.attn, layer.ffn
-        gate = (a.gate_w1.weight, a.gate_w2.weight, a.gate_w2.bias) if model.config.gate else (None,) * 3
-        tensors += [layer.attn_norm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight]
-        tensors += [*gate, layer.ffn_norm.weight, f.up_proj.weight, f.bypass_proj.weight, f.down_proj.weight]
-    return tensors
+    """The tensors the step reads, in the C++'s order (``wiola.fast.step_layout.slots``): the
+    embedding, final γ, helical frequencies, then per layer attn γ, W_q, W_k, W_v, W_o, gate W_1,
+    W_2, b_2 (None without a gate), ffn γ, W_up, W_bp, W_down."""
+    gate = model.config.gate
+    return [
+        None if s.gate and not gate else layout.tensor_at(model, path)
+        for path, s in layout.slots(model.config.n_layers)
+    ]
+
+
+def matrix_slots(n_layers: int) -> list[int]:
+    """The positions in ``step_parameters`` of the matrices a quantized model packs (see
+    ``wiola.fast.step_layout.matrix_slots``)."""
+    return layout.matrix_slots(n_layers)
 
 
 def _packed(model: WiolaModel) -> tuple[str | None, list[torch.Tensor], list[torch.Tensor | None]]:
     """A quantized model's scheme, packed matrices and scales in ``matrix_slots`` order (None and
     empty lists for an fp32 model)."""
-    from wiola.fast.quantize import matrix_names
-
     scheme = getattr(model, "quantization", None)
     if scheme is None:
         return None, [], []
-    pairs = [model.quantized[name] for name in matrix_names(model.config.n_layers)]
+    pairs = [model.quantized[name] for name in layout.matrix_names(model.config.n_layers)]
     return scheme, [q for q, _ in pairs], [s for _, s in pairs]
 
 
-WEIGHT_TYPES = {None: (0, torch.float32), "bf16": (1, torch.bfloat16), "int8": (2, torch.int8)}  # the C++'s enum
+WEIGHT_TYPES = layout.WEIGHT_TYPES
 
 
 class DecodeStepCPU:
@@ -322,6 +397,12 @@ class DecodeStepCPU:
     variant ``select_isa(isa)`` (``$WIOLA_CPU_ISA`` is read here, once per binding). For a model
     quantized by ``wiola.fast.quantize`` the step reads the packed matrices (int8 with per-row
     scales, or bf16) instead of the fp32 ones.
+
+    Two calls: ``step(tokens, slot)`` (also ``__call__``) steps every row of the cache at one
+    shared slot (a left-padded batch that started together, as ``generate`` runs it);
+    ``rows(rows, tokens, slots)`` steps some of the cache's rows, each at its own slot (rows that
+    joined at different times, ``wiola.fast.rows``). A row's logits are bitwise the same either
+    way, alone or beside any other rows, whichever cache row it occupies.
 
     Raises ``ValueError`` naming the tensor when a weight or cache buffer is not a contiguous
     CPU tensor of the expected dtype and shape (a cache made for another model, say), or when a
@@ -339,14 +420,14 @@ class DecodeStepCPU:
             raise ValueError(f"the CPU decode step needs head_dim and n_heads <= {MAX_HEAD}")
         self.lib, self.config = lib, cfg
         self.tensors = step_parameters(model)  # references keep the storage alive
-        d, H, D, F, L, V = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.d_ff, cfg.n_layers, cfg.vocab_size
-        layer = [(d,), (d, d), (d, d), (d, d), (d, d), (H, D), (H, H), (H,), (d,), (2 * F, d), (F, d), (d, F)]
-        shapes = [(V, d), (d,), (D // 2,), *(layer * L)]
-        for i, (t, shape) in enumerate(zip(self.tensors, shapes, strict=True)):
+        B, S = cache.batch_size, cache.max_len
+        size = layout.sizes(cfg, B, S)
+        shapes = [layout.shape(s.shape, size) for _, s in layout.slots(cfg.n_layers)]
+        for i, (t, shp) in enumerate(zip(self.tensors, shapes, strict=True)):
             if t is not None:
-                _check(t, f"weight #{i}", torch.float32, shape)
+                _check(t, f"weight #{i}", torch.float32, shp)
         self.quantization, packed, scales = _packed(model)
-        slots = matrix_slots(L)
+        slots = matrix_slots(cfg.n_layers)
         if self.quantization is not None:
             if tuple(self.tensors[i].data_ptr() for i in slots) != model.quantized_from:
                 raise ValueError(
@@ -363,19 +444,14 @@ class DecodeStepCPU:
                 _check(s, f"weight #{i} scales", torch.float32, shapes[i][:1])
             step_tensors[i], self.scales[i] = q, s
         self.step_tensors = step_tensors  # what the C++ reads, in its order (tests/test_decode_step_arm.py)
-        B, S = cache.batch_size, cache.max_len
-        self.state = (cache.k, cache.v, cache.key_mask, cache.gate_sum, cache.gate_count, cache.n_real)
-        for name, t, dtype, shape in zip(
-            ("k", "v", "key_mask", "gate_sum", "gate_count", "n_real"),
-            self.state,
-            (torch.float32, torch.float32, torch.bool, torch.float32, torch.int64, torch.int64),
-            ((L, B, H, S, D), (L, B, H, S, D), (B, S), (L, B, D), (L, B), (B,)),
-            strict=True,
-        ):
-            _check(t, f"cache.{name}", dtype, shape)
-        dims = (B, cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.d_ff, S)
+        self.state = tuple(getattr(cache, name) for name, _, _ in layout.STATE)
+        for (name, dtype, symbols), t in zip(layout.STATE, self.state, strict=True):
+            _check(t, f"cache.{name}", dtype, layout.shape(symbols, size))
+        self.tuning = choose_tuning(cfg, wdtype.itemsize)
+        values = {**size, "gate": int(cfg.gate), "gate_pre_rope": int(cfg.gate_pre_rope), "weight_type": wtype}
+        values.update({k: int(v) for k, v in self.tuning.items() if k in layout.DIMS})
         self.batch_size, self.max_len = B, S
-        self.dims = (ctypes.c_int64 * 11)(*dims, int(cfg.gate), int(cfg.gate_pre_rope), wtype)
+        self.dims = (ctypes.c_int64 * len(layout.DIMS))(*(values[name] for name in layout.DIMS))
         self.weights = (ctypes.c_void_p * len(step_tensors))(*_pointers(step_tensors))
         self.scale_ptrs = (ctypes.c_void_p * len(self.scales))(*_pointers(self.scales))
         self.state_ptrs = (ctypes.c_void_p * len(self.state))(*(t.data_ptr() for t in self.state))
@@ -400,8 +476,8 @@ class DecodeStepCPU:
 
     def __call__(self, tokens: torch.Tensor, slot: int) -> torch.Tensor:
         """``(B, V)`` fp32 logits of ``tokens`` ``(B,)`` (int64, contiguous, each in range) placed at
-        cache slot ``slot``; writes the cache (k, v, key mask, gate sums and counts, ``n_real``).
-        The caller checks the ids and the slot, and advances ``cache.length``."""
+        cache slot ``slot`` of every row; writes the cache (k, v, key mask, gate sums and counts,
+        ``n_real``). The caller checks the ids and the slot, and advances ``cache.length``."""
         logits = torch.empty(self.batch_size, self.config.vocab_size, dtype=torch.float32)
         rc = self.lib.wiola_decode_step(
             self.dims, self.weights, self.scale_ptrs, self.state_ptrs, tokens.data_ptr(), slot, self.eps,
@@ -410,6 +486,104 @@ class DecodeStepCPU:
         if rc != 0:  # pragma: no cover - only an unknown weight type fails, and the binding never passes one
             raise RuntimeError(f"wiola_decode_step returned {rc}")
         return logits
+
+    def rows(self, rows: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """``(n, V)`` fp32 logits of ``tokens`` ``(n,)`` for the cache rows ``rows`` ``(n,)``, each at
+        its own slot ``slots`` ``(n,)`` (all int64, contiguous); writes those rows of the cache and
+        leaves the others untouched. The caller checks that the rows are distinct and in range,
+        the ids in range and each slot below ``max_len`` (``wiola.fast.rows.Rows`` does)."""
+        n = int(rows.numel())
+        logits = torch.empty(n, self.config.vocab_size, dtype=torch.float32)
+        rc = self.lib.wiola_decode_rows(
+            self.dims, self.weights, self.scale_ptrs, self.state_ptrs, n, rows.data_ptr(), tokens.data_ptr(),
+            slots.data_ptr(), self.eps, logits.data_ptr(), self.work.data_ptr(),
+        )  # fmt: skip
+        if rc != 0:  # pragma: no cover - only an unknown weight type fails, and the binding never passes one
+            raise RuntimeError(f"wiola_decode_rows returned {rc}")
+        return logits
+
+    def _scratch(self) -> torch.Tensor:
+        n = self.lib.wiola_sample_scratch_floats(self.config.vocab_size)
+        if getattr(self, "scratch", None) is None or self.scratch.numel() < n:  # the thread count may grow
+            self.scratch = torch.empty(n, dtype=torch.float32)
+        return self.scratch
+
+    def step_rows(
+        self, rows: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, samplers: Samplers
+    ) -> torch.Tensor:
+        """``rows`` (one step of some rows, each at its own slot) and their tokens sampled in the same
+        C++ call (``Samplers``: greedy, temperature, top-k; the nucleus left to the caller). Returns the
+        ``(n, V)`` logits; the tokens and log-probabilities land in ``samplers``."""
+        n = int(rows.numel())
+        logits = torch.empty(n, self.config.vocab_size, dtype=torch.float32)
+        t = samplers
+        rc = self.lib.wiola_step_rows(
+            self.dims, self.weights, self.scale_ptrs, self.state_ptrs, n, rows.data_ptr(), tokens.data_ptr(),
+            slots.data_ptr(), self.eps, logits.data_ptr(), self.work.data_ptr(), t.mode.data_ptr(),
+            t.temperature.data_ptr(), t.top_k.data_ptr(), t.log_noise.data_ptr(), t.n_logprobs.data_ptr(), t.max_k,
+            t.token.data_ptr(), t.logprob.data_ptr(), t.top_ids.data_ptr(), t.top_values.data_ptr(),
+            self._scratch().data_ptr(),
+        )  # fmt: skip
+        if rc != 0:  # pragma: no cover - only an unknown weight type fails, and the binding never passes one
+            raise RuntimeError(f"wiola_step_rows returned {rc}")
+        return logits
+
+    def generate_loop(
+        self, start: int, steps: tuple[int, int], out: torch.Tensor, first: torch.Tensor, finished: torch.Tensor,
+        temperature: float, top_k: int | None, log_noise: torch.Tensor | None, eos: int | None, pad: int | None,
+    ) -> int:  # fmt: skip
+        """``generate``'s loop over steps ``[i0, i1)`` for every row of the cache, in one C++ call:
+        step 0 samples from the prefill's ``first`` ``(B, V)`` logits, step ``i`` from a step of
+        the previous tokens at slot ``start + i - 1``; tokens into ``out`` ``(B, N)`` int64;
+        ``finished`` ``(B,)`` uint8 carries the eos bookkeeping across calls. ``temperature`` 0 is
+        greedy; else ``log_noise`` ``(i1 - i0, B, V)``: the log of each step's Exp(1) draws.
+        Returns the step it stopped before (``i1``, or earlier once every row has finished)."""
+        i0, i1 = steps
+        logits = torch.empty(self.batch_size, self.config.vocab_size, dtype=torch.float32)
+        stopped = self.lib.wiola_generate(
+            self.dims, self.weights, self.scale_ptrs, self.state_ptrs, self.eps, self.work.data_ptr(), start, i0,
+            i1, out.shape[1], first.data_ptr(), logits.data_ptr(), int(temperature == 0), float(temperature),
+            top_k or 0, 0 if log_noise is None else log_noise.data_ptr(), -1 if eos is None else eos,
+            0 if pad is None else pad, finished.data_ptr(), out.data_ptr(), self._scratch().data_ptr(),
+        )  # fmt: skip
+        if stopped < 0:  # pragma: no cover - only an unknown weight type fails, and the binding never passes one
+            raise RuntimeError("wiola_generate: unknown weight type")
+        return stopped
+
+
+MODE = {"greedy": 0, "sample": 1, "caller": 2}  # the C++'s SampleMode
+
+
+class Samplers:
+    """The per-row sampler settings and outputs of one C++ sampling call, for ``n`` rows:
+    ``mode`` (``MODE``), ``temperature``, ``top_k`` (0: none), ``log_noise`` ``(n, V)`` (the log of
+    each sampled row's Exp(1) draws, taken by torch as ``wiola.generation.sample_next`` takes it),
+    ``n_logprobs`` (how many best log-probabilities per row, at most ``max_k``); out: ``token``,
+    ``logprob`` (the token's log-softmax), ``top_ids``/``top_values`` ``(n, max_k)``."""
+
+    def __init__(self, n: int, vocab_size: int, max_k: int) -> None:
+        self.max_k = max(1, max_k)
+        self.mode = torch.zeros(n, dtype=torch.int64)
+        self.temperature = torch.ones(n, dtype=torch.float32)
+        self.top_k = torch.zeros(n, dtype=torch.int64)
+        self.log_noise = torch.empty(n, vocab_size, dtype=torch.float32)  # read for sampled rows only
+        self.n_logprobs = torch.zeros(n, dtype=torch.int64)
+        self.token = torch.zeros(n, dtype=torch.int64)
+        self.logprob = torch.zeros(n, dtype=torch.float32)
+        self.top_ids = torch.zeros(n, self.max_k, dtype=torch.int64)
+        self.top_values = torch.zeros(n, self.max_k, dtype=torch.float32)
+
+
+def sample_rows(lib: ctypes.CDLL, logits: torch.Tensor, samplers: Samplers) -> None:
+    """The C++ sampler alone on ``(n, V)`` fp32 logits (contiguous); fills ``samplers``' outputs."""
+    n, V = logits.shape
+    t = samplers
+    scratch = torch.empty(lib.wiola_sample_scratch_floats(V), dtype=torch.float32)
+    lib.wiola_sample_rows(
+        logits.data_ptr(), n, V, t.mode.data_ptr(), t.temperature.data_ptr(), t.top_k.data_ptr(),
+        t.log_noise.data_ptr(), t.n_logprobs.data_ptr(), t.max_k, t.token.data_ptr(), t.logprob.data_ptr(),
+        t.top_ids.data_ptr(), t.top_values.data_ptr(), scratch.data_ptr(),
+    )  # fmt: skip
 
 
 def _pointers(tensors: list[torch.Tensor | None]) -> tuple[int, ...]:

@@ -268,3 +268,89 @@ def step_generate(
     step.finished.zero_()
     run = _GraphRun(model, step, mode, generator)
     return decode_loop(run, input_ids, attention_mask, max_new_tokens, eos_token_id, pad, streamer, EOS_CHECK_EVERY)
+
+
+_CPU_KWARGS = frozenset(
+    ("attention_mask", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id", "generator", "streamer")
+)  # what cpu_generate takes; other arguments keep the reference loop
+NOISE_FLOATS = 1 << 22  # Exp(1) draws held at once by the CPU loop (16 MiB): steps per C++ call when sampling
+
+
+def cpu_loop_usable(model: WiolaModel, input_ids: torch.Tensor, kwargs: dict) -> bool:
+    """``generate`` runs its whole loop in C++ (``cpu_generate``) for CPU ids of a fast model whose
+    one-token steps take the C++ step, unless it samples with a nucleus (``top_p``, whose softmax
+    stays torch's, per step)."""
+    top_p = kwargs.get("top_p")
+    return (
+        set(kwargs) <= _CPU_KWARGS
+        and isinstance(input_ids, torch.Tensor)
+        and input_ids.device.type == "cpu"
+        and model.kernels_enabled
+        and (top_p is None or top_p >= 1.0 or kwargs.get("temperature") == 0)
+        and not torch.compiler.is_compiling()
+    )
+
+
+@torch.inference_mode()
+def cpu_generate(
+    model: WiolaModel,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+    generator: torch.Generator | None = None,
+    streamer: Callable[[torch.Tensor], None] | None = None,
+) -> torch.Tensor | None:
+    """``wiola.generation.generate`` with the decoding loop in C++: the prefill on the PyTorch
+    path as there, then one call of the C++ loop (``DecodeStepCPU.generate_loop``) for every step,
+    sampling, the eos bookkeeping and the stop included. Greedy: one call per request. Sampling:
+    each step's Exp(1) noise is drawn here from ``generator`` exactly as ``sample_next`` draws it,
+    ``NOISE_FLOATS`` at a time (one call per chunk of steps; the generator is left where the
+    reference loop leaves it, also when every row stops early). With a ``streamer``, one call per
+    step, the streamer called after each. Same arguments and result as ``generate``, identical
+    tokens; returns None (before touching anything) where the C++ step does not apply.
+    """
+    sampling = check_generate_inputs(model, input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p)
+    if sampling.top_p is not None or max_new_tokens == 0:
+        return None
+    B, T = input_ids.shape
+    cache = model.new_cache(B, T + max_new_tokens)
+    step = ops.cpu_decode_step(model, input_ids[:, -1:], cache)
+    if step is None:
+        return None
+    pad = resolve_pad_id(model, eos_token_id, pad_token_id)
+    first = model(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1).logits[:, -1].contiguous()
+    N, V = max_new_tokens, model.config.vocab_size
+    new = torch.empty(B, N, dtype=torch.int64)
+    finished = torch.zeros(B, dtype=torch.uint8)
+    chunk = 1 if streamer is not None else N if sampling.greedy else max(1, NOISE_FLOATS // (B * V))
+    gen = generator if generator is not None else torch.default_generator
+    i = 0
+    while i < N:
+        i1 = min(N, i + chunk)
+        log_noise, state = None, None
+        if not sampling.greedy:
+            state = gen.get_state()
+            log_noise = torch.empty(i1 - i, B, V)
+            for j in range(i1 - i):  # as sample_next: one (B, V) draw per step, its log taken on that shape
+                log_noise[j] = torch.log(torch.empty(B, V).exponential_(generator=gen).clamp_min(1e-30))
+        stopped = step.generate_loop(
+            T, (i, i1), new, first, finished, sampling.temperature, sampling.top_k, log_noise, eos_token_id, pad
+        )
+        if streamer is not None:
+            for j in range(i, stopped):
+                streamer(new[:, j].clone())
+        if stopped < i1:  # every row finished: pad the rest; the generator as if only `stopped - i` draws
+            new[:, stopped:] = pad
+            if state is not None:
+                gen.set_state(state)
+                for _ in range(stopped - i):
+                    torch.empty(B, V).exponential_(generator=gen)
+            break
+        i = i1
+    return torch.cat([input_ids.to(torch.int64), new], dim=1)

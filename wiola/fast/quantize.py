@@ -27,18 +27,12 @@ from typing import Any
 
 import torch
 
+from wiola.fast.step_layout import LAYER_MATRICES, matrix_names  # noqa: F401  (the C++ step's layout table)
+
 SCHEMES = ("int8", "bf16")
 VERSION = 1  # of the packed layout in a checkpoint
 PACKED_DTYPE = {"int8": torch.int8, "bf16": torch.bfloat16}
 SCALE_SUFFIX = ".scale"
-LAYER_MATRICES = (
-    "attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "ffn.up_proj", "ffn.bypass_proj", "ffn.down_proj"
-)  # fmt: skip
-
-
-def matrix_names(n_layers: int) -> list[str]:
-    """The parameter names of the quantized matrices, in the C++ step's order."""
-    return ["embed.weight"] + [f"layers.{i}.{m}.weight" for i in range(n_layers) for m in LAYER_MATRICES]
 
 
 def _check_scheme(scheme: Any) -> str:

@@ -1,0 +1,160 @@
+"""The CLI's conventions and ``wiola generate``'s batch mode: ``--version``, many prompts from a file or
+stdin as one left-padded batch, ``--num-samples``, ``--json``, ``--no-echo``, ``--stop``; bad input
+exits 2 with one line ``wiola <command>: error: ...``; Ctrl-C exits 130 without a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import wiola
+from wiola import WiolaConfig, WiolaModel
+from wiola.cli import main
+from wiola.tokenizer import train_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXTS = ["Once upon a time there was a little cat. The cat liked to play in the sun with a red ball."] * 20
+PROMPTS = ["Once upon a time", "The cat", "A red ball and a little"]
+
+
+@pytest.fixture(autouse=True)
+def plain_cpu(monkeypatch):
+    """A plain CPU (here and in the subprocesses): the fast model takes its C++ step, not Triton's interpreter."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A tiny model with peaked logits and its own small tokenizer, saved in our format."""
+    folder = tmp_path_factory.mktemp("ckpt")
+    tok = train_tokenizer(TEXTS, 300, show_progress=False)
+    torch.manual_seed(0)
+    cfg = WiolaConfig(vocab_size=300, d_model=64, n_layers=2, n_heads=4, d_ff=96, max_seq_len=128, eos_token_id=2)
+    model = WiolaModel(cfg).eval()
+    with torch.no_grad():
+        model.embed.weight.normal_(0, 1.0)
+    model.save_pretrained(folder, tok)
+    return folder
+
+
+def _solo(checkpoint: Path, prompt: str, n: int) -> tuple[list[int], str]:
+    from wiola.checkpoint import load_checkpoint_tokenizer
+
+    model = WiolaModel.from_pretrained(checkpoint).eval()
+    enc = load_checkpoint_tokenizer(checkpoint)
+    ids = torch.tensor([enc.encode(prompt)])
+    new = model.generate(ids, n, eos_token_id=enc.eos_token_id)[0, ids.shape[1] :].tolist()
+    if enc.eos_token_id in new:
+        new = new[: new.index(enc.eos_token_id)]
+    return new, enc.decode(new)
+
+
+def _run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "wiola", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env={**os.environ, "TRITON_INTERPRET": "0"},
+    )
+
+
+def test_version():
+    done = _run("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"wiola {wiola.__version__}"
+
+
+def test_prompt_file_runs_one_batch_equal_to_each_prompt_alone(checkpoint, tmp_path, capsys):
+    file = tmp_path / "prompts.txt"
+    file.write_text("\n".join(PROMPTS) + "\n\n")
+    args = ["generate", "--checkpoint", str(checkpoint), "--max-new-tokens", "12", "--temperature", "0"]
+    assert main([*args, "--prompt-file", str(file), "--json", "--device", "cpu", "--reference"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["prompt"] for r in records] == PROMPTS
+    for r in records:
+        ids, text = _solo(checkpoint, r["prompt"], 12)
+        assert r["ids"] == ids and r["text"] == text, f"batched row {r['prompt_index']} differs from its solo run"
+        assert r["finish_reason"] == ("stop" if len(ids) < 12 else "length")
+        assert r["tokens_per_second"] > 0
+    assert main([*args, "--prompt-file", str(file), "--no-echo", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.splitlines() == [_solo(checkpoint, p, 12)[1] for p in PROMPTS]
+
+
+def test_stdin_jsonl_and_num_samples(checkpoint):
+    lines = "".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2])
+    args = ["--checkpoint", str(checkpoint), "--max-new-tokens", "8", "--temperature", "1.0", "--seed", "3"]
+    done = _run("generate", *args, "--prompt-file", "-", "--num-samples", "3", "--json", "--device", "cpu", stdin=lines)
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(r["prompt_index"], r["sample"]) for r in records] == [(i, s) for i in range(2) for s in range(3)]
+    lines = done.stderr.splitlines()  # not a terminal: no progress bar, only the path and the summary
+    assert len(lines) == 2 and lines[0].startswith("CPU decoding:") and "6 samples" in lines[1], lines
+
+
+def test_echo_and_stop_text_of_one_prompt(checkpoint, capsys):
+    ids, text = _solo(checkpoint, PROMPTS[0], 20)
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    args = ["generate", "--checkpoint", str(checkpoint), "--prompt", PROMPTS[0], "--max-new-tokens", "20"]
+    assert main([*args, "--temperature", "0", "--device", "cpu", "--stop", stop]) == 0
+    assert capsys.readouterr().out == PROMPTS[0] + text[: text.index(stop)] + "\n"
+    assert main([*args, "--temperature", "0", "--device", "cpu", "--no-echo"]) == 0
+    assert capsys.readouterr().out == text + "\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompt-file", "missing.txt"], "--prompt-file missing.txt does not exist"),
+        (["--prompt-file", "BAD"], "line 2 is not JSON"),
+        (["--prompt-file", "EMPTY"], "holds no prompt"),
+        (["--prompt", ""], "the prompt is empty"),
+        (["--num-samples", "0"], "--num-samples must be >= 1"),
+        (["--max-new-tokens", "500"], "past max_seq_len=128"),
+        (["--max-new-tokens", "ten"], "argument --max-new-tokens: invalid int value"),
+        (["--quantize", "int3"], "argument --quantize: invalid choice"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(checkpoint, tmp_path, monkeypatch, capsys, args, message):
+    (tmp_path / "BAD").write_text('{"prompt": "a"}\n{"prompt": \n')
+    (tmp_path / "EMPTY").write_text("\n  \n")
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = main(["generate", "--checkpoint", str(checkpoint), "--device", "cpu", *args])
+    except SystemExit as e:  # argparse's rejections
+        code = e.code
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, lines
+    assert lines[-1].startswith("wiola generate: error: ") and message in lines[-1], lines
+    assert not any(line.startswith(("usage:", "Traceback")) for line in lines), lines
+
+
+def test_ctrl_c_exits_130_without_a_traceback(tmp_path):
+    folder = tmp_path / "long"
+    tok = train_tokenizer(TEXTS, 300, show_progress=False)
+    WiolaModel(
+        WiolaConfig(vocab_size=300, d_model=128, n_layers=4, n_heads=4, d_ff=256, max_seq_len=4096)
+    ).save_pretrained(folder, tok)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wiola", "generate", "--checkpoint", str(folder), "--max-new-tokens", "4000",
+         "--device", "cpu", "--reference", "--prompt", "Once"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "0"},
+    )  # fmt: skip
+    try:
+        assert proc.stdout.read(len("Once") + 1), "no token streamed"
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err.decode()
+    assert b"Traceback" not in err and err.decode().strip().splitlines()[-1] == "wiola generate: interrupted"

@@ -1,0 +1,163 @@
+"""The decoding loop in C++ (``wiola.fast.generation.cpu_generate``) and its sampler.
+
+The oracle is today's loop, ``wiola.generation.generate`` on the same fast model (its one-token
+steps the C++ step, its sampler ``wiola.generation.sample_next`` in torch): the C++ loop's tokens
+equal it bitwise, greedy and sampled (temperature, top-k; top-p takes the torch loop), with left
+padding, eos and pad, an early stop inside a chunk of noise, and a streamer; the caller's
+generator is left in the same state. The C++ sampler alone equals ``sample_next`` on logits with
+ties, for every instruction-set variant this CPU runs."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from numerics import left_padded_prompt
+
+import wiola
+import wiola.fast
+from wiola import generation as reference_loop
+from wiola.fast import generation as fast_generation
+from wiola.fast.quantize import quantize
+
+decode_step_cpu = pytest.importorskip("wiola.fast.decode_step_cpu")
+SMALL = wiola.WiolaConfig(vocab_size=1000, d_model=64, n_layers=2, n_heads=2, d_ff=128, max_seq_len=96)
+
+
+def _runs_here(isa: str) -> bool:
+    try:
+        return decode_step_cpu.select_isa(isa) == isa
+    except ValueError:
+        return False
+
+
+@pytest.fixture(params=[isa for isa in decode_step_cpu.ISAS if _runs_here(isa)])
+def isa(request, monkeypatch) -> str:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        if decode_step_cpu.load(request.param) is None:
+            pytest.fail(f"the CPU decode step ({request.param}) did not build: {decode_step_cpu.BUILD_ERROR}")
+    monkeypatch.setenv("WIOLA_CPU_ISA", request.param)
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def plain_cpu(monkeypatch):
+    """A plain CPU: without the interpreter, the fast model takes its C++ step."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def _model(scheme: str = "fp32", seed: int = 0) -> wiola.fast.WiolaModel:
+    torch.manual_seed(seed)
+    model = wiola.fast.WiolaModel(SMALL).eval().requires_grad_(False)
+    with torch.no_grad():  # peaked distributions: sampled rows hit their eos now and then
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return model if scheme == "fp32" else quantize(model, scheme)
+
+
+SETTINGS = {
+    "greedy": {"temperature": 0},
+    "temperature": {"temperature": 0.8},
+    "top-k": {"temperature": 1.2, "top_k": 7},
+    "top-p": {"temperature": 0.9, "top_p": 0.8},  # the torch loop (the nucleus is torch's softmax)
+    "top-k greedy": {"temperature": 0, "top_k": 3},
+}
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("scheme", ["fp32", "int8", "bf16"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_loop_equals_the_torch_loop(setting, scheme, monkeypatch):
+    """Every sampler and weight type in the variant this CPU takes by default."""
+    _loop_equals_the_torch_loop(setting, scheme, decode_step_cpu.select_isa(), monkeypatch)
+
+
+@torch.inference_mode()
+def test_loop_equals_the_torch_loop_every_variant(isa, monkeypatch):
+    _loop_equals_the_torch_loop("top-k", "int8", isa, monkeypatch)
+
+
+def _loop_equals_the_torch_loop(setting: str, scheme: str, isa: str, monkeypatch) -> None:
+    model = _model(scheme)
+    ids, mask = left_padded_prompt(SMALL.vocab_size, 3, 9, 4)
+    kwargs = SETTINGS[setting]
+    eos = int(model.generate(ids[:1], 3, temperature=0)[0, -1])  # a token the model likes
+    monkeypatch.setattr(fast_generation, "NOISE_FLOATS", 5 * 3 * SMALL.vocab_size)  # chunks of 5 steps
+    for extra in ({}, {"eos_token_id": eos, "pad_token_id": 0}):
+        g_want, g_got = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+        want = reference_loop.generate(model, ids, 23, attention_mask=mask, generator=g_want, **kwargs, **extra)
+        streamed = []
+        got = model.generate(
+            ids, 23, attention_mask=mask, generator=g_got, streamer=streamed.append if extra else None,
+            **kwargs, **extra,
+        )  # fmt: skip
+        what = f"{isa} {scheme} {setting} {extra}"
+        assert torch.equal(want, got), f"{what}: tokens differ\n{want}\n{got}"
+        assert torch.equal(torch.rand(4, generator=g_want), torch.rand(4, generator=g_got)), (
+            f"{what}: the generator was left elsewhere"
+        )
+        if extra:
+            assert torch.equal(torch.stack(streamed, 1), got[:, 9 : 9 + len(streamed)]), f"{what}: streamer"
+
+
+@torch.inference_mode()
+def test_loop_is_one_call_per_chunk(monkeypatch):
+    """Greedy: one C++ call per request; sampling: one per chunk of ``NOISE_FLOATS`` draws; an
+    early stop (every row at its eos) ends the loop inside a chunk."""
+    calls = []
+    original = decode_step_cpu.DecodeStepCPU.generate_loop
+
+    def counted(self, start, steps, *args, **kwargs):
+        calls.append(steps)
+        return original(self, start, steps, *args, **kwargs)
+
+    monkeypatch.setattr(decode_step_cpu.DecodeStepCPU, "generate_loop", counted)
+    model = _model()
+    ids = torch.tensor([[5, 6, 7]])
+    model.generate(ids, 30, temperature=0)
+    assert calls == [(0, 30)]
+    calls.clear()
+    monkeypatch.setattr(fast_generation, "NOISE_FLOATS", 8 * SMALL.vocab_size)
+    model.generate(ids, 30, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert calls == [(0, 8), (8, 16), (16, 24), (24, 30)]
+    first = int(model.generate(ids, 1, temperature=0)[0, -1])
+    calls.clear()
+    out = model.generate(ids, 30, temperature=0, eos_token_id=first, pad_token_id=1)
+    assert out[0, 3:].tolist() == [first] + [1] * 29 and calls == [(0, 30)]
+
+
+@pytest.mark.parametrize("scale", [1.0, 30.0])
+def test_sampler_equals_sample_next_with_ties(scale, isa):
+    """The C++ sampler's tokens equal ``wiola.generation.sample_next``'s on the same logits and
+    the same Exp(1) draws: greedy with repeated maxima, top-k whose k-th value repeats,
+    temperatures that are not powers of two; its log-probabilities are the log-softmax of the
+    unfiltered logits (fp32 rounding of a log-sum-exp: a few ulp of the largest magnitude)."""
+    lib = decode_step_cpu.load(isa)
+    gen = torch.Generator().manual_seed(3)
+    V, n = 203, 64
+    logits = (torch.randint(-6, 7, (n, V), generator=gen).float() / 4 * scale).contiguous()  # many ties
+    logits[1:5] = torch.randn(4, V, generator=gen) * scale
+    settings = [(0.0, None), (1.0, None), (0.7, 5), (1.3, 1), (2.1, 40), (0.9, V - 1)]
+    samplers = decode_step_cpu.Samplers(n, V, 6)
+    want = []
+    for i in range(n):
+        t, k = settings[i % len(settings)]
+        samplers.mode[i] = decode_step_cpu.MODE["greedy" if t == 0 else "sample"]
+        samplers.temperature[i], samplers.top_k[i], samplers.n_logprobs[i] = t or 1.0, k or 0, i % 7
+        g = torch.Generator().manual_seed(i)
+        want.append(int(reference_loop.sample_next(logits[i : i + 1], t, k, None, g)[0]))
+        noise = torch.empty(1, V).exponential_(generator=torch.Generator().manual_seed(i))
+        samplers.log_noise[i] = torch.log(noise.clamp_min(1e-30))[0]
+    decode_step_cpu.sample_rows(lib, logits, samplers)
+    assert samplers.token.tolist() == want, f"{isa}: the C++ sampler's tokens differ from sample_next's"
+    logp = torch.log_softmax(logits.double(), -1)
+    bound = 8 * torch.finfo(torch.float32).eps * float(logits.abs().max() + 1)
+    got_lp = samplers.logprob.double()
+    assert torch.allclose(got_lp, logp.gather(1, samplers.token[:, None])[:, 0], rtol=0, atol=bound)
+    for i in range(n):
+        k = i % 7
+        ids = samplers.top_ids[i, :k].tolist()
+        order = sorted(range(V), key=lambda j: (-float(logits[i, j]), j))[:k]
+        assert ids == order, f"row {i}: top ids {ids} != {order}"

@@ -1,0 +1,159 @@
+"""``generate`` as ``transformers`` callers write it, on ``wiola.WiolaModel`` and ``wiola.fast.WiolaModel``:
+``do_sample``, ``transformers``' own streamers (``TextStreamer``, ``TextIteratorStreamer``; 4.45 and 5.x),
+stop strings, and the published ``wiola13m`` README's quickstart run verbatim apart from the import.
+
+``wiola13m`` 1.0.1's README also points at ``examples/generate.py``, which neither its wheel nor its
+sdist ships (only ``src/`` and ``tests/``): its ``tests/test_generation.py`` calls stand in for it."""
+
+from __future__ import annotations
+
+import io
+import threading
+from contextlib import redirect_stdout
+
+import pytest
+import torch
+
+import wiola
+import wiola.fast
+from wiola import WiolaConfig
+from wiola.tokenizer import train_tokenizer
+
+CLASSES = {"reference": wiola.WiolaModel, "fast": wiola.fast.WiolaModel}
+TEXTS = ["Once upon a time there was a little cat. The cat liked to play in the sun."] * 20
+
+
+@pytest.fixture(autouse=True)
+def plain_cpu(monkeypatch):
+    """A plain CPU: without the interpreter, the fast model takes its CPU path (the C++ step)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(TEXTS, 300, show_progress=False)
+
+
+@pytest.fixture(scope="module", params=sorted(CLASSES))
+def model(request, tokenizer):
+    torch.manual_seed(0)
+    cfg = WiolaConfig(vocab_size=300, d_model=64, n_layers=2, n_heads=4, d_ff=96, max_seq_len=96)
+    m = CLASSES[request.param](cfg).eval()
+    with torch.no_grad():
+        m.embed.weight.normal_(0, 1.0)  # peaked distributions: greedy has no near-ties
+    return m
+
+
+def _prompt(tokenizer) -> torch.Tensor:
+    return torch.tensor([tokenizer.encode("Once upon a time")])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CLASSES))
+def test_wiola13m_readme_quickstart(name):
+    """The README's Quickstart block, verbatim but for the import line."""
+    WiolaForCausalLM = CLASSES[name]  # instead of: from wiola13m import WiolaConfig, WiolaForCausalLM
+    torch.manual_seed(0)
+    # --- verbatim from wiola13m 1.0.1's README.md
+    model = WiolaForCausalLM(WiolaConfig())  # Wiola Nano, random init
+    ids = torch.randint(0, 32000, (1, 16))
+
+    out = model(input_ids=ids, labels=ids)  # forward + LM loss
+    out.loss.backward()  # gradients flow
+
+    model.eval()
+    gen = model.generate(ids[:, :4], max_new_tokens=20, do_sample=False)
+    # ---
+    assert gen.shape == (1, 24) and torch.equal(gen[:, :4], ids[:, :4])
+    assert torch.equal(gen, model.generate(ids[:, :4], 20, temperature=0)), f"{name}: do_sample=False is not greedy"
+
+
+def test_wiola13m_generation_test_calls(model):
+    """The calls of ``wiola13m``'s tests/test_generation.py, verbatim (its tiny model replaced by ours)."""
+    ids = torch.randint(3, 64, (1, 4))
+    out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert out.shape[1] == 4 + 8
+    torch.manual_seed(0)
+    out = model.generate(ids, max_new_tokens=8, do_sample=True, top_k=10, temperature=0.9)
+    assert out.shape[1] == 4 + 8
+    torch.manual_seed(0)
+    again = model.generate(ids, max_new_tokens=8, temperature=0.9, top_k=10)
+    assert torch.equal(out, again), "do_sample=True must sample as temperature/top_k do (global RNG)"
+    ids = torch.randint(3, 64, (3, 5))
+    attn = torch.ones_like(ids)
+    out = model.generate(ids, attention_mask=attn, max_new_tokens=6, do_sample=False)
+    assert out.shape == (3, 5 + 6)
+
+
+def test_do_sample_false_is_greedy_whatever_the_temperature(model, tokenizer):
+    p = _prompt(tokenizer)
+    greedy = model.generate(p, 12)
+    assert torch.equal(model.generate(p, 12, do_sample=False, temperature=5.0, top_k=3, top_p=0.5), greedy)
+    g = lambda: torch.Generator().manual_seed(3)
+    sampled = model.generate(p, 12, do_sample=True, generator=g())
+    assert torch.equal(sampled, model.generate(p, 12, temperature=1.0, generator=g()))
+    assert torch.equal(
+        model.generate(p, 12, do_sample=True, temperature=0.7, top_p=0.9, generator=g()),
+        model.generate(p, 12, temperature=0.7, top_p=0.9, generator=g()),
+    )
+    with pytest.raises(ValueError, match="do_sample=True needs temperature > 0"):
+        model.generate(p, 2, do_sample=True, temperature=0)
+    with pytest.raises(TypeError, match="do_sample"):
+        model.generate(p, 2, do_sample="yes")
+    with pytest.raises(TypeError):
+        model.generate(p, 2, no_such_argument=1)
+
+
+def test_transformers_text_streamer(model, tokenizer):
+    transformers = pytest.importorskip("transformers")
+    p = _prompt(tokenizer)
+    new = model.generate(p, 20)[0, p.shape[1] :].tolist()
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        out = model.generate(p, max_new_tokens=20, streamer=transformers.TextStreamer(tokenizer, skip_prompt=True))
+    assert out[0, p.shape[1] :].tolist() == new
+    assert printed.getvalue() == tokenizer.decode(new) + "\n"
+    with_prompt = io.StringIO()
+    with redirect_stdout(with_prompt):
+        model.generate(p, max_new_tokens=20, streamer=transformers.TextStreamer(tokenizer))
+    assert with_prompt.getvalue() == tokenizer.decode(p[0].tolist() + new) + "\n"
+
+
+def test_transformers_text_iterator_streamer(model, tokenizer):
+    transformers = pytest.importorskip("transformers")
+    p = _prompt(tokenizer)
+    new = model.generate(p, 20)[0, p.shape[1] :].tolist()
+    streamer = transformers.TextIteratorStreamer(tokenizer, skip_prompt=True, timeout=60)
+    worker = threading.Thread(target=model.generate, args=(p,), kwargs=dict(max_new_tokens=20, streamer=streamer))
+    worker.start()
+    pieces = list(streamer)
+    worker.join(timeout=60)
+    assert "".join(pieces) == tokenizer.decode(new)
+
+
+def test_stop_strings_end_a_row_after_the_token_that_completes_one(model, tokenizer):
+    a, b = tokenizer.encode("Once upon a time"), tokenizer.encode("The cat")
+    width = max(len(a), len(b))
+    p = torch.tensor([[3] * (width - len(a)) + a, [3] * (width - len(b)) + b])  # left-padded with <pad>
+    mask = (p != 3).long()
+    full = model.generate(p, 24, attention_mask=mask, pad_token_id=3)
+    T = p.shape[1]
+    row0 = full[0, T:].tolist()
+    text0 = tokenizer.decode(row0)
+    stop = text0[len(text0) // 2 : len(text0) // 2 + 2]  # a string the greedy row 0 surely produces
+    assert stop.strip("\ufffd"), f"pick another seed: {text0!r}"
+    at = next(i for i in range(len(row0)) if stop in tokenizer.decode(row0[: i + 1]))
+    out = model.generate(p, 24, attention_mask=mask, pad_token_id=3, stop_strings=[stop], tokenizer=tokenizer)
+    assert out[0, T : T + at + 1].tolist() == row0[: at + 1]
+    assert (out[0, T + at + 1 :] == 3).all(), "slots after the stop must hold the pad id"
+    row1 = full[1, T:].tolist()
+    hit1 = [i for i in range(len(row1)) if stop in tokenizer.decode(row1[: i + 1])]
+    end1 = hit1[0] + 1 if hit1 else len(row1)
+    assert out[1, T : T + end1].tolist() == row1[:end1], "the other row decodes as without the stop string"
+    # every row stopped: generation ends early, the width stays T + max_new_tokens
+    one = model.generate(p[:1], 24, pad_token_id=3, stop_strings=stop, tokenizer=tokenizer)
+    assert one.shape == (1, T + 24) and torch.equal(one[0], out[0])
+    with pytest.raises(ValueError, match="tokenizer="):
+        model.generate(p[:1], 4, stop_strings=["x"], pad_token_id=3)
+    with pytest.raises(ValueError, match="empty"):
+        model.generate(p[:1], 4, stop_strings=[""], tokenizer=tokenizer, pad_token_id=3)

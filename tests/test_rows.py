@@ -1,0 +1,309 @@
+"""Rows that join and leave between steps (``wiola.fast.rows``): each row's tokens equal
+``model.generate`` for the same request, bitwise, greedy and seeded sampling (temperature, top-k,
+top-p, eos), whatever rows join and leave beside it and at whichever row index it lands; for
+every instruction-set variant this CPU runs and every weight type of the C++ step (fp32, int8,
+bf16), and on the PyTorch backend (the reference model class, ``use_kernels(False)``). The C++
+step's per-row entry is batch-invariant bitwise (a row alone == the same row as row 3 of 8).
+Also: ``leave`` frees at once, bad input is named, nothing is allocated for a refused join."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import warnings
+
+import pytest
+import torch
+from numerics import TOL
+
+import wiola
+import wiola.fast
+from wiola.fast.quantize import quantize
+from wiola.fast.rows import RowRequest, Rows
+
+decode_step_cpu = pytest.importorskip("wiola.fast.decode_step_cpu")
+FP32 = TOL[torch.float32]
+
+SMALL = wiola.WiolaConfig(vocab_size=1000, d_model=64, n_layers=2, n_heads=2, d_ff=128, max_seq_len=96)
+ODD = wiola.WiolaConfig(vocab_size=301, d_model=40, n_layers=2, n_heads=4, d_ff=72, max_seq_len=96)
+SCHEMES = ("fp32", "int8", "bf16")
+
+
+def _runs_here(isa: str) -> bool:
+    try:
+        return decode_step_cpu.select_isa(isa) == isa
+    except ValueError:
+        return False
+
+
+@pytest.fixture(params=[isa for isa in decode_step_cpu.ISAS if _runs_here(isa)])
+def isa(request) -> str:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        if decode_step_cpu.load(request.param) is None:
+            pytest.fail(f"the CPU decode step ({request.param}) did not build: {decode_step_cpu.BUILD_ERROR}")
+    return request.param
+
+
+@pytest.fixture
+def plain_cpu(monkeypatch):
+    """A plain CPU: without the interpreter, the fast model takes its C++ step."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def _model(config: wiola.WiolaConfig, scheme: str = "fp32", cls: type = wiola.fast.WiolaModel, seed: int = 0):
+    torch.manual_seed(seed)
+    model = cls(config).eval().requires_grad_(False)
+    with torch.no_grad():  # larger than the init: peaked distributions, attention far from uniform
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return model if scheme == "fp32" else quantize(model, scheme)
+
+
+def _requests(config: wiola.WiolaConfig, n: int, seed: int) -> list[RowRequest]:
+    """Prompts of 1 to 20 tokens and every sampler: greedy, temperature, top-k, top-p, top-k with
+    top-p, some with an eos id that the row is likely to emit (a frequent greedy token)."""
+    rng = random.Random(seed)
+    samplers = [
+        {},
+        {"temperature": 0.8},
+        {"temperature": 1.3, "top_k": 5},
+        {"temperature": 0.9, "top_p": 0.7},
+        {"temperature": 1.0, "top_k": 40, "top_p": 0.9},
+        {"temperature": 0.0, "top_k": 3},  # greedy: the filter is ignored, as in generate
+    ]
+    out = []
+    for i in range(n):
+        T = rng.randint(1, 20)
+        out.append(
+            RowRequest(
+                prompt=[rng.randrange(config.vocab_size) for _ in range(T)],
+                max_new_tokens=rng.randint(1, 14),
+                seed=rng.randrange(1 << 30),
+                eos_token_id=rng.choice([None, None, rng.randrange(config.vocab_size)]),
+                logprobs=rng.choice([0, 3]),
+                **samplers[i % len(samplers)],
+            )
+        )
+    return out
+
+
+def _generate(model, r: RowRequest) -> list[int]:
+    gen = torch.Generator().manual_seed(r.seed)
+    out = model.generate(
+        torch.tensor([r.prompt]), r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+        eos_token_id=r.eos_token_id, generator=gen,
+    )  # fmt: skip
+    new = out[0, len(r.prompt) :].tolist()
+    if r.eos_token_id is not None and r.eos_token_id in new:
+        new = new[: new.index(r.eos_token_id) + 1]
+    return new
+
+
+def _drive(rows: Rows, requests: list[RowRequest], seed: int) -> tuple[dict[int, list[int]], dict[int, set]]:
+    """Join the requests at random steps into random free rows (by occupying and freeing fillers
+    first), make some leave early at random; returns each request's tokens and the rows it used."""
+    rng = random.Random(seed)
+    waiting = list(range(len(requests)))
+    got: dict[int, list[int]] = {i: [] for i in waiting}
+    owner: dict[int, int] = {}  # row -> request
+    landed: dict[int, set] = {}
+    quitting = set(rng.sample(waiting, k=max(1, len(waiting) // 4)))
+    for _ in range(400):  # bounded: every request finishes well within this
+        if not waiting and not rows.live:
+            break
+        while waiting and rows.free and rng.random() < 0.6:
+            fillers = [rows.join(RowRequest([1], 3)) for _ in range(rng.randrange(rows.free))]
+            i = waiting.pop(0)
+            r = rows.join(requests[i])
+            owner[r] = i
+            landed.setdefault(i, set()).add(r)
+            for f in fillers:
+                rows.leave(f)
+        for t in rows.step():
+            i = owner[t.row]
+            got[i].append(t.token)
+            assert len(t.top) == requests[i].logprobs
+            if t.finish_reason is not None:
+                want = "stop" if t.token == requests[i].eos_token_id else "length"
+                assert t.finish_reason == want, (t, requests[i])
+                assert t.row not in rows.live, "a finished row is still live"
+        for r in list(rows.live):
+            if owner[r] in quitting and got[owner[r]] and rng.random() < 0.3:
+                rows.leave(r)
+                assert r not in rows.live
+    assert not rows.live and not waiting, "the schedule did not finish"
+    return got, landed
+
+
+def _check_against_generate(model, rows: Rows, requests: list[RowRequest], seed: int, what: str) -> None:
+    got, landed = _drive(rows, requests, seed)
+    for i, r in enumerate(requests):
+        want = _generate(model, r)
+        n = len(got[i])
+        assert n >= 1, f"{what}: request {i} produced nothing"
+        assert got[i] == want[:n], f"{what}: request {i} ({r}) in rows {landed[i]}: {got[i]} != generate {want}"
+        if n < len(want):  # it left early: only the requests chosen to quit may
+            assert got[i][-1] != r.eos_token_id
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_rows_equal_generate_cpp(scheme, isa, plain_cpu, monkeypatch):
+    monkeypatch.setenv("WIOLA_CPU_ISA", isa)  # generate's own binding takes the same variant
+    model = _model(SMALL, scheme)
+    rows = Rows(model, max_rows=4, max_len=40)
+    assert rows.backend == "C++" and rows._step.isa == isa
+    _check_against_generate(model, rows, _requests(SMALL, 10, seed=1), seed=2, what=f"{isa} {scheme}")
+
+
+@torch.inference_mode()
+def test_rows_equal_generate_odd_shapes(isa, plain_cpu, monkeypatch):
+    monkeypatch.setenv("WIOLA_CPU_ISA", isa)
+    for config in (ODD, dataclasses.replace(ODD, gate=False), dataclasses.replace(ODD, gate_pre_rope=False)):
+        model = _model(config, seed=4)
+        rows = Rows(model, max_rows=3)
+        _check_against_generate(model, rows, _requests(config, 6, seed=5), seed=6, what=f"{isa} {config}")
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("which", ["reference", "kernels-off"])
+def test_rows_equal_generate_pytorch_backend(which, plain_cpu):
+    if which == "reference":
+        model = _model(SMALL, cls=wiola.WiolaModel)
+    else:
+        model = _model(SMALL).use_kernels(False)
+    rows = Rows(model, max_rows=3, max_len=40)
+    assert rows.backend == "PyTorch"
+    _check_against_generate(model, rows, _requests(SMALL, 7, seed=8), seed=9, what=which)
+
+
+def _copy_row(dst: wiola.Cache, r: int, src: wiola.Cache, s: int) -> None:
+    for name in ("k", "v", "gate_sum", "gate_count"):
+        getattr(dst, name)[:, r] = getattr(src, name)[:, s]
+    dst.key_mask[r], dst.n_real[r] = src.key_mask[s], src.n_real[s]
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_row_alone_equals_row_3_of_8_bitwise(scheme, isa, plain_cpu):
+    """The per-row C++ entry: a row's logits and cache writes are bitwise the same stepped alone
+    (a 1-row cache), as row 3 of 8 rows at other slots and prompts, and as the middle of a
+    permuted subset of rows (6, 3, 0), over 6 steps."""
+    model = _model(SMALL, scheme)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, SMALL.vocab_size, (1, T), generator=gen) for T in (5, 9, 1, 13, 2, 7, 11, 4)]
+    caches = {"all 8": model.new_cache(8, 40), "alone": model.new_cache(1, 40), "subset": model.new_cache(8, 40)}
+    for r, ids in enumerate(prompts):
+        tmp = model.new_cache(1, 40)
+        model(ids, cache=tmp, logits_to_keep=1)
+        _copy_row(caches["all 8"], r, tmp, 0)
+        _copy_row(caches["subset"], r, tmp, 0)
+        if r == 3:
+            _copy_row(caches["alone"], 0, tmp, 0)
+    steps = {name: decode_step_cpu.DecodeStepCPU(model, c, isa=isa) for name, c in caches.items()}
+    picks = {"all 8": (torch.arange(8), 3), "alone": (torch.tensor([3]), 0), "subset": (torch.tensor([6, 3, 0]), 1)}
+    slots0 = torch.tensor([p.shape[1] for p in prompts])
+    tokens = torch.randint(0, SMALL.vocab_size, (6, 8), generator=gen)
+    for i in range(6):
+        got = {}
+        for name, (index, at) in picks.items():
+            cache_rows = torch.tensor([0]) if name == "alone" else index
+            logits = steps[name].rows(cache_rows, tokens[i, index].contiguous(), (slots0[index] + i).contiguous())
+            got[name] = logits[at]
+        assert torch.equal(got["all 8"], got["alone"]), f"{isa} {scheme}: row 3 of 8 != the row alone at step {i}"
+        assert torch.equal(got["subset"], got["alone"]), f"{isa} {scheme}: row 3 in (6, 3, 0) != alone at step {i}"
+    n = int(slots0[3]) + 6
+    for name in ("k", "v", "gate_sum", "gate_count"):
+        one = getattr(caches["alone"], name)[:, 0]
+        for other in ("all 8", "subset"):
+            row = getattr(caches[other], name)[:, 3]
+            if name in ("k", "v"):
+                row, one_ = row[:, :, :n], one[:, :, :n]
+            else:
+                one_ = one
+            assert torch.equal(row, one_), f"{isa} {scheme}: cache.{name} of row 3 ({other}) != the row alone"
+    assert torch.equal(caches["all 8"].n_real, slots0 + 6) and torch.equal(caches["alone"].n_real, slots0[3:4] + 6)
+    untouched = torch.tensor([1, 2, 4, 5, 7])  # the subset run never stepped these rows
+    assert torch.equal(caches["subset"].n_real[untouched], slots0[untouched])
+
+
+@torch.inference_mode()
+def test_leave_frees_at_once(plain_cpu):
+    model = _model(SMALL)
+    rows = Rows(model, max_rows=3, max_len=40)
+    a = rows.join(RowRequest([1, 2, 3], 10))
+    b = rows.join(RowRequest([4], 10, temperature=1.0, seed=3))
+    assert rows.live == [a, b] and rows.free == 1
+    rows.step()
+    rows.leave(a)
+    assert rows.live == [b] and rows.free == 2
+    assert [t.row for t in rows.step()] == [b], "a row that left still got a token"
+    c = rows.join(RowRequest([5, 6], 10))
+    assert c == a, "the freed row was not reused first"
+    with pytest.raises(ValueError, match=r"row 7 is not live \(live rows: \[0, 1\]\)"):
+        rows.leave(7)
+    rows.leave(b)
+    with pytest.raises(ValueError, match="row 1 is not live"):
+        rows.leave(b)
+    assert rows.step()[0].row == c
+
+
+@torch.inference_mode()
+def test_bad_input_is_named(plain_cpu):
+    model = _model(SMALL)
+    rows = Rows(model, max_rows=2, max_len=30)
+    bad = {
+        "prompt must be a non-empty list": RowRequest([], 4),
+        r"prompt token id 1000 is outside \[0, vocab_size=1000\)": RowRequest([1, 1000], 4),
+        "prompt token id -1 is outside": RowRequest([-1], 4),
+        "prompt token id 2.0 is outside": RowRequest([2.0], 4),
+        "max_new_tokens must be a positive int, got 0": RowRequest([1], 0),
+        "prompt of 20 tokens \\+ 11 new tokens = 31 is past max_len=30": RowRequest([1] * 20, 11),
+        "eos_token_id 5000 is outside": RowRequest([1], 4, eos_token_id=5000),
+        "temperature must be >= 0": RowRequest([1], 4, temperature=-1.0),
+        "top_p must be in": RowRequest([1], 4, temperature=1.0, top_p=1.5),
+        "top_k must be a positive int": RowRequest([1], 4, top_k=0),
+        "seed must be an int": RowRequest([1], 4, seed="x"),
+        "logprobs must be an int in": RowRequest([1], 4, logprobs=-2),
+    }
+    for match, request in bad.items():
+        with pytest.raises(ValueError, match=match):
+            rows.join(request)
+    assert rows.free == 2, "a refused join took a row"
+    rows.join(RowRequest([1], 4))
+    rows.join(RowRequest([1], 4))
+    with pytest.raises(ValueError, match="full: all 2 rows are live"):
+        rows.join(RowRequest([1], 4))
+    with pytest.raises(TypeError, match="join takes a RowRequest"):
+        rows.join({"prompt": [1]})
+    for args, match in (
+        ((0,), "max_rows must be a positive int"),
+        ((2, 97), r"max_len must be an int in \[1, max_seq"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            Rows(model, *args)
+
+
+@torch.inference_mode()
+def test_logprobs_are_the_unfiltered_log_softmax(plain_cpu):
+    """A greedy row's logprob is the best of its ``top``; values are log-softmax of the model's
+    logits for the prefix (checked against a full forward pass of the reference)."""
+    model = _model(SMALL)
+    ref = wiola.WiolaModel(SMALL).eval()
+    ref.load_state_dict(model.state_dict())
+    rows = Rows(model, max_rows=2)
+    prompt = [3, 14, 15, 92]
+    rows.join(RowRequest(prompt, 3, logprobs=4, temperature=1.0, top_k=2, seed=0))
+    seq = list(prompt)
+    for _ in range(3):
+        (t,) = rows.step()
+        logits = ref(torch.tensor([seq])).logits[0, -1].double()
+        want = torch.log_softmax(logits, -1)
+        # The step's logits are within FP32 relative error of the reference's (test_decode_step_cpu);
+        # a log-softmax moves by at most twice the largest logit error.
+        bound = 2 * FP32 * float(logits.abs().max())
+        assert abs(t.logprob - float(want[t.token])) <= bound, (t.logprob, float(want[t.token]), bound)
+        assert [i for i, _ in t.top] == torch.topk(want, 4).indices.tolist()
+        assert all(a[1] >= b[1] for a, b in zip(t.top, t.top[1:], strict=False))
+        seq.append(t.token)

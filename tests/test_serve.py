@@ -1,0 +1,412 @@
+"""``wiola serve`` as a user runs it: ``python -m wiola serve`` in a subprocess on 127.0.0.1 and a free
+port, a small checkpoint made here (random weights, our format, a trained byte-level BPE with the chat
+template), called with the official ``openai`` client and raw HTTP (httpx).
+
+Served tokens are compared with ``wiola.fast.WiolaModel.generate`` of the same checkpoint (greedy,
+and seeded sampling with ``generator=torch.Generator().manual_seed(seed)``), alone and under load
+(32 concurrent streaming clients × 4 requests). Faults: malformed JSON, an empty prompt, max_tokens
+past max_seq_len, non-UTF-8 bytes, a 10 MB body (by Content-Length and streamed), a client that goes
+away mid-stream; the server stays up. SIGTERM finishes the requests in flight, then exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+import wiola.fast  # noqa: E402
+from wiola import WiolaConfig  # noqa: E402
+from wiola.tokenizer import train_tokenizer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXTS = [
+    "Once upon a time there was a little cat. The cat liked to play in the sun with a red ball.",
+    "One day a girl named Lily went to the park. She saw a big dog and they played all day.",
+] * 20
+PROMPTS = ["Once upon a time", "The cat", "Lily went to the", "A big dog", "One day"]
+MAX_SEQ = 256
+ENV = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_checkpoint(folder: Path) -> Path:
+    """Random weights spread wide enough that greedy text varies (no repetition of one token)."""
+    from wiola.chat import with_chat_template
+
+    tok = with_chat_template(train_tokenizer(TEXTS, 320, show_progress=False))
+    torch.manual_seed(0)
+    cfg = WiolaConfig(vocab_size=320, d_model=64, n_layers=2, n_heads=4, d_ff=96, max_seq_len=MAX_SEQ, eos_token_id=2)
+    model = wiola.WiolaModel(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+        model.embed.weight[:4] = 0  # the special tokens' logits are 0: greedy text runs to max_tokens
+    model.save_pretrained(folder, tok)
+    return folder
+
+
+class Served:
+    """A ``wiola serve`` subprocess; ``url``, ``stop()`` (SIGTERM) and its captured log."""
+
+    def __init__(self, checkpoint: Path, log: Path, *extra: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [sys.executable, "-m", "wiola", "serve", "--checkpoint", str(checkpoint), "--port", str(self.port),
+               "--max-batch", "8", "--log-level", "warning", *extra]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT, env=ENV)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"wiola serve exited: {log.read_text()}"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.2)
+        self.proc.kill()
+        raise AssertionError(f"wiola serve did not come up: {log.read_text()}")
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("serve") / "tiny-wiola")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    served = Served(checkpoint, tmp_path_factory.mktemp("log") / "serve.log")
+    yield served
+    assert served.stop() == 0, served.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def solo(checkpoint):
+    """``(prompt, max_tokens, temperature, top_p, seed) -> (ids, text, finish_reason)`` from the
+    fast model's own ``generate`` (the C++ step), one request alone."""
+    from wiola.checkpoint import load_checkpoint_tokenizer
+
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"
+    model = wiola.fast.WiolaModel.from_pretrained(checkpoint).eval().requires_grad_(False)
+    tok = load_checkpoint_tokenizer(checkpoint)
+    memo: dict[tuple, tuple[list[int], str, str]] = {}
+
+    def run(prompt: str, max_tokens: int, temperature: float = 0.0, top_p: float | None = None, seed: int = 0):
+        key = (prompt, max_tokens, temperature, top_p, seed)
+        if key not in memo:
+            ids = torch.tensor([tok.encode(prompt)])
+            out = model.generate(ids, max_tokens, temperature=temperature, top_p=top_p, eos_token_id=tok.eos_token_id,
+                                 generator=torch.Generator().manual_seed(seed))  # fmt: skip
+            new = out[0, ids.shape[1] :].tolist()
+            reason = "length"
+            if tok.eos_token_id in new:
+                new, reason = new[: new.index(tok.eos_token_id)], "stop"
+            memo[key] = (new, tok.decode(new), reason)
+        return memo[key]
+
+    yield run
+    if old is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = old
+
+
+def _client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+# ---------------------------------------------------------------------------- the API
+def test_openai_client_greedy_equals_generate(server, solo):
+    client = _client(server)
+    for prompt in PROMPTS[:3]:
+        ids, text, reason = solo(prompt, 24)
+        done = client.completions.create(model="tiny-wiola", prompt=prompt, max_tokens=24, temperature=0)
+        assert done.object == "text_completion" and done.model == "tiny-wiola" and done.id.startswith("cmpl-")
+        assert done.choices[0].text == text and done.choices[0].finish_reason == reason
+        assert done.usage.completion_tokens == len(ids) + (reason == "stop")
+        streamed = client.completions.create(model="x", prompt=prompt, max_tokens=24, temperature=0, stream=True)
+        chunks = list(streamed)
+        assert "".join(c.choices[0].text for c in chunks) == text
+        assert chunks[-1].choices[0].finish_reason == reason
+
+
+def test_served_text_equals_wiola_generate(server, checkpoint, solo, capsys):
+    """The same greedy and seeded requests through ``wiola generate --json`` and the server (``solo``: a plain CPU)."""
+    from wiola.cli import main
+
+    for extra, body in ((["--temperature", "0"], {"temperature": 0}),
+                        (["--temperature", "0.9", "--top-p", "0.95", "--seed", "5"], {"temperature": 0.9, "top_p": 0.95, "seed": 5})):  # fmt: skip
+        args = ["generate", "--checkpoint", str(checkpoint), "--prompt", PROMPTS[3], "--max-new-tokens", "20"]
+        assert main([*args, *extra, "--json", "--device", "cpu"]) == 0
+        cli = json.loads(capsys.readouterr().out)
+        r = httpx.post(
+            server.url + "/v1/completions", json={"prompt": PROMPTS[3], "max_tokens": 20, **body}, timeout=60
+        )
+        assert r.json()["choices"][0]["text"] == cli["text"], extra
+
+
+def test_seeded_sampling_equals_generate_with_that_seed(server, solo):
+    client = _client(server)
+    _, text, _ = solo(PROMPTS[0], 30, 0.9, 0.95, 11)
+    done = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=30, temperature=0.9, top_p=0.95, seed=11)
+    assert done.choices[0].text == text
+    two = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=30, temperature=0.9, top_p=0.95, seed=11,
+                                    n=2)  # fmt: skip
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.choices[0].text == text and two.choices[1].text == solo(PROMPTS[0], 30, 0.9, 0.95, 12)[1]
+
+
+def test_prompt_list_echo_stop_and_logprobs(server, solo):
+    client = _client(server)
+    texts = [solo(p, 16)[1] for p in PROMPTS[:2]]
+    done = client.completions.create(model="m", prompt=PROMPTS[:2], max_tokens=16, temperature=0, echo=True)
+    assert [c.text for c in done.choices] == [p + t for p, t in zip(PROMPTS[:2], texts)]
+    stop = texts[0][5:8]
+    cut = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=[stop])
+    assert cut.choices[0].text == texts[0][: texts[0].index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=stop,
+                                         stream=True)  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+    lp = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=3).choices[0]
+    assert len(lp.logprobs.tokens) == 6  # top_logprobs are keyed by text: tokens of equal text share a key
+    assert all(1 <= len(top) <= 3 for top in lp.logprobs.top_logprobs)
+    for chosen, top in zip(lp.logprobs.token_logprobs, lp.logprobs.top_logprobs):
+        assert chosen <= 0 and max(top.values()) == pytest.approx(chosen)  # greedy: the best is the chosen one
+
+
+def test_chat_completion_uses_the_template(server, checkpoint, solo):
+    from wiola.chat import apply_chat_template
+    from wiola.checkpoint import load_checkpoint_tokenizer
+
+    tok = load_checkpoint_tokenizer(checkpoint)
+    messages = [{"role": "user", "content": "Tell me about the cat."}]
+    prompt_ids = apply_chat_template(tok, messages)
+    client = _client(server)
+    done = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
+    assert done.object == "chat.completion" and done.choices[0].message.role == "assistant"
+    assert done.usage.prompt_tokens == len(prompt_ids)
+    streamed = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == done.choices[0].message.content
+    bad = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
+    assert bad.status_code == 400 and "unknown role" in bad.json()["error"]["message"]
+
+
+def test_chat_without_a_template_is_a_400(checkpoint):
+    from starlette.testclient import TestClient
+
+    from wiola.checkpoint import load_checkpoint_tokenizer
+    from wiola.serve.app import Server, create_app
+    from wiola.serve.engine import Engine
+
+    tok = load_checkpoint_tokenizer(checkpoint)
+    tok.chat_template = None
+    model = wiola.WiolaModel.from_pretrained(checkpoint).eval()
+    with TestClient(create_app(Server(Engine(model, 2), tok, "plain", MAX_SEQ))) as client:
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+
+
+def test_models_health_tokenize_detokenize(server):
+    models = httpx.get(server.url + "/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "tiny-wiola"
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": "The cat"}).json()["tokens"]
+    assert httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"].endswith("The cat")
+    assert httpx.post(server.url + "/detokenize", json={"tokens": [10**6]}).status_code == 400
+
+
+# ---------------------------------------------------------------------------- faults
+def test_serve_cli_bad_input_exits_2_with_one_line(server, checkpoint, tmp_path, capsys):
+    from wiola.cli import main
+
+    cases = [(["--checkpoint", str(checkpoint), "--port", str(server.port)], "cannot listen on 127.0.0.1:"),
+             (["--checkpoint", str(tmp_path / "none")], "does not exist"),
+             (["--checkpoint", str(checkpoint), "--max-batch", "0", "--port", "0"], "--max-batch must be >= 1")]  # fmt: skip
+    for args, message in cases:
+        assert main(["serve", *args]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert lines[-1].startswith("wiola serve: error: ") and message in lines[-1], lines
+
+
+@pytest.mark.parametrize(
+    ("content", "status", "message"),
+    [
+        (b'{"prompt": "a", ', 400, "not valid JSON"),
+        (b'{"prompt": ""}', 400, "prompt is empty"),
+        (b"", 400, "body is empty"),
+        (b'{"prompt": "a", "max_tokens": 1000}', 400, "past the model's context of 256"),
+        (b'{"prompt": "\xff\xfe caf\xe9"}', 400, "not UTF-8"),
+        (b'{"prompt": "a", "temperature": -1}', 400, "temperature must be in"),
+        (b'{"prompt": "a", "n": "two"}', 400, "n must be an integer"),
+        (b'["prompt"]', 400, "must be a JSON object"),
+        (b'{"max_tokens": 3}', 400, "prompt is required"),
+    ],
+)
+def test_bad_requests_are_clear_4xx(server, content, status, message):
+    r = httpx.post(server.url + "/v1/completions", content=content, headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert message in error["message"] and error["type"] == "invalid_request_error"
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_10mb_body_is_refused_before_it_is_read(server):
+    big = b'{"prompt": "' + b"a" * (10 << 20) + b'"}'
+    r = httpx.post(server.url + "/v1/completions", content=big, timeout=60)
+    assert r.status_code == 413 and "over the limit" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: refused by the streamed size
+        for _ in range(10):
+            yield b"a" * (1 << 20)
+
+    with contextlib.suppress(httpx.HTTPError):  # the server may close the connection mid-upload
+        r = httpx.post(server.url + "/v1/completions", content=chunks(), timeout=60)
+        assert r.status_code == 413
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_row(server, solo):
+    before = httpx.get(server.url + "/health").json()["left_early"]
+    body = {"prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as client, client.stream("POST", server.url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        health = httpx.get(server.url + "/health").json()
+        if health["left_early"] > before and health["live_rows"] == 0:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the row was not freed: {health}")
+    ids, text, _ = solo(PROMPTS[2], 10)
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 10, "temperature": 0},
+                      timeout=60).json()["choices"][0]["text"] == text  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- load
+@pytest.mark.slow
+def test_32_streaming_clients_each_get_their_solo_result(server, checkpoint, solo):
+    """32 clients × 4 streamed requests each, joining and leaving the batch at different steps
+    (prompts, lengths and sampling vary): every request equals the same request alone."""
+    from wiola.checkpoint import load_checkpoint_tokenizer
+
+    plans = []
+    for c in range(32):
+        for k in range(4):
+            prompt = PROMPTS[(c + k) % len(PROMPTS)]
+            sampled = (c + k) % 3 == 0
+            plans.append(
+                (c, prompt, 6 + (c * 7 + k * 5) % 20, 0.8 if sampled else 0.0, 0.9 if sampled else None, c % 4)
+            )
+    decode = load_checkpoint_tokenizer(checkpoint).decode
+    # n tokens of a request are the first n of the same request with more (the same draws, in order)
+    want = {p: decode(solo(p[1], 25, p[3], p[4], p[5])[0][: p[2]]) for p in plans}
+
+    async def request(client, plan) -> str:
+        _, prompt, n, temperature, top_p, seed = plan
+        body = {"prompt": prompt, "max_tokens": n, "temperature": temperature, "seed": seed, "stream": True}
+        if top_p is not None:
+            body["top_p"] = top_p
+        text = ""
+        async with client.stream("POST", server.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    async def one_client(client, c) -> list[tuple[tuple, str]]:
+        return [(p, await request(client, p)) for p in plans if p[0] == c]
+
+    async def main():
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+            return await asyncio.gather(*(one_client(client, c) for c in range(32)))
+
+    results = [r for per_client in asyncio.run(asyncio.wait_for(main(), 600)) for r in per_client]
+    assert len(results) == 128
+    wrong = [(p, got, want[p]) for p, got in results if got != want[p]]
+    assert not wrong, f"{len(wrong)} of 128 differ from their solo run, first: {wrong[0]}"
+    assert httpx.get(server.url + "/health").json()["live_rows"] == 0
+
+
+# ---------------------------------------------------------------------------- shutdown
+@pytest.mark.slow
+def test_sigterm_finishes_requests_in_flight_then_exits_0(checkpoint, tmp_path, solo):
+    served = Served(checkpoint, tmp_path / "serve.log")
+    _, text, _ = solo(PROMPTS[0], 120)
+    body = {"prompt": PROMPTS[0], "max_tokens": 120, "temperature": 0, "stream": True}
+    try:
+        got = ""
+        with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    got += json.loads(line[6:])["choices"][0]["text"]
+                    break
+            served.proc.send_signal(signal.SIGTERM)
+            tail = list(lines)
+        got += "".join(json.loads(x[6:])["choices"][0]["text"] for x in tail if x.startswith("data: {"))
+        assert tail[-1] == "data: [DONE]" or tail[-2] == "data: [DONE]"
+        assert got == text
+        assert served.proc.wait(60) == 0, served.log.read_text()
+    finally:
+        served.stop()
+
+
+# ---------------------------------------------------------------------------- the playground
+def test_playground_streams_in_a_real_browser(server, tmp_path, solo):
+    """Headless chromium (apt's) types a prompt into the page at /, waits for the streamed text and
+    compares it with the server's greedy completion; the screenshot is saved under tmp_path."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    chromium = next((p for p in ("/usr/bin/chromium", "/usr/bin/chromium-browser") if Path(p).exists()), None)
+    if chromium is None:
+        pytest.skip("no chromium at /usr/bin/chromium (apt-get install chromium)")
+    _, text, _ = solo("The cat", 40)
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.goto(server.url + "/")
+            page.fill("#prompt", "The cat")
+            page.fill("#max_tokens", "40")
+            page.fill("#temperature", "0")
+            page.click("#go")
+            page.wait_for_selector("#stats[data-done]", timeout=60_000)
+            shot = tmp_path / "playground.png"
+            page.screenshot(path=str(shot), full_page=True)
+            got = page.inner_text("#completion")
+            stats = page.inner_text("#stats")
+        finally:
+            browser.close()
+    assert shot.stat().st_size > 1000
+    assert got == text, f"page: {got!r} != server greedy {text!r}"
+    assert "tokens/s" in stats and "finish:" in stats, stats

@@ -1,0 +1,379 @@
+"""The HTTP app (Starlette; served by uvicorn): OpenAI's completion and chat endpoints, models,
+health, tokenize/detokenize, and the playground page at ``/``.
+
+Bodies are read with a size limit (by ``Content-Length`` first, then by the bytes streamed, so
+an oversized body is refused before it is all read), decoded as UTF-8 and parsed as JSON; each
+failure is a 4xx in OpenAI's error JSON. Streaming responses are server-sent events: ``data:
+{chunk}`` lines, then ``data: [DONE]``. A client that goes away cancels its jobs (their rows
+leave before the next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from importlib import resources
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from wiola.fast.rows import RowRequest, RowToken
+from wiola.serve.engine import Engine, Job
+from wiola.serve.protocol import ApiError, Sampling, check_lengths, new_id, now, parse_chat, parse_completion
+from wiola.serve.text import TextStream
+
+MAX_BODY = 1 << 20  # bytes: a request body past this is refused with 413
+DISCONNECT_POLL = 0.5  # seconds between checks that a non-streaming client is still there
+
+
+class Server:
+    """What the routes share: the model's tokenizer, the engine, the names and limits."""
+
+    def __init__(self, engine: Engine, tokenizer, model_name: str, max_len: int, max_body: int = MAX_BODY) -> None:
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.max_len, self.max_body = max_len, max_body
+        self.vocab_size = engine.rows.model.config.vocab_size
+
+    # ------------------------------------------------------------------ jobs
+    def jobs(self, prompts: list[list[int]], s: Sampling, max_tokens: int, queue: asyncio.Queue) -> list[Job]:
+        """One job per (prompt, sample), choice index ``prompt * n + sample``; sample ``i`` seeded ``seed + i``."""
+        out = []
+        for p, ids in enumerate(prompts):
+            for i in range(s.n):
+                request = RowRequest(
+                    prompt=ids, max_new_tokens=max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                    seed=None if s.seed is None else s.seed + i, eos_token_id=self.tokenizer.eos_token_id,
+                    logprobs=s.logprobs,
+                )  # fmt: skip
+                out.append(Job(request, queue, index=p * s.n + i))
+        return out
+
+    async def run(self, jobs: list[Job], stops: list[str], request: Request) -> AsyncIterator[tuple[Job, str, Any]]:
+        """Submit ``jobs`` and yield ``(job, new text, token or finish reason)`` as their tokens
+        arrive; each ends with ``(job, rest of its text, "stop" | "length")``. Cancels every job
+        still running when the consumer stops early or the client goes away."""
+        streams = {job: TextStream(self.tokenizer, stops) for job in jobs}
+        pending = {job for job in jobs if job.request.max_new_tokens > 0}
+        for job in jobs:
+            if job not in pending:
+                yield job, "", "length"
+        for job in pending:
+            self.engine.submit(job)
+        queue = jobs[0].queue if jobs else None
+        try:
+            while pending:
+                try:
+                    job, item = await asyncio.wait_for(queue.get(), DISCONNECT_POLL)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                if job not in pending or item is None:
+                    continue
+                if isinstance(item, Exception):
+                    raise ApiError(str(item), status=400 if isinstance(item, ValueError) else 500)
+                async for event in self._token(job, item, streams[job], pending):
+                    yield event
+        finally:
+            for job in pending:
+                self.engine.cancel(job)
+
+    async def _token(self, job: Job, token: RowToken, stream: TextStream, pending: set[Job]):
+        if token.finish_reason == "stop":  # the eos token: counted, not part of the text
+            pending.discard(job)
+            yield job, "", token
+            yield job, stream.rest(), "stop"
+            return
+        delta = stream.add(token.token)
+        yield job, delta, token
+        if stream.stopped:
+            pending.discard(job)
+            self.engine.cancel(job)
+            yield job, "", "stop"
+        elif token.finish_reason == "length":
+            pending.discard(job)
+            yield job, stream.rest(), "length"
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def logprobs_entry(self, token: RowToken) -> dict[str, Any]:
+        top = {self.token_text(t): lp for t, lp in token.top}
+        return {"token": self.token_text(token.token), "logprob": token.logprob, "top": top}
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body as JSON, refusing (``ApiError``) more than ``limit`` bytes before reading them
+    all, bytes that are not UTF-8, and text that is not JSON."""
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        raise ApiError(f"the request body of {length} bytes is over the limit of {limit} bytes", status=413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(f"the request body is over the limit of {limit} bytes", status=413)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(f"the request body is not UTF-8 (byte {raw[e.start]:#04x} at offset {e.start})") from None
+    if not text.strip():
+        raise ApiError("the request body is empty: send a JSON object")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ApiError(f"the request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None
+
+
+def _error(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def _sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+# ---------------------------------------------------------------------- completions
+async def completions(request: Request) -> Response:
+    server: Server = request.app.state.server
+    try:
+        body = await read_json(request, server.max_body)
+        req = parse_completion(body, server.tokenizer.encode, server.vocab_size, server.max_len)
+    except ApiError as e:
+        return _error(e)
+    s = req.sampling
+    jobs = server.jobs(req.prompts, s, s.max_tokens, asyncio.Queue())
+    head = {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": server.model_name}
+    echo = [req.prompt_texts[j.index // s.n] or server.tokenizer.decode(req.prompts[j.index // s.n]) for j in jobs]
+    if s.stream:
+        return StreamingResponse(
+            _stream_completion(server, request, req, jobs, head, echo), media_type="text/event-stream"
+        )
+    texts = {j: echo[k] if req.echo else "" for k, j in enumerate(jobs)}
+    logs: dict[Job, list[dict]] = {j: [] for j in jobs}
+    finish: dict[Job, str] = {}
+    count = dict.fromkeys(jobs, 0)
+    try:
+        async with contextlib.aclosing(server.run(jobs, s.stop, request)) as events:
+            async for job, delta, what in events:
+                texts[job] += delta
+                if isinstance(what, str):
+                    finish[job] = what
+                else:
+                    count[job] += 1
+                    if s.logprobs:
+                        logs[job].append(server.logprobs_entry(what))
+    except ApiError as e:
+        return _error(e)
+    if len(finish) < len(jobs):  # the client went away
+        return Response(status_code=499)
+    choices = [
+        {"text": texts[j], "index": j.index, "logprobs": _logprobs(logs[j]) if s.logprobs else None,
+         "finish_reason": finish[j]}
+        for j in jobs
+    ]  # fmt: skip
+    return JSONResponse({**head, "choices": choices, "usage": _usage(req.prompts, s.n, sum(count.values()))})
+
+
+def _logprobs(entries: list[dict]) -> dict[str, Any]:
+    """OpenAI's legacy completion ``logprobs`` object over the generated tokens."""
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [e["top"] for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def _usage(prompts: list[list[int]], n: int, completion: int) -> dict[str, int]:
+    prompt = n * sum(len(p) for p in prompts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _stream_completion(server: Server, request: Request, req, jobs, head, echo) -> AsyncIterator[str]:
+    s = req.sampling
+    completion = 0
+    if req.echo:
+        for k, job in enumerate(jobs):
+            yield _sse(
+                {**head, "choices": [{"text": echo[k], "index": job.index, "logprobs": None, "finish_reason": None}]}
+            )
+    try:
+        async with contextlib.aclosing(server.run(jobs, s.stop, request)) as events:
+            async for job, delta, what in events:
+                finish = what if isinstance(what, str) else None
+                logprobs = None
+                if not isinstance(what, str):
+                    completion += 1
+                    if s.logprobs:
+                        logprobs = _logprobs([server.logprobs_entry(what)])
+                if delta or finish or not isinstance(what, str):  # a chunk per token, its text possibly held back
+                    choice = {"text": delta, "index": job.index, "logprobs": logprobs, "finish_reason": finish}
+                    yield _sse({**head, "choices": [choice]})
+    except ApiError as e:
+        yield _sse(e.body())
+    if s.include_usage:
+        yield _sse({**head, "choices": [], "usage": _usage(req.prompts, s.n, completion)})
+    yield "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------- chat
+def _chat_prompt(server: Server, messages: list[dict[str, str]]) -> list[int]:
+    template = getattr(server.tokenizer, "chat_template", None)
+    if not template:
+        raise ApiError(
+            f"the model {server.model_name!r} has no chat template (its tokenizer_config.json has no "
+            "chat_template): use /v1/completions",
+            "messages",
+        )
+    from wiola.chat import apply_chat_template
+
+    try:
+        return apply_chat_template(server.tokenizer, messages)
+    except ValueError as e:
+        raise ApiError(str(e), "messages") from None
+
+
+async def chat_completions(request: Request) -> Response:
+    server: Server = request.app.state.server
+    try:
+        body = await read_json(request, server.max_body)
+        req = parse_chat(body)
+        prompt = _chat_prompt(server, req.messages)
+        s = req.sampling
+        max_tokens = server.max_len - len(prompt) if s.max_tokens is None else s.max_tokens
+        check_lengths([prompt], max_tokens, server.max_len)
+    except ApiError as e:
+        return _error(e)
+    jobs = server.jobs([prompt], s, max_tokens, asyncio.Queue())
+    head = {"id": new_id("chatcmpl"), "created": now(), "model": server.model_name}
+    if s.stream:
+        return StreamingResponse(_stream_chat(server, request, s, jobs, head, prompt), media_type="text/event-stream")
+    texts, finish, count = dict.fromkeys(jobs, ""), {}, 0
+    try:
+        async with contextlib.aclosing(server.run(jobs, s.stop, request)) as events:
+            async for job, delta, what in events:
+                texts[job] += delta
+                if isinstance(what, str):
+                    finish[job] = what
+                else:
+                    count += 1
+    except ApiError as e:
+        return _error(e)
+    if len(finish) < len(jobs):
+        return Response(status_code=499)
+    choices = [
+        {"index": j.index, "message": {"role": "assistant", "content": texts[j]}, "logprobs": None,
+         "finish_reason": finish[j]}
+        for j in jobs
+    ]  # fmt: skip
+    return JSONResponse(
+        {**head, "object": "chat.completion", "choices": choices, "usage": _usage([prompt], s.n, count)}
+    )
+
+
+async def _stream_chat(server: Server, request: Request, s: Sampling, jobs, head, prompt) -> AsyncIterator[str]:
+    head = {**head, "object": "chat.completion.chunk"}
+    for job in jobs:
+        choice = {"index": job.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        yield _sse({**head, "choices": [choice]})
+    count = 0
+    try:
+        async with contextlib.aclosing(server.run(jobs, s.stop, request)) as events:
+            async for job, delta, what in events:
+                finish = what if isinstance(what, str) else None
+                count += finish is None
+                if delta or finish or not isinstance(what, str):
+                    delta_obj = {"content": delta} if delta else {}
+                    yield _sse({**head, "choices": [{"index": job.index, "delta": delta_obj, "finish_reason": finish}]})
+    except ApiError as e:
+        yield _sse(e.body())
+    if s.include_usage:
+        yield _sse({**head, "choices": [], "usage": _usage([prompt], s.n, count)})
+    yield "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------- the rest
+async def models(request: Request) -> Response:
+    server: Server = request.app.state.server
+    card = {"id": server.model_name, "object": "model", "created": request.app.state.started, "owned_by": "wiola",
+            "max_model_len": server.max_len}  # fmt: skip
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def health(request: Request) -> Response:
+    server: Server = request.app.state.server
+    engine = server.engine
+    return JSONResponse(
+        {"status": "ok", "backend": engine.backend, "live_rows": len(engine.live), "waiting": len(engine.waiting),
+         "max_batch": engine.max_batch, "steps": engine.steps, "left_early": engine.left}
+    )  # fmt: skip
+
+
+async def tokenize(request: Request) -> Response:
+    server: Server = request.app.state.server
+    try:
+        body = await read_json(request, server.max_body)
+        text = body.get("prompt") if isinstance(body, dict) else None
+        if not isinstance(text, str):
+            raise ApiError('tokenize takes {"prompt": "text"}', "prompt")
+    except ApiError as e:
+        return _error(e)
+    ids = server.tokenizer.encode(text)
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": server.max_len})
+
+
+async def detokenize(request: Request) -> Response:
+    server: Server = request.app.state.server
+    try:
+        body = await read_json(request, server.max_body)
+        ids = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ApiError('detokenize takes {"tokens": [ids]}', "tokens")
+        bad = [t for t in ids if not 0 <= t < server.vocab_size]
+        if bad:
+            raise ApiError(f"token id {bad[0]} is outside [0, {server.vocab_size})", "tokens")
+    except ApiError as e:
+        return _error(e)
+    return JSONResponse({"prompt": server.tokenizer.decode(ids)})
+
+
+async def playground(request: Request) -> Response:
+    page = resources.files("wiola.serve").joinpath("static/index.html").read_text(encoding="utf-8")
+    return HTMLResponse(page.replace("{{MODEL}}", request.app.state.server.model_name))
+
+
+def create_app(server: Server) -> Starlette:
+    """The ASGI app; the engine's task starts and stops with the app's lifespan (after uvicorn
+    has finished the requests in flight, on SIGTERM)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        server.engine.start()
+        yield
+        await server.engine.stop()
+
+    routes = [
+        Route("/", playground),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models),
+        Route("/health", health),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.server = server
+    app.state.started = now()
+    return app

@@ -1,0 +1,218 @@
+"""OpenAI's completion API: request validation (400s in OpenAI's error JSON) and response objects.
+
+Every parameter OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` take is accepted; those
+that mean something here are checked and used, unknown ones are ignored (as OpenAI-compatible
+servers do). A bad value raises ``ApiError``, which the app turns into
+``{"error": {"message", "type": "invalid_request_error", "param", "code"}}`` with status 400.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_N = 16  # choices per prompt
+MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+MAX_LOGPROBS = 20
+
+
+class ApiError(Exception):
+    """A request the server refuses: HTTP ``status``, a message naming the problem, the parameter."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+    def body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Sampling:
+    """The per-request generation settings shared by completions and chat completions."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float | None
+    top_k: int | None
+    seed: int | None
+    stop: list[str]
+    n: int
+    logprobs: int  # 0: none
+    stream: bool
+    include_usage: bool
+
+
+@dataclass
+class Completion:
+    """A validated ``/v1/completions`` request: ``prompts`` are token-id lists (one per prompt)."""
+
+    prompts: list[list[int]]
+    prompt_texts: list[str]
+    echo: bool
+    sampling: Sampling
+    model: str | None = None
+
+
+@dataclass
+class ChatRequest:
+    messages: list[dict[str, str]]
+    sampling: Sampling
+    model: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _number(
+    body: dict, name: str, default: float | None, lo: float, hi: float, *, open_lo: bool = False
+) -> float | None:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ApiError(f"{name} must be a number, got {value!r}", name)
+    if value > hi or value < lo or (open_lo and value == lo):
+        interval = f"{'(' if open_lo else '['}{lo}, {hi}]"
+        raise ApiError(f"{name} must be in {interval}, got {value!r}", name)
+    return float(value)
+
+
+def _int(body: dict, name: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(f"{name} must be an integer, got {value!r}", name)
+    if value < lo or (hi is not None and value > hi):
+        raise ApiError(f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}], got {value}", name)
+    return value
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(f"{name} must be true or false, got {value!r}", name)
+    return value
+
+
+def _stop(body: dict) -> list[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError("stop must be a non-empty string or a list of non-empty strings", "stop")
+    if len(stops) > MAX_STOP:
+        raise ApiError(f"stop takes at most {MAX_STOP} strings, got {len(stops)}", "stop")
+    return stops
+
+
+def parse_sampling(body: dict, *, default_max_tokens: int | None, logprobs: int) -> Sampling:
+    """The settings both endpoints share. ``top_k`` of 0 or -1 means no top-k filter (vLLM's
+    convention); ``seed`` seeds choice ``i`` with ``seed + i``."""
+    top_k = body.get("top_k")
+    if top_k in (0, -1):
+        top_k = None
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError("stream_options must be an object", "stream_options")
+    return Sampling(
+        max_tokens=_int(body, "max_tokens", default_max_tokens, 0),
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", None, 0.0, 1.0, open_lo=True),
+        top_k=_int({"top_k": top_k}, "top_k", None, 1),
+        seed=_int(body, "seed", None, -(2**63), 2**63 - 1),
+        stop=_stop(body),
+        n=_int(body, "n", 1, 1, MAX_N),
+        logprobs=logprobs,
+        stream=_bool(body, "stream", False),
+        include_usage=_bool(options, "include_usage", False),
+    )
+
+
+def check_object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def parse_prompts(body: dict, encode, vocab_size: int) -> tuple[list[list[int]], list[str]]:
+    """``prompt``: a string, a list of strings, a list of token ids or a list of such lists."""
+    if "prompt" not in body:
+        raise ApiError("prompt is required", "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        items = prompt
+    else:
+        raise ApiError("prompt must be a non-empty string, list of strings or list of token ids", "prompt")
+    ids, texts = [], []
+    for i, item in enumerate(items):
+        where = "prompt" if len(items) == 1 else f"prompt[{i}]"
+        if isinstance(item, str):
+            if not item:
+                raise ApiError(f"{where} is empty", "prompt")
+            tokens = encode(item)
+            text = item
+        elif isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            tokens, text = item, None
+        else:
+            raise ApiError(f"{where} must be a non-empty string or list of token ids", "prompt")
+        bad = [t for t in tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise ApiError(f"{where} has token id {bad[0]} outside [0, {vocab_size})", "prompt")
+        ids.append(list(tokens))
+        texts.append(text)
+    return ids, texts
+
+
+def check_lengths(prompts: list[list[int]], max_tokens: int, max_len: int) -> None:
+    for i, ids in enumerate(prompts):
+        if len(ids) + max_tokens > max_len:
+            raise ApiError(
+                f"prompt {i} has {len(ids)} tokens; with max_tokens={max_tokens} that is {len(ids) + max_tokens}, "
+                f"past the model's context of {max_len} tokens",
+                "max_tokens",
+                code="context_length_exceeded",
+            )
+
+
+def parse_completion(body: Any, encode, vocab_size: int, max_len: int) -> Completion:
+    """A ``/v1/completions`` request body (already parsed JSON), validated."""
+    body = check_object(body)
+    logprobs = body.get("logprobs")
+    logprobs = 0 if logprobs is None else _int(body, "logprobs", 0, 0, MAX_LOGPROBS)
+    sampling = parse_sampling(body, default_max_tokens=16, logprobs=logprobs)
+    prompts, texts = parse_prompts(body, encode, vocab_size)
+    check_lengths(prompts, sampling.max_tokens, max_len)
+    return Completion(prompts, texts, _bool(body, "echo", False), sampling, body.get("model"))
+
+
+def parse_chat(body: Any) -> ChatRequest:
+    """A ``/v1/chat/completions`` request body: ``messages`` of ``{role, content}`` strings."""
+    body = check_object(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("messages must be a non-empty list", "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ApiError(f"messages[{i}] must be an object with string role and content", "messages")
+    top = body.get("top_logprobs") if body.get("logprobs") else 0
+    logprobs = 0 if top is None else _int({"top_logprobs": top}, "top_logprobs", 0, 0, MAX_LOGPROBS)
+    if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
+        body = {**body, "max_tokens": body["max_completion_tokens"]}
+    sampling = parse_sampling(body, default_max_tokens=None, logprobs=logprobs)
+    return ChatRequest([{"role": m["role"], "content": m["content"]} for m in messages], sampling, body.get("model"))
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
