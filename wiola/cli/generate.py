@@ -95,7 +95,8 @@ def _generate(args: argparse.Namespace) -> int:
         from wiola.fast.decode_step_cpu import describe
 
         scheme = getattr(model, "quantization", None)
-        print(f"CPU decoding: {describe()}{f', {scheme} weights' if scheme else ''}", file=sys.stderr)
+        path = describe() if model.config.ffn == "butterfly" else f"PyTorch ({model.describe()})"
+        print(f"CPU decoding: {path}{f', {scheme} weights' if scheme else ''}", file=sys.stderr)
     ids = enc.encode(args.prompt)
     if not ids:
         raise SystemExit("wiola generate: the prompt is empty")
