@@ -139,3 +139,17 @@ def test_sweep_report_and_killed_sweep_continues_bit_identically(tmp_path):
     assert again.returncode == 0, output
     assert "continuing" in output
     assert (b / "results.json").read_bytes() == (a / "results.json").read_bytes()
+
+
+def test_readme_specs_parse():
+    """The README's sweep (a ```toml block) and its paper-scale spec (a heredoc) are valid specs."""
+    import re
+    import tomllib
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    small = re.search(r"```toml\n(# ffn.toml\n.*?)```", readme, re.S).group(1)
+    paper = re.search(r"cat > paper.toml <<'TOML'\n(.*?)TOML\n", readme, re.S).group(1)
+    spec = parse_spec(tomllib.loads(small))
+    assert [v.name for v in spec.variants] == ["butterfly", "swiglu", "gelu"] and len(spec.seeds) == 5
+    spec = parse_spec(tomllib.loads(paper))
+    assert spec.base["data"] == "tinystories" and spec.variants[0].name == spec.baseline == "wiola"

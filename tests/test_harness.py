@@ -225,3 +225,15 @@ def test_eval_tasks_bad_input(checkpoint, tmp_path):
 def test_lm_eval_stays_lazy():
     code = "import sys, wiola, wiola.cli, wiola.cli.evaluate; assert 'lm_eval' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_registered_and_model_args(checkpoint):
+    from lm_eval.api.registry import get_model
+
+    assert get_model("wiola") is WiolaLM
+    lm = WiolaLM.create_from_arg_string(f"pretrained={checkpoint},max_length=32", {"batch_size": 4, "device": "cpu"})
+    assert lm.batch_size == 4 and lm.max_length == 32
+    with pytest.raises(ValueError, match=r"unknown model_args \['temperature'\]"):
+        WiolaLM.create_from_arg_string(f"pretrained={checkpoint},temperature=1")
+    with pytest.raises(ValueError, match="max_length must be in"):
+        WiolaLM(str(checkpoint), max_length=4096)

@@ -192,3 +192,22 @@ def test_butterfly_only_paths_refuse_variants():
     if load() is not None:
         with pytest.raises(ValueError, match="C\\+\\+ CPU decode step supports only the butterfly"):
             DecodeStepCPU(fast, fast.new_cache(1))
+
+
+def test_wiola_generate_names_the_pytorch_path(tmp_path, capsys):
+    """``wiola generate`` on a CPU says which path decodes a variant (not the C++ step) and
+    prints the reference's greedy text."""
+    from wiola.cli import main
+    from wiola.tokenizer import encoding_for_vocab
+
+    model = _randomised(WiolaModel(WiolaConfig.preset("tiny", d_model=32, n_layers=1, n_heads=2, ffn="gelu")), 7)
+    model.save_pretrained(tmp_path)
+    enc = encoding_for_vocab(model.config.vocab_size)
+    prompt = torch.tensor([enc.encode("Once")])
+    want = "Once" + enc.decode(model.generate(prompt, 3, temperature=0)[0, prompt.shape[1] :].tolist()) + "\n"
+    with pytest.warns(UserWarning, match="has no fused kernel"):
+        code = main(["generate", "--checkpoint", str(tmp_path), "--prompt", "Once", "--max-new-tokens", "3",
+                     "--temperature", "0", "--device", "cpu"])  # fmt: skip
+    out = capsys.readouterr()
+    assert code == 0 and out.out == want
+    assert "CPU decoding: PyTorch (wiola.fast: ffn='gelu' has no fused kernel" in out.err

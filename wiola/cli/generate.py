@@ -196,7 +196,8 @@ def _generate(args: argparse.Namespace) -> int:
         from wiola.fast.decode_step_cpu import describe
 
         scheme = getattr(model, "quantization", None)
-        print(f"CPU decoding: {describe()}{f', {scheme} weights' if scheme else ''}", file=sys.stderr)
+        path = describe() if model.config.ffn == "butterfly" else f"PyTorch ({model.describe()})"
+        print(f"CPU decoding: {path}{f', {scheme} weights' if scheme else ''}", file=sys.stderr)
     ids, mask, rows = encode_batch(enc, prompts, model.config.vocab_size, args.num_samples, args.device)
     printer = _Printer(enc, args.stop or []) if len(rows) == 1 and not args.json else None
     if printer is not None and not args.no_echo:

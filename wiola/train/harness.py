@@ -66,8 +66,10 @@ def left_pad(rows: list[list[int]], pad: int, device: torch.device) -> tuple[tor
 @register_model("wiola")
 class WiolaLM(TemplateLM):
     """lm-eval's ``wiola`` model (see the module). Arguments (``model_args``): ``pretrained``
-    (required), ``batch_size`` (default 8), ``device``, ``quantize`` (``int8``/``bf16``),
-    ``max_length`` (default the model's ``max_seq_len``)."""
+    (required), ``batch_size`` (default 8; ``auto`` is 8 too), ``device``, ``quantize``
+    (``int8``/``bf16``), ``max_length`` (default the model's ``max_seq_len``); ``max_batch_size``
+    (which lm-eval passes along) is not used. ``model``/``tokenizer``: already loaded ones,
+    instead of ``pretrained``. Unknown arguments raise ``ValueError``."""
 
     def __init__(
         self,
@@ -76,11 +78,14 @@ class WiolaLM(TemplateLM):
         device: str | None = None,
         quantize: str | None = None,
         max_length: int | None = None,
+        max_batch_size: int | None = None,
         model: Any = None,
         tokenizer: Any = None,
-        **unused: Any,
+        **unknown: Any,
     ) -> None:
         super().__init__()
+        if unknown:
+            raise ValueError(f"wiola model: unknown model_args {sorted(unknown)}")
         if model is None:
             model, tokenizer = load_for_harness(pretrained, device, quantize)
         self.model, self.tok = model, tokenizer
