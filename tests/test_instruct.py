@@ -43,7 +43,7 @@ def test_fine_tuning_raises_the_word_following_rate(tmp_path) -> None:
     the same loop, completion format), then fine-tuned on instructions naming one required
     word. The rise must be one that chance (the pre-trained model's own rate, which a story
     model reaches by writing any story) explains with probability below 1 % (one-sided
-    two-proportion z-test over 200 held-out instructions each)."""
+    two-proportion z-test over 100 held-out instructions each)."""
     from wiola.train.finetune import FinetuneConfig, finetune
 
     threads = torch.get_num_threads()
@@ -61,9 +61,9 @@ def test_fine_tuning_raises_the_word_following_rate(tmp_path) -> None:
             data=str(tmp_path / "stories.jsonl"),
             format="completion",
             out=str(tmp_path / "pretrained"),
-            steps=200,
+            steps=150,
             batch_size=8,
-            lr=5e-3,
+            lr=3e-3,
             progress=False,
             log_every=50,
         )
@@ -72,8 +72,8 @@ def test_fine_tuning_raises_the_word_following_rate(tmp_path) -> None:
             tmp_path / "pretrained",
             tmp_path / "instruct",
             n_train=600,
-            samples=200,
-            steps=200,
+            samples=100,
+            steps=150,
             lr=5e-3,
             n_words=1,
             progress=False,
