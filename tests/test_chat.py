@@ -155,3 +155,19 @@ def test_resize_token_embeddings_appends_mean_rows() -> None:
     model(torch.tensor([[302]]))  # the new ids embed
     with pytest.raises(ValueError, match="cannot shrink"):
         resize_token_embeddings(model, 10)
+
+
+def test_exported_folder_gives_our_ids_in_transformers(tmp_path) -> None:
+    """`wiola export` (the wiola13m / transformers layout) carries the template: transformers'
+    AutoTokenizer on the exported folder gives the ids of a checkpoint fine-tuned with it."""
+    pytest.importorskip("transformers")
+    from wiola import WiolaModel
+    from wiola.checkpoint import load_checkpoint_tokenizer
+    from wiola.cli import main
+    from wiola.config import WiolaConfig
+
+    model = WiolaModel(WiolaConfig(vocab_size=32000, d_model=16, n_layers=1, n_heads=2, d_ff=16, max_seq_len=32))
+    model.save_pretrained(tmp_path / "ckpt", with_chat_template(load_tokenizer("gpt2-32k")))
+    assert main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")]) == 0
+    ours = apply_chat_template(load_checkpoint_tokenizer(tmp_path / "ckpt"), MESSAGES)
+    assert ours == _transformers_ids(tmp_path / "hf", MESSAGES, True)

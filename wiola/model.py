@@ -156,14 +156,23 @@ def adapted(*modules: nn.Module) -> bool:
 
 
 def has_adapters(model: nn.Module) -> bool:
-    """Whether a projection of ``model`` is wrapped (``adapted``): paths that read the weights
-    themselves (``wiola.fast``'s C++ step, CUDA graphs, quantization, export) must not run it."""
-    return any(
-        adapted(getattr(m, name))
-        for m in model.modules()
-        for name in ADAPTER_TARGETS
-        if isinstance(getattr(m, name, None), nn.Module)
-    )
+    """Whether a projection of ``model`` (a ``WiolaModel``) is wrapped (``adapted``): paths that
+    read the weights themselves (``wiola.fast``'s C++ step, CUDA graphs, quantization, export)
+    must not run it. Asked on every decoding step, so it reads the blocks' module dicts, found
+    once (a wrapper such as peft's replaces an entry of the same dict)."""
+    slots = model.__dict__.get("_projection_slots")
+    if slots is None:
+        slots = [
+            (parent._modules, tuple(name for name in ADAPTER_TARGETS if name in parent._modules))
+            for block in model.layers
+            for parent in (block.attn, block.ffn)
+        ]
+        model.__dict__["_projection_slots"] = slots
+    for modules, names in slots:
+        for name in names:
+            if type(modules[name]) is not nn.Linear:
+                return True
+    return False
 
 
 # The projections a LoRA adapter may wrap (their names in the state dict).

@@ -45,6 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fast", action="store_true", help="wiola.fast (fused kernels)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=run_finetune)
+    register_demo(sub)
 
 
 def run_finetune(args: argparse.Namespace) -> int:
@@ -72,4 +73,42 @@ def run_finetune(args: argparse.Namespace) -> int:
         progress=args.progress,
     )
     finetune(cfg)
+    return 0
+
+
+def register_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "instruct-demo",
+        help="fine-tune a story model on instruction examples; measure word-following before and after",
+        description="Writes TinyStories-Instruct-style examples (required words, features, the story), measures how "
+        "often the model's story holds every required word on held-out instructions, fine-tunes, measures again.",
+    )
+    p.add_argument("--init", required=True, metavar="CHECKPOINT", help="e.g. the checkpoint `wiola demo` wrote")
+    p.add_argument("--out", default="runs/instruct")
+    p.add_argument("--examples", type=int, default=2000, help="training examples")
+    p.add_argument("--samples", type=int, default=200, help="held-out instructions measured before and after")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lora-rank", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.set_defaults(func=run_instruct_demo)
+
+
+def run_instruct_demo(args: argparse.Namespace) -> int:
+    from wiola.train.instruct import instruct_demo
+
+    instruct_demo(
+        args.init,
+        args.out,
+        n_train=args.examples,
+        samples=args.samples,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        lora_rank=args.lora_rank,
+        seed=args.seed,
+        progress=args.progress,
+    )
     return 0

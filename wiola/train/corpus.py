@@ -348,3 +348,74 @@ def write_sample_corpus(directory: str | Path, n_train: int = 1000, n_val: int =
     for name, stories in (("train.txt", train), ("validation.txt", val)):
         (directory / name).write_text(f"\n{EOT}\n".join(stories) + "\n", encoding="utf-8")
     return directory
+
+
+# ------------------------------------------------------------------ instruction examples
+# Words an instruction may require: the stories' content words drawn from the lists above
+# (single words, so "contains the word" is a whole-word test on the lowercased story).
+REQUIRED_WORDS = sorted(
+    {phrase.split()[-1] for phrase in OBJECTS}
+    | {short for short, _ in PLACES}
+    | {kind for kind, _ in ANIMALS}
+    | set(TRAITS)
+    | set(FEELINGS_GOOD)
+    | set(FEELINGS_BAD)
+    | set(WEATHER)
+)
+FEATURES = {"dialogue": '"', "a moral": " learned that "}
+
+
+def story_words(story: str) -> set[str]:
+    """The story's lowercased words (letters only): what a required word is looked up in."""
+    return set("".join(c if c.isalpha() else " " for c in story.lower()).split())
+
+
+def instruction(words: list[str], features: list[str]) -> str:
+    """The user turn of an instruction example: the required words, then the features."""
+    text = f"Write a short story. Words: {', '.join(words)}."
+    return text + (f" Features: {', '.join(features)}." if features else "")
+
+
+def generate_instruction(rng: random.Random, n_words: int = 3) -> dict[str, object]:
+    """One TinyStories-Instruct-style example drawn from ``rng``: ``{"messages": [user, assistant],
+    "words": [...], "features": [...]}``; the user asks for ``n_words`` words the story holds
+    (from ``REQUIRED_WORDS``) and the features it has, the assistant writes the story."""
+    while True:
+        story = generate_story(rng)
+        present = sorted(story_words(story) & set(REQUIRED_WORDS))
+        if len(present) >= n_words:
+            break
+    words = rng.sample(present, n_words)
+    features = [name for name, marker in FEATURES.items() if marker in story]
+    return {
+        "messages": [
+            {"role": "user", "content": instruction(words, features)},
+            {"role": "assistant", "content": story},
+        ],
+        "words": words,
+        "features": features,
+    }
+
+
+def instruction_examples(n: int, seed: int = 0, n_words: int = 3) -> list[dict[str, object]]:
+    """``n`` instruction examples from seed ``seed`` (the same arguments, the same list)."""
+    if n < 0:
+        raise ValueError(f"number of examples must be >= 0, got {n}")
+    rng = random.Random(seed)
+    return [generate_instruction(rng, n_words) for _ in range(n)]
+
+
+def write_instruction_corpus(
+    directory: str | Path, n_train: int = 2000, n_val: int = 200, seed: int = 0, n_words: int = 3
+) -> Path:
+    """Write ``train.jsonl`` and ``validation.jsonl`` (chat lines for ``wiola finetune
+    --format chat``, with the required ``words`` and ``features`` kept beside the messages)
+    into ``directory``; the two splits come from independent seeds. Returns ``directory``."""
+    import json
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, n, s in (("train.jsonl", n_train, seed), ("validation.jsonl", n_val, seed + 2_000_003)):
+        lines = [json.dumps(example) for example in instruction_examples(n, s, n_words)]
+        (directory / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return directory

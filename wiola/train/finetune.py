@@ -99,7 +99,7 @@ def finetune(cfg: FinetuneConfig, log: Callable[[str], None] = print) -> Finetun
     cfg.check()
     tqdm = require("tqdm.auto", "fine-tuning").tqdm
     device = resolve_device(cfg.device)
-    init = resolve_checkpoint(cfg.init)
+    init = checkpoint_dir(cfg.init)
     model = model_class(cfg.fast).from_pretrained(init, device=device)
     tokenizer = with_chat_template(load_checkpoint_tokenizer(init))
     if cfg.add_role_tokens:
@@ -179,6 +179,15 @@ def save_finetuned(model: torch.nn.Module, tokenizer: Tokenizer, cfg: FinetuneCo
     return out
 
 
+def checkpoint_dir(path: str | os.PathLike) -> Path:
+    """A checkpoint folder from itself, a run folder (its latest checkpoint) or a Hub id."""
+    from wiola.train.run_folder import find_checkpoint
+
+    if (Path(path) / "checkpoints" / "latest").is_file():
+        return find_checkpoint(path)
+    return resolve_checkpoint(path)
+
+
 def is_adapter_folder(path: str | os.PathLike) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
@@ -192,6 +201,7 @@ def load_finetuned(
     path = Path(path)
     cls = model_class(fast)
     if not is_adapter_folder(path):
+        path = checkpoint_dir(path)
         return cls.from_pretrained(path, device=device).eval(), load_checkpoint_tokenizer(path)
     peft = require_peft()
     if base is None:
