@@ -4,8 +4,8 @@
 gradients off): every layer and the tied head in one call, the static cache written in place.
 It computes what ``wiola.WiolaModel.forward(ids, cache=cache)`` computes for ``ids`` of shape
 ``(B, 1)``, in fp32 with its own summation order (``tests/test_decode_step_cpu.py``). For a
-model quantized by ``wiola.fast.quantize`` (int8 with per-row scales, or bf16) it streams the
-packed matrices, widened to fp32 in registers, and computes what the PyTorch path computes on
+model quantized by ``wiola.fast.quantize`` (int8 with per-row scales, int4 with per-group scales,
+or bf16) it streams the packed matrices, widened to fp32 in registers, and computes what the PyTorch path computes on
 the dequantized weights (``tests/test_quantize.py``); the C++ has one body per product, the
 weight type a template parameter.
 
@@ -230,6 +230,8 @@ def _build(compiler: str, isa: str) -> ctypes.CDLL:
     lib.wiola_workspace_floats.restype = ctypes.c_int64
     lib.wiola_decode_step.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_float] + [ctypes.c_void_p] * 2
     lib.wiola_decode_step.restype = ctypes.c_int
+    lib.wiola_q4_group.argtypes = []
+    lib.wiola_q4_group.restype = ctypes.c_int64
     return lib
 
 
@@ -314,14 +316,19 @@ def _packed(model: WiolaModel) -> tuple[str | None, list[torch.Tensor], list[tor
     return scheme, [q for q, _ in pairs], [s for _, s in pairs]
 
 
-WEIGHT_TYPES = {None: (0, torch.float32), "bf16": (1, torch.bfloat16), "int8": (2, torch.int8)}  # the C++'s enum
+WEIGHT_TYPES = {
+    None: (0, torch.float32),
+    "bf16": (1, torch.bfloat16),
+    "int8": (2, torch.int8),
+    "int4": (3, torch.uint8),
+}
 
 
 class DecodeStepCPU:
     """The C++ step bound to one model's weights and one cache (pointers taken once), in the
     variant ``select_isa(isa)`` (``$WIOLA_CPU_ISA`` is read here, once per binding). For a model
     quantized by ``wiola.fast.quantize`` the step reads the packed matrices (int8 with per-row
-    scales, or bf16) instead of the fp32 ones.
+    scales, int4 with per-group scales, or bf16) instead of the fp32 ones.
 
     Raises ``ValueError`` naming the tensor when a weight or cache buffer is not a contiguous
     CPU tensor of the expected dtype and shape (a cache made for another model, say), or when a
@@ -356,10 +363,12 @@ class DecodeStepCPU:
         self.scales: list[torch.Tensor | None] = [None] * len(self.tensors)
         self.packed = packed + [s for s in scales if s is not None]  # references keep the storage alive
         step_tensors = list(self.tensors)
+        group = quant_group(lib)
         for i, q, s in zip(slots, packed, scales, strict=True) if packed else ():
-            _check(q, f"weight #{i} ({self.quantization})", wdtype, shapes[i])
-            if self.quantization == "int8":
-                _check(s, f"weight #{i} scales", torch.float32, shapes[i][:1])
+            N, K = shapes[i]
+            _check(q, f"weight #{i} ({self.quantization})", wdtype, (N, K // 2) if wtype == 3 else (N, K))
+            if self.quantization in ("int8", "int4"):
+                _check(s, f"weight #{i} scales", torch.float32, (N, K // group) if wtype == 3 else (N,))
             step_tensors[i], self.scales[i] = q, s
         self.step_tensors = step_tensors  # what the C++ reads, in its order (tests/test_decode_step_arm.py)
         B, S = cache.batch_size, cache.max_len
@@ -374,7 +383,7 @@ class DecodeStepCPU:
             _check(t, f"cache.{name}", dtype, shape)
         dims = (B, cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.d_ff, S)
         self.batch_size, self.max_len = B, S
-        self.dims = (ctypes.c_int64 * 11)(*dims, int(cfg.gate), int(cfg.gate_pre_rope), wtype)
+        self.dims = (ctypes.c_int64 * 12)(*dims, int(cfg.gate), int(cfg.gate_pre_rope), wtype, group)
         self.weights = (ctypes.c_void_p * len(step_tensors))(*_pointers(step_tensors))
         self.scale_ptrs = (ctypes.c_void_p * len(self.scales))(*_pointers(self.scales))
         self.state_ptrs = (ctypes.c_void_p * len(self.state))(*(t.data_ptr() for t in self.state))
@@ -406,9 +415,20 @@ class DecodeStepCPU:
             self.dims, self.weights, self.scale_ptrs, self.state_ptrs, tokens.data_ptr(), slot, self.eps,
             logits.data_ptr(), self.work.data_ptr(),
         )  # fmt: skip
-        if rc != 0:  # pragma: no cover - only an unknown weight type fails, and the binding never passes one
+        if rc != 0:  # pragma: no cover - an unknown weight type or int4 group, which the binding never passes
             raise RuntimeError(f"wiola_decode_step returned {rc}")
         return logits
+
+
+def quant_group(lib: ctypes.CDLL) -> int:
+    """The int4 group the library was compiled for; ``RuntimeError`` when it is not
+    ``wiola.fast.quantize.GROUP`` (the packed scales would be read with the wrong stride)."""
+    from wiola.fast.quantize import GROUP
+
+    group = int(lib.wiola_q4_group())
+    if group != GROUP:
+        raise RuntimeError(f"the CPU decode step was built for int4 groups of {group}, quantize packs {GROUP}")
+    return group
 
 
 def _pointers(tensors: list[torch.Tensor | None]) -> tuple[int, ...]:
