@@ -1,6 +1,6 @@
 """Quality of the on-device forms of a trained checkpoint (issue 15): validation loss, bits per
-byte and greedy agreement of fp32, bf16 and int8 weights, in our CPU step and in the ONNX Runtime
-export, side by side.
+byte and greedy agreement of fp32, bf16, int8 and int4 weights, in our CPU step and in the ONNX
+Runtime export, side by side.
 
     python -m bench.quality CHECKPOINT [CHECKPOINT ...] --out DIR [--windows 16] [--seq-len 256]
 
@@ -8,8 +8,9 @@ For each checkpoint (a model folder or a run folder) and its own tokenizer:
 
 - the validation windows of the sample corpus (``--data sample``'s held-out split) are scored
   token by token through a decoding step with a cache: ``wiola.fast.WiolaModel`` one token a
-  call (the C++ step on this CPU) for fp32, bf16 and int8 weights, and the ONNX export run by
-  ONNX Runtime (fp32, bf16, int8 stored and dequantized at load, and ``--int8-matmul``);
+  call (the C++ step on this CPU) for fp32, bf16, int8 and int4 weights, and the ONNX export run
+  by ONNX Runtime (fp32, bf16, int8 and int4 stored and dequantized at load, and ``--int8-matmul``
+  for int8 and int4: MatMulNBits with int8 activations);
 - the reference's full pass in fp32 (``wiola.train.evaluate``) is the row they are read against;
 - next-token distributions against the fp32 reference's, over every scored position, as
   llama.cpp's ``perplexity --kl-divergence`` reports them: the KL divergence
@@ -150,7 +151,7 @@ def measure(checkpoint: Path, windows: int, seq_len: int, new_tokens: int, work:
         }
     ]
     fp32 = FastModel.from_pretrained(checkpoint).eval().requires_grad_(False)
-    for scheme in ("fp32", "bf16", "int8"):
+    for scheme in ("fp32", "bf16", "int8", "int4"):
         model = fp32 if scheme == "fp32" else quantize(copy.deepcopy(fp32), scheme)
         t0 = time.perf_counter()
         logits = step_logits(model, inputs)
@@ -165,7 +166,7 @@ def measure(checkpoint: Path, windows: int, seq_len: int, new_tokens: int, work:
                 {"seconds": time.perf_counter() - t0},
             )
         )
-        forms = [(scheme, False)] + ([("int8-matmul", True)] if scheme == "int8" else [])
+        forms = [(scheme, False)] + ([(f"{scheme}-matmul", True)] if scheme in ("int8", "int4") else [])
         for form, int8_matmul in forms:
             folder = work / f"onnx-{checkpoint.parent.parent.name}-{form}"
             export_onnx(model, folder, tokenizer, int8_matmul=int8_matmul)

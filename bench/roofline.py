@@ -226,11 +226,15 @@ def weight_bytes(config, scheme: str | None = None, dtype: torch.dtype | int | s
     gate) at ``dtype``."""
     if scheme is None:
         return _matrix_params(config) * dtype_bytes(dtype)
-    if scheme not in ("int8", "bf16"):
-        raise ValueError(f"scheme={scheme!r} is not one of int8, bf16")
+    if scheme not in ("int8", "int4", "bf16"):
+        raise ValueError(f"scheme={scheme!r} is not one of int8, int4, bf16")
     d, L, f, V = config.d_model, config.n_layers, config.d_ff, config.vocab_size
     packed = V * d + L * (4 * d * d + 4 * d * f)
     rows = V + L * (5 * d + 3 * f)  # q, k, v, o: d rows each; up 2f, bypass f, down d
+    if scheme == "int4":  # half a byte a weight and one fp32 scale per group
+        from wiola.fast.quantize import GROUP
+
+        return packed // 2 + packed // GROUP * FP32 + (_matrix_params(config) - packed) * dtype_bytes(dtype)
     extra = rows * FP32 if scheme == "int8" else 0
     return packed * (1 if scheme == "int8" else 2) + extra + (_matrix_params(config) - packed) * dtype_bytes(dtype)
 

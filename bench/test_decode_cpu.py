@@ -15,11 +15,25 @@ floor (its cost counts the packed weights' bytes: ``roofline.weight_bytes``). Ev
 the path that decoded (``cpu_model``, ``cpu_flags``, ``cpu_isa``, ``decode_path`` in
 ``extra_info``, and in its notes).
 
-Under ``--benchmark-disable`` (the CI smoke run) only 8 tokens are generated.
+int4 (group-wise scales, ``wiola.fast.quantize``) joins int8 and bf16 in the quantized rows, with
+the int8 step timed beside it (goal at batch 1: int4 >= 1.6x int8 in the same run). Every
+quantized row and the fp32 row also report the **read floor**: the time PyTorch's
+matrix-vector product takes to read a matrix of the step's weight bytes once, measured in the
+same run (``read_floor``), beside the DRAM copy floor of ``bench.frame``; ``pct_read_floor`` is
+that time x the steps over the measured time. The prompt rows (``test_prefill_cpu``) are
+llama-bench's pp512: a 512-token prompt at batch 1 through ``wiola.fast`` in each prompt mode
+(``wiola.fast.prefill``: fp32 and bf16 products) beside wiola13m's forward of the same prompt.
+Each result records the CPU's model and flags, the ISA variant, the threads and the prompt mode
+chosen (``tuning``).
+
+Under ``--benchmark-disable`` (the CI smoke run) only 8 tokens are generated and the prompt is
+32 tokens.
 """
 
 from __future__ import annotations
 
+import copy
+import time
 from typing import Any
 
 import pytest
@@ -31,6 +45,7 @@ from bench.hf_baseline import hf_greedy, wiola13m_like
 from wiola.fast import decode_step_cpu
 
 PROMPT, NEW_TOKENS, SMOKE_TOKENS = 16, 128, 8
+PP, SMOKE_PP = 512, 32  # pp512: the prompt rows' length (the smoke run's)
 BATCHES = [1, 8]
 ISAS = ["native", "avx2", "portable"]  # native: the variant chosen for this CPU
 
@@ -75,12 +90,60 @@ def _wiola13m_baseline(hf_model, ids: torch.Tensor, new: int, ours: torch.Tensor
     return lambda: hf_greedy(hf_model, ids, new)
 
 
+def tuning() -> dict[str, Any]:
+    """The choices the CPU paths made on this machine: the step's own record where it has one
+    (``decode_step_cpu.tuning()``), else its ISA variant and thread count; the prompt mode."""
+    from wiola.fast import prefill
+
+    record = getattr(decode_step_cpu, "tuning", None)
+    out: dict[str, Any] = dict(record()) if callable(record) else {}
+    out.setdefault("isa", decode_step_cpu.select_isa())
+    out.setdefault("threads", torch.get_num_threads())
+    out["prefill"] = prefill.describe()
+    return out
+
+
 def _cpu_notes(isa: str | None, path: str) -> tuple[dict[str, Any], list[str]]:
-    """The CPU this ran on (model name, flags), the ISA variant and the decoding path: as
-    ``extra_info`` keys and as notes (which also reach ``WIOLA_BENCH_JSONL``)."""
+    """The CPU this ran on (model name, flags), the ISA variant, the decoding path and the tuning
+    choices: as ``extra_info`` keys and as notes (which also reach ``WIOLA_BENCH_JSONL``)."""
     cpu = decode_step_cpu.cpu_info()
-    info = {"cpu_model": cpu["model"], "cpu_flags": cpu["flags"], "cpu_isa": isa, "decode_path": path}
-    return info, [f"decode path: {path}", f"CPU: {cpu['model']} ({cpu['machine']})", f"CPU flags: {cpu['flags']}"]
+    tune = tuning()
+    info = {"cpu_model": cpu["model"], "cpu_flags": cpu["flags"], "cpu_isa": isa, "decode_path": path, "tuning": tune}
+    notes = [f"decode path: {path}", f"CPU: {cpu['model']} ({cpu['machine']})", f"CPU flags: {cpu['flags']}"]
+    return info, [*notes, f"tuning: {tune}"]
+
+
+_READS: dict[int, float] = {}
+
+
+def read_floor(nbytes: int) -> float:
+    """Seconds to read ``nbytes`` once, measured now: the best of several ``torch.mv`` over an fp32
+    matrix of that many bytes (256 columns, like the model's rows), the step's own threads. Cached
+    per size for the module (each row's ratio uses the same measurement)."""
+    if nbytes not in _READS:
+        cols = 256
+        A = torch.randn(max(1, nbytes // 4 // cols), cols)
+        x = torch.randn(cols)
+        torch.mv(A, x)
+        best = float("inf")
+        for _ in range(7):
+            t0 = time.perf_counter()
+            torch.mv(A, x)
+            best = min(best, time.perf_counter() - t0)
+        _READS[nbytes] = best
+    return _READS[nbytes]
+
+
+def _read_floor_pct(rec: dict, config: wiola.WiolaConfig, new: int, scheme: str | None) -> None:
+    """``rec['pct_read_floor']``: (new − 1) steps each reading the step's weight bytes once at the
+    measured read rate, over the measured time (the prompt's cost left in the time: a lower bound)."""
+    nbytes = roofline.weight_bytes(config, scheme)
+    t_read = read_floor(nbytes)
+    rec["read_floor_s_per_step"] = t_read
+    rec["read_floor_gbs"] = nbytes / t_read / 1e9
+    seconds = rec.get("time_s")
+    if seconds:
+        rec["pct_read_floor"] = 100.0 * (new - 1) * t_read / seconds
 
 
 def _record(
@@ -103,16 +166,22 @@ def _record(
     )
     cpu_bench.benchmark.extra_info.update(cpu[0])
     rec.update(cpu[0])
+    if not cpu_bench.quick and "tokens_per_s" in rec:
+        _read_floor_pct(rec, config, new, scheme)
+        cpu_bench.benchmark.extra_info["pct_read_floor"] = rec.get("pct_read_floor")
     if not cpu_bench.quick:
         _summary(batch, name, rec)
         if scheme is not None:
-            goal = {"int8": 2000, "bf16": 1000}[scheme]
-            pct, pct_l3 = rec.get("pct_floor"), rec.get("pct_floor_l3")
+            goal = {"int8": "2,000 tok/s", "bf16": "1,000 tok/s", "int4": "1.6x int8"}[scheme]
+            pct, pct_l3, pct_read = rec.get("pct_floor"), rec.get("pct_floor_l3"), rec.get("pct_read_floor")
+            beside = ", ".join(
+                f"{k} {v['tokens_per_s']:.1f}" for k, v in rec["baselines"].items() if "tokens_per_s" in v
+            )
             print(
-                f"decode CPU B{batch}: {name} {rec['tokens_per_s']:.1f} tok/s (goal at B1: >= {goal:,}), "
-                f"{'' if pct is None else f'{pct:.0f}% of its floor, '}"
-                f"{'' if pct_l3 is None else f'{pct_l3:.0f}% of its floor from L3, '}fp32 "
-                f"{rec['baselines']['fp32']['tokens_per_s']:.1f} tok/s beside it"
+                f"decode CPU B{batch}: {name} {rec['tokens_per_s']:.1f} tok/s (goal at B1: >= {goal}), "
+                f"{'' if pct_read is None else f'{pct_read:.0f}% of the read floor (torch.mv, same run), '}"
+                f"{'' if pct is None else f'{pct:.0f}% of the DRAM copy floor, '}"
+                f"{'' if pct_l3 is None else f'{pct_l3:.0f}% of its floor from L3, '}beside it (tok/s): {beside}"
             )
     return rec
 
@@ -200,7 +269,7 @@ def test_decode_cpu_fast(cpu_bench, model, hf_model, batch: int, isa: str, monke
     )
 
 
-@pytest.mark.parametrize("scheme", ["int8", "bf16"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "bf16"])
 @pytest.mark.parametrize("batch", BATCHES, ids=lambda b: f"B{b}-P{PROMPT}-N{NEW_TOKENS}")
 def test_decode_cpu_quantized(cpu_bench, model, batch: int, scheme: str, monkeypatch) -> None:
     from wiola.fast import WiolaModel as FastModel
@@ -229,6 +298,9 @@ def test_decode_cpu_quantized(cpu_bench, model, batch: int, scheme: str, monkeyp
     except Exception as exc:
         hf_model = f"wiola13m unavailable: {type(exc).__name__}: {exc}"
     baselines = {"fp32": lambda: fp32.generate(ids, new, temperature=0)}
+    if scheme == "int4":  # the goal is a ratio to int8, timed in the same run
+        int8 = quantize(copy.deepcopy(fp32).requires_grad_(False), "int8")
+        baselines["int8"] = lambda: int8.generate(ids, new, temperature=0)
     baselines["wiola13m"] = _wiola13m_baseline(hf_model, ids, new, got)
     notes = [
         f"13m preset, random weights, {scheme} weight-only quantization (wiola.fast.quantize); greedy tokens "
@@ -350,3 +422,62 @@ def test_decode_cpu_onnx(cpu_bench, model, onnx_exports, tmp_path_factory, batch
             f"{'' if pct is None else f' ({pct:.0f}% of its floor)'}, "
             f"our step {ours and f'{ours:.1f}'} tok/s, wiola13m {hf and f'{hf:.1f}'} tok/s; agreement {agree.tolist()}"
         )
+
+
+@pytest.mark.parametrize("prefill_mode", ["fp32", "bf16"])
+def test_prefill_cpu(cpu_bench, model, hf_model, prefill_mode: str, monkeypatch) -> None:
+    """pp512: a 512-token prompt at batch 1 through ``wiola.fast`` (with a cache, the logits of the
+    last position: what ``generate`` runs before its first step) in the prompt mode
+    ``prefill_mode`` (``WIOLA_CPU_PREFILL``), beside the reference's and wiola13m's forward of the
+    same prompt. fp32: the next token asserted equal to the reference's; bf16: the largest logit
+    difference from fp32 is recorded (its loss cost: ``bench.quality``)."""
+    from wiola.fast import WiolaModel as FastModel
+    from wiola.fast import prefill
+
+    monkeypatch.setenv(prefill.ENV, prefill_mode)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    T = SMOKE_PP if cpu_bench.quick else PP
+    ids = torch.randint(0, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(512))
+    fast = FastModel(model.config).eval().requires_grad_(False)
+    fast.load_state_dict(model.state_dict())
+
+    def ours() -> torch.Tensor:
+        with torch.inference_mode():
+            return fast(ids, cache=fast.new_cache(1, T + 1), logits_to_keep=1).logits
+
+    def reference() -> torch.Tensor:
+        with torch.inference_mode():
+            return model(ids, cache=model.new_cache(1, T + 1), logits_to_keep=1).logits
+
+    got, want = ours(), reference()
+    diff = float((got - want).abs().max())
+    if prefill_mode == "fp32":
+        assert int(got.argmax()) == int(want.argmax()), "the fp32 prompt's next token differs from the reference's"
+    baselines: dict[str, Any] = {"reference": reference}
+    if isinstance(hf_model, str):
+        baselines["wiola13m"] = hf_model
+    else:
+
+        def hf_prompt() -> torch.Tensor:
+            with torch.inference_mode():
+                return hf_model(ids, attention_mask=torch.ones_like(ids), use_cache=True).logits[:, -1:]
+
+        baselines["wiola13m"] = hf_prompt
+    cpu = _cpu_notes(decode_step_cpu.select_isa(), f"PyTorch prompt path, {prefill.describe()}")
+    rec = cpu_bench.run(
+        ours,
+        op="prefill_cpu",
+        mode="prompt",
+        name=f"wiola.fast prefill {prefill_mode}",
+        cost=roofline.prefill(model.config, 1, T, torch.float32),
+        shape={"B": 1, "P": T},
+        dtype=torch.float32,
+        tokens=T,
+        baselines=baselines,
+        notes=[f"pp{T}: 13m preset, random weights, batch 1; max |logit - reference| {diff:.2e}", *cpu[1]],
+        info={"max_abs_logit_diff": diff},
+    )
+    cpu_bench.benchmark.extra_info.update(cpu[0])
+    if not cpu_bench.quick:
+        beside = ", ".join(f"{k} {v['tokens_per_s']:.0f}" for k, v in rec["baselines"].items() if "tokens_per_s" in v)
+        print(f"\nprefill CPU pp{T}: wiola.fast {prefill_mode} {rec['tokens_per_s']:.0f} tok/s; beside it: {beside}")

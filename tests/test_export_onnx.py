@@ -1,5 +1,5 @@
 """``wiola export --format onnx``: the exported step runs in ONNX Runtime's Python API and decodes
-the greedy tokens of the model it came from (fp32: the reference; int8/bf16: our quantized model,
+the greedy tokens of the model it came from (fp32: the reference; int8/int4/bf16: our quantized model,
 whose oracle is the PyTorch path on the dequantized weights), the folder runs without torch, and
 what cannot be exported is refused by name."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from numerics import left_padded_prompt, reference_on
+from numerics import AbsSums, assert_within, bound, left_padded_prompt, reference_on
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
@@ -26,13 +26,13 @@ from wiola.cli import main as cli_main  # noqa: E402
 from wiola.export.onnx import export_onnx  # noqa: E402
 from wiola.export.runner import META_FILE, MODEL_FILE, OnnxModel, read_meta  # noqa: E402
 from wiola.fast import WiolaModel as FastModel  # noqa: E402
-from wiola.fast.quantize import quantize  # noqa: E402
+from wiola.fast.quantize import GROUP, quantize  # noqa: E402
 from wiola.tokenizer import train_tokenizer  # noqa: E402
 
 # Large init: peaked distributions, so greedy choices are far from ties (an exact comparison
 # of tokens then tests the function, not the summation order of two libraries).
 SMALL = dict(vocab_size=320, d_model=64, n_layers=2, n_heads=4, d_ff=96, max_seq_len=64, init_std=0.2)
-MODES = ("fp32", "int8", "bf16", "int8-matmul")
+MODES = ("fp32", "int8", "int4", "bf16", "int8-matmul", "int4-matmul")
 
 
 def _model() -> FastModel:
@@ -50,12 +50,12 @@ def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {}
     for mode in MODES:
         folder = tmp_path_factory.mktemp(mode)
-        export_onnx(_quantized(mode), folder, int8_matmul=mode == "int8-matmul")
+        export_onnx(_quantized(mode), folder, int8_matmul=mode.endswith("-matmul"))
         out[mode] = folder
     return out
 
 
-@pytest.mark.parametrize("mode", ["fp32", "int8", "bf16"])
+@pytest.mark.parametrize("mode", ["fp32", "int8", "int4", "bf16"])
 @pytest.mark.parametrize("B, pad", [(1, 0), (4, 5)])
 def test_greedy_tokens_equal_the_oracle(exports: dict[str, Path], mode: str, B: int, pad: int) -> None:
     ref = reference_on(_quantized(mode))
@@ -76,33 +76,44 @@ def test_gate_variants_export(tmp_path: Path, overrides: dict) -> None:
     np.testing.assert_array_equal(got, want.numpy())
 
 
-@pytest.mark.parametrize("mode", ["fp32", "int8"])
-def test_logits_equal_the_full_pass(exports: dict[str, Path], mode: str) -> None:
+def _onnx_vs_oracle(folder: Path, mode: str, label: str) -> None:
+    """Every real position's logits, stepped through the export, within the fp32 error bound of
+    the PyTorch full pass on the (dequantized) weights."""
     ref = reference_on(_quantized(mode))
     ids, mask = left_padded_prompt(SMALL["vocab_size"], 3, 16, 6)
-    want = ref(ids, attention_mask=mask).logits
+    with AbsSums(ref) as sums:
+        want = ref(ids, attention_mask=mask).logits
     logits: list[np.ndarray] = []
-    OnnxModel(exports[mode]).driver.generate(ids.numpy(), 0, attention_mask=mask.numpy(), logits_out=logits)
+    OnnxModel(folder).driver.generate(ids.numpy(), 0, attention_mask=mask.numpy(), logits_out=logits)
     got = torch.from_numpy(np.stack(logits, axis=1))
     real = mask.bool()
-    err = float((got[real] - want[real]).abs().max() / want[real].abs().max())
-    assert err < 1e-5, f"{mode}: relative error {err:.2e}"
+    allowed = bound(ref.config, ids.shape[1], sums.head)[real]
+    assert_within(f"{label} logits", want[real], got[real], allowed, "ONNX Runtime CPU")
 
 
-def test_int8_matmul_runs_int8_products_close_to_the_oracle(exports: dict[str, Path]) -> None:
-    graph = onnx.load(str(exports["int8-matmul"] / MODEL_FILE), load_external_data=False).graph
+@pytest.mark.parametrize("mode", ["fp32", "int8", "int4"])
+def test_logits_equal_the_full_pass(exports: dict[str, Path], mode: str) -> None:
+    _onnx_vs_oracle(exports[mode], mode, mode)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_int8_matmul_runs_int8_products_close_to_the_oracle(exports: dict[str, Path], scheme: str) -> None:
+    graph = onnx.load(str(exports[f"{scheme}-matmul"] / MODEL_FILE), load_external_data=False).graph
     nbits = [n for n in graph.node if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"]
     assert len(nbits) == 1 + 7 * SMALL["n_layers"]  # the head and every layer's seven matrices
+    attrs = {(a.name, a.i) for n in nbits for a in n.attribute if a.name in ("bits", "block_size")}
+    if scheme == "int4":
+        assert attrs == {("bits", 4), ("block_size", GROUP)}, attrs
     biggest_float = max(
         (int(np.prod(t.dims)) for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT), default=0
     )
     assert biggest_float < SMALL["d_model"] * SMALL["vocab_size"] // 4, "an fp32 copy of a matrix is stored"
     # Not the oracle's function (the activations are rounded to int8), but close to it:
-    ref = reference_on(_quantized("int8"))
+    ref = reference_on(_quantized(scheme))
     ids, _ = left_padded_prompt(SMALL["vocab_size"], 2, 16, 0)
     want = ref(ids).logits
     logits: list[np.ndarray] = []
-    OnnxModel(exports["int8-matmul"]).driver.generate(ids.numpy(), 0, logits_out=logits)
+    OnnxModel(exports[f"{scheme}-matmul"]).driver.generate(ids.numpy(), 0, logits_out=logits)
     got = torch.from_numpy(np.stack(logits, axis=1))
     err = float((got - want).abs().max() / want.abs().max())
     assert 0 < err < 0.05, f"relative error {err:.2e}"
@@ -127,14 +138,21 @@ def test_int8_matmul_at_accuracy_level_0_is_exact(tmp_path: Path) -> None:
         export_onnx(_quantized("int8"), tmp_path / "x", int8_matmul=True, accuracy_level=7)
 
 
+def test_int4_matmul_at_accuracy_level_0_is_within_the_bound(tmp_path: Path) -> None:
+    """4-bit MatMulNBits with fp32 products (level 0): the oracle's function, up to fp32 rounding."""
+    export_onnx(_quantized("int4"), tmp_path, int8_matmul=True, accuracy_level=0)
+    _onnx_vs_oracle(tmp_path, "int4", "int4 MatMulNBits level 0")
+
+
 def test_quantized_exports_are_smaller_and_recorded(exports: dict[str, Path]) -> None:
     size = {mode: _weight_bytes(folder) for mode, folder in exports.items()}
     assert size["int8"] < 0.3 * size["fp32"] and size["int8-matmul"] < 0.3 * size["fp32"]
+    assert size["int4"] < 0.17 * size["fp32"] and size["int4-matmul"] < 0.17 * size["fp32"]  # 5 of 32 bits
     assert 0.45 * size["fp32"] < size["bf16"] < 0.55 * size["fp32"]
     for mode, folder in exports.items():
         meta = read_meta(folder)
         assert meta["quantization"] == (None if mode == "fp32" else mode.removesuffix("-matmul"))
-        assert meta["int8_matmul"] == (mode == "int8-matmul")
+        assert meta["int8_matmul"] == mode.endswith("-matmul")
         assert (meta["n_layers"], meta["head_dim"], meta["max_seq_len"]) == (2, 16, 64)
 
 
@@ -181,9 +199,9 @@ def test_cli_exports_a_checkpoint_with_its_tokenizer(tmp_path: Path, capsys: pyt
 
 
 def test_what_cannot_be_exported_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    with pytest.raises(ValueError, match="int8_matmul needs an int8-quantized model.*not quantized"):
+    with pytest.raises(ValueError, match="int8_matmul needs an int8- or int4-quantized model.*not quantized"):
         export_onnx(_model(), tmp_path / "a", int8_matmul=True)
-    with pytest.raises(ValueError, match="int8_matmul needs an int8-quantized model.*bf16"):
+    with pytest.raises(ValueError, match="int8_matmul needs an int8- or int4-quantized model.*bf16"):
         export_onnx(quantize(_model(), "bf16"), tmp_path / "b", int8_matmul=True)
     with pytest.raises(ValueError, match="float16.*export an fp32"):
         export_onnx(WiolaModel(WiolaConfig(**SMALL)).half(), tmp_path / "c")

@@ -4,7 +4,7 @@
   ``model.safetensors`` under ``wiola13m``'s tensor names, the tokenizer as ``tokenizer.json`` +
   its configs);
 - ``--format onnx``: one decoding step for ONNX Runtime, the tokenizer and ``run_onnx.py``
-  (``wiola.export.onnx``); ``--quantize int8|bf16`` stores the weights that way (exact to our
+  (``wiola.export.onnx``); ``--quantize int8|int4|bf16`` stores the weights that way (exact to our
   quantized model), ``--int8-matmul`` runs int8 products (int8 activations too; fastest).
 """
 
@@ -34,13 +34,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--quantize",
-        choices=("int8", "bf16"),
-        help="onnx only: store the weights int8 (per-row scales) or bf16; a quantized checkpoint keeps its own",
+        choices=("int8", "int4", "bf16"),
+        help="onnx only: store the weights int8 (per-row scales), int4 (per-group scales) or bf16; a quantized "
+        "checkpoint keeps its own",
     )
     p.add_argument(
         "--int8-matmul",
         action="store_true",
-        help="onnx with int8 weights: ONNX Runtime's int8 products (MatMulNBits; activations rounded to int8 too)",
+        help="onnx with int8 or int4 weights: ONNX Runtime's MatMulNBits products (activations rounded to int8 too)",
     )
     p.set_defaults(func=run_export)
 

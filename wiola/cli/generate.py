@@ -43,8 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
-        "--quantize", choices=("int8", "bf16"),
-        help="weight-only int8 (per-row scales) or bf16 matrices for the C++ CPU step (wiola.fast.quantize)",
+        "--quantize", choices=("int8", "int4", "bf16"),
+        help="weight-only int8 (per-row scales), int4 (per-group scales) or bf16 matrices for the C++ CPU step",
     )  # fmt: skip
     impl = p.add_mutually_exclusive_group()
     impl.add_argument(

@@ -14,10 +14,15 @@ oracle's weights). ONNX Runtime folds that dequantization into fp32 constants wh
 file, so these exports are 4× (int8) or 2× (bf16) smaller on disk and compute exactly what the
 PyTorch path computes on the dequantized weights (greedy tokens identical), at fp32 speed.
 
-``int8_matmul=True`` (int8 only) keeps the weights int8 in memory instead: every product is ONNX
-Runtime's ``com.microsoft.MatMulNBits`` (8 bits, one block of up to 128 inputs per scale, the
-same per-row scale repeated) with ``accuracy_level=4``, which quantizes the activations to int8
-per block as well. It is the fastest form here, and it is not the oracle's function (the
+int4 weights are stored the same way (two a byte, fp32 group scales) and unpacked in the graph
+in exact fp32 arithmetic: again the oracle's weights, folded to fp32 when ONNX Runtime loads the
+file (8× smaller on disk, fp32 speed).
+
+``int8_matmul=True`` (int8 or int4 weights) keeps the weights packed in memory instead: every
+product is ONNX Runtime's ``com.microsoft.MatMulNBits`` (int8: 8 bits, one block of up to 128
+inputs per scale, the same per-row scale repeated; int4: 4 bits, ``block_size`` = the int4 group,
+our nibbles and scales as they are, MatMulNBits' default zero point 8 being ours) with
+``accuracy_level=4``, which quantizes the activations to int8 per block as well. It is the fastest form here, and it is not the oracle's function (the
 activations are rounded): its quality is measured, not assumed (README, Quality). Exact int8
 products in MatMulNBits (``export_onnx(..., accuracy_level=0)``, kept for comparisons) ran at
 113–119 tok/s here, slower than fp32, so the command line does not offer them.
@@ -39,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from wiola.export import runner
-from wiola.export.step import OUTPUT_NAMES, DecodeStep, PackedMatrix
+from wiola.export.step import OUTPUT_NAMES, DecodeStep, PackedMatrix, unpack_nibbles
 
 if TYPE_CHECKING:
     from wiola.model import WiolaModel
@@ -52,27 +57,39 @@ _EXTERNAL_DATA_BYTES = 1_500_000_000  # past this, weights go to model.onnx.data
 
 @torch.library.custom_op("wiola_export::matmul_nbits", mutates_args=())
 def matmul_nbits(
-    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, K: int, N: int, block_size: int
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, K: int, N: int, block_size: int, bits: int
 ) -> torch.Tensor:
-    """``x · Wᵀ`` with ``W = (w − 128) · scale`` stored as MatMulNBits stores it: ``w`` uint8
-    ``(N, K / block_size, block_size)``, ``scale`` fp32 ``(N · K / block_size,)``. This eager
-    form is what tracing sees; ONNX Runtime's kernel rounds the activations too (see the module)."""
-    dense = (w.reshape(N, K).to(torch.float32) - 128.0) * scale.reshape(N, -1).repeat_interleave(block_size, dim=1)
+    """``x · Wᵀ`` with ``W = (w − 2^(bits−1)) · scale`` stored as MatMulNBits stores it: ``w`` uint8
+    ``(N, K / block_size, block_size · bits / 8)`` (4 bits: two a byte, low nibble first), ``scale``
+    fp32 ``(N · K / block_size,)``. This eager form is what tracing sees; ONNX Runtime's kernel
+    rounds the activations too at accuracy level 4 (see the module)."""
+    u = unpack_nibbles(w.reshape(N, -1)) if bits == 4 else w.reshape(N, K).to(torch.float32)
+    dense = (u - float(1 << (bits - 1))) * scale.reshape(N, -1).repeat_interleave(block_size, dim=1)
     return F.linear(x, dense)
 
 
 @matmul_nbits.register_fake
-def _(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, K: int, N: int, block_size: int) -> torch.Tensor:
+def _(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, K: int, N: int, block_size: int, bits: int
+) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], N)
 
 
 class NBitsMatrix(PackedMatrix):
-    """An int8 ``PackedMatrix`` in MatMulNBits' layout (uint8 = q + 128, scales per block)."""
+    """An int8 or int4 ``PackedMatrix`` in MatMulNBits' layout (int8: uint8 = q + 128, the row's
+    scale repeated per block; int4: our nibbles (q + 8) and group scales, one block a group)."""
 
     def __init__(self, packed: PackedMatrix, name: str) -> None:
         torch.nn.Module.__init__(self)
         q, scale = packed.weight, packed.scale
+        if q.dtype == torch.uint8:  # int4
+            N, K = q.shape[0], 2 * q.shape[1]
+            self.K, self.N, self.block, self.bits = K, N, K // scale.shape[1], 4
+            self.register_buffer("weight", q.reshape(N, K // self.block, self.block // 2).contiguous())
+            self.register_buffer("scale", scale.reshape(-1).contiguous())
+            return
         N, K = q.shape
+        self.bits = 8
         if K % 16:
             raise ValueError(
                 f"export: {name} has {K} inputs; ONNX Runtime's MatMulNBits needs a multiple of 16 (export without "
@@ -91,10 +108,12 @@ class NBitsMatrix(PackedMatrix):
         raise NotImplementedError("MatMulNBits weights are only read by the matmul and the row lookup")
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
+        if self.bits == 4:
+            return self._widen(self.weight[index].flatten(-2), self.scale.reshape(self.N, -1)[index])
         return (self.weight[index].reshape(*index.shape, self.K).to(torch.float32) - 128.0) * self._row_scale(index)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul_nbits(x, self.weight, self.scale, self.K, self.N, self.block)
+        return matmul_nbits(x, self.weight, self.scale, self.K, self.N, self.block, self.bits)
 
 
 def _register_matmul_nbits_schema() -> Any:
@@ -130,8 +149,8 @@ def _translations(int8_matmul: bool, accuracy_level: int) -> dict[Any, Any]:
         return {}
     msft = _register_matmul_nbits_schema()
 
-    def matmul_nbits_onnx(x: Any, w: Any, scale: Any, K: int, N: int, block_size: int) -> Any:
-        return msft.MatMulNBits(x, w, scale, K=K, N=N, bits=8, block_size=block_size, accuracy_level=accuracy_level)
+    def matmul_nbits_onnx(x: Any, w: Any, scale: Any, K: int, N: int, block_size: int, bits: int) -> Any:
+        return msft.MatMulNBits(x, w, scale, K=K, N=N, bits=bits, block_size=block_size, accuracy_level=accuracy_level)
 
     return {torch.ops.wiola_export.matmul_nbits.default: matmul_nbits_onnx}
 
@@ -146,10 +165,10 @@ def decode_step(model: WiolaModel, *, int8_matmul: bool = False) -> DecodeStep:
         raise ValueError(f"export: the model is on {model.embed.weight.device}; move it to the CPU first")
     model.config.require_butterfly("export")
     scheme = getattr(model, "quantization", None)
-    if int8_matmul and scheme != "int8":
+    if int8_matmul and scheme not in ("int8", "int4"):
         raise ValueError(
-            f"export: int8_matmul needs an int8-quantized model (wiola.fast.quantize(model, 'int8')); this one is "
-            f"{scheme or 'not quantized'}"
+            f"export: int8_matmul needs an int8- or int4-quantized model (wiola.fast.quantize(model, 'int8')); this "
+            f"one is {scheme or 'not quantized'}"
         )
     step = DecodeStep(model).eval()
     if int8_matmul:
@@ -211,7 +230,7 @@ def export_onnx(
     (the fast form), 0 keeps fp32 products (exact, and far slower here: for comparisons).
 
     Raises ``TypeError`` for something that is not a ``WiolaModel``, ``ValueError`` for a model
-    the export cannot express (not fp32, not on the CPU, ``int8_matmul`` without int8 weights or
+    the export cannot express (not fp32, not on the CPU, ``int8_matmul`` without int8 or int4 weights or
     with a width MatMulNBits cannot take), ``ImportError`` naming the missing package."""
     for package in ("onnx", "onnxscript"):
         try:

@@ -22,7 +22,10 @@ the new ``gate_sum`` and ``gate_count``.
 
 Weights: the model's fp32 parameters; for a quantized model (``wiola.fast.quantize``), the
 int8 matrices stay int8 in the graph with their per-row scales and are dequantized there
-(``q · scale``, the oracle's weights exactly), and bf16 ones stay bf16 and are widened.
+(``q · scale``, the oracle's weights exactly), int4 ones stay packed two a byte with their
+per-group scales (unpacked in fp32 arithmetic: ``hi = floor(u / 16)``, ``lo = u − 16·hi``, each
+exact, then ``(u − 8) · scale``: again the oracle's weights exactly), and bf16 ones stay bf16 and
+are widened.
 """
 
 from __future__ import annotations
@@ -47,23 +50,38 @@ if TYPE_CHECKING:
 OUTPUT_NAMES = ("logits", "k_new", "v_new", "gate_sum_out", "gate_count_out")
 
 
+def unpack_nibbles(u: torch.Tensor) -> torch.Tensor:
+    """``(..., K/2)`` uint8, two int4 weights a byte (low nibble first) -> ``(..., K)`` fp32 nibble
+    values 0-15, in float arithmetic only (exact; exports to plain ONNX ops)."""
+    f = u.to(torch.float32)
+    hi = torch.floor(f / 16.0)
+    return torch.stack((f - 16.0 * hi, hi), dim=-1).flatten(-2)
+
+
 class PackedMatrix(nn.Module):
-    """An ``(out, in)`` weight as the graph stores it: fp32, bf16, or int8 with fp32 row scales."""
+    """An ``(out, in)`` weight as the graph stores it: fp32, bf16, int8 with fp32 row scales, or
+    int4 (uint8 ``(out, in/2)``) with fp32 ``(out, in/group)`` group scales."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
         super().__init__()
         self.register_buffer("weight", weight.detach().clone().contiguous())
         self.register_buffer("scale", None if scale is None else scale.detach().clone().contiguous())
 
+    def _widen(self, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        if w.dtype == torch.uint8:  # int4: (u - 8) · its group's scale
+            q = unpack_nibbles(w) - 8.0
+            groups = scale.shape[-1]
+            return (q.unflatten(-1, (groups, -1)) * scale.unsqueeze(-1)).flatten(-2)
+        w = w.to(torch.float32)
+        return w if scale is None else w * scale.unsqueeze(-1)
+
     def dense(self) -> torch.Tensor:
-        """The fp32 matrix (the dequantized one for int8, the widened one for bf16)."""
-        w = self.weight.to(torch.float32)
-        return w if self.scale is None else w * self.scale[:, None]
+        """The fp32 matrix (the dequantized one for int8 and int4, the widened one for bf16)."""
+        return self._widen(self.weight, self.scale)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows ``index`` in fp32 (the embedding lookup)."""
-        w = self.weight[index].to(torch.float32)
-        return w if self.scale is None else w * self.scale[index].unsqueeze(-1)
+        return self._widen(self.weight[index], None if self.scale is None else self.scale[index])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dense())

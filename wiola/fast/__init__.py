@@ -22,8 +22,10 @@ What runs where:
   sampling) as a CUDA graph once per batch size and replays it (``wiola.fast.generation``).
   On a plain CPU, each one-token step (fp32, gradients off) is one call of a C++ step that
   runs every layer and the head (``wiola/fast/decode_step_cpu.py``, compiled on first use).
-  ``wiola.fast.quantize.quantize(model, "int8" | "bf16")`` gives that step weight-only int8
-  (per-row scales) or bf16 matrices; the PyTorch path then runs on the dequantized weights.
+  ``wiola.fast.quantize.quantize(model, "int8" | "int4" | "bf16")`` gives that step weight-only
+  int8 (per-row scales), int4 (per-group scales) or bf16 matrices; the PyTorch path then runs on
+  the dequantized weights. A CPU prompt (prefill) runs in fp32 or with bf16 matrix products,
+  chosen from the CPU's flags or ``$WIOLA_CPU_PREFILL`` (``wiola.fast.prefill``).
 - The ablations' feed-forward blocks (``ffn="swiglu"`` or ``"gelu"``) have no kernel and no
   C++ step: they run ``wiola.ops.mlp`` (PyTorch) in every mode, the rest of the model on its
   fast path, and one-token CPU steps stay in PyTorch. The constructor warns and ``describe()``
@@ -49,7 +51,7 @@ import torch
 
 from wiola.cache import Cache
 from wiola.config import WiolaConfig
-from wiola.fast import ops, quantize
+from wiola.fast import ops, prefill, quantize
 from wiola.fast.generation import GraphSteps, cpu_generate, cpu_loop_usable, graph_generate, graphs_usable
 from wiola.fast.ops import use_kernels
 from wiola.generation import eager_generate, hf_generate
@@ -128,14 +130,15 @@ class WiolaModel(ReferenceModel):
                 if getattr(cache, "slot", None) is not None:
                     cache.slot.fill_(cache.length)
                 return ModelOutput(logits=logits.unsqueeze(1), cache=cache)
-        return super().forward(
-            input_ids,
-            attention_mask=attention_mask,
-            labels=labels,
-            cache=cache,
-            return_logits=return_logits,
-            logits_to_keep=logits_to_keep,
-        )
+        with prefill.context(self, input_ids, cache):  # bf16 products for a CPU prompt where chosen
+            return super().forward(
+                input_ids,
+                attention_mask=attention_mask,
+                labels=labels,
+                cache=cache,
+                return_logits=return_logits,
+                logits_to_keep=logits_to_keep,
+            )
 
     def _default_return_logits(self, labels: torch.Tensor | None) -> bool:
         return labels is None

@@ -1,8 +1,10 @@
 // One decoding step of the whole Wiola model on a CPU, in fp32 arithmetic: every layer and the tied
 // head for B rows of one new token each, reading the model's weights and writing the static cache in
-// place. The matrices (the embedding/head and every layer's projections) are fp32, bf16, or int8 with
-// one fp32 scale per output row (weight-only quantization, wiola/fast/quantize.py): one body of every
-// product, the weight type a template parameter (Weight<T> below), widened to fp32 in registers.
+// place. The matrices (the embedding/head and every layer's projections) are fp32, bf16, int8 with
+// one fp32 scale per output row, or int4 with one fp32 scale per group of kQ4Group weights of a row
+// (weight-only quantization, wiola/fast/quantize.py): one body of every product for the first three,
+// the weight type a template parameter (Weight<T> below), and one for int4 (q4_block), all widened to
+// fp32 in registers.
 // Built and loaded by wiola/fast/decode_step_cpu.py (g++ -O3 -fopenmp, ctypes); the math is docs/SPEC.md's,
 // the same as wiola.model.WiolaModel.forward with a cache and T = 1.
 //
@@ -232,6 +234,123 @@ inline void gemv_share(const T* W, const float* scale, int64_t N, int64_t K, con
   if (r0 < r1) gemv_rows(W, scale, K, x, ldx, y, ldy, B, r0, r1, stream, ahead);
 }
 
+// ---- int4: group-wise, symmetric, fp32 scales (wiola/fast/quantize.py) ----------------------------
+// A row of K weights is K/2 bytes, weight 2j in the low nibble of byte j and 2j+1 in the high one,
+// each nibble u the weight q = u - 8 in [-7, 7] (ONNX Runtime's MatMulNBits layout with its default
+// zero point 8); the row's K/kQ4Group groups of kQ4Group consecutive weights have one fp32 scale
+// each, (N, K/kQ4Group) row-major. A vector of weights is widened to fp32 and multiplied by its
+// group's scale (the dequantized weight, rounded as torch rounds q·scale), then fused into the sum
+// as the other types are: one multiply more per weight vector, shared by the batch rows.
+#ifndef WIOLA_Q4_GROUP
+#define WIOLA_Q4_GROUP 32
+#endif
+constexpr int kQ4Group = WIOLA_Q4_GROUP;
+static_assert(kQ4Group % 16 == 0, "the int4 group must be a multiple of the widest vector (16 lanes)");
+struct q4 {
+  uint8_t pair;  // two weights; a pointer to q4 is a matrix's first byte
+};
+
+inline float q4_at(const uint8_t* row, int64_t k) {
+  uint8_t b = row[k >> 1];
+  return static_cast<float>(((k & 1) ? (b >> 4) : (b & 15)) - 8);
+}
+
+// kLanes weights (kLanes/2 bytes at p) as fp32 q values.
+inline vec q4_load(const uint8_t* p) {
+#if defined(WIOLA_ISA_AVX512) || defined(WIOLA_ISA_AVX2)
+  const __m128i low = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+#if defined(WIOLA_ISA_AVX512)
+  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));  // 8 bytes: 16 weights
+#else
+  int32_t four;
+  std::memcpy(&four, p, 4);
+  __m128i b = _mm_cvtsi32_si128(four);  // 4 bytes: 8 weights
+#endif
+  __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+  __m128i q = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), eight);  // in order, as int8
+#if defined(WIOLA_ISA_AVX512)
+  return (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+#else
+  return (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+#endif
+#else
+  vec v;
+  for (int i = 0; i < kLanes; i += 2) {
+    v[i] = static_cast<float>((p[i / 2] & 15) - 8);
+    v[i + 1] = static_cast<float>((p[i / 2] >> 4) - 8);
+  }
+  return v;
+#endif
+}
+
+template <int NR, int NB>
+inline void q4_block(const uint8_t* W, const float* scale, int64_t K, const float* x, int64_t ldx, float* y,
+                     int64_t ldy, int64_t r) {
+  const int64_t groups = K / kQ4Group, row_bytes = K / 2;
+  vec acc[NR][NB] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    vec s[NR];
+    for (int i = 0; i < NR; ++i) s[i] = vec{} + scale[(r + i) * groups + g];
+    for (int64_t k = g * kQ4Group; k < (g + 1) * kQ4Group; k += kLanes) {
+      vec xv[NB];
+      for (int b = 0; b < NB; ++b) {
+        xv[b] = load(x + b * ldx + k);
+        WIOLA_PIN(xv[b]);
+      }
+      for (int i = 0; i < NR; ++i) {
+        vec w = q4_load(W + (r + i) * row_bytes + k / 2) * s[i];
+        WIOLA_PIN(w);
+        for (int b = 0; b < NB; ++b) acc[i][b] += w * xv[b];
+      }
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int b = 0; b < NB; ++b) y[b * ldy + r + i] = hsum(acc[i][b]);
+}
+
+template <int NR>
+inline void q4_rows(const uint8_t* W, const float* scale, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy,
+                    int64_t B, int64_t r) {
+  for (int64_t b = 0; b < B; b += kBatchBlock) {
+    const float* xb = x + b * ldx;
+    float* yb = y + b * ldy;
+    switch (B - b < kBatchBlock ? B - b : kBatchBlock) {
+      case 1: q4_block<NR, 1>(W, scale, K, xb, ldx, yb, ldy, r); break;
+#if defined(WIOLA_ISA_AVX512)
+      case 2: q4_block<NR, 2>(W, scale, K, xb, ldx, yb, ldy, r); break;
+      case 3: q4_block<NR, 3>(W, scale, K, xb, ldx, yb, ldy, r); break;
+#endif
+      default: q4_block<NR, kBatchBlock>(W, scale, K, xb, ldx, yb, ldy, r); break;
+    }
+  }
+}
+
+// This thread's share of an int4 (N, K) product (the int4 counterpart of gemv_share, with the same
+// split, prefetch distance and non-temporal head).
+inline void gemv_share(const q4* Wq, const float* scale, int64_t N, int64_t K, const float* x, int64_t ldx, float* y,
+                       int64_t ldy, int64_t B, int tid, int nth, bool stream, int64_t ahead) {
+  const uint8_t* W = reinterpret_cast<const uint8_t*>(Wq);
+  int64_t blocks = (N + 3) / 4;
+  int64_t r = blocks * tid / nth * 4, r1 = blocks * (tid + 1) / nth * 4 < N ? blocks * (tid + 1) / nth * 4 : N;
+  const int64_t row_bytes = K / 2;
+  for (; r + 4 <= r1; r += 4) {
+    int64_t p0 = r + ahead < r1 ? r + ahead : r1, p1 = r + ahead + 4 < r1 ? r + ahead + 4 : r1;
+    for (int64_t off = 0; off < (p1 - p0) * row_bytes; off += 64) {
+      if (stream)
+        __builtin_prefetch(W + p0 * row_bytes + off, 0, 0);
+      else
+        __builtin_prefetch(W + p0 * row_bytes + off, 0, 3);
+    }
+    q4_rows<4>(W, scale, K, x, ldx, y, ldy, B, r);
+  }
+  for (; r < r1; ++r) q4_rows<1>(W, scale, K, x, ldx, y, ldy, B, r);
+}
+
+inline void embed_row(const q4* E, const float* scale, int64_t token, int64_t d, float* out) {
+  const uint8_t* row = reinterpret_cast<const uint8_t*>(E) + token * (d / 2);
+  for (int64_t i = 0; i < d; ++i) out[i] = q4_at(row, i) * scale[token * (d / kQ4Group) + i / kQ4Group];
+}
+
 // out = h / sqrt(mean(h²) + eps) ⊙ γ   (statistics in fp32, as the reference)
 inline void rms_norm(const float* h, const float* gamma, float* out, int64_t d, float eps) {
   float ms = dot(h, h, d) / static_cast<float>(d);
@@ -279,11 +398,12 @@ inline void parallel(int nth, const Body& body) {
 // it at load against wiola_layout_counts(): a drift between the two is refused, never misread.
 // kStreamHead, kPrefetchRows and kBytesPerThread are the tuning the binding chose for this CPU
 // (wiola.fast.decode_step_cpu.choose_tuning); none of them changes a result.
+// kGroup: the int4 group the binding expects (kQ4Group; checked by the entry points).
 enum Dim {
   kB, kV, kD, kL, kH, kHd, kF, kS, kGate, kGatePreRope, kWeightType,
-  kStreamHead, kPrefetchRows, kBytesPerThread, kNumDims
+  kStreamHead, kPrefetchRows, kBytesPerThread, kGroup, kNumDims
 };
-enum WeightType { kFp32, kBf16, kInt8 };
+enum WeightType { kFp32, kBf16, kInt8, kInt4 };
 enum Global { kEmbed, kFinalNorm, kFreqs, kNumGlobal };
 enum PerLayer { kAttnNorm, kWq, kWk, kWv, kWo, kGateW1, kGateW2, kGateB2, kFfnNorm, kWUp, kWBp, kWDown, kPerLayer };
 enum State { kK, kVc, kKeyMask, kGateSum, kGateCount, kNReal, kNumState };
@@ -639,6 +759,8 @@ extern "C" {
 
 int64_t wiola_workspace_floats(const int64_t* n) { return Workspace::floats(n); }
 
+int64_t wiola_q4_group() { return kQ4Group; }
+
 // The lengths of the argument arrays, for the Python table to be checked against: dims, global
 // weight slots, weight slots per layer, cache buffers.
 void wiola_layout_counts(int64_t* out) {
@@ -651,11 +773,13 @@ void wiola_layout_counts(int64_t* out) {
 // dims: kNumDims int64 (see Dim; kB the cache's rows R, kWeightType a WeightType). weights:
 // kNumGlobal + L·kPerLayer pointers: the embedding and the seven projection matrices of each layer
 // of that weight type, every other one fp32 (gate ones may be null without a gate). scales: as
-// many pointers, the fp32 per-row scales of each int8 matrix (null elsewhere). state: the cache's
+// many pointers, the fp32 per-row scales of each int8 matrix, or the (N, K/kGroup) group scales of
+// each int4 one (null elsewhere). state: the cache's
 // buffers (k, v (L,R,H,S,D) fp32; key_mask (R,S) bool; gate_sum (L,R,D) fp32; gate_count (L,R)
 // int64; n_real (R,) int64). B active rows: rows (B,) distinct cache rows, tokens (B,) ids in range,
 // slots (B,) each row's new slot (< S). logits: (B, V) out. work: wiola_workspace_floats. The
-// caller has checked every shape, dtype and range. Returns 0, or 1 for an unknown weight type.
+// caller has checked every shape, dtype and range. Returns 0, 1 for an unknown weight type, 2 for
+// an int4 group this build was not compiled for.
 int wiola_decode_rows(const int64_t* n, const void* const* weights, const float* const* scales, void* const* state,
                       int64_t B, const int64_t* rows, const int64_t* tokens, const int64_t* slots, float eps,
                       float* logits, float* work) {
@@ -663,6 +787,8 @@ int wiola_decode_rows(const int64_t* n, const void* const* weights, const float*
     case kFp32: return decode_rows<float>(n, weights, scales, state, B, rows, tokens, slots, eps, logits, work);
     case kBf16: return decode_rows<bf16>(n, weights, scales, state, B, rows, tokens, slots, eps, logits, work);
     case kInt8: return decode_rows<int8_t>(n, weights, scales, state, B, rows, tokens, slots, eps, logits, work);
+    case kInt4:  // the group is compiled in; K % group == 0 checked by the caller
+      return n[kGroup] == kQ4Group ? decode_rows<q4>(n, weights, scales, state, B, rows, tokens, slots, eps, logits, work) : 2;
     default: return 1;
   }
 }

@@ -4,8 +4,8 @@
 gradients off): every layer and the tied head in one call, the static cache written in place.
 It computes what ``wiola.WiolaModel.forward(ids, cache=cache)`` computes for ``ids`` of shape
 ``(B, 1)``, in fp32 with its own summation order (``tests/test_decode_step_cpu.py``). For a
-model quantized by ``wiola.fast.quantize`` (int8 with per-row scales, or bf16) it streams the
-packed matrices, widened to fp32 in registers, and computes what the PyTorch path computes on
+model quantized by ``wiola.fast.quantize`` (int8 with per-row scales, int4 with per-group scales,
+or bf16) it streams the packed matrices, widened to fp32 in registers, and computes what the PyTorch path computes on
 the dequantized weights (``tests/test_quantize.py``); the C++ has one body per product, the
 weight type a template parameter.
 
@@ -250,6 +250,8 @@ def _build(compiler: str, isa: str) -> ctypes.CDLL:
     reported = (ctypes.c_int64 * 4)()
     lib.wiola_layout_counts(reported)
     layout.check_counts(tuple(reported), str(target))
+    lib.wiola_q4_group.argtypes = []
+    lib.wiola_q4_group.restype = ctypes.c_int64
     return lib
 
 
@@ -396,7 +398,7 @@ class DecodeStepCPU:
     """The C++ step bound to one model's weights and one cache (pointers taken once), in the
     variant ``select_isa(isa)`` (``$WIOLA_CPU_ISA`` is read here, once per binding). For a model
     quantized by ``wiola.fast.quantize`` the step reads the packed matrices (int8 with per-row
-    scales, or bf16) instead of the fp32 ones.
+    scales, int4 with per-group scales, or bf16) instead of the fp32 ones.
 
     Two calls: ``step(tokens, slot)`` (also ``__call__``) steps every row of the cache at one
     shared slot (a left-padded batch that started together, as ``generate`` runs it);
@@ -438,10 +440,12 @@ class DecodeStepCPU:
         self.scales: list[torch.Tensor | None] = [None] * len(self.tensors)
         self.packed = packed + [s for s in scales if s is not None]  # references keep the storage alive
         step_tensors = list(self.tensors)
+        group = quant_group(lib)
         for i, q, s in zip(slots, packed, scales, strict=True) if packed else ():
-            _check(q, f"weight #{i} ({self.quantization})", wdtype, shapes[i])
-            if self.quantization == "int8":
-                _check(s, f"weight #{i} scales", torch.float32, shapes[i][:1])
+            N, K = shapes[i]
+            _check(q, f"weight #{i} ({self.quantization})", wdtype, (N, K // 2) if wtype == 3 else (N, K))
+            if self.quantization in ("int8", "int4"):
+                _check(s, f"weight #{i} scales", torch.float32, (N, K // group) if wtype == 3 else (N,))
             step_tensors[i], self.scales[i] = q, s
         self.step_tensors = step_tensors  # what the C++ reads, in its order (tests/test_decode_step_arm.py)
         self.state = tuple(getattr(cache, name) for name, _, _ in layout.STATE)
@@ -449,6 +453,7 @@ class DecodeStepCPU:
             _check(t, f"cache.{name}", dtype, layout.shape(symbols, size))
         self.tuning = choose_tuning(cfg, wdtype.itemsize)
         values = {**size, "gate": int(cfg.gate), "gate_pre_rope": int(cfg.gate_pre_rope), "weight_type": wtype}
+        values["group"] = group
         values.update({k: int(v) for k, v in self.tuning.items() if k in layout.DIMS})
         self.batch_size, self.max_len = B, S
         self.dims = (ctypes.c_int64 * len(layout.DIMS))(*(values[name] for name in layout.DIMS))
@@ -483,7 +488,7 @@ class DecodeStepCPU:
             self.dims, self.weights, self.scale_ptrs, self.state_ptrs, tokens.data_ptr(), slot, self.eps,
             logits.data_ptr(), self.work.data_ptr(),
         )  # fmt: skip
-        if rc != 0:  # pragma: no cover - only an unknown weight type fails, and the binding never passes one
+        if rc != 0:  # pragma: no cover - an unknown weight type or int4 group, which the binding never passes
             raise RuntimeError(f"wiola_decode_step returned {rc}")
         return logits
 
@@ -584,6 +589,17 @@ def sample_rows(lib: ctypes.CDLL, logits: torch.Tensor, samplers: Samplers) -> N
         t.log_noise.data_ptr(), t.n_logprobs.data_ptr(), t.max_k, t.token.data_ptr(), t.logprob.data_ptr(),
         t.top_ids.data_ptr(), t.top_values.data_ptr(), scratch.data_ptr(),
     )  # fmt: skip
+
+
+def quant_group(lib: ctypes.CDLL) -> int:
+    """The int4 group the library was compiled for; ``RuntimeError`` when it is not
+    ``wiola.fast.quantize.GROUP`` (the packed scales would be read with the wrong stride)."""
+    from wiola.fast.quantize import GROUP
+
+    group = int(lib.wiola_q4_group())
+    if group != GROUP:
+        raise RuntimeError(f"the CPU decode step was built for int4 groups of {group}, quantize packs {GROUP}")
+    return group
 
 
 def _pointers(tensors: list[torch.Tensor | None]) -> tuple[int, ...]:

@@ -1,4 +1,4 @@
-"""Weight-only quantization for the C++ CPU decoding step: ``quantize(model, "int8" | "bf16")``.
+"""Weight-only quantization for the C++ CPU decoding step: ``quantize(model, "int8" | "int4" | "bf16")``.
 
 The matrices the step streams for every token (the tied embedding/head and each layer's
 ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``up_proj``, ``bypass_proj``, ``down_proj``) are
@@ -6,6 +6,11 @@ stored as
 
 - ``int8``: symmetric, one fp32 scale per output row (``scale = max|W[r]| / 127``, ``q =
   round(W / scale)`` in [-127, 127]); 1 byte a weight, about 4× fewer bytes than fp32;
+- ``int4``: symmetric, group-wise: each run of ``GROUP`` consecutive weights of a row has one fp32
+  scale (``scale = max|W[r, g]| / 7``, ``q = round(W / scale)`` in [-7, 7]); stored as unsigned
+  nibbles ``q + 8``, two a byte, weight ``2j`` in the low nibble of byte ``j`` (ONNX Runtime's
+  ``MatMulNBits`` layout, whose default zero point is 8), the scales ``(N, K / GROUP)``: 4 + 32/GROUP
+  bits a weight (5 for GROUP = 32). Every matrix's K must be a multiple of ``GROUP``;
 - ``bf16``: ``W`` rounded to bfloat16 (nearest even); 2 bytes a weight.
 
 The norms' γ, the gate's small matrices and the helical frequencies stay fp32. The model's own
@@ -15,7 +20,7 @@ the weights the C++ step reads: that path is the oracle the step is tested again
 (``tests/test_quantize.py``). The packed tensors live beside the parameters in
 ``model.quantized`` (not in ``state_dict()``), and ``model.quantization`` names the scheme.
 
-``save_pretrained`` of a quantized model writes the packed tensors (int8 with a
+``save_pretrained`` of a quantized model writes the packed tensors (int8 and int4 with a
 ``<name>.scale`` tensor, or bf16) into ``model.safetensors`` and ``{"quantization": {"scheme":
 ..., "version": 1}}`` into ``config.json``; ``wiola.fast.WiolaModel.from_pretrained`` reads them
 back (``wiola.checkpoint.load_pretrained``); any other class refuses such a checkpoint.
@@ -29,9 +34,10 @@ import torch
 
 from wiola.fast.step_layout import LAYER_MATRICES, matrix_names  # noqa: F401  (the C++ step's layout table)
 
-SCHEMES = ("int8", "bf16")
+SCHEMES = ("int8", "int4", "bf16")
 VERSION = 1  # of the packed layout in a checkpoint
-PACKED_DTYPE = {"int8": torch.int8, "bf16": torch.bfloat16}
+PACKED_DTYPE = {"int8": torch.int8, "int4": torch.uint8, "bf16": torch.bfloat16}
+GROUP = 32  # int4 weights per scale (docs/SPEC.md, "int4 weights": why 32)
 SCALE_SUFFIX = ".scale"
 
 
@@ -42,30 +48,57 @@ def _check_scheme(scheme: Any) -> str:
 
 
 def quantize_tensor(w: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(packed, scales)`` of an fp32 ``(N, K)`` matrix: int8 with ``(N,)`` fp32 scales, or bf16
-    and None. A row of zeros gets scale 0 (and dequantizes to zeros)."""
+    """``(packed, scales)`` of an fp32 ``(N, K)`` matrix: int8 with ``(N,)`` fp32 scales; int4 as
+    ``(N, K/2)`` uint8 nibbles with ``(N, K/GROUP)`` fp32 scales; or bf16 and None. A row (int4: a
+    group) of zeros gets scale 0 and dequantizes to zeros. Raises ``ValueError`` for int4 when K is
+    not a multiple of ``GROUP``."""
     _check_scheme(scheme)
     w = w.detach().to(torch.float32)
     if scheme == "bf16":
         return w.to(torch.bfloat16).contiguous(), None
+    if scheme == "int4":
+        return _int4(w)
     scale = w.abs().amax(dim=1) / 127.0
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(w / safe[:, None]).clamp_(-127, 127).to(torch.int8)
     return q.contiguous(), scale.contiguous()
 
 
+def _int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    N, K = w.shape
+    if K % GROUP:
+        raise ValueError(f"int4: a ({N}, {K}) matrix: its K = {K} is not a multiple of the group size {GROUP}")
+    g = w.view(N, K // GROUP, GROUP)
+    scale = g.abs().amax(dim=2) / 7.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    u = (torch.round(g / safe[..., None]).clamp_(-7, 7) + 8).to(torch.uint8).view(N, K // 2, 2)
+    return (u[..., 0] | (u[..., 1] << 4)).contiguous(), scale.contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """``(N, K/2)`` uint8 nibbles -> the ``(N, K)`` int8 weights ``q`` in [-8, 7] they hold."""
+    lo, hi = (packed & 15).to(torch.int8), (packed >> 4).to(torch.int8)
+    return torch.stack((lo, hi), dim=-1).view(packed.shape[0], -1) - 8
+
+
 def dequantize(packed: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """The fp32 matrix a packed one stands for: ``q · scale`` per row (int8) or the bf16 values."""
+    """The fp32 matrix a packed one stands for: ``q · scale`` per row (int8), per group (int4,
+    a uint8 ``packed``), or the bf16 values."""
+    if packed.dtype == torch.uint8:
+        q = unpack_int4(packed).to(torch.float32)
+        N, K = q.shape
+        return (q.view(N, scale.shape[1], -1) * scale[..., None]).view(N, K)
     w = packed.to(torch.float32)
     return w if scale is None else w * scale[:, None]
 
 
 def quantize(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
     """Quantize ``model`` (an fp32 ``wiola.fast.WiolaModel`` on the CPU, in eval mode, its
-    parameters not requiring gradients) in place with ``scheme`` (``"int8"`` or ``"bf16"``);
-    returns it. See the module.
+    parameters not requiring gradients) in place with ``scheme`` (``"int8"``, ``"int4"`` or
+    ``"bf16"``); returns it. See the module.
 
-    Raises ``ValueError`` for an unknown scheme, a model in training mode or with parameters that
+    Raises ``ValueError`` for an unknown scheme, int4 on a model whose ``d_model`` or ``d_ff`` is
+    not a multiple of ``GROUP`` (before anything is changed), a model in training mode or with parameters that
     require gradients (quantized weights are for inference: ``model.eval().requires_grad_(False)``),
     a model that is already quantized, or weights that are not fp32 CPU tensors; ``TypeError`` for
     a model of another class."""
@@ -86,6 +119,11 @@ def quantize(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
         p = params[name]
         if p.dtype != torch.float32 or p.device.type != "cpu":
             raise ValueError(f"quantize: {name} is {p.dtype} on {p.device}; quantize an fp32 model on the CPU")
+        if scheme == "int4" and p.shape[1] % GROUP:
+            raise ValueError(
+                f"quantize: int4 needs every matrix's K to be a multiple of the group size {GROUP}; {name} is "
+                f"{tuple(p.shape)} (d_model={model.config.d_model}, d_ff={model.config.d_ff})"
+            )
     attach(model, scheme, {name: quantize_tensor(params[name], scheme) for name in matrix_names(model.config.n_layers)})
     return model
 
@@ -117,7 +155,7 @@ def attach(model: torch.nn.Module, scheme: str, packed: dict[str, tuple[torch.Te
 
 def packed_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A quantized model's state dict as a checkpoint stores it: each quantized matrix packed (and
-    its ``<name>.scale`` for int8), everything else as ``state_dict()`` has it."""
+    its ``<name>.scale`` for int8 and int4), everything else as ``state_dict()`` has it."""
     state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
     for name, (q, scale) in model.quantized.items():
         state[name] = q
@@ -155,8 +193,11 @@ def unpack_state(
         if q.dtype != PACKED_DTYPE[scheme] or q.dim() != 2:
             raise ValueError(f"{where}: {name!r} is a {q.dtype} {tuple(q.shape)} tensor, expected a 2-D {scheme} one")
         scale = state.pop(name + SCALE_SUFFIX, None)
-        if scheme == "int8" and (scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != q.shape[:1]):
-            raise ValueError(f"{where}: {name + SCALE_SUFFIX!r} must be an fp32 tensor of shape {tuple(q.shape[:1])}")
+        want = {"int8": q.shape[:1], "int4": (q.shape[0], 2 * q.shape[1] // GROUP)}.get(scheme)
+        if scheme == "int4" and (2 * q.shape[1]) % GROUP:
+            raise ValueError(f"{where}: {name!r} holds {2 * q.shape[1]} int4 weights a row, not a multiple of {GROUP}")
+        if want is not None and (scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != tuple(want)):
+            raise ValueError(f"{where}: {name + SCALE_SUFFIX!r} must be an fp32 tensor of shape {tuple(want)}")
         packed[name] = (q, scale)
         state[name] = dequantize(q, scale)
     return state, packed
