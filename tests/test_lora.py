@@ -124,3 +124,23 @@ def test_cli_lora_finetune_saves_peft_format_and_merges(tmp_path) -> None:
         assert (lo - base.eval()(ids).logits).abs().max() > 0, "training left the adapters at zero"
         assert_close("merged checkpoint vs adapters", lo, merged(ids).logits, FP32)
     assert main([*args, "--lora-rank", "2", "--lora-targets", "embed"]) == 2
+
+
+def test_rows_run_the_adapter_not_the_base_weights(monkeypatch) -> None:
+    """``wiola.fast.rows.Rows`` (the server's batch) binds the C++ step only where it applies: with
+    an adapter attached it steps on PyTorch, and a row's greedy tokens are the adapted model's
+    own ``generate``."""
+    from wiola.fast.rows import RowRequest, Rows
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    torch.manual_seed(0)
+    lora = _lora(wiola.fast.WiolaModel(CONFIG).eval())
+    prompt = torch.randint(0, 300, (1, 5))
+    with torch.no_grad():
+        rows = Rows(lora, max_rows=2)
+        assert rows.backend == "PyTorch", "the C++ step would read the base weights under an adapter"
+        row, tokens = rows.join(RowRequest(prompt=prompt[0].tolist(), max_new_tokens=6)), []
+        while row in rows.live:
+            tokens += [t.token for t in rows.step() if t.row == row]
+        expected = lora.generate(prompt, 6)[0, 5:].tolist()
+    assert tokens == expected, f"Rows under an adapter: {tokens} != generate's {expected}"

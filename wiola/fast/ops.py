@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 import wiola.ops as reference
-from wiola.model import Ops
+from wiola.model import Ops, has_adapters
 from wiola.ops.linear import DecodeLayout, autocast_dtype
 from wiola.ops.rope import apply_rope
 
@@ -269,6 +269,7 @@ def cpu_decode_step(
         or cache.device.type != "cpu"
         or getattr(cache, "device_slot", False)
         or model.embed.weight.dtype != torch.float32
+        or has_adapters(model)  # the C++ step reads the base weights, never a LoRA adapter
     ):
         return None
     from wiola.fast import decode_step_cpu
