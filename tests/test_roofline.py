@@ -182,11 +182,15 @@ def test_quantized_weight_bytes() -> None:
     assert rl.weight_bytes(SMALL) == 2004 * 4
     assert rl.weight_bytes(SMALL, "int8") == 1936 + 226 * 4 + 68 * 4
     assert rl.weight_bytes(SMALL, "bf16") == 1936 * 2 + 68 * 4
-    with pytest.raises(ValueError, match="scheme='int4'"):
-        rl.weight_bytes(SMALL, "int4")
+    with pytest.raises(ValueError, match="scheme='int2'"):
+        rl.weight_bytes(SMALL, "int2")
     # and against what a quantized model holds
     import wiola.fast
     from wiola.fast.quantize import quantize
+
+    # int4 (groups of 32, so the 13m preset): packed 32,000·256 + 6·(4·256² + 4·256·512) = 12,910,592
+    # weights at half a byte, one fp32 scale per 32 of them, the other 12,915,888 - 12,910,592 = 5,296 fp32.
+    assert rl.weight_bytes(wiola.WiolaConfig.preset("13m"), "int4") == 12_910_592 // 2 + 403_456 * 4 + 5_296 * 4
 
     for scheme in ("int8", "bf16"):
         model = quantize(wiola.fast.WiolaModel(SMALL).eval().requires_grad_(False), scheme)
