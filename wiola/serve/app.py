@@ -103,7 +103,11 @@ class Server:
         return self.tokenizer.decode([token])
 
     def logprobs_entry(self, token: RowToken) -> dict[str, Any]:
-        top = {self.token_text(t): lp for t, lp in token.top}
+        # OpenAI's top_logprobs is keyed by text, and distinct tokens can decode to one text (the
+        # byte tokens of a split character all read "\ufffd"): such a text keeps its best log-probability.
+        top: dict[str, float] = {}
+        for t, lp in sorted(token.top, key=lambda pair: -pair[1]):
+            top.setdefault(self.token_text(t), lp)
         return {"token": self.token_text(token.token), "logprob": token.logprob, "top": top}
 
 
