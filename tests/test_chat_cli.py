@@ -95,7 +95,10 @@ def test_chat_streams_stops_on_ctrl_c_resets_and_exits(tmp_path) -> None:
 
 
 def test_chat_drops_old_turns_to_fit_and_says_so_once(tmp_path) -> None:
-    term = _chat(_checkpoint(tmp_path / "short", 64, 32), "--max-new-tokens", "8", "--temperature", "0")
+    # Sampled at temperature 1 from a random model, a reply is 8 tokens drawn nearly uniformly from
+    # 32,000, so it is never whitespace only (greedy replies of a random model can be: such a turn is
+    # not kept, and the history would never grow past the context).
+    term = _chat(_checkpoint(tmp_path / "short", 64, 32), "--max-new-tokens", "8", "--temperature", "1")
     try:
         term.wait_for(lambda s: "you> " in s, "the prompt")
         note = "older turns were dropped"
