@@ -78,6 +78,7 @@ class LaunchConfig:
     head_dims: tuple[int, ...] = field(default=())
 
     def __getitem__(self, name: str) -> int:
+        """The block size ``name`` (``cfg["BLOCK_M"]``); ``KeyError`` if the config has none."""
         return self.blocks[name]
 
     def __hash__(self) -> int:
@@ -99,6 +100,7 @@ class LaunchConfig:
         )
 
     def triton(self) -> triton.Config:
+        """The ``triton.Config`` an autotuner tries for this config."""
         import triton
 
         return triton.Config(dict(self.blocks), num_warps=self.num_warps, num_stages=self.num_stages)

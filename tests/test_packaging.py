@@ -138,4 +138,4 @@ def test_both_kernels_packages_install_import_and_work(tmp_path, editable, hf_fi
         [str(py), "-c", "import kernels"], cwd=outside, env=env, capture_output=True, text=True, timeout=300
     )
     assert run.returncode != 0, "`import kernels` still works after uninstalling Hugging Face's package"
-    _sh(py, "-c", "import wiola_kernels.attention, wiola.fast", cwd=outside)
+    _sh(py, "-c", "import wiola_kernels.attention, wiola_kernels.aot, wiola.fast", cwd=outside)
