@@ -10,10 +10,43 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import warnings
+
 import pytest
 from numerics import DEVICE
+
+from wiola.fast import decode_step_cpu
 
 
 @pytest.fixture
 def device() -> str:
     return DEVICE
+
+
+def _runs_here(isa: str) -> bool:
+    try:
+        return decode_step_cpu.select_isa(isa) == isa
+    except ValueError:
+        return False
+
+
+ISAS_HERE = [isa for isa in decode_step_cpu.ISAS if _runs_here(isa)]  # all three on an AVX-512 CPU
+
+
+@pytest.fixture(params=ISAS_HERE)
+def isa(request) -> str:
+    """Each variant of the C++ CPU step this CPU runs; the step is built (on first use) or the
+    test fails naming why."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the failure is reported below instead
+        lib = decode_step_cpu.load(request.param)
+    if lib is None:
+        pytest.fail(f"the CPU decode step ({request.param}) did not build: {decode_step_cpu.BUILD_ERROR}")
+    return request.param
+
+
+@pytest.fixture
+def plain_cpu(monkeypatch) -> None:
+    """A plain CPU (here and in subprocesses): without the interpreter, the fast model takes its
+    CPU paths (the C++ step)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")

@@ -25,10 +25,7 @@ TEXTS = ["Once upon a time there was a little cat. The cat liked to play in the 
 PROMPTS = ["Once upon a time", "The cat", "A red ball and a little"]
 
 
-@pytest.fixture(autouse=True)
-def plain_cpu(monkeypatch):
-    """A plain CPU (here and in the subprocesses): the fast model takes its C++ step, not Triton's interpreter."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+pytestmark = pytest.mark.usefixtures("plain_cpu")  # a plain CPU: the C++ step, not the interpreter
 
 
 @pytest.fixture(scope="module")

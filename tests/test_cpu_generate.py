@@ -9,8 +9,6 @@ ties, for every instruction-set variant this CPU runs."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from numerics import left_padded_prompt
@@ -25,27 +23,14 @@ decode_step_cpu = pytest.importorskip("wiola.fast.decode_step_cpu")
 SMALL = wiola.WiolaConfig(vocab_size=1000, d_model=64, n_layers=2, n_heads=2, d_ff=128, max_seq_len=96)
 
 
-def _runs_here(isa: str) -> bool:
-    try:
-        return decode_step_cpu.select_isa(isa) == isa
-    except ValueError:
-        return False
+@pytest.fixture
+def isa(isa, monkeypatch) -> str:
+    """conftest's variants, also named in ``$WIOLA_CPU_ISA`` (read by the bindings ``generate`` makes)."""
+    monkeypatch.setenv("WIOLA_CPU_ISA", isa)
+    return isa
 
 
-@pytest.fixture(params=[isa for isa in decode_step_cpu.ISAS if _runs_here(isa)])
-def isa(request, monkeypatch) -> str:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        if decode_step_cpu.load(request.param) is None:
-            pytest.fail(f"the CPU decode step ({request.param}) did not build: {decode_step_cpu.BUILD_ERROR}")
-    monkeypatch.setenv("WIOLA_CPU_ISA", request.param)
-    return request.param
-
-
-@pytest.fixture(autouse=True)
-def plain_cpu(monkeypatch):
-    """A plain CPU: without the interpreter, the fast model takes its C++ step."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+pytestmark = pytest.mark.usefixtures("plain_cpu")  # a plain CPU: the C++ step, not the interpreter
 
 
 def _model(scheme: str = "fp32", seed: int = 0) -> wiola.fast.WiolaModel:

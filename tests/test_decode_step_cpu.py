@@ -17,6 +17,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import ISAS_HERE
 from numerics import (
     AbsSums,
     assert_within,
@@ -46,26 +47,7 @@ VARIANTS = {
 }
 
 
-def _runs_here(isa: str) -> bool:
-    try:
-        return decode_step_cpu.select_isa(isa) == isa
-    except ValueError:
-        return False
-
-
-ISAS_HERE = [isa for isa in decode_step_cpu.ISAS if _runs_here(isa)]  # all three on an AVX-512 CPU
 X86 = platform.machine().lower() in ("x86_64", "amd64")
-
-
-@pytest.fixture(params=ISAS_HERE)
-def isa(request) -> str:
-    """Each variant this CPU runs; the step is built (on first use) or the test fails naming why."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the failure is reported below instead
-        lib = decode_step_cpu.load(request.param)
-    if lib is None:
-        pytest.fail(f"the CPU decode step ({request.param}) did not build: {decode_step_cpu.BUILD_ERROR}")
-    return request.param
 
 
 @pytest.fixture(autouse=True)
@@ -246,10 +228,6 @@ def test_wiola_generate_names_the_path(capsys):
 
 
 # ------------------------------------------------------------------ use by wiola.fast
-@pytest.fixture
-def plain_cpu(monkeypatch):
-    """A plain CPU: without the interpreter, the fast model takes its CPU path (this step)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
 def _fast_pair(config: wiola.WiolaConfig) -> tuple[wiola.WiolaModel, wiola.fast.WiolaModel]:

@@ -23,10 +23,7 @@ CLASSES = {"reference": wiola.WiolaModel, "fast": wiola.fast.WiolaModel}
 TEXTS = ["Once upon a time there was a little cat. The cat liked to play in the sun."] * 20
 
 
-@pytest.fixture(autouse=True)
-def plain_cpu(monkeypatch):
-    """A plain CPU: without the interpreter, the fast model takes its CPU path (the C++ step)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+pytestmark = pytest.mark.usefixtures("plain_cpu")  # a plain CPU: the C++ step, not the interpreter
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,6 @@ from wiola.fast.quantize import quantize
 CONFIG = wiola.WiolaConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=160)
 
 
-@pytest.fixture
-def plain_cpu(monkeypatch):
-    """A plain CPU: without the interpreter, the fast model takes its CPU paths."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-
-
 def _model(seed: int = 0) -> wiola.fast.WiolaModel:
     torch.manual_seed(seed)
     model = wiola.fast.WiolaModel(CONFIG).eval().requires_grad_(False)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import warnings
 
 import numpy as np
 import pytest
@@ -30,28 +29,6 @@ SCHEMES = ("int8", "int4", "bf16")
 ODD = wiola.WiolaConfig(vocab_size=301, d_model=40, n_layers=2, n_heads=4, d_ff=72, max_seq_len=320)
 SHAPE_13M = dataclasses.replace(wiola.WiolaConfig.preset("13m"), vocab_size=2000, n_layers=2)
 VARIANTS = {"odd": ODD, "no-gate": dataclasses.replace(ODD, gate=False), "13m-shape": SHAPE_13M}
-
-
-def _runs_here(isa: str) -> bool:
-    try:
-        return decode_step_cpu.select_isa(isa) == isa
-    except ValueError:
-        return False
-
-
-@pytest.fixture(params=[isa for isa in decode_step_cpu.ISAS if _runs_here(isa)])
-def isa(request) -> str:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        if decode_step_cpu.load(request.param) is None:
-            pytest.fail(f"the CPU decode step ({request.param}) did not build: {decode_step_cpu.BUILD_ERROR}")
-    return request.param
-
-
-@pytest.fixture
-def plain_cpu(monkeypatch):
-    """A plain CPU: without the interpreter, the fast model takes its CPU path (the C++ step)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
 def fit(config: wiola.WiolaConfig, scheme: str) -> wiola.WiolaConfig:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import warnings
 
 import pytest
 import torch
@@ -27,28 +26,6 @@ FP32 = TOL[torch.float32]
 SMALL = wiola.WiolaConfig(vocab_size=1000, d_model=64, n_layers=2, n_heads=2, d_ff=128, max_seq_len=96)
 ODD = wiola.WiolaConfig(vocab_size=301, d_model=40, n_layers=2, n_heads=4, d_ff=72, max_seq_len=96)
 SCHEMES = ("fp32", "int8", "bf16")
-
-
-def _runs_here(isa: str) -> bool:
-    try:
-        return decode_step_cpu.select_isa(isa) == isa
-    except ValueError:
-        return False
-
-
-@pytest.fixture(params=[isa for isa in decode_step_cpu.ISAS if _runs_here(isa)])
-def isa(request) -> str:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        if decode_step_cpu.load(request.param) is None:
-            pytest.fail(f"the CPU decode step ({request.param}) did not build: {decode_step_cpu.BUILD_ERROR}")
-    return request.param
-
-
-@pytest.fixture
-def plain_cpu(monkeypatch):
-    """A plain CPU: without the interpreter, the fast model takes its C++ step."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
 def _model(config: wiola.WiolaConfig, scheme: str = "fp32", cls: type = wiola.fast.WiolaModel, seed: int = 0):
