@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+_Settings = TypeVar("_Settings")
 
 PRESETS: dict[str, dict[str, Any]] = {
     # The paper's smallest model: exactly 12,915,888 parameters with the 32k vocabulary.
@@ -17,6 +19,19 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 # The feed-forward blocks (docs/SPEC.md, Feed-forward variants); the first is the paper's.
 FFN_KINDS = ("butterfly", "swiglu", "gelu")
+
+
+def dataclass_from_dict(cls: type[_Settings], data: dict[str, Any], unknown_message: str) -> _Settings:
+    """``cls(**data)`` for the dataclass ``cls``, refusing keys that are not its fields.
+
+    Raises ``ValueError`` with ``unknown_message`` formatted with ``unknown`` and ``known`` (sorted
+    lists of field names) when ``data`` holds a key ``cls`` lacks; ``cls``'s own checks raise as usual.
+    """
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(unknown_message.format(unknown=unknown, known=sorted(known)))
+    return cls(**data)
 
 
 @dataclass
@@ -88,8 +103,4 @@ class WiolaConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> WiolaConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown WiolaConfig fields: {unknown}")
-        return cls(**data)
+        return dataclass_from_dict(cls, data, "unknown WiolaConfig fields: {unknown}")

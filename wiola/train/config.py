@@ -15,7 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from wiola.config import WiolaConfig
+from wiola.config import WiolaConfig, dataclass_from_dict
 
 DEFAULT_SEQ_LEN = 512  # the paper's T, where the model allows it
 
@@ -119,11 +119,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown training settings {unknown}; known: {sorted(known)}")
-        return cls(**data)
+        return dataclass_from_dict(cls, data, "unknown training settings {unknown}; known: {known}")
 
 
 # Settings that may differ between a run and its resumption: the rest would change the numbers.

@@ -155,6 +155,11 @@ class _Story:
             return f'"{text}" {verb} {who.name}.'
         return f'"{text}" {who.name} {verb}.'
 
+    def dialogue(self, *turns: tuple[Character, str]) -> None:
+        """Say each ``(speaker, words)`` turn as a quote, in order (one back-and-forth)."""
+        for who, text in turns:
+            self.say(self.quote(who, text))
+
     def ending(self) -> None:
         h, f = self.hero, self.friend
         self.say(
@@ -230,8 +235,7 @@ def _helping(s: _Story) -> None:
     h, f = s.hero, s.friend
     trouble = s.pick(["was stuck in a tree", "had hurt a leg", "could not reach the apples", "was lost and crying"])
     s.say(f"One day at {s.place}, {h.name} saw {f.intro} who {trouble}.")
-    s.say(s.quote(f, "Help! Can you help me, please?"))
-    s.say(s.quote(h, "Yes, I will help you!"))
+    s.dialogue((f, "Help! Can you help me, please?"), (h, "Yes, I will help you!"))
     s.say(f"{h.name} thought very hard. Then {h.subj} had an idea.")
     s.say(f"{_cap(h.subj)} got a long stick and a rope, and {h.subj} helped {f.name} step by step.")
     s.say(f'{f.name} was so {s.pick(FEELINGS_GOOD)}. "Thank you, {h.name}!" {f.subj} said.')
@@ -244,8 +248,7 @@ def _building(s: _Story) -> None:
     s.say(f"They worked and worked. {f.name} brought sticks and {h.name} brought stones.")
     thing = thing.replace("a ", "the ", 1)
     s.say(f"But then the wind blew, and {thing} fell down!")
-    s.say(s.quote(f, "Oh no! Now we have to start again."))
-    s.say(s.quote(h, "Don't worry. We can make it even better."))
+    s.dialogue((f, "Oh no! Now we have to start again."), (h, "Don't worry. We can make it even better."))
     s.say(f"They tried again, and this time {thing} was big and strong.")
 
 
@@ -267,8 +270,7 @@ def _trip(s: _Story) -> None:
         f"{h.name} was so {s.pick(FEELINGS_GOOD)}! {_cap(h.subj)} packed {h.poss} {s.thing} and some {s.pick(FOODS)}."
     )
     s.say(f"At the {dest_short}, {h.subj} met {f.intro}.")
-    s.say(s.quote(f, f"Hello! Do you want to {s.pick(VERBS_PLAY)} with me?"))
-    s.say(s.quote(h, "Yes, please!"))
+    s.dialogue((f, f"Hello! Do you want to {s.pick(VERBS_PLAY)} with me?"), (h, "Yes, please!"))
     s.say(
         f"They had so much fun. They saw {s.pick(['a big fish', 'a red bird', 'a tiny snail', 'a pretty butterfly'])}."
     )
@@ -287,12 +289,10 @@ def _quarrel(s: _Story) -> None:
     h, f = s.hero, s.friend
     s.say(f"{h.name} and {f.name} were playing at {s.place}.")
     s.say(f"They both wanted the {s.thing} at the same time.")
-    s.say(s.quote(f, f"Give me the {s.thing}!"))
-    s.say(s.quote(h, "No, I had it first!"))
+    s.dialogue((f, f"Give me the {s.thing}!"), (h, "No, I had it first!"))
     s.say(f"They pulled and pulled, and the {s.thing} fell into the mud.")
     s.say(f"Now they were both {s.pick(FEELINGS_BAD)}.")
-    s.say(s.quote(h, "I am sorry. I should not have pulled."))
-    s.say(s.quote(f, "I am sorry too. Let's clean it together."))
+    s.dialogue((h, "I am sorry. I should not have pulled."), (f, "I am sorry too. Let's clean it together."))
     s.say(f"They washed the {s.thing} and it was as good as new.")
 
 
