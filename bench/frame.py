@@ -276,6 +276,19 @@ def forward_only(f: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def wrapper_for(mode: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The wrapper a kernel benchmark times its callables with: ``fwd_bwd`` for the mode
+    ``"fwd_bwd"``, ``forward_only`` for any other."""
+    return fwd_bwd if mode == "fwd_bwd" else forward_only
+
+
+def reference_baselines(reference: Callable[..., Any], wrap: Callable[..., Any]) -> dict[str, Callable[..., Any]]:
+    """The two baselines every kernel benchmark times: the op's reference eager (``"reference"``)
+    and under ``torch.compile`` (``"torch.compile"``, compiled on its first call), each wrapped by
+    ``wrap`` (``fwd_bwd`` or ``forward_only``)."""
+    return {"reference": wrap(reference), "torch.compile": wrap(torch.compile(reference))}
+
+
 COMPILED_ENV = "WIOLA_BENCH_COMPILED"
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import roofline
-from bench.frame import compile_heavy, forward_only, fwd_bwd, rel_err, shape_id
+from bench.frame import compile_heavy, rel_err, shape_id, wrapper_for
 from wiola.ops import apply_rope, helix_frequencies, rope_tables
 from wiola.ops import attention as reference
 
@@ -142,7 +142,7 @@ def test_attention(cuda_bench, shape, mode):
     if "ours" in failed:
         notes.append(f"FAILED the correctness check: {failed.pop('ours')}")
 
-    wrap = fwd_bwd if mode == "fwd_bwd" else forward_only
+    wrap = wrapper_for(mode)
     baselines = {"sdpa+rope": sdpa_rope, "reference": reference}  # SDPA first: the headline's comparison
     baselines.update({name: heavy[name] for name in ("torch.compile", "flex", "flex (gate in q)") if name in heavy})
     baselines = {name: failed.get(name) or (wrap(f) if callable(f) else f) for name, f in baselines.items()}

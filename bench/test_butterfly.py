@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bench import roofline
-from bench.frame import forward_only, fwd_bwd
+from bench.frame import reference_baselines, wrapper_for
 from wiola.ops import butterfly as reference
 
 SHAPES = [dict(N=16384, d=256, d_ff=512)]
@@ -37,7 +37,7 @@ def test_butterfly(cuda_bench, shape, mode, residual):
         weights = (rand(2 * d_ff, d, scale=0.02), rand(d_ff, d, scale=0.02), rand(d, d_ff, scale=0.02))
         return (x, *weights, rand(N, d)) if residual else (x, *weights)
 
-    wrap = fwd_bwd if mode == "fwd_bwd" else forward_only
+    wrap = wrapper_for(mode)
     cuda_bench.run(
         wrap(ours),
         op="butterfly",
@@ -46,8 +46,5 @@ def test_butterfly(cuda_bench, shape, mode, residual):
         shape={**shape, "residual": residual},
         dtype=dtype,
         inputs=inputs,
-        baselines={
-            "reference": wrap(reference),
-            "torch.compile": wrap(torch.compile(reference)),
-        },
+        baselines=reference_baselines(reference, wrap),
     )

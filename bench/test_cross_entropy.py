@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from bench import roofline
-from bench.frame import fwd_bwd
+from bench.frame import fwd_bwd, reference_baselines
 from wiola.ops import linear_cross_entropy as reference
 
 SHAPES = [dict(N=16384, d=256, V=32000), dict(N=16384, d=256, V=50257)]
@@ -54,11 +54,7 @@ def test_linear_cross_entropy_fwd_bwd(cuda_bench, shape):
         shape=shape,
         dtype=dtype,
         inputs=inputs,
-        baselines={
-            "reference": fwd_bwd(reference),
-            "torch.compile": fwd_bwd(torch.compile(reference)),
-            "liger": fwd_bwd(liger) if callable(liger) else liger,
-        },
+        baselines={**reference_baselines(reference, fwd_bwd), "liger": fwd_bwd(liger) if callable(liger) else liger},
     )
     if cuda_bench.quick or "peak_mem_bytes" not in rec:
         return

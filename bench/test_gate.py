@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from bench import roofline
-from bench.frame import forward_only, fwd_bwd, rel_err
+from bench.frame import forward_only, reference_baselines, rel_err, wrapper_for
 from wiola.ops import gate as reference
 
 SHAPES = [
@@ -68,7 +68,7 @@ def test_gate(cuda_bench, shape, mode):
         assert torch.equal(want[2], got[2]), "count differs from the reference"
         del args, want, got
 
-    wrap = fwd_bwd if grad else forward_only
+    wrap = wrapper_for(mode)
     cuda_bench.run(
         wrap(ours),
         op="gate",
@@ -77,10 +77,6 @@ def test_gate(cuda_bench, shape, mode):
         shape=shape,
         dtype=DTYPE,
         inputs=inputs,
-        baselines={
-            "reference": wrap(reference),
-            "torch.compile": wrap(torch.compile(reference)),
-            "q copy": forward_only(_copy(2 if grad else 1)),
-        },
+        baselines={**reference_baselines(reference, wrap), "q copy": forward_only(_copy(2 if grad else 1))},
         notes=["goal: ours within 2x of 'q copy' (its speedup >= 0.5)"],
     )

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from bench import roofline
-from bench.frame import forward_only, fwd_bwd
+from bench.frame import forward_only, reference_baselines, wrapper_for
 from wiola.ops import rms_norm as reference
 
 SHAPES = [dict(N=16384, d=256)]
@@ -78,7 +78,7 @@ def test_rms_norm(cuda_bench, shape, mode, res_dtype):
         f = lambda x, w, r: ours(x, w, EPS, residual=r)
         ref = lambda x, w, r: reference(x, w, EPS, residual=r)
     else:
-        wrap = fwd_bwd if mode == "fwd_bwd" else forward_only
+        wrap = wrapper_for(mode)
         f = lambda x, w: ours(x, w, EPS)
         ref = lambda x, w: reference(x, w, EPS)
         if callable(liger):
@@ -96,9 +96,5 @@ def test_rms_norm(cuda_bench, shape, mode, res_dtype):
         shape={**shape, "residual": str(res_dtype).removeprefix("torch.") if residual else "none"},
         dtype=dtype,
         inputs=inputs,
-        baselines={
-            "reference": wrap(ref),
-            "torch.compile": wrap(torch.compile(ref)),
-            "liger": wrap(liger) if callable(liger) else liger,
-        },
+        baselines={**reference_baselines(ref, wrap), "liger": wrap(liger) if callable(liger) else liger},
     )

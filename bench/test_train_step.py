@@ -56,21 +56,49 @@ def _random_ids(B: int, T: int, V: int, device: str) -> Callable[[], torch.Tenso
     return lambda: torch.randint(0, V, (B, T), device=device)
 
 
+def _run_train_step(
+    bench,
+    step: Callable[[torch.Tensor], None],
+    *,
+    name: str,
+    preset: str,
+    B: int,
+    T: int,
+    dtype: torch.dtype,
+    baselines: dict | None = None,
+    notes: list[str],
+) -> None:
+    """Time ``step`` and ``baselines`` as one ``train_step`` of ``preset`` on fresh random ids
+    ``(B, T)`` on the bench's device: the cost of a step in ``dtype`` and ``B·T`` tokens a call."""
+    cfg = wiola.WiolaConfig.preset(preset)
+    bench.run(
+        step,
+        op="train_step",
+        mode="fwd_bwd_adamw",
+        name=name,
+        cost=roofline.train_step(cfg, B, T, dtype),
+        shape={"preset": preset, "B": B, "T": T},
+        dtype=dtype,
+        inputs=_random_ids(B, T, cfg.vocab_size, bench.device),
+        tokens=B * T,
+        baselines=baselines,
+        notes=notes,
+    )
+
+
 def test_train_step_cpu(cpu_bench) -> None:
     cfg = wiola.WiolaConfig.preset("tiny")
     B, T = (1, 32) if cpu_bench.quick else (4, 256)
     torch.manual_seed(0)
     model = wiola.WiolaModel(cfg).train()
-    cpu_bench.run(
+    _run_train_step(
+        cpu_bench,
         make_step(model, "cpu"),
-        op="train_step",
-        mode="fwd_bwd_adamw",
         name="reference",
-        cost=roofline.train_step(cfg, B, T, torch.float32),
-        shape={"preset": "tiny", "B": B, "T": T},
+        preset="tiny",
+        B=B,
+        T=T,
         dtype=torch.float32,
-        inputs=_random_ids(B, T, cfg.vocab_size, "cpu"),
-        tokens=B * T,
         notes=["fp32, torch.optim.AdamW (foreach)"],
     )
 
@@ -98,16 +126,14 @@ def test_train_step_cuda(cuda_bench, shape: dict[str, int]) -> None:
         fm.load_state_dict(init)
         name, ours = "wiola.fast", make_step(fm, "cuda")
         baselines = {"reference": reference(False), **compiled}
-    cuda_bench.run(
+    _run_train_step(
+        cuda_bench,
         ours,
-        op="train_step",
-        mode="fwd_bwd_adamw",
         name=name,
-        cost=roofline.train_step(cfg, B, T, torch.bfloat16),
-        shape={"preset": "13m", "B": B, "T": T},
+        preset="13m",
+        B=B,
+        T=T,
         dtype=torch.bfloat16,
-        inputs=_random_ids(B, T, cfg.vocab_size, "cuda"),
-        tokens=B * T,
         baselines=baselines,
         notes=["bf16 autocast, fp32 master weights, fused AdamW", *notes],
     )
@@ -169,16 +195,14 @@ def test_train_step_cuda_graph_fast(cuda_bench, shape: dict[str, int]) -> None:
     compiled, notes = compile_heavy(
         {"torch.compile": lambda: make_step(fresh(wiola.WiolaModel), "cuda", compiled=True)}
     )
-    cuda_bench.run(
+    _run_train_step(
+        cuda_bench,
         make_graph_step(fresh(fast_cls), B, T),
-        op="train_step",
-        mode="fwd_bwd_adamw",
         name="wiola.fast + CUDA graph",
-        cost=roofline.train_step(cfg, B, T, torch.bfloat16),
-        shape={"preset": "13m", "B": B, "T": T},
+        preset="13m",
+        B=B,
+        T=T,
         dtype=torch.bfloat16,
-        inputs=_random_ids(B, T, cfg.vocab_size, "cuda"),
-        tokens=B * T,
         baselines={"wiola.fast eager": make_step(fresh(fast_cls), "cuda"), **compiled},
         notes=["bf16 autocast (cache off), fp32 master weights, fused capturable AdamW, one graph per step", *notes],
     )
@@ -203,16 +227,14 @@ def test_train_step_cpu_fast(cpu_bench) -> None:
         with use_kernels(False):  # the plain-CPU path, also under TRITON_INTERPRET=1
             fast_step(ids)
 
-    cpu_bench.run(
+    _run_train_step(
+        cpu_bench,
         ours,
-        op="train_step",
-        mode="fwd_bwd_adamw",
         name="wiola.fast (CPU path)",
-        cost=roofline.train_step(cfg, B, T, torch.float32),
-        shape={"preset": "tiny", "B": B, "T": T},
+        preset="tiny",
+        B=B,
+        T=T,
         dtype=torch.float32,
-        inputs=_random_ids(B, T, cfg.vocab_size, "cpu"),
-        tokens=B * T,
         baselines={"reference": make_step(ref, "cpu")},
         notes=["fp32, torch.optim.AdamW (foreach)"],
     )

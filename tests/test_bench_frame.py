@@ -147,6 +147,21 @@ def test_forward_only_and_rel_err():
     assert rel_err(torch.tensor([2.0, -4.0]), torch.tensor([2.0, -3.0])) == 0.25
 
 
+def test_wrapper_for_and_reference_baselines() -> None:
+    """The mode picks the wrapper; the reference baselines are the eager reference and its
+    ``torch.compile`` (not called here: compiling on the CPU takes minutes), both wrapped."""
+    assert frame.wrapper_for("fwd_bwd") is frame.fwd_bwd
+    assert frame.wrapper_for("fwd") is frame.forward_only
+    x = torch.ones(3, requires_grad=True)
+    baselines = frame.reference_baselines(lambda t: t * 2, frame.forward_only)
+    assert list(baselines) == ["reference", "torch.compile"]
+    y = baselines["reference"](x)
+    assert not y.requires_grad and torch.equal(y, torch.full((3,), 2.0)), (
+        "reference baseline: not the wrapped reference"
+    )
+    assert callable(baselines["torch.compile"])
+
+
 def test_ours_is_recorded_before_any_baseline_and_an_interrupted_baseline_is_kept(tmp_path, monkeypatch) -> None:
     """The JSONL holds our result before the first baseline is called; a baseline interrupted the way
     pytest-timeout interrupts (an exception outside ``Exception``) is recorded, then re-raised; the
