@@ -7,6 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from wiola.cli.arguments import add_progress_flag
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ablate", help="train variants × seeds from a TOML/JSON spec; report with CIs and plots")
@@ -17,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--print-commands", action="store_true", help="write the run configs, print one command per unfinished run"
     )
     p.add_argument("--torchrun", type=int, metavar="N", help="with --print-commands: torchrun with N processes")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    add_progress_flag(p)
     p.set_defaults(func=run_ablate)
 
 

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from wiola.cli.arguments import add_checkpoint_arguments
+
 if TYPE_CHECKING:
     from wiola.tokenizer import Tokenizer
 
@@ -23,8 +25,7 @@ FORMATS = ("wiola13m", "onnx")
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="write a checkpoint in the wiola13m / transformers format, or for ONNX Runtime")
-    p.add_argument("--checkpoint", required=True, help="model folder, training run folder or Hub id")
-    p.add_argument("--revision", help="with a Hub id: a branch, tag or commit")
+    add_checkpoint_arguments(p, help="model folder, training run folder or Hub id", required=True)
     p.add_argument("--out", required=True, help="folder to write")
     p.add_argument(
         "--format",

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from wiola.cli.arguments import add_length_arguments, add_progress_flag
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     from wiola.model import ADAPTER_TARGETS
@@ -25,9 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="chat: {'messages': [...]}; completion: {'prompt', 'completion'}",
     )
     p.add_argument("--out", default="runs/finetune", help="output folder (a checkpoint, or the adapters)")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-4)
+    add_length_arguments(p, steps=200, batch_size=8, lr=3e-4)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--add-role-tokens", action="store_true", help="add <|system|> <|user|> <|assistant|> as tokens")
     p.add_argument("--device")
     p.add_argument("--fast", action="store_true", help="wiola.fast (fused kernels)")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    add_progress_flag(p)
     p.set_defaults(func=run_finetune)
     register_demo(sub)
 
@@ -87,12 +87,10 @@ def register_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="runs/instruct")
     p.add_argument("--examples", type=int, default=2000, help="training examples")
     p.add_argument("--samples", type=int, default=200, help="held-out instructions measured before and after")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-3)
+    add_length_arguments(p, steps=300, batch_size=8, lr=1e-3)
     p.add_argument("--lora-rank", type=int)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    add_progress_flag(p)
     p.set_defaults(func=run_instruct_demo)
 
 

@@ -16,15 +16,14 @@ from typing import TextIO
 
 import torch
 
+from wiola.cli.arguments import add_checkpoint_arguments
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     from wiola.config import PRESETS
 
     p = sub.add_parser("generate", help="generate text from a checkpoint")
-    p.add_argument(
-        "--checkpoint", help="model folder (ours or wiola13m's), a training run folder, or a Hub id (org/name)"
-    )
-    p.add_argument("--revision", help="with a Hub id: a branch, tag or commit")
+    add_checkpoint_arguments(p, help="model folder (ours or wiola13m's), a training run folder, or a Hub id (org/name)")
     p.add_argument("--tokenizer", help="gpt2, gpt2-32k or a tokenizer.json path (default: the checkpoint's)")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="random model when no checkpoint")
     p.add_argument("--prompt", default="Once upon a time")

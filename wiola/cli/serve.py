@@ -8,11 +8,12 @@ import sys
 
 import torch
 
+from wiola.cli.arguments import add_checkpoint_arguments
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a checkpoint over HTTP (OpenAI-compatible, continuous batching)")
-    p.add_argument("--checkpoint", required=True, help="model folder, a training run folder, or a Hub id (org/name)")
-    p.add_argument("--revision", help="with a Hub id: a branch, tag or commit")
+    add_checkpoint_arguments(p, help="model folder, a training run folder, or a Hub id (org/name)", required=True)
     p.add_argument("--tokenizer", help="gpt2, gpt2-32k or a tokenizer.json path (default: the checkpoint's)")
     p.add_argument("--quantize", choices=("int8", "bf16"), help="weight-only int8 or bf16 matrices for the C++ step")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")

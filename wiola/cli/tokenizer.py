@@ -8,6 +8,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from wiola.cli.arguments import add_progress_flag
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer")
@@ -17,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--vocab-size", type=int, required=True, help="ids in the vocabulary, specials and bytes included")
     t.add_argument("--out", required=True, help="folder to write tokenizer.json, tokenizer_config.json, ...")
     t.add_argument("--max-documents", type=int, help="train on the first N training documents only")
-    t.add_argument("--no-progress", dest="progress", action="store_false")
+    add_progress_flag(t)
     t.set_defaults(func=run_train)
 
 
