@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from wiola import WiolaConfig, WiolaModel
@@ -50,3 +51,26 @@ def test_generate_accepts_a_training_run_folder(tmp_path, capsys):
     code = main(["generate", "--checkpoint", str(tmp_path), "--prompt", "Hi", "--max-new-tokens", "3",
                  "--temperature", "0", "--device", "cpu"])  # fmt: skip
     assert code == 0 and "3 tokens" in capsys.readouterr().err
+
+
+def test_shared_flags_keep_each_command_s_defaults():
+    """The flags declared once in wiola.cli.arguments keep every command's own defaults and names."""
+    from wiola.cli import build_parser
+
+    parser = build_parser()
+    finetune = parser.parse_args(["finetune", "--init", "ckpt", "--data", "d.jsonl"])
+    assert (finetune.steps, finetune.batch_size, finetune.lr, finetune.progress) == (200, 8, 3e-4, True)
+    demo = parser.parse_args(["instruct-demo", "--init", "ckpt", "--no-progress"])
+    assert (demo.steps, demo.batch_size, demo.lr, demo.progress) == (300, 8, 1e-3, False)
+    for command in (["export", "--out", "o"], ["serve"], ["generate"]):
+        args = parser.parse_args([*command, "--checkpoint", "org/name", "--revision", "v1"])
+        assert (args.checkpoint, args.revision) == ("org/name", "v1"), command
+
+
+def test_export_and_serve_require_a_checkpoint(capsys):
+    for command in (["export", "--out", "o"], ["serve"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(command)
+        assert exit_info.value.code == 2, command
+        err = capsys.readouterr().err
+        assert err.startswith(f"wiola {command[0]}: error:") and "--checkpoint" in err, err
