@@ -50,3 +50,28 @@ def plain_cpu(monkeypatch) -> None:
     """A plain CPU (here and in subprocesses): without the interpreter, the fast model takes its
     CPU paths (the C++ step)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+BPE_FILE = "/work/shared/tokenizers/gpt2.tiktoken"  # GPT-2's ranks, shared on these machines
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests: on a shared 2-core CI machine two threads contend
+    and run ~5x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def offline_tokenizer():
+    """``WIOLA_BPE_FILE`` set to the shared ranks file (no download) for a module's tests, when it
+    is unset and the file is there."""
+    if not os.environ.get("WIOLA_BPE_FILE") and os.path.isfile(BPE_FILE):
+        os.environ["WIOLA_BPE_FILE"] = BPE_FILE
+        yield
+        os.environ.pop("WIOLA_BPE_FILE", None)
+    else:
+        yield

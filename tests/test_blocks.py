@@ -45,12 +45,18 @@ def _batch(B: int = 3, T: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.to(DEVICE), mask.to(DEVICE)
 
 
+def _model_and_its_logits(kind: str) -> tuple[WiolaModel, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``kind`` model, the batch ``(ids, mask)`` of ``_batch`` and the model's own logits of it
+    ``(B, T, V)``: what the module-level calls must reproduce."""
+    model = _model(CLASSES[kind])
+    ids, mask = _batch()
+    return model, ids, mask, model(ids, attention_mask=mask).logits
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("kind", list(CLASSES))
 def test_blocks_called_one_by_one_equal_the_model(kind):
-    model = _model(CLASSES[kind])
-    ids, mask = _batch()
-    want = model(ids, attention_mask=mask).logits
+    model, ids, mask, want = _model_and_its_logits(kind)
     B, T = ids.shape
     cos, sin = rope_tables(positions_from_mask(mask, B, T), model.rope_freqs)
     hidden, residual = model.embed(ids), None
@@ -64,9 +70,7 @@ def test_blocks_called_one_by_one_equal_the_model(kind):
 @torch.no_grad()
 @pytest.mark.parametrize("kind", list(CLASSES))
 def test_forward_hooks_fire_on_every_block_and_gate(kind):
-    model = _model(CLASSES[kind])
-    ids, mask = _batch()
-    want = model(ids, attention_mask=mask).logits
+    model, ids, mask, want = _model_and_its_logits(kind)
     blocks, gates = [], []
     handles = [layer.register_forward_hook(lambda m, a, out: blocks.append(out)) for layer in model.layers]
     handles += [layer.attn.gate.register_forward_hook(lambda m, a, g: gates.append(g)) for layer in model.layers]

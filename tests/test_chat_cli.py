@@ -3,6 +3,7 @@ Ctrl-C in the middle of a reply, /reset, /exit, and the history kept within max_
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -68,17 +70,24 @@ def _checkpoint(path: Path, max_seq_len: int, d_model: int) -> Path:
     return path
 
 
-def _chat(checkpoint: Path, *flags: str) -> Terminal:
+@contextlib.contextmanager
+def _chat(checkpoint: Path, *flags: str) -> Iterator[Terminal]:
+    """``wiola chat`` in a terminal of its own, handed over once its first prompt shows; the
+    terminal is closed afterwards, whatever happened."""
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in os.environ.items() if k in ("WIOLA_BPE_FILE", "PYTHONPATH"))
     cmd = [sys.executable, "-m", "wiola", "chat", "--checkpoint", str(checkpoint), *flags]
     # `; sleep` keeps the pane readable after the program exits (its exit code is printed)
-    return Terminal(f"cd {shlex.quote(str(ROOT))} && env {env} {shlex.join(cmd)}; echo EXIT=$?; sleep 30")
+    term = Terminal(f"cd {shlex.quote(str(ROOT))} && env {env} {shlex.join(cmd)}; echo EXIT=$?; sleep 30")
+    try:
+        term.wait_for(lambda s: "you> " in s, "the banner and the first prompt")
+        yield term
+    finally:
+        term.close()
 
 
 def test_chat_streams_stops_on_ctrl_c_resets_and_exits(tmp_path) -> None:
-    term = _chat(_checkpoint(tmp_path / "long", 1024, 64), "--max-new-tokens", "1000", "--temperature", "1")
-    try:
-        term.wait_for(lambda s: "you> " in s, "the banner and prompt")
+    checkpoint = _checkpoint(tmp_path / "long", 1024, 64)
+    with _chat(checkpoint, "--max-new-tokens", "1000", "--temperature", "1") as term:
         assert "/reset" in term.screen()
         term.type("Tell me a long story.")
         # the reply streams: text appears after "model> " while it is still being written
@@ -90,17 +99,14 @@ def test_chat_streams_stops_on_ctrl_c_resets_and_exits(tmp_path) -> None:
         term.wait_for(lambda s: "(conversation cleared)" in s, "/reset")
         term.type("/exit")
         term.wait_for(lambda s: "EXIT=0" in s, "/exit to end the program with 0")
-    finally:
-        term.close()
 
 
 def test_chat_drops_old_turns_to_fit_and_says_so_once(tmp_path) -> None:
     # Sampled at temperature 1 from a random model, a reply is 8 tokens drawn nearly uniformly from
     # 32,000, so it is never whitespace only (greedy replies of a random model can be: such a turn is
     # not kept, and the history would never grow past the context).
-    term = _chat(_checkpoint(tmp_path / "short", 64, 32), "--max-new-tokens", "8", "--temperature", "1")
-    try:
-        term.wait_for(lambda s: "you> " in s, "the prompt")
+    checkpoint = _checkpoint(tmp_path / "short", 64, 32)
+    with _chat(checkpoint, "--max-new-tokens", "8", "--temperature", "1") as term:
         note = "older turns were dropped"
         for i in range(5):
             term.type(f"Turn {i}: tell me about the little red boat on the lake.")
@@ -111,5 +117,3 @@ def test_chat_drops_old_turns_to_fit_and_says_so_once(tmp_path) -> None:
         term.wait_for(lambda s: "unknown command /bogus" in s, "the unknown-command line")
         term.key("C-d")
         term.wait_for(lambda s: "EXIT=0" in s, "Ctrl-D to end the program with 0")
-    finally:
-        term.close()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections import Counter
 
 import numpy as np
@@ -19,26 +18,7 @@ from wiola.train.evaluate import token_byte_lengths, unigram_entropy
 from wiola.train.sources import iter_documents, resolve_source
 from wiola.train.token_cache import TokenSplit, prepare_data
 
-BPE_FILE = "/work/shared/tokenizers/gpt2.tiktoken"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread: on a shared 2-core CI machine two threads contend and run ~5x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _offline_tokenizer():
-    if not os.environ.get("WIOLA_BPE_FILE") and os.path.isfile(BPE_FILE):
-        os.environ["WIOLA_BPE_FILE"] = BPE_FILE
-        yield
-        del os.environ["WIOLA_BPE_FILE"]
-    else:
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread", "offline_tokenizer")
 
 
 @pytest.fixture(scope="module")

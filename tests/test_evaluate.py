@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import pytest
@@ -19,31 +18,15 @@ from wiola.train.evaluate import evaluate, gate_statistics, token_byte_lengths
 from wiola.train.plots import plot_gate_heatmap, plot_loss_curve
 from wiola.train.token_cache import TokenSplit
 
-BPE_FILE = "/work/shared/tokenizers/gpt2.tiktoken"
+pytestmark = pytest.mark.usefixtures("one_thread")
 SMALL = dict(d_model=32, n_layers=3, n_heads=4, d_ff=48, max_seq_len=64)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread: on a shared 2-core CI machine two threads contend and run ~5x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def enc():
+def enc(offline_tokenizer):
     from wiola.tokenizer import get_encoding
 
-    old = os.environ.get("WIOLA_BPE_FILE")
-    if not old and os.path.isfile(BPE_FILE):
-        os.environ["WIOLA_BPE_FILE"] = BPE_FILE
-    try:
-        yield get_encoding("gpt2-32k")
-    finally:
-        if not old:
-            os.environ.pop("WIOLA_BPE_FILE", None)
+    return get_encoding("gpt2-32k")
 
 
 def _model(seed: int = 0, **overrides) -> WiolaModel:

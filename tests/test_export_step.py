@@ -45,6 +45,19 @@ def stepped_logits(model: WiolaModel, ids: torch.Tensor, mask: torch.Tensor | No
     return torch.from_numpy(np.stack(logits, axis=1))
 
 
+def assert_steps_equal_the_pass(
+    name: str, model: WiolaModel, reference: WiolaModel, ids: torch.Tensor, mask: torch.Tensor
+) -> None:
+    """``model`` stepped one token at a time gives ``reference``'s full-pass logits at every real
+    (unpadded) position, within the error bound of the pass's absolute sums."""
+    with AbsSums(reference) as sums:
+        ref = reference(ids, attention_mask=mask).logits
+    got = stepped_logits(model, ids, mask)
+    real = mask.bool()
+    allowed = bound(model.config, ids.shape[1], sums.head)[real]
+    assert_within(name, ref[real], got[real], allowed, "ONNX Runtime CPU")
+
+
 @pytest.mark.parametrize(
     "overrides",
     [{}, {"gate_pre_rope": False}, {"gate": False}, {"helix_alpha": 0.0}],
@@ -54,12 +67,7 @@ def stepped_logits(model: WiolaModel, ids: torch.Tensor, mask: torch.Tensor | No
 def test_step_by_step_equals_the_full_pass(overrides: dict, B: int, pad: int) -> None:
     model = _model(**overrides)
     ids, mask = left_padded_prompt(model.config.vocab_size, B, 12, pad)
-    with AbsSums(model) as sums:
-        ref = model(ids, attention_mask=mask).logits
-    got = stepped_logits(model, ids, mask)
-    real = mask.bool()
-    allowed = bound(model.config, ids.shape[1], sums.head)[real]
-    assert_within(f"logits {overrides}", ref[real], got[real], allowed, "ONNX Runtime CPU")
+    assert_steps_equal_the_pass(f"logits {overrides}", model, model, ids, mask)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "bf16"])
@@ -70,12 +78,7 @@ def test_quantized_step_equals_the_dequantized_oracle(scheme: str) -> None:
     assert set(held.values()) == {torch.int8 if scheme == "int8" else torch.bfloat16}, held  # packed, not fp32
     ids, mask = left_padded_prompt(model.config.vocab_size, 3, 10, 4)
     oracle = reference_on(model)  # the PyTorch path on the dequantized weights
-    with AbsSums(oracle) as sums:
-        ref = oracle(ids, attention_mask=mask).logits
-    got = stepped_logits(model, ids, mask)
-    real = mask.bool()
-    allowed = bound(model.config, ids.shape[1], sums.head)[real]
-    assert_within(f"{scheme} logits", ref[real], got[real], allowed, "ONNX Runtime CPU")
+    assert_steps_equal_the_pass(f"{scheme} logits", model, oracle, ids, mask)
 
 
 @pytest.mark.parametrize("B, pad", [(1, 0), (4, 6)])

@@ -154,22 +154,24 @@ def _task_folder(root: Path) -> Path:
     tasks = root / "tasks"
     tasks.mkdir()
     common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
-    (tasks / "mc.yaml").write_text(
-        "task: wiola_local_mc\n"
-        + common
-        + textwrap.dedent("""\
+
+    def task(name: str, spec: str) -> None:  # one lm-eval task YAML over the shared data file
+        (tasks / f"{name}.yaml").write_text(f"task: wiola_local_{name}\n" + common + textwrap.dedent(spec))
+
+    task(
+        "mc",
+        """\
         output_type: multiple_choice
         doc_to_text: "{{context}}"
         doc_to_choice: "{{choices}}"
         doc_to_target: "{{label}}"
         metric_list:
           - metric: acc
-        """)
+        """,
     )
-    (tasks / "gen.yaml").write_text(
-        "task: wiola_local_gen\n"
-        + common
-        + textwrap.dedent("""\
+    task(
+        "gen",
+        """\
         output_type: generate_until
         doc_to_text: "{{context}}"
         doc_to_target: "{{text}}"
@@ -179,18 +181,17 @@ def _task_folder(root: Path) -> Path:
           do_sample: false
         metric_list:
           - metric: exact_match
-        """)
+        """,
     )
-    (tasks / "ppl.yaml").write_text(
-        "task: wiola_local_ppl\n"
-        + common
-        + textwrap.dedent("""\
+    task(
+        "ppl",
+        """\
         output_type: loglikelihood_rolling
         doc_to_text: ""
         doc_to_target: "{{text}}"
         metric_list:
           - metric: word_perplexity
-        """)
+        """,
     )
     return tasks
 

@@ -21,28 +21,9 @@ from wiola.train.corpus import write_sample_corpus
 from wiola.train.env import model_class
 from wiola.train.optim import WarmupCosine, build_optimizer
 
-BPE_FILE = "/work/shared/tokenizers/gpt2.tiktoken"
+pytestmark = pytest.mark.usefixtures("one_thread", "offline_tokenizer")
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64, "max_seq_len": 64}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread: on a shared 2-core CI machine two threads contend and run ~5x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _offline_tokenizer():
-    old = os.environ.get("WIOLA_BPE_FILE")
-    if not old and os.path.isfile(BPE_FILE):
-        os.environ["WIOLA_BPE_FILE"] = BPE_FILE
-    yield
-    if not old:
-        os.environ.pop("WIOLA_BPE_FILE", None)
 
 
 @pytest.fixture(scope="module")
@@ -155,41 +136,20 @@ def test_checkpoint_rotation(corpus, cache, tmp_path) -> None:
     assert result.checkpoint.name == "step_0000005"
 
 
+def _train_command(corpus: Path, cache: Path, out: Path, *flags: str) -> list[str]:
+    """``wiola train`` arguments: the ``SMALL`` tiny model on ``corpus``, windows of 32, batches of 4,
+    on the CPU into ``out`` without progress bars or plots; ``flags`` (the run's length, ...) added."""
+    data = ["--data", str(corpus), "--cache-dir", str(cache), "--seq-len", "32", "--batch-size", "4"]
+    quiet = ["--out", str(out), "--no-progress", "--no-plots", "--device", "cpu"]
+    model = [arg for key, value in SMALL.items() for arg in ("--model", f"{key}={value}")]
+    return ["train", "--preset", "tiny", *data, *flags, *quiet, *model]
+
+
 # --------------------------------------------------------------------------------- Ctrl-C
 def test_sigint_saves_checkpoint_and_exits_cleanly(corpus, cache, tmp_path) -> None:
     out = tmp_path / "sig"
-    cmd = [
-        sys.executable,
-        "-m",
-        "wiola",
-        "train",
-        "--preset",
-        "tiny",
-        "--data",
-        str(corpus),
-        "--cache-dir",
-        str(cache),
-        "--seq-len",
-        "32",
-        "--batch-size",
-        "4",
-        "--steps",
-        "100000",
-        "--log-every",
-        "1",
-        "--eval-every",
-        "100000",
-        "--save-every",
-        "100000",
-        "--out",
-        str(out),
-        "--no-progress",
-        "--no-plots",
-        "--device",
-        "cpu",
-    ]
-    for kv in ("d_model=32", "n_layers=2", "n_heads=2", "d_ff=64", "max_seq_len=64"):
-        cmd += ["--model", kv]
+    long_run = ("--steps", "100000", "--log-every", "1", "--eval-every", "100000", "--save-every", "100000")
+    cmd = [sys.executable, "-m", "wiola", *_train_command(corpus, cache, out, *long_run)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -216,48 +176,10 @@ def test_sigint_saves_checkpoint_and_exits_cleanly(corpus, cache, tmp_path) -> N
 
 # ------------------------------------------------------------------------ DDP and accumulation
 def _torchrun(corpus: Path, cache: Path, out: Path, nproc: int, micro: int) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "wiola",
-        "train",
-        "--preset",
-        "tiny",
-        "--data",
-        str(corpus),
-        "--cache-dir",
-        str(cache),
-        "--seq-len",
-        "32",
-        "--batch-size",
-        "4",
-        "--micro-batch",
-        str(micro),
-        "--steps",
-        "6",
-        "--lr",
-        "3e-3",
-        "--warmup",
-        "2",
-        "--log-every",
-        "1",
-        "--eval-every",
-        "6",
-        "--eval-windows",
-        "6",
-        "--out",
-        str(out),
-        "--no-progress",
-        "--no-plots",
-        "--device",
-        "cpu",
-    ]
-    for kv in ("d_model=32", "n_layers=2", "n_heads=2", "d_ff=64", "max_seq_len=64"):
-        cmd += ["--model", kv]
+    run = ("--micro-batch", str(micro), "--steps", "6", "--lr", "3e-3", "--warmup", "2", "--log-every", "1")
+    evaluation = ("--eval-every", "6", "--eval-windows", "6")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "wiola"]
+    cmd += _train_command(corpus, cache, out, *run, *evaluation)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
 
@@ -306,20 +228,24 @@ def test_missing_data_path(corpus, tmp_path) -> None:
         train(_cfg(tmp_path / "nope", tmp_path / "c", tmp_path / "o"), log=_quiet)
 
 
+def _data_folder(root: Path, train_text: str, val_text: str) -> Path:
+    """A data folder of two files, ``train.txt`` and ``val.txt``, holding these texts."""
+    (root / "data").mkdir()
+    (root / "data" / "train.txt").write_text(train_text)
+    (root / "data" / "val.txt").write_text(val_text)
+    return root / "data"
+
+
 def test_empty_corpus(tmp_path) -> None:
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "train.txt").write_text("\n\n")
-    (tmp_path / "data" / "val.txt").write_text("Some text.")
+    data = _data_folder(tmp_path, "\n\n", "Some text.")
     with pytest.raises(ValueError, match="empty corpus"):
-        train(_cfg(tmp_path / "data", tmp_path / "c", tmp_path / "o"), log=_quiet)
+        train(_cfg(data, tmp_path / "c", tmp_path / "o"), log=_quiet)
 
 
 def test_corpus_shorter_than_one_window(tmp_path) -> None:
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "train.txt").write_text("A very short story.")
-    (tmp_path / "data" / "val.txt").write_text("Another one.")
+    data = _data_folder(tmp_path, "A very short story.", "Another one.")
     with pytest.raises(ValueError, match="fewer than one window"):
-        train(_cfg(tmp_path / "data", tmp_path / "c", tmp_path / "o"), log=_quiet)
+        train(_cfg(data, tmp_path / "c", tmp_path / "o"), log=_quiet)
 
 
 def test_tokenizer_vocab_mismatch(corpus, tmp_path) -> None:
