@@ -10,6 +10,7 @@ from the filtered softmax exactly and needs no host sync, so the CUDA-graph loop
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -160,6 +161,50 @@ def check_generate_inputs(
     return sampling
 
 
+@dataclass(frozen=True)
+class GenerateArgs:
+    """The arguments of a generation loop, checked (``GenerateArgs.check``): what
+    ``eager_generate`` and the loops of ``wiola.fast.generation`` run on."""
+
+    input_ids: torch.Tensor  # (B, T) the prompt
+    max_new_tokens: int
+    attention_mask: torch.Tensor | None  # (B, T), 0 on the left padding
+    sampling: Sampling
+    eos_token_id: int | None
+    pad_token_id: int | None  # what finished rows hold (``resolve_pad_id``)
+    generator: torch.Generator | None
+    streamer: Callable[[torch.Tensor], None] | None  # given each step's (B,) new tokens
+
+    @classmethod
+    def check(
+        cls,
+        model: Decoder,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | None = None,
+        pad_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+        streamer: Callable[[torch.Tensor], None] | None = None,
+    ) -> GenerateArgs:
+        """A loop's arguments checked (``check_generate_inputs``; ``ValueError``/``TypeError``
+        naming the problem, ``TypeError`` for an argument not listed), sampling and the pad id
+        resolved."""
+        sampling = check_generate_inputs(model, input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p)
+        pad = resolve_pad_id(model, eos_token_id, pad_token_id)
+        return cls(input_ids, max_new_tokens, attention_mask, sampling, eos_token_id, pad, generator, streamer)
+
+
+# The keyword arguments every generation loop takes (those of ``GenerateArgs.check``).
+LOOP_KEYWORDS = frozenset(
+    name for name, p in inspect.signature(GenerateArgs.check).parameters.items() if p.kind is p.KEYWORD_ONLY
+)
+
+
 class Steps(Protocol):
     """One generation's steps: ``prefill`` gives the first new tokens, ``step`` each next ones
     (``(B,)`` int64, eos-padded); ``finished`` ``(B,)`` bool marks rows that emitted eos."""
@@ -171,51 +216,35 @@ class Steps(Protocol):
     def step(self) -> torch.Tensor: ...
 
 
-def decode_loop(
-    steps: Steps | None,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    max_new_tokens: int,
-    eos_token_id: int | None,
-    pad_token_id: int | None,
-    streamer: Callable[[torch.Tensor], None] | None,
-    eos_check_every: int = 1,
-) -> torch.Tensor:
-    """The loop both generators run: ``(B, T + max_new_tokens)`` int64 (prompt, new tokens, and
+def decode_loop(steps: Steps | None, args: GenerateArgs, eos_check_every: int = 1) -> torch.Tensor:
+    """The loop every generator runs: ``(B, T + max_new_tokens)`` int64 (prompt, new tokens, and
     ``pad_token_id`` after every row has finished). Whether every row has finished is read on
     the host every ``eos_check_every`` steps (rows that finished emit the pad token meanwhile).
     ``steps`` may be None when ``max_new_tokens`` is 0."""
+    input_ids, max_new_tokens = args.input_ids, args.max_new_tokens
     B, T = input_ids.shape
     out = torch.empty(B, T + max_new_tokens, dtype=torch.int64, device=input_ids.device)
     out[:, :T] = input_ids
     for i in range(max_new_tokens):
         if i == 0:
-            token = steps.prefill(input_ids, attention_mask)
-        elif eos_token_id is not None and i % eos_check_every == 0 and bool(steps.finished.all()):
-            out[:, T + i :] = pad_token_id
+            token = steps.prefill(input_ids, args.attention_mask)
+        elif args.eos_token_id is not None and i % eos_check_every == 0 and bool(steps.finished.all()):
+            out[:, T + i :] = args.pad_token_id
             break
         else:
             token = steps.step()
         out[:, T + i] = token
-        if streamer is not None:
-            streamer(token.clone())
+        if args.streamer is not None:
+            args.streamer(token.clone())
     return out
 
 
 class _EagerSteps:
     """The model's forward on a fresh static cache, one token per row and step."""
 
-    def __init__(
-        self,
-        model: Decoder,
-        cache: Cache,
-        sampling: Sampling,
-        eos_token_id: int | None,
-        pad_token_id: int | None,
-        generator: torch.Generator | None,
-    ) -> None:
-        self.model, self.cache, self.sampling, self.generator = model, cache, sampling, generator
-        self.eos, self.pad = eos_token_id, pad_token_id
+    def __init__(self, model: Decoder, cache: Cache, args: GenerateArgs) -> None:
+        self.model, self.cache, self.sampling, self.generator = model, cache, args.sampling, args.generator
+        self.eos, self.pad = args.eos_token_id, args.pad_token_id
         self.finished = torch.zeros(cache.batch_size, dtype=torch.bool, device=cache.device)
         self.token: torch.Tensor | None = None
 
@@ -387,29 +416,16 @@ def hf_generate(
 
 
 @torch.inference_mode()
-def eager_generate(
-    model: Decoder,
-    input_ids: torch.Tensor,
-    max_new_tokens: int,
-    *,
-    attention_mask: torch.Tensor | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    eos_token_id: int | None = None,
-    pad_token_id: int | None = None,
-    generator: torch.Generator | None = None,
-    streamer: Callable[[torch.Tensor], None] | None = None,
-) -> torch.Tensor:
+def eager_generate(model: Decoder, input_ids: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
     """The reference loop of ``generate`` (a model's forward on a fresh static cache), without the
-    ``transformers``-style arguments; ``streamer`` is a per-step callback."""
-    sampling = check_generate_inputs(model, input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p)
-    B, T = input_ids.shape
-    pad = resolve_pad_id(model, eos_token_id, pad_token_id)
+    ``transformers``-style arguments: the keyword arguments of ``GenerateArgs.check``, where
+    ``streamer`` is a per-step callback."""
+    args = GenerateArgs.check(model, input_ids, max_new_tokens, **kwargs)
     steps = None
     if max_new_tokens > 0:
-        steps = _EagerSteps(model, model.new_cache(B, T + max_new_tokens), sampling, eos_token_id, pad, generator)
-    return decode_loop(steps, input_ids, attention_mask, max_new_tokens, eos_token_id, pad, streamer)
+        B, T = input_ids.shape
+        steps = _EagerSteps(model, model.new_cache(B, T + max_new_tokens), args)
+    return decode_loop(steps, args)
 
 
 def generate(model: Decoder, input_ids: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:

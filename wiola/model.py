@@ -13,6 +13,7 @@ same modules on fused kernels by giving them another table.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from collections.abc import Callable, Hashable
@@ -320,8 +321,13 @@ class GatedHelicalAttention(nn.Module):
         return _decode_layout_of(self.derived, (key, self.layer_index), *weights)
 
 
-class Butterfly(nn.Module):
-    """The butterfly feed-forward block (docs/SPEC.md eq. 14-16): ``W_down (SiLU(a) ⊙ b + W_bp x)``."""
+class _FeedForward(nn.Module):
+    """A feed-forward block of bias-free ``nn.Linear`` projections: the up-side ones (``up``: their
+    state-dict names in call order, each ``d -> width · d_ff``) and ``down_proj`` (``d_ff -> d``).
+    ``forward`` hands their weights to ``compute``: cast as autocast would cast them (the copies
+    kept per weight version), or, for CPU decoding, with their ``decode_layout`` copies."""
+
+    up: ClassVar[tuple[tuple[str, int], ...]]  # (name, width in units of d_ff) per up-side projection
 
     def __init__(
         self, config: WiolaConfig, layer_index: int = 0, ops: Ops = REFERENCE_OPS, derived: DerivedWeights | None = None
@@ -331,53 +337,50 @@ class Butterfly(nn.Module):
         self.layer_index = layer_index
         self.ops = ops
         self.derived = derived if derived is not None else DerivedWeights()
-        self.up_proj = nn.Linear(d, 2 * f, bias=False)  # [a ‖ b]
-        self.bypass_proj = nn.Linear(d, f, bias=False)  # W_bp
+        for name, width in self.up:
+            setattr(self, name, nn.Linear(d, width * f, bias=False))
         self.down_proj = nn.Linear(f, d, bias=False)
+
+    def compute(self, x: torch.Tensor, *weights: torch.Tensor, layouts: tuple | None) -> torch.Tensor:
+        """The block's function of ``x`` ``(..., d)`` and the projections' weights (``up`` order, then down)."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(..., d)`` -> ``(..., d)``."""
+        names = (*(name for name, _ in self.up), "down_proj")
+        weights = tuple(getattr(self, n).weight for n in names)
+        if not uses_decode_layout(x):
+            dtype = autocast_dtype(x)  # the casts autocast makes, once per weight version
+            weights = tuple(_cast_of(self.derived, (n, self.layer_index), w, dtype) for n, w in zip(names, weights))
+            return self.compute(x, *weights, layouts=None)
+        layouts = tuple(_decode_layout_of(self.derived, (n, self.layer_index), w) for n, w in zip(names, weights))
+        return self.compute(x, *weights, layouts=layouts)
+
+
+class Butterfly(_FeedForward):
+    """The butterfly feed-forward block (docs/SPEC.md eq. 14-16): ``W_down (SiLU(a) ⊙ b + W_bp x)``."""
+
+    up = (("up_proj", 2), ("bypass_proj", 1))  # [a ‖ b], W_bp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(..., d)`` -> ``(..., d)``."""
         if adapted(self.up_proj, self.bypass_proj, self.down_proj):  # ops.butterfly's formula on the modules
             a, b = self.up_proj(x).chunk(2, dim=-1)
             return self.down_proj(F.silu(a) * b + self.bypass_proj(x))
-        weights = (self.up_proj.weight, self.bypass_proj.weight, self.down_proj.weight)
-        names = ("up", "bypass", "down")
-        if not uses_decode_layout(x):
-            dtype = autocast_dtype(x)  # the casts autocast makes, once per weight version
-            weights = tuple(_cast_of(self.derived, (n, self.layer_index), w, dtype) for n, w in zip(names, weights))
-            return self.ops.butterfly(x, *weights)
-        layouts = tuple(_decode_layout_of(self.derived, (n, self.layer_index), w) for n, w in zip(names, weights))
+        return super().forward(x)
+
+    def compute(self, x: torch.Tensor, *weights: torch.Tensor, layouts: tuple | None) -> torch.Tensor:
         return self.ops.butterfly(x, *weights, layouts=layouts)
 
 
-class _Projections(nn.Module):
-    """A feed-forward block of the ablations (``wiola.ops.mlp``): bias-free ``nn.Linear``
-    projections named as in Llama (``gate_proj``, ``up_proj``, ``down_proj``, what peft targets),
-    computed by ``function`` in both model classes (no fused kernel; ``wiola.fast`` says so)."""
+class _Projections(_FeedForward):
+    """A feed-forward block of the ablations (``wiola.ops.mlp``): projections named as in Llama
+    (``gate_proj``, ``up_proj``, ``down_proj``, what peft targets), computed by ``function`` in both
+    model classes (no fused kernel; ``wiola.fast`` says so)."""
 
     function: ClassVar[Callable[..., Any]]
-    names: ClassVar[tuple[str, ...]]  # the up-side projections (d -> d_ff) in call order
 
-    def __init__(
-        self, config: WiolaConfig, layer_index: int = 0, ops: Ops = REFERENCE_OPS, derived: DerivedWeights | None = None
-    ) -> None:
-        super().__init__()
-        d, f = config.d_model, config.d_ff
-        self.layer_index = layer_index
-        self.derived = derived if derived is not None else DerivedWeights()
-        for name in self.names:
-            setattr(self, name, nn.Linear(d, f, bias=False))
-        self.down_proj = nn.Linear(f, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``(..., d)`` -> ``(..., d)``."""
-        names = (*self.names, "down_proj")
-        weights = tuple(getattr(self, n).weight for n in names)
-        if not uses_decode_layout(x):
-            dtype = autocast_dtype(x)
-            weights = tuple(_cast_of(self.derived, (n, self.layer_index), w, dtype) for n, w in zip(names, weights))
-            return type(self).function(x, *weights)
-        layouts = tuple(_decode_layout_of(self.derived, (n, self.layer_index), w) for n, w in zip(names, weights))
+    def compute(self, x: torch.Tensor, *weights: torch.Tensor, layouts: tuple | None) -> torch.Tensor:
         return type(self).function(x, *weights, layouts=layouts)
 
 
@@ -385,14 +388,14 @@ class SwiGLU(_Projections):
     """``W_down (SiLU(W_gate x) ⊙ W_up x)``: the Llama feed-forward block (``wiola.ops.swiglu``)."""
 
     function = staticmethod(reference_ops.swiglu)
-    names = ("gate_proj", "up_proj")
+    up = (("gate_proj", 1), ("up_proj", 1))
 
 
 class GeluMLP(_Projections):
     """``W_down GELU(W_up x)``: the GPT-2 feed-forward block without biases (``wiola.ops.gelu_mlp``)."""
 
     function = staticmethod(reference_ops.gelu_mlp)
-    names = ("up_proj",)
+    up = (("up_proj", 1),)
 
 
 FFN_BLOCKS: dict[str, type[nn.Module]] = {"butterfly": Butterfly, "swiglu": SwiGLU, "gelu": GeluMLP}
@@ -571,12 +574,27 @@ class WiolaModel(nn.Module):
         Raises ``TypeError``/``ValueError`` naming the problem for bad ids, shapes, masks,
         lengths past ``max_seq_len`` or the cache, and a cache of another batch size.
         """
+        if cache is not None and attention_mask is None and labels is None and return_logits is not False:
+            out = self._decoding_step(input_ids, cache)
+            if out is not None:
+                return out
+        context = self._forward_context(input_ids, cache)
         self.check_inputs(input_ids, attention_mask, cache)
         if type(self.embed) is not nn.Embedding:
             raise ValueError("an adapter on the embedding is not supported: the tied head reads its weight directly")
-        B, T = input_ids.shape
         if attention_mask is not None:
-            attention_mask = attention_mask[:, -T:].to(torch.bool)
+            attention_mask = attention_mask[:, -input_ids.shape[1] :].to(torch.bool)
+        with context:
+            x = self._hidden_states(input_ids, attention_mask, cache)
+            logits, loss = self._head(x, input_ids, attention_mask, labels, return_logits, logits_to_keep)
+        return ModelOutput(logits=logits, loss=loss, cache=cache)
+
+    def _hidden_states(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache: Cache | None
+    ) -> torch.Tensor:
+        """The final norm's output ``(B, T, d)``: the blocks over the embedded ids (the new tokens
+        appended to ``cache``); ``attention_mask`` ``(B, T)`` bool or None, inputs checked."""
+        B, T = input_ids.shape
         start = 0
         if cache is not None:
             positions = positions_from_mask(attention_mask, B, T, offset=cache.n_real, device=input_ids.device)
@@ -597,8 +615,17 @@ class WiolaModel(nn.Module):
         if cache is not None:
             cache.length += T
             cache.n_real += T if attention_mask is None else attention_mask.sum(dim=1)
-        logits, loss = self._head(x, input_ids, attention_mask, labels, return_logits, logits_to_keep)
-        return ModelOutput(logits=logits, loss=loss, cache=cache)
+        return x
+
+    def _decoding_step(self, input_ids: torch.Tensor, cache: Cache) -> ModelOutput | None:
+        """A decoding step (new tokens on ``cache``, no mask, no labels) computed by another path than
+        the modules, or None: ``wiola.fast`` runs a one-token CPU step in C++. None here."""
+        return None
+
+    def _forward_context(self, input_ids: torch.Tensor, cache: Cache | None) -> contextlib.AbstractContextManager:
+        """The context the model's computation runs in (``wiola.fast``: CPU bf16 products for a
+        prompt where chosen). A no-op here."""
+        return contextlib.nullcontext()
 
     def _head(
         self,

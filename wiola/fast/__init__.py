@@ -44,6 +44,7 @@ derived tensors and C++ step binding (``derived_weights``), none in the state di
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -102,43 +103,23 @@ class WiolaModel(ReferenceModel):
         ``wiola.fast.use_kernels`` context are both on."""
         return self.kernels and ops.kernels_on()
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        *,
-        attention_mask: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        cache: Cache | None = None,
-        return_logits: bool | None = None,
-        logits_to_keep: int = 0,
-    ) -> ModelOutput:
-        """``wiola.WiolaModel.forward``; a one-token CPU step with a cache runs in C++ (see the module)."""
-        if (
-            cache is not None
-            and isinstance(input_ids, torch.Tensor)
-            and attention_mask is None
-            and labels is None
-            and return_logits is not False
-            and not has_adapters(self)  # the C++ step reads the base weights
-        ):
-            step = ops.cpu_decode_step(self, input_ids, cache)
-            if step is not None:
-                self.check_inputs(input_ids, None, cache)
-                slot = cache.length
-                logits = step(input_ids.reshape(-1).to(torch.int64).contiguous(), slot)
-                cache.length += 1
-                if getattr(cache, "slot", None) is not None:
-                    cache.slot.fill_(cache.length)
-                return ModelOutput(logits=logits.unsqueeze(1), cache=cache)
-        with prefill.context(self, input_ids, cache):  # bf16 products for a CPU prompt where chosen
-            return super().forward(
-                input_ids,
-                attention_mask=attention_mask,
-                labels=labels,
-                cache=cache,
-                return_logits=return_logits,
-                logits_to_keep=logits_to_keep,
-            )
+    def _decoding_step(self, input_ids: torch.Tensor, cache: Cache) -> ModelOutput | None:
+        """One new token per row on a CPU, where the C++ step applies (see the module): its logits."""
+        if not isinstance(input_ids, torch.Tensor) or has_adapters(self):  # the C++ step reads the base weights
+            return None
+        step = ops.cpu_decode_step(self, input_ids, cache)
+        if step is None:
+            return None
+        self.check_inputs(input_ids, None, cache)
+        slot = cache.length
+        logits = step(input_ids.reshape(-1).to(torch.int64).contiguous(), slot)
+        cache.length += 1
+        if getattr(cache, "slot", None) is not None:
+            cache.slot.fill_(cache.length)
+        return ModelOutput(logits=logits.unsqueeze(1), cache=cache)
+
+    def _forward_context(self, input_ids: torch.Tensor, cache: Cache | None) -> contextlib.AbstractContextManager:
+        return prefill.context(self, input_ids, cache)  # bf16 products for a CPU prompt where chosen
 
     def _default_return_logits(self, labels: torch.Tensor | None) -> bool:
         return labels is None

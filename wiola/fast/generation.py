@@ -18,16 +18,15 @@ finished emit the pad token meanwhile, so the result is the same as the referenc
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from wiola.cache import Cache
 from wiola.config import WiolaConfig
 from wiola.fast import ops
-from wiola.generation import check_generate_inputs, decode_loop, next_tokens, resolve_pad_id
+from wiola.generation import LOOP_KEYWORDS, GenerateArgs, decode_loop, next_tokens
 
 if TYPE_CHECKING:
     from wiola.model import WiolaModel  # a wiola.fast.WiolaModel (its kernels_enabled, cuda_graphs)
@@ -231,48 +230,33 @@ def graph_generate(model: WiolaModel, input_ids: torch.Tensor, max_new_tokens: i
 
 @torch.inference_mode()
 def step_generate(
-    model: WiolaModel,
-    input_ids: torch.Tensor,
-    max_new_tokens: int,
-    *,
-    attention_mask: torch.Tensor | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    eos_token_id: int | None = None,
-    pad_token_id: int | None = None,
-    generator: torch.Generator | None = None,
-    streamer: Callable[[torch.Tensor], None] | None = None,
-    capture: bool = True,
+    model: WiolaModel, input_ids: torch.Tensor, max_new_tokens: int, *, capture: bool = True, **kwargs: Any
 ) -> torch.Tensor:
     """The graph-mode generation loop: with ``capture`` (CUDA) each step is a graph replay;
     without, the very same step runs eagerly with the cache slot on the device (how tests
-    check the step on a machine without CUDA). See ``graph_generate``."""
-    sampling = check_generate_inputs(model, input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p)
-    pad = resolve_pad_id(model, eos_token_id, pad_token_id)
+    check the step on a machine without CUDA). The keyword arguments of
+    ``wiola.generation.GenerateArgs.check``; see ``graph_generate``."""
+    args = GenerateArgs.check(model, input_ids, max_new_tokens, **kwargs)
     if max_new_tokens == 0:
-        return decode_loop(None, input_ids, attention_mask, 0, eos_token_id, pad, streamer)
+        return decode_loop(None, args)
+    sampling = args.sampling
     mode = _Mode(
         capture=capture,
         batch=input_ids.shape[0],
         greedy=sampling.greedy,
         top_k=sampling.top_k,
         top_p=sampling.top_p is not None,
-        eos=eos_token_id,
-        pad=pad,
+        eos=args.eos_token_id,
+        pad=args.pad_token_id,
     )
     step = _get_step(model, mode)
     step.temperature.fill_(1.0 if sampling.greedy else sampling.temperature)
     step.top_p.fill_(1.0 if sampling.top_p is None else sampling.top_p)
     step.cache.reset()
     step.finished.zero_()
-    run = _GraphRun(model, step, mode, generator)
-    return decode_loop(run, input_ids, attention_mask, max_new_tokens, eos_token_id, pad, streamer, EOS_CHECK_EVERY)
+    return decode_loop(_GraphRun(model, step, mode, args.generator), args, EOS_CHECK_EVERY)
 
 
-_CPU_KWARGS = frozenset(
-    ("attention_mask", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id", "generator", "streamer")
-)  # what cpu_generate takes; other arguments keep the reference loop
 NOISE_FLOATS = 1 << 22  # Exp(1) draws held at once by the CPU loop (16 MiB): steps per C++ call when sampling
 
 
@@ -282,7 +266,7 @@ def cpu_loop_usable(model: WiolaModel, input_ids: torch.Tensor, kwargs: dict) ->
     stays torch's, per step)."""
     top_p = kwargs.get("top_p")
     return (
-        set(kwargs) <= _CPU_KWARGS
+        set(kwargs) <= LOOP_KEYWORDS  # what cpu_generate takes; other arguments keep the reference loop
         and isinstance(input_ids, torch.Tensor)
         and input_ids.device.type == "cpu"
         and model.kernels_enabled
@@ -292,20 +276,7 @@ def cpu_loop_usable(model: WiolaModel, input_ids: torch.Tensor, kwargs: dict) ->
 
 
 @torch.inference_mode()
-def cpu_generate(
-    model: WiolaModel,
-    input_ids: torch.Tensor,
-    max_new_tokens: int,
-    *,
-    attention_mask: torch.Tensor | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    eos_token_id: int | None = None,
-    pad_token_id: int | None = None,
-    generator: torch.Generator | None = None,
-    streamer: Callable[[torch.Tensor], None] | None = None,
-) -> torch.Tensor | None:
+def cpu_generate(model: WiolaModel, input_ids: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor | None:
     """``wiola.generation.generate`` with the decoding loop in C++: the prefill on the PyTorch
     path as there, then one call of the C++ loop (``DecodeStepCPU.generate_loop``) for every step,
     sampling, the eos bookkeeping and the stop included. Greedy: one call per request. Sampling:
@@ -315,7 +286,8 @@ def cpu_generate(
     step, the streamer called after each. Same arguments and result as ``generate``, identical
     tokens; returns None (before touching anything) where the C++ step does not apply.
     """
-    sampling = check_generate_inputs(model, input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p)
+    args = GenerateArgs.check(model, input_ids, max_new_tokens, **kwargs)
+    sampling, eos_token_id, pad, streamer = args.sampling, args.eos_token_id, args.pad_token_id, args.streamer
     if sampling.top_p is not None or max_new_tokens == 0:
         return None
     B, T = input_ids.shape
@@ -323,13 +295,13 @@ def cpu_generate(
     step = ops.cpu_decode_step(model, input_ids[:, -1:], cache)
     if step is None:
         return None
-    pad = resolve_pad_id(model, eos_token_id, pad_token_id)
-    first = model(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1).logits[:, -1].contiguous()
+    first = model(input_ids, attention_mask=args.attention_mask, cache=cache, logits_to_keep=1).logits[:, -1]
+    first = first.contiguous()
     N, V = max_new_tokens, model.config.vocab_size
     new = torch.empty(B, N, dtype=torch.int64)
     finished = torch.zeros(B, dtype=torch.uint8)
     chunk = 1 if streamer is not None else N if sampling.greedy else max(1, NOISE_FLOATS // (B * V))
-    gen = generator if generator is not None else torch.default_generator
+    gen = args.generator if args.generator is not None else torch.default_generator
     i = 0
     while i < N:
         i1 = min(N, i + chunk)

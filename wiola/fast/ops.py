@@ -12,8 +12,10 @@ reference in ``wiola.ops`` and dispatches per call.
 - On a plain CPU, a one-token decoding step (fp32, gradients off) runs as one call of the C++
   step in ``wiola/fast/decode_step_cpu.py`` (every layer and the head), see ``cpu_decode_step``.
 
-``KERNEL_OPS`` is the table of the dispatching functions (the fast model's default) and
-``TORCH_OPS`` the table of the PyTorch path (a model's ``use_kernels(False)``). The
+Each op is written once, a method of ``_Ops`` holding both paths: ``KERNEL_OPS`` is the table
+that dispatches (the fast model's default; its functions are also this module's ``rms_norm``,
+``gate``, ...) and ``TORCH_OPS`` the one that never picks a kernel (a model's
+``use_kernels(False)``). The
 ``use_kernels(enabled)`` context manager switches the kernels off (or back on) for the code
 inside it, per thread and task (a ``ContextVar``; default from ``WIOLA_FAST_KERNELS``).
 
@@ -127,120 +129,177 @@ def _cast(dtype: torch.dtype | None, *tensors: torch.Tensor) -> tuple[torch.Tens
 
 
 # --------------------------------------------------------------------------- ops
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``wiola.ops.rms_norm``; fused residual add + RMSNorm kernel where usable."""
-    kernel = _kernel("rms_norm", x)
-    if kernel is None:
-        return _torch_rms_norm(x, weight, eps, residual)
-    # A bf16 autocast output with the fp32 stream goes in as it is: the kernel adds in the
-    # promoted dtype itself, as the reference's ``x + residual`` does (no cast copy first).
-    return kernel(x, weight, eps, residual)
+class _Ops:
+    """The op functions, each the kernel where usable and else the PyTorch path, both in one body.
+
+    ``_Ops(True)`` gives ``KERNEL_OPS``; ``_Ops(False)`` never picks a kernel: ``TORCH_OPS``."""
+
+    def __init__(self, kernels: bool) -> None:
+        self.kernels = kernels
+
+    def __reduce__(self) -> tuple:
+        return (_ops_table, (self.kernels,))  # a pickled model gets this module's own tables back
+
+    def _kernel(self, name: str, t: torch.Tensor) -> Callable[..., Any] | None:
+        return _kernel(name, t) if self.kernels else None
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``wiola.ops.rms_norm``: the fused residual add + RMSNorm kernel where usable, else one
+        ATen ``rms_norm`` for fp32 tensors (the reference for other dtypes)."""
+        kernel = self._kernel("rms_norm", x)
+        if kernel is not None:
+            # A bf16 autocast output with the fp32 stream goes in as it is: the kernel adds in the
+            # promoted dtype itself, as the reference's ``x + residual`` does (no cast copy first).
+            return kernel(x, weight, eps, residual)
+        if (
+            x.dtype == torch.float32
+            and weight.dtype == torch.float32
+            and (residual is None or residual.dtype == x.dtype)
+        ):
+            h = x if residual is None else x + residual
+            y = F.rms_norm(h, (h.shape[-1],), weight, eps)  # one fused ATen op, fp32 statistics
+            return y if residual is None else (y, h)
+        return reference.rms_norm(x, weight, eps, residual)
+
+    def gate(
+        self,
+        q: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        b2: torch.Tensor,
+        *,
+        cos: torch.Tensor | None = None,
+        sin: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        carry: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``wiola.ops.gate``: the gate kernel (head mean, carried prefix sum, MLP) where usable,
+        else the reference (one new token after a carried sum: ``_gate_step``).
+
+        Computes in fp32 from the queries' dtype, as the reference does; the small gate weights
+        are read as they are (fp32 master weights under autocast).
+        """
+        kernel = self._kernel("gate", q)
+        if kernel is not None:
+            return kernel(q, w1, w2, b2, cos=cos, sin=sin, attention_mask=attention_mask, carry=carry)
+        if q.shape[1] == 1 and carry is not None and cos is None and not torch.is_autocast_enabled(q.device.type):
+            return _gate_step(q, w1, w2, b2, attention_mask, carry)
+        return reference.gate(q, w1, w2, b2, cos=cos, sin=sin, attention_mask=attention_mask, carry=carry)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``wiola.ops.attention``: the fused helical-RoPE gated flash-attention kernel where usable,
+        else SDPA on the rotated, gate-scaled queries."""
+        kernel = self._kernel("attention", q)
+        if kernel is not None:
+            return kernel(q, k, v, g, cos, sin, attention_mask)
+        q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        key_mask = None if attention_mask is None else attention_mask.to(torch.bool)
+        return _sdpa(q_rot, k_rot, v, g, key_mask, q_start=0)
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        key_mask: torch.Tensor,
+        start: int | torch.Tensor,
+        *,
+        unpadded: bool = False,
+    ) -> torch.Tensor:
+        """``wiola.ops.decode_attention``; ``start`` may be a one-element device tensor (CUDA graphs).
+
+        Kernels: a prefill into an empty cache (``start == 0``, ``T > 1``) writes the cache with the
+        decode write kernel and runs the training attention kernel, so it equals the full pass
+        exactly; everything else (one token, or a chunk after cached tokens) runs the
+        flash-decoding kernel. PyTorch path: slice writes and SDPA over the filled slots.
+        With ``unpadded`` (the caller had no ``attention_mask``), the prefill runs the unmasked
+        attention variant (``mask=None``) and does not read ``key_mask``.
+        """
+        T = q.shape[1]
+        decode = self._kernel("decode_attention", q)
+        if decode is not None:
+            flash = self._kernel("attention", q)
+            if flash is not None and isinstance(start, int) and start == 0 and T > 1:
+                KERNELS["write_cache"](k, v, cos, sin, k_cache, v_cache, 0)
+                return flash(q, k, v, g, cos, sin, None if unpadded else key_mask[:, :T])
+            return decode(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start)
+        if isinstance(start, torch.Tensor):
+            start = int(start)  # host sync: the PyTorch path is not for CUDA graphs
+        end = start + T
+        if T == 1 and q.dtype == torch.float32 and k_cache.dtype == torch.float32:
+            q_rot, k_rot = _rotate_pair(q, k, cos, sin)
+            real = key_mask[:, :end]
+        else:
+            q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            real = None if unpadded and start == 0 else key_mask[:, :end]  # None: SDPA's causal fast path
+        k_cache[:, :, start:end] = k_rot.transpose(1, 2)  # (B, H, T, D)
+        v_cache[:, :, start:end] = v.transpose(1, 2)
+        keys = k_cache[:, :, :end].transpose(1, 2)  # (B, end, H, D)
+        values = v_cache[:, :, :end].transpose(1, 2)
+        return _sdpa(q_rot, keys, values, g, real, q_start=start)
+
+    def butterfly(
+        self,
+        x: torch.Tensor,
+        w_up: torch.Tensor,
+        w_bp: torch.Tensor,
+        w_down: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        layouts: tuple[DecodeLayout, DecodeLayout, DecodeLayout] | None = None,
+    ) -> torch.Tensor:
+        """``wiola.ops.butterfly``: the fused up/bypass GEMM with the SiLU-gate epilogue and the down
+        projection where usable (inputs cast to the autocast dtype first; ``layouts`` unused there),
+        else the reference."""
+        kernel = self._kernel("butterfly", x)
+        if kernel is None:
+            return reference.butterfly(x, w_up, w_bp, w_down, residual, layouts)
+        dtype = autocast_dtype(x)
+        x, w_up, w_bp, w_down = _cast(dtype, x, w_up, w_bp, w_down)
+        if residual is not None and dtype is not None:
+            (residual,) = _cast(torch.promote_types(dtype, residual.dtype), residual)
+        return kernel(x, w_up, w_bp, w_down, residual)
+
+    def linear_cross_entropy(
+        self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+    ) -> torch.Tensor:
+        """``wiola.ops.linear_cross_entropy``: the chunked kernel (no ``(N, V)`` logits) where usable,
+        else the reference."""
+        kernel = self._kernel("linear_cross_entropy", h)
+        if kernel is None:
+            return reference.linear_cross_entropy(h, weight, labels, ignore_index)
+        h, weight = _cast(autocast_dtype(h), h, weight)
+        return kernel(h, weight, labels, ignore_index)
 
 
-def gate(
-    q: torch.Tensor,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
-    b2: torch.Tensor,
-    *,
-    cos: torch.Tensor | None = None,
-    sin: torch.Tensor | None = None,
-    attention_mask: torch.Tensor | None = None,
-    carry: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``wiola.ops.gate``: the gate kernel (head mean, carried prefix sum, MLP) where usable.
-
-    Computes in fp32 from the queries' dtype, as the reference does; the small gate weights
-    are read as they are (fp32 master weights under autocast).
-    """
-    kernel = _kernel("gate", q)
-    if kernel is not None:
-        return kernel(q, w1, w2, b2, cos=cos, sin=sin, attention_mask=attention_mask, carry=carry)
-    return _torch_gate(q, w1, w2, b2, cos=cos, sin=sin, attention_mask=attention_mask, carry=carry)
+_KERNEL_OPS, _TORCH_OPS = _Ops(True), _Ops(False)
 
 
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``wiola.ops.attention``: the fused helical-RoPE gated flash-attention kernel where usable,
-    else SDPA on the rotated, gate-scaled queries."""
-    kernel = _kernel("attention", q)
-    if kernel is not None:
-        return kernel(q, k, v, g, cos, sin, attention_mask)
-    return _torch_attention(q, k, v, g, cos, sin, attention_mask)
+def _ops_table(kernels: bool) -> _Ops:
+    return _KERNEL_OPS if kernels else _TORCH_OPS
 
 
-def decode_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    key_mask: torch.Tensor,
-    start: int | torch.Tensor,
-    *,
-    unpadded: bool = False,
-) -> torch.Tensor:
-    """``wiola.ops.decode_attention``; ``start`` may be a one-element device tensor (CUDA graphs).
-
-    Kernels: a prefill into an empty cache (``start == 0``, ``T > 1``) writes the cache with the
-    decode write kernel and runs the training attention kernel, so it equals the full pass
-    exactly; everything else (one token, or a chunk after cached tokens) runs the
-    flash-decoding kernel. PyTorch path: slice writes and SDPA over the filled slots.
-    With ``unpadded`` (the caller had no ``attention_mask``), the prefill runs the unmasked
-    attention variant (``mask=None``) and does not read ``key_mask``.
-    """
-    T = q.shape[1]
-    decode = _kernel("decode_attention", q)
-    if decode is None:
-        return _torch_decode_attention(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start, unpadded=unpadded)
-    flash = _kernel("attention", q)
-    if flash is not None and isinstance(start, int) and start == 0 and T > 1:
-        KERNELS["write_cache"](k, v, cos, sin, k_cache, v_cache, 0)
-        return flash(q, k, v, g, cos, sin, None if unpadded else key_mask[:, :T])
-    return decode(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start)
-
-
-def butterfly(
-    x: torch.Tensor,
-    w_up: torch.Tensor,
-    w_bp: torch.Tensor,
-    w_down: torch.Tensor,
-    residual: torch.Tensor | None = None,
-    layouts: tuple[DecodeLayout, DecodeLayout, DecodeLayout] | None = None,
-) -> torch.Tensor:
-    """``wiola.ops.butterfly``: the fused up/bypass GEMM with the SiLU-gate epilogue and the down
-    projection where usable (inputs cast to the autocast dtype first; ``layouts`` unused there)."""
-    kernel = _kernel("butterfly", x)
-    if kernel is None:
-        return reference.butterfly(x, w_up, w_bp, w_down, residual, layouts)
-    dtype = autocast_dtype(x)
-    x, w_up, w_bp, w_down = _cast(dtype, x, w_up, w_bp, w_down)
-    if residual is not None and dtype is not None:
-        (residual,) = _cast(torch.promote_types(dtype, residual.dtype), residual)
-    return kernel(x, w_up, w_bp, w_down, residual)
-
-
-def linear_cross_entropy(
-    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
-) -> torch.Tensor:
-    """``wiola.ops.linear_cross_entropy``: the chunked kernel (no ``(N, V)`` logits) where usable."""
-    kernel = _kernel("linear_cross_entropy", h)
-    if kernel is None:
-        return reference.linear_cross_entropy(h, weight, labels, ignore_index)
-    h, weight = _cast(autocast_dtype(h), h, weight)
-    return kernel(h, weight, labels, ignore_index)
+KERNEL_OPS = Ops.of(_KERNEL_OPS)
+TORCH_OPS = Ops.of(_TORCH_OPS)
+# The dispatching op functions by their names, for callers outside the model's modules.
+rms_norm, gate, attention = KERNEL_OPS.rms_norm, KERNEL_OPS.gate, KERNEL_OPS.attention
+decode_attention, butterfly = KERNEL_OPS.decode_attention, KERNEL_OPS.butterfly
+linear_cross_entropy = KERNEL_OPS.linear_cross_entropy
 
 
 def cpu_decode_step(
@@ -289,74 +348,6 @@ def cpu_decode_step(
 
 
 # --------------------------------------------------------------------------- PyTorch path
-def _torch_rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    if x.dtype == torch.float32 and weight.dtype == torch.float32 and (residual is None or residual.dtype == x.dtype):
-        h = x if residual is None else x + residual
-        y = F.rms_norm(h, (h.shape[-1],), weight, eps)  # one fused ATen op, fp32 statistics
-        return y if residual is None else (y, h)
-    return reference.rms_norm(x, weight, eps, residual)
-
-
-def _torch_gate(
-    q: torch.Tensor,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
-    b2: torch.Tensor,
-    *,
-    cos: torch.Tensor | None = None,
-    sin: torch.Tensor | None = None,
-    attention_mask: torch.Tensor | None = None,
-    carry: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if q.shape[1] == 1 and carry is not None and cos is None and not torch.is_autocast_enabled(q.device.type):
-        return _gate_step(q, w1, w2, b2, attention_mask, carry)
-    return reference.gate(q, w1, w2, b2, cos=cos, sin=sin, attention_mask=attention_mask, carry=carry)
-
-
-def _torch_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    key_mask = None if attention_mask is None else attention_mask.to(torch.bool)
-    return _sdpa(q_rot, k_rot, v, g, key_mask, q_start=0)
-
-
-def _torch_decode_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    key_mask: torch.Tensor,
-    start: int | torch.Tensor,
-    *,
-    unpadded: bool = False,
-) -> torch.Tensor:
-    T = q.shape[1]
-    if isinstance(start, torch.Tensor):
-        start = int(start)  # host sync: the PyTorch path is not for CUDA graphs
-    if T == 1 and q.dtype == torch.float32 and k_cache.dtype == torch.float32:
-        return _decode_step(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start)
-    end = start + T
-    k_cache[:, :, start:end] = apply_rope(k, cos, sin).transpose(1, 2)  # (B, H, T, D)
-    v_cache[:, :, start:end] = v.transpose(1, 2)
-    keys = k_cache[:, :, :end].transpose(1, 2)  # (B, end, H, D)
-    values = v_cache[:, :, :end].transpose(1, 2)
-    real = None if unpadded and start == 0 else key_mask[:, :end]  # None: SDPA's causal fast path
-    return _sdpa(apply_rope(q, cos, sin), keys, values, g, real, q_start=start)
-
-
 def _gate_step(
     q: torch.Tensor,
     w1: torch.Tensor,
@@ -377,37 +368,17 @@ def _gate_step(
     return g.unsqueeze(1), running, count
 
 
-def _decode_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    key_mask: torch.Tensor,
-    start: int,
-) -> torch.Tensor:
-    """One new fp32 token: q and k rotated together, one slot written, SDPA over the filled slots.
-
-    The rotation computes the same products and sums as ``apply_rope`` (bitwise equal)."""
+def _rotate_pair(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rope`` of one new token's ``q`` and ``k`` ``(B, 1, H, D)`` in one pass: the same
+    products and sums (bitwise equal), half the launches."""
     half = q.shape[-1] // 2
     qk = torch.stack((q, k))  # (2, B, 1, H, D)
     c = torch.cat((cos, cos), dim=-1).unsqueeze(-2)  # (B, 1, 1, D)
     s = torch.cat((sin, sin), dim=-1).unsqueeze(-2)
     rotated = qk * c + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * s
-    end = start + 1
-    k_cache[:, :, start] = rotated[1, :, 0]  # (B, H, D)
-    v_cache[:, :, start] = v[:, 0]
-    query = (rotated[0] * g.unsqueeze(-1)).transpose(1, 2)  # (B, H, 1, D), gate folded in
-    real = key_mask[:, :end]
-    has_key = real.any(dim=-1).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
-    mask = (real.view(real.shape[0], 1, 1, end) | ~has_key).expand(-1, 1, 1, end)
-    o = F.scaled_dot_product_attention(
-        query, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask, scale=1.0 / math.sqrt(q.shape[-1])
-    )
-    return (o * has_key.to(o.dtype)).transpose(1, 2)  # (B, 1, H, D)
+    return rotated[0], rotated[1]
 
 
 def _sdpa(
@@ -432,23 +403,15 @@ def _sdpa(
     if key_mask is None and q_start == 0 and Tq == S:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=Tq > 1, scale=scale)
         return o.transpose(1, 2)
-    allowed = torch.ones(1, 1, Tq, S, dtype=torch.bool, device=q.device)
     if Tq > 1 or q_start + Tq != S:
         t = torch.arange(Tq, device=q.device).view(-1, 1) + q_start
         allowed = (torch.arange(S, device=q.device).view(1, -1) <= t).view(1, 1, Tq, S)
-    if key_mask is not None:
-        allowed = allowed & key_mask.view(B, 1, 1, S)
+        if key_mask is not None:
+            allowed = allowed & key_mask.view(B, 1, 1, S)
+    elif key_mask is not None:  # one query at the last slot sees every key: the mask alone
+        allowed = key_mask.view(B, 1, 1, S)
+    else:
+        allowed = torch.ones(1, 1, Tq, S, dtype=torch.bool, device=q.device)
     has_key = allowed.any(dim=-1, keepdim=True)  # (B|1, 1, Tq, 1)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | ~has_key, scale=scale)
     return (o * has_key.to(o.dtype)).transpose(1, 2)
-
-
-KERNEL_OPS = Ops(rms_norm, gate, attention, decode_attention, butterfly, linear_cross_entropy)
-TORCH_OPS = Ops(
-    _torch_rms_norm,
-    _torch_gate,
-    _torch_attention,
-    _torch_decode_attention,
-    reference.butterfly,
-    reference.linear_cross_entropy,
-)

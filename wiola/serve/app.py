@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -161,29 +162,51 @@ async def completions(request: Request) -> Response:
             _stream_completion(server, request, req, jobs, head, echo), media_type="text/event-stream"
         )
     texts = {j: echo[k] if req.echo else "" for k, j in enumerate(jobs)}
-    logs: dict[Job, list[dict]] = {j: [] for j in jobs}
+    done = await _run_to_end(server, request, jobs, s.stop, texts, logprobs=bool(s.logprobs))
+    if isinstance(done, Response):
+        return done
+    choices = [
+        {"text": done.texts[j], "index": j.index, "logprobs": _logprobs(done.logprobs[j]) if s.logprobs else None,
+         "finish_reason": done.finish[j]}
+        for j in jobs
+    ]  # fmt: skip
+    return JSONResponse({**head, "choices": choices, "usage": _usage(req.prompts, s.n, done.tokens)})
+
+
+@dataclass
+class _Done:
+    """What a non-streaming request's jobs produced, each to its end."""
+
+    texts: dict[Job, str]
+    finish: dict[Job, str]  # "stop" | "length"
+    tokens: int  # new tokens over every job
+    logprobs: dict[Job, list[dict]]  # ``Server.logprobs_entry`` per token (empty unless asked for)
+
+
+async def _run_to_end(
+    server: Server, request: Request, jobs: list[Job], stops: list[str], texts: dict[Job, str], *, logprobs: bool
+) -> _Done | Response:
+    """Run ``jobs`` to their end, each one's new text appended to its entry of ``texts`` (and, with
+    ``logprobs``, each token's entry kept): what they produced, or the response to send instead
+    (the error in OpenAI's JSON, or 499 when the client went away)."""
     finish: dict[Job, str] = {}
-    count = dict.fromkeys(jobs, 0)
+    logs: dict[Job, list[dict]] = {j: [] for j in jobs}
+    count = 0
     try:
-        async with contextlib.aclosing(server.run(jobs, s.stop, request)) as events:
+        async with contextlib.aclosing(server.run(jobs, stops, request)) as events:
             async for job, delta, what in events:
                 texts[job] += delta
                 if isinstance(what, str):
                     finish[job] = what
                 else:
-                    count[job] += 1
-                    if s.logprobs:
+                    count += 1
+                    if logprobs:
                         logs[job].append(server.logprobs_entry(what))
     except ApiError as e:
         return _error(e)
     if len(finish) < len(jobs):  # the client went away
         return Response(status_code=499)
-    choices = [
-        {"text": texts[j], "index": j.index, "logprobs": _logprobs(logs[j]) if s.logprobs else None,
-         "finish_reason": finish[j]}
-        for j in jobs
-    ]  # fmt: skip
-    return JSONResponse({**head, "choices": choices, "usage": _usage(req.prompts, s.n, sum(count.values()))})
+    return _Done(texts, finish, count, logs)
 
 
 def _logprobs(entries: list[dict]) -> dict[str, Any]:
@@ -264,26 +287,16 @@ async def chat_completions(request: Request) -> Response:
     head = {"id": new_id("chatcmpl"), "created": now(), "model": server.model_name}
     if s.stream:
         return StreamingResponse(_stream_chat(server, request, s, jobs, head, prompt), media_type="text/event-stream")
-    texts, finish, count = dict.fromkeys(jobs, ""), {}, 0
-    try:
-        async with contextlib.aclosing(server.run(jobs, s.stop, request)) as events:
-            async for job, delta, what in events:
-                texts[job] += delta
-                if isinstance(what, str):
-                    finish[job] = what
-                else:
-                    count += 1
-    except ApiError as e:
-        return _error(e)
-    if len(finish) < len(jobs):
-        return Response(status_code=499)
+    done = await _run_to_end(server, request, jobs, s.stop, dict.fromkeys(jobs, ""), logprobs=False)
+    if isinstance(done, Response):
+        return done
     choices = [
-        {"index": j.index, "message": {"role": "assistant", "content": texts[j]}, "logprobs": None,
-         "finish_reason": finish[j]}
+        {"index": j.index, "message": {"role": "assistant", "content": done.texts[j]}, "logprobs": None,
+         "finish_reason": done.finish[j]}
         for j in jobs
     ]  # fmt: skip
     return JSONResponse(
-        {**head, "object": "chat.completion", "choices": choices, "usage": _usage([prompt], s.n, count)}
+        {**head, "object": "chat.completion", "choices": choices, "usage": _usage([prompt], s.n, done.tokens)}
     )
 
 
