@@ -77,10 +77,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _load_rotated(X, C, S, rows, row_ok, stride_xt, stride_ct, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
-    """Load rows of x as two (rows, HALF_PAD) halves, rotate them in fp32 by their cos/sin rows and
-    round them to x's dtype (as the reference rounds the rotated tensors)."""
-    offs_h = tl.arange(0, HALF_PAD)
+def _load_rotated(X, C, S, rows, row_ok, stride_xt, stride_ct, offs_h, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """Load rows of x (two (rows, HALF_PAD) halves) and rotate them in fp32 by their cos/sin rows."""
     mask = row_ok[:, None]
     if HALF_PAD != HALF:
         mask = mask & (offs_h < HALF)[None, :]
@@ -90,13 +88,14 @@ def _load_rotated(X, C, S, rows, row_ok, stride_xt, stride_ct, HALF: tl.constexp
     x2 = tl.load(x_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
     c = tl.load(C + cs_off, mask=mask, other=0.0)
     s = tl.load(S + cs_off, mask=mask, other=0.0)
-    return (x1 * c - x2 * s).to(X.dtype.element_ty), (x1 * s + x2 * c).to(X.dtype.element_ty)
+    return x1 * c - x2 * s, x1 * s + x2 * c
 
 
 @triton.jit
-def _store_unrotated(X, C, S, rows, row_ok, stride_xt, stride_ct, d1, d2, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+def _store_unrotated(
+    X, C, S, rows, row_ok, stride_xt, stride_ct, offs_h, d1, d2, HALF: tl.constexpr, HALF_PAD: tl.constexpr
+):
     """Store the gradient w.r.t. the unrotated x given the gradient (d1, d2) w.r.t. the rotated x."""
-    offs_h = tl.arange(0, HALF_PAD)
     mask = row_ok[:, None]
     if HALF_PAD != HALF:
         mask = mask & (offs_h < HALF)[None, :]
@@ -120,11 +119,13 @@ def _program_tile(H, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr):
     """This program's (batch · head) index ``bh``, its batch ``b`` and head ``h`` (int64), and the
     first row of its block of BLOCK rows; LAST_FIRST walks the blocks from the last one."""
     if LAST_FIRST:
-        start = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK
+        block = tl.num_programs(0) - 1 - tl.program_id(0)
     else:
-        start = tl.program_id(0) * BLOCK
+        block = tl.program_id(0)
     bh = tl.program_id(1)
-    return start, bh, (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    return block * BLOCK, bh, b, h
 
 
 @triton.jit
@@ -135,39 +136,45 @@ def _query_tile(
     stride_gb, stride_gt, stride_gh,
     stride_cb, stride_ct, stride_mb,
     T, H,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """What a program holding one query block (forward, dq) starts from, heaviest (last) blocks first.
 
     Returns the block's first row ``diag_lo``, ``bh``, ``b``, ``h``, its rows ``offs_m`` and
-    ``m_ok``, the rotated q̃ halves in q's dtype, the gate ``g`` of its rows, and the (batch, head)
-    bases of k, v, cos, sin and the key mask.
+    ``m_ok``, the offsets of a key block and of a half head, the rotated q̃ halves in q's dtype,
+    the gate ``g`` of its rows, and the (batch, head) bases of k, v, cos, sin and the key mask.
     """
     diag_lo, bh, b, h = _program_tile(H, BLOCK_M, True)
     offs_m = diag_lo + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, HALF_PAD)
     m_ok = offs_m < T
     COS_b = COS + b * stride_cb
     SIN_b = SIN + b * stride_cb
-    q1, q2 = _load_rotated(Q + b * stride_qb + h * stride_qh, COS_b, SIN_b, offs_m, m_ok, stride_qt, stride_ct,
-                           HALF, HALF_PAD)  # fmt: skip
-    g = tl.load(G + b * stride_gb + offs_m * stride_gt + h * stride_gh, mask=m_ok, other=0.0)
+    KMASK_b = KMASK + b * stride_mb
     K_bh = K + b * stride_kb + h * stride_kh
     V_bh = V + b * stride_vb + h * stride_vh
-    KMASK_b = KMASK + b * stride_mb
-    return diag_lo, bh, b, h, offs_m, m_ok, q1, q2, g, K_bh, V_bh, COS_b, SIN_b, KMASK_b
+    q1, q2 = _load_rotated(Q + b * stride_qb + h * stride_qh, COS_b, SIN_b, offs_m, m_ok, stride_qt, stride_ct,
+                           offs_h, HALF, HALF_PAD)  # fmt: skip
+    q1 = q1.to(Q.dtype.element_ty)
+    q2 = q2.to(Q.dtype.element_ty)
+    g = tl.load(G + b * stride_gb + offs_m * stride_gt + h * stride_gh, mask=m_ok, other=0.0)
+    return diag_lo, bh, b, h, offs_m, m_ok, offs_n0, offs_h, q1, q2, g, K_bh, V_bh, COS_b, SIN_b, KMASK_b
 
 
 @triton.jit
 def _key_block(
-    q1, q2, K_bh, COS_b, SIN_b, start_n, T, stride_kt, stride_ct,
+    q1, q2, K_bh, COS_b, SIN_b, start_n, offs_n0, offs_h, T, stride_kt, stride_ct,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One key block of a query block's walk: its rows ``offs_n`` and ``n_ok``, the rotated k̃
-    halves, and the scores ⟨q̃, k̃⟩ (BLOCK_M, BLOCK_N) in fp32."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
+    halves in q's dtype, and the scores ⟨q̃, k̃⟩ (BLOCK_M, BLOCK_N) in fp32."""
+    offs_n = start_n + offs_n0
     n_ok = offs_n < T
-    k1, k2 = _load_rotated(K_bh, COS_b, SIN_b, offs_n, n_ok, stride_kt, stride_ct, HALF, HALF_PAD)
+    k1, k2 = _load_rotated(K_bh, COS_b, SIN_b, offs_n, n_ok, stride_kt, stride_ct, offs_h, HALF, HALF_PAD)
+    k1 = k1.to(q1.dtype)
     qk = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
+    k2 = k2.to(q2.dtype)
     qk = tl.dot(q2, tl.trans(k2), qk, input_precision=DOT_PRECISION)
     return offs_n, n_ok, k1, k2, qk
 
@@ -191,13 +198,13 @@ def _attn_fwd_inner(
     acc, l_i, m_i, q1, q2, row_scale, offs_m,
     K_bh, V_bh, COS_b, SIN_b, KMASK_b,
     stride_kt, stride_vt, stride_ct,
-    lo, hi, T,
+    lo, hi, T, offs_n0, offs_h,
     D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_DIAG: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n, n_ok, k1, k2, qk = _key_block(q1, q2, K_bh, COS_b, SIN_b, start_n, T, stride_kt, stride_ct, HALF,
-                                              HALF_PAD, BLOCK_N, DOT_PRECISION)  # fmt: skip
+        offs_n, n_ok, k1, k2, qk = _key_block(q1, q2, K_bh, COS_b, SIN_b, start_n, offs_n0, offs_h, T, stride_kt, stride_ct,
+                                              HALF, HALF_PAD, BLOCK_N, DOT_PRECISION)  # fmt: skip
         s = qk * row_scale[:, None]  # (BLOCK_M, BLOCK_N): gated score in log2 units
         s = _allowed_only(s, float("-inf"), offs_m, offs_n, n_ok, KMASK_b, CAUSAL_DIAG, HAS_MASK)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -228,9 +235,9 @@ def _attn_fwd(
     """One (BLOCK_M query rows, batch, head) tile of o and lse (and o's rounding residual, O_RES,
     same strides as O, when STORE_RESIDUAL). T_BUCKET only keys the autotuner."""
     HALF: tl.constexpr = D // 2
-    diag_lo, bh, b, h, offs_m, m_ok, q1, q2, g, K_bh, V_bh, COS_b, SIN_b, KMASK_b = _query_tile(
+    diag_lo, bh, b, h, offs_m, m_ok, offs_n0, offs_h, q1, q2, g, K_bh, V_bh, COS_b, SIN_b, KMASK_b = _query_tile(
         Q, K, V, G, COS, SIN, KMASK, stride_qb, stride_qt, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-        stride_gb, stride_gt, stride_gh, stride_cb, stride_ct, stride_mb, T, H, HALF, HALF_PAD, BLOCK_M,
+        stride_gb, stride_gt, stride_gh, stride_cb, stride_ct, stride_mb, T, H, HALF, HALF_PAD, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     row_scale = g * qk_scale  # g_t · log2(e) / sqrt(D)
 
@@ -239,12 +246,12 @@ def _attn_fwd(
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     # Stage 1: key blocks entirely below the diagonal (all < T, no causal mask).
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q1, q2, row_scale, offs_m, K_bh, V_bh, COS_b, SIN_b, KMASK_b,
-                                    stride_kt, stride_vt, stride_ct, 0, diag_lo, T,
+                                    stride_kt, stride_vt, stride_ct, 0, diag_lo, T, offs_n0, offs_h,
                                     D, HALF, HALF_PAD, BLOCK_N, False, HAS_MASK, DOT_PRECISION)  # fmt: skip
     # Stage 2: the diagonal blocks, causally masked.
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q1, q2, row_scale, offs_m, K_bh, V_bh, COS_b, SIN_b, KMASK_b,
                                     stride_kt, stride_vt, stride_ct, diag_lo, tl.minimum(diag_lo + BLOCK_M, T), T,
-                                    D, HALF, HALF_PAD, BLOCK_N, True, HAS_MASK, DOT_PRECISION)  # fmt: skip
+                                    offs_n0, offs_h, D, HALF, HALF_PAD, BLOCK_N, True, HAS_MASK, DOT_PRECISION)  # fmt: skip
 
     has_key = l_i > 0.0  # False only for a query with no allowed key: o = 0, lse = +inf
     o = acc / tl.where(has_key, l_i, 1.0)[:, None]
@@ -271,10 +278,10 @@ def _attn_bwd_preprocess(
     start_m, bh, b, h = _program_tile(H, BLOCK_M, False)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     m_ok = offs_m < T
-    o_off = b * stride_ob + h * stride_oh
-    o = _load_rows(O + o_off, offs_m, m_ok, stride_ot, D).to(tl.float32)
+    o_off = b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + tl.arange(0, D)[None, :]
+    o = tl.load(O + o_off, mask=m_ok[:, None], other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        o += _load_rows(O_RES + o_off, offs_m, m_ok, stride_ot, D).to(tl.float32)
+        o += tl.load(O_RES + o_off, mask=m_ok[:, None], other=0.0).to(tl.float32)
     do = _load_rows(DO + b * stride_dob + h * stride_doh, offs_m, m_ok, stride_dot, D)
     delta = tl.sum(o * do.to(tl.float32), 1)
     tl.store(DELTA + bh * T + offs_m, delta, mask=m_ok)
@@ -285,15 +292,17 @@ def _attn_bwd_dkdv_inner(
     dk1, dk2, dv, k1, k2, v, offs_n,
     Q_bh, DO_bh, G_bh, COS_b, SIN_b, LSE_bh, DELTA_bh,
     stride_qt, stride_dot, stride_gt, stride_ct,
-    lo, hi, T, qk_scale,
+    lo, hi, T, qk_scale, offs_m0, offs_h,
     D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     CAUSAL_DIAG: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Accumulate dk̃ (times sqrt(D)) and dv of one key block over the query blocks in [lo, hi)."""
     for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_m = start_m + offs_m0
         m_ok = offs_m < T
-        q1, q2 = _load_rotated(Q_bh, COS_b, SIN_b, offs_m, m_ok, stride_qt, stride_ct, HALF, HALF_PAD)
+        q1, q2 = _load_rotated(Q_bh, COS_b, SIN_b, offs_m, m_ok, stride_qt, stride_ct, offs_h, HALF, HALF_PAD)
+        q1 = q1.to(k1.dtype)
+        q2 = q2.to(k1.dtype)
         do = _load_rows(DO_bh, offs_m, m_ok, stride_dot, D)
         # Rows past T: lse = +inf makes their probabilities 0.
         lse = tl.load(LSE_bh + offs_m, mask=m_ok, other=float("inf"))
@@ -335,11 +344,15 @@ def _attn_bwd_dkdv(
     # The first key blocks see the most queries: launched first.
     start_n, bh, b, h = _program_tile(H, BLOCK_N, False)
     offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_h = tl.arange(0, HALF_PAD)
     n_ok = offs_n < T
     COS_b = COS + b * stride_cb
     SIN_b = SIN + b * stride_cb
     k1, k2 = _load_rotated(K + b * stride_kb + h * stride_kh, COS_b, SIN_b, offs_n, n_ok, stride_kt, stride_ct,
-                           HALF, HALF_PAD)  # fmt: skip
+                           offs_h, HALF, HALF_PAD)  # fmt: skip
+    k1 = k1.to(K.dtype.element_ty)
+    k2 = k2.to(K.dtype.element_ty)
     v = _load_rows(V + b * stride_vb + h * stride_vh, offs_n, n_ok, stride_vt, D)
     Q_bh = Q + b * stride_qb + h * stride_qh
     DO_bh = DO + b * stride_dob + h * stride_doh
@@ -354,11 +367,11 @@ def _attn_bwd_dkdv(
     # Query blocks on the diagonal (causally masked), then every later query block (unmasked).
     dk1, dk2, dv = _attn_bwd_dkdv_inner(dk1, dk2, dv, k1, k2, v, offs_n, Q_bh, DO_bh, G_bh, COS_b, SIN_b,
                                         LSE_bh, DELTA_bh, stride_qt, stride_dot, stride_gt, stride_ct, start_n,
-                                        diag_hi, T, qk_scale, D, HALF, HALF_PAD, BLOCK_M,
+                                        diag_hi, T, qk_scale, offs_m0, offs_h, D, HALF, HALF_PAD, BLOCK_M,
                                         True, HAS_MASK, DOT_PRECISION)  # fmt: skip
     dk1, dk2, dv = _attn_bwd_dkdv_inner(dk1, dk2, dv, k1, k2, v, offs_n, Q_bh, DO_bh, G_bh, COS_b, SIN_b,
                                         LSE_bh, DELTA_bh, stride_qt, stride_dot, stride_gt, stride_ct,
-                                        start_n + BLOCK_N, T, T, qk_scale, D, HALF, HALF_PAD,
+                                        start_n + BLOCK_N, T, T, qk_scale, offs_m0, offs_h, D, HALF, HALF_PAD,
                                         BLOCK_M, False, HAS_MASK, DOT_PRECISION)  # fmt: skip
 
     if HAS_MASK:
@@ -371,7 +384,7 @@ def _attn_bwd_dkdv(
     grad_off = b * stride_gradb + h * stride_gradh
     tl.store(DV + grad_off + offs_n[:, None] * stride_gradt + tl.arange(0, D)[None, :], dv.to(DV.dtype.element_ty),
              mask=n_ok[:, None])  # fmt: skip
-    _store_unrotated(DK + grad_off, COS_b, SIN_b, offs_n, n_ok, stride_gradt, stride_ct, dk1 * sm_scale,
+    _store_unrotated(DK + grad_off, COS_b, SIN_b, offs_n, n_ok, stride_gradt, stride_ct, offs_h, dk1 * sm_scale,
                      dk2 * sm_scale, HALF, HALF_PAD)  # fmt: skip
 
 
@@ -380,14 +393,14 @@ def _attn_bwd_dq_inner(
     dq1, dq2, q1, q2, do, lse, delta, row_scale, offs_m,
     K_bh, V_bh, COS_b, SIN_b, KMASK_b,
     stride_kt, stride_vt, stride_ct,
-    lo, hi, T,
+    lo, hi, T, offs_n0, offs_h,
     D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_DIAG: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Accumulate Σ_s dA_ts k̃_s of one query block over the key blocks in [lo, hi)."""
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n, n_ok, k1, k2, qk = _key_block(q1, q2, K_bh, COS_b, SIN_b, start_n, T, stride_kt, stride_ct, HALF,
-                                              HALF_PAD, BLOCK_N, DOT_PRECISION)  # fmt: skip
+        offs_n, n_ok, k1, k2, qk = _key_block(q1, q2, K_bh, COS_b, SIN_b, start_n, offs_n0, offs_h, T, stride_kt, stride_ct,
+                                              HALF, HALF_PAD, BLOCK_N, DOT_PRECISION)  # fmt: skip
         v = _load_rows(V_bh, offs_n, n_ok, stride_vt, D)
         p = tl.math.exp2(qk * row_scale[:, None] - lse[:, None])
         p = _allowed_only(p, 0.0, offs_m, offs_n, n_ok, KMASK_b, CAUSAL_DIAG, HAS_MASK)
@@ -415,9 +428,9 @@ def _attn_bwd_dq(
 ):  # fmt: skip
     """dq (through the inverse rotation) and dg of one (BLOCK_M queries, batch, head) tile."""
     HALF: tl.constexpr = D // 2
-    diag_lo, bh, b, h, offs_m, m_ok, q1, q2, g, K_bh, V_bh, COS_b, SIN_b, KMASK_b = _query_tile(
+    diag_lo, bh, b, h, offs_m, m_ok, offs_n0, offs_h, q1, q2, g, K_bh, V_bh, COS_b, SIN_b, KMASK_b = _query_tile(
         Q, K, V, G, COS, SIN, KMASK, stride_qb, stride_qt, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-        stride_gb, stride_gt, stride_gh, stride_cb, stride_ct, stride_mb, T, H, HALF, HALF_PAD, BLOCK_M,
+        stride_gb, stride_gt, stride_gh, stride_cb, stride_ct, stride_mb, T, H, HALF, HALF_PAD, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     do = _load_rows(DO + b * stride_dob + h * stride_doh, offs_m, m_ok, stride_dot, D)
     lse = tl.load(LSE + bh * T + offs_m, mask=m_ok, other=float("inf"))
@@ -426,16 +439,16 @@ def _attn_bwd_dq(
     dq1 = tl.zeros([BLOCK_M, HALF_PAD], tl.float32)
     dq2 = tl.zeros([BLOCK_M, HALF_PAD], tl.float32)
     dq1, dq2 = _attn_bwd_dq_inner(dq1, dq2, q1, q2, do, lse, delta, g * qk_scale, offs_m, K_bh, V_bh, COS_b, SIN_b,
-                                  KMASK_b, stride_kt, stride_vt, stride_ct, 0, diag_lo, T,
+                                  KMASK_b, stride_kt, stride_vt, stride_ct, 0, diag_lo, T, offs_n0, offs_h,
                                   D, HALF, HALF_PAD, BLOCK_N, False, HAS_MASK, DOT_PRECISION)  # fmt: skip
     dq1, dq2 = _attn_bwd_dq_inner(dq1, dq2, q1, q2, do, lse, delta, g * qk_scale, offs_m, K_bh, V_bh, COS_b, SIN_b,
                                   KMASK_b, stride_kt, stride_vt, stride_ct, diag_lo,
                                   tl.minimum(diag_lo + BLOCK_M, T), T,
-                                  D, HALF, HALF_PAD, BLOCK_N, True, HAS_MASK, DOT_PRECISION)  # fmt: skip
+                                  offs_n0, offs_h, D, HALF, HALF_PAD, BLOCK_N, True, HAS_MASK, DOT_PRECISION)  # fmt: skip
 
     # dg_t = ⟨q̃_t, Σ_s dA_ts k̃_s⟩ / sqrt(D), from the same rounded q̃ the MMAs used.
     dg = (tl.sum(q1.to(tl.float32) * dq1, 1) + tl.sum(q2.to(tl.float32) * dq2, 1)) * sm_scale
     tl.store(DG + b * stride_dgb + offs_m * stride_dgt + h * stride_dgh, dg, mask=m_ok)
     dscale = (g * sm_scale)[:, None]
     _store_unrotated(DQ + b * stride_gradb + h * stride_gradh, COS_b, SIN_b, offs_m, m_ok, stride_gradt, stride_ct,
-                     dq1 * dscale, dq2 * dscale, HALF, HALF_PAD)  # fmt: skip
+                     offs_h, dq1 * dscale, dq2 * dscale, HALF, HALF_PAD)  # fmt: skip
