@@ -165,7 +165,7 @@ def _query_tile(
 @triton.jit
 def _key_block(
     q1, q2, K_bh, COS_b, SIN_b, start_n, offs_n0, offs_h, T, stride_kt, stride_ct,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One key block of a query block's walk: its rows ``offs_n`` and ``n_ok``, the rotated k̃
     halves in q's dtype, and the scores ⟨q̃, k̃⟩ (BLOCK_M, BLOCK_N) in fp32."""
@@ -204,7 +204,7 @@ def _attn_fwd_inner(
 ):  # fmt: skip
     for start_n in range(lo, hi, BLOCK_N):
         offs_n, n_ok, k1, k2, qk = _key_block(q1, q2, K_bh, COS_b, SIN_b, start_n, offs_n0, offs_h, T, stride_kt, stride_ct,
-                                              HALF, HALF_PAD, BLOCK_N, DOT_PRECISION)  # fmt: skip
+                                              HALF, HALF_PAD, DOT_PRECISION)  # fmt: skip
         s = qk * row_scale[:, None]  # (BLOCK_M, BLOCK_N): gated score in log2 units
         s = _allowed_only(s, float("-inf"), offs_m, offs_n, n_ok, KMASK_b, CAUSAL_DIAG, HAS_MASK)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -400,7 +400,7 @@ def _attn_bwd_dq_inner(
     """Accumulate Σ_s dA_ts k̃_s of one query block over the key blocks in [lo, hi)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n, n_ok, k1, k2, qk = _key_block(q1, q2, K_bh, COS_b, SIN_b, start_n, offs_n0, offs_h, T, stride_kt, stride_ct,
-                                              HALF, HALF_PAD, BLOCK_N, DOT_PRECISION)  # fmt: skip
+                                              HALF, HALF_PAD, DOT_PRECISION)  # fmt: skip
         v = _load_rows(V_bh, offs_n, n_ok, stride_vt, D)
         p = tl.math.exp2(qk * row_scale[:, None] - lse[:, None])
         p = _allowed_only(p, 0.0, offs_m, offs_n, n_ok, KMASK_b, CAUSAL_DIAG, HAS_MASK)
