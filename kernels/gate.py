@@ -47,15 +47,19 @@ from wiola_kernels._utils import FLOAT_DTYPES, LaunchConfig, check_runnable, emp
 
 @triton.jit
 def _masked_mean_block(
-    Q, COS, SIN, MASK, b, offs_t, t_ok, offs_d, d_ok, H, HALF,
+    Q, COS, SIN, MASK, b, s, i, SPAN, t_end, offs_d, d_ok, H, HALF,
     stride_qb, stride_qt, stride_qh, stride_cb, stride_ct, stride_mb, stride_mt,
     ROTATE: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):  # fmt: skip
-    """Head mean of one block of queries, rotated if ROTATE, zero at padding.
+    """Head mean of block ``i`` of span ``s`` of row ``b`` (tokens before ``t_end``), rotated if
+    ROTATE, zero at padding.
 
-    Returns the two halves ``m1, m2`` ``(BLOCK_T, BLOCK_HALF)`` fp32 and ``real`` ``(BLOCK_T,)``
-    int32 (1 for a real token inside the sequence, else 0).
+    Returns the block's tokens ``offs_t`` and ``t_ok`` (inside the span), the two halves ``m1, m2``
+    ``(BLOCK_T, BLOCK_HALF)`` fp32 and ``real`` ``(BLOCK_T,)`` int32 (1 for a real token inside the
+    sequence, else 0).
     """
+    offs_t = s * SPAN + i * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = offs_t < t_end
     ok = t_ok[:, None] & d_ok[None, :]
     ptr = Q + b.to(tl.int64) * stride_qb + offs_t[:, None] * stride_qt + offs_d[None, :]
     m1 = tl.zeros([BLOCK_T, BLOCK_HALF], dtype=tl.float32)
@@ -75,7 +79,18 @@ def _masked_mean_block(
     else:
         real = t_ok.to(tl.int32)
     realf = real.to(tl.float32)[:, None]
-    return m1 * realf, m2 * realf, real
+    return offs_t, t_ok, m1 * realf, m2 * realf, real
+
+
+@triton.jit
+def _running_mean(m1, m2, real, run1, run2, n):
+    """``max(n_t, 1)`` (``(BLOCK_T, 1)`` fp32) and the two halves of ``c_t`` (``(BLOCK_T, BLOCK_HALF)``)
+    for a block's head means ``m1, m2`` and ``real``, given the running sum (``run1, run2``) and count
+    ``n`` before it."""
+    count = tl.maximum(tl.cumsum(real, 0) + n, 1).to(tl.float32)[:, None]
+    c1 = tl.fdiv(tl.cumsum(m1, 0) + run1[None, :], count, ieee_rounding=False)
+    c2 = tl.fdiv(tl.cumsum(m2, 0) + run2[None, :], count, ieee_rounding=False)
+    return count, c1, c2
 
 
 @triton.jit
@@ -112,9 +127,8 @@ def _gate_span_sums_kernel(
     n = tl.full([], 0, tl.int32)
     t_end = tl.minimum(s * SPAN + SPAN, T)
     for i in range(0, tl.cdiv(t_end - s * SPAN, BLOCK_T)):
-        offs_t = s * SPAN + i * BLOCK_T + tl.arange(0, BLOCK_T)
-        m1, m2, real = _masked_mean_block(
-            Q, COS, SIN, MASK, b, offs_t, offs_t < t_end, offs_d, d_ok, H, HALF,
+        _, _, m1, m2, real = _masked_mean_block(
+            Q, COS, SIN, MASK, b, s, i, SPAN, t_end, offs_d, d_ok, H, HALF,
             stride_qb, stride_qt, stride_qh, stride_cb, stride_ct, stride_mb, stride_mt,
             ROTATE, HAS_MASK, BLOCK_T, BLOCK_HALF,
         )  # fmt: skip
@@ -150,29 +164,6 @@ def _span_start(
 
 
 @triton.jit
-def _running_mean_block(
-    Q, COS, SIN, MASK, b, s, i, t_end, run1, run2, n, offs_d, d_ok, H, HALF, SPAN,
-    stride_qb, stride_qt, stride_qh, stride_cb, stride_ct, stride_mb, stride_mt,
-    ROTATE: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr,
-):  # fmt: skip
-    """Block ``i`` of span ``s`` of row ``b``, given the running sum (``run1, run2``) and count ``n``
-    before it: its tokens ``offs_t`` and ``t_ok`` (inside the span), the head means ``m1, m2`` and
-    ``real`` of ``_masked_mean_block``, the count ``max(n_t, 1)`` (``(BLOCK_T, 1)`` fp32) and the two
-    halves of ``c_t`` (``(BLOCK_T, BLOCK_HALF)``)."""
-    offs_t = s * SPAN + i * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = offs_t < t_end
-    m1, m2, real = _masked_mean_block(
-        Q, COS, SIN, MASK, b, offs_t, t_ok, offs_d, d_ok, H, HALF,
-        stride_qb, stride_qt, stride_qh, stride_cb, stride_ct, stride_mb, stride_mt,
-        ROTATE, HAS_MASK, BLOCK_T, BLOCK_HALF,
-    )  # fmt: skip
-    count = tl.maximum(tl.cumsum(real, 0) + n, 1).to(tl.float32)[:, None]  # (BLOCK_T, 1)
-    c1 = tl.fdiv(tl.cumsum(m1, 0) + run1[None, :], count, ieee_rounding=False)  # (BLOCK_T, BLOCK_HALF)
-    c2 = tl.fdiv(tl.cumsum(m2, 0) + run2[None, :], count, ieee_rounding=False)
-    return offs_t, t_ok, m1, m2, real, count, c1, c2
-
-
-@triton.jit
 def _gate_fwd_kernel(
     Q, COS, SIN, MASK, W1, W2, B2, CARRY_SUM, CARRY_COUNT, SPAN_SUM, SPAN_COUNT,
     G, SUM_OUT, COUNT_OUT, PREFIX_SUM, PREFIX_COUNT,
@@ -198,11 +189,12 @@ def _gate_fwd_kernel(
 
     t_end = tl.minimum(s * SPAN + SPAN, T)
     for i in range(0, tl.cdiv(t_end - s * SPAN, BLOCK_T)):
-        offs_t, t_ok, m1, m2, real, count, c1, c2 = _running_mean_block(
-            Q, COS, SIN, MASK, b, s, i, t_end, run1, run2, n, offs_d, d_ok, H, HALF, SPAN,
+        offs_t, t_ok, m1, m2, real = _masked_mean_block(
+            Q, COS, SIN, MASK, b, s, i, SPAN, t_end, offs_d, d_ok, H, HALF,
             stride_qb, stride_qt, stride_qh, stride_cb, stride_ct, stride_mb, stride_mt,
             ROTATE, HAS_MASK, BLOCK_T, BLOCK_HALF,
         )  # fmt: skip
+        count, c1, c2 = _running_mean(m1, m2, real, run1, run2, n)
         a = tl.dot(c1, tl.trans(w1a), input_precision="ieee")  # (BLOCK_T, BLOCK_H) = c W_1^T
         a = tl.dot(c2, tl.trans(w1b), a, input_precision="ieee")
         z = tl.dot(a * tl.sigmoid(a), tl.trans(w2), input_precision="ieee")
@@ -248,13 +240,14 @@ def _gate_bwd_kernel(
 
     t_end = tl.minimum(s * SPAN + SPAN, T)
     for i in range(0, tl.cdiv(t_end - s * SPAN, BLOCK_T)):
-        # Weights reloaded per block (L1-resident) rather than held live across the loop.
-        w1a, w1b, w2, b2 = _gate_weights(W1, W2, B2, H, HALF, offs_h, h_ok, offs_d, d_ok)
-        offs_t, t_ok, m1, m2, real, count, c1, c2 = _running_mean_block(
-            Q, COS, SIN, MASK, b, s, i, t_end, run1, run2, n, offs_d, d_ok, H, HALF, SPAN,
+        offs_t, t_ok, m1, m2, real = _masked_mean_block(
+            Q, COS, SIN, MASK, b, s, i, SPAN, t_end, offs_d, d_ok, H, HALF,
             stride_qb, stride_qt, stride_qh, stride_cb, stride_ct, stride_mb, stride_mt,
             ROTATE, HAS_MASK, BLOCK_T, BLOCK_HALF,
         )  # fmt: skip
+        # Weights reloaded per block (L1-resident) rather than held live across the loop.
+        w1a, w1b, w2, b2 = _gate_weights(W1, W2, B2, H, HALF, offs_h, h_ok, offs_d, d_ok)
+        count, c1, c2 = _running_mean(m1, m2, real, run1, run2, n)
         a = tl.dot(c1, tl.trans(w1a), input_precision="ieee")  # forward again
         a = tl.dot(c2, tl.trans(w1b), a, input_precision="ieee")
         sig = tl.sigmoid(a)
