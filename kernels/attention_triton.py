@@ -203,8 +203,8 @@ def _attn_fwd_inner(
     CAUSAL_DIAG: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n, n_ok, k1, k2, qk = _key_block(q1, q2, K_bh, COS_b, SIN_b, start_n, offs_n0, offs_h, T, stride_kt, stride_ct,
-                                              HALF, HALF_PAD, DOT_PRECISION)  # fmt: skip
+        offs_n, n_ok, k1, k2, qk = _key_block(q1, q2, K_bh, COS_b, SIN_b, start_n, offs_n0, offs_h, T, stride_kt,
+                                              stride_ct, HALF, HALF_PAD, DOT_PRECISION)  # fmt: skip
         s = qk * row_scale[:, None]  # (BLOCK_M, BLOCK_N): gated score in log2 units
         s = _allowed_only(s, float("-inf"), offs_m, offs_n, n_ok, KMASK_b, CAUSAL_DIAG, HAS_MASK)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -251,7 +251,8 @@ def _attn_fwd(
     # Stage 2: the diagonal blocks, causally masked.
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q1, q2, row_scale, offs_m, K_bh, V_bh, COS_b, SIN_b, KMASK_b,
                                     stride_kt, stride_vt, stride_ct, diag_lo, tl.minimum(diag_lo + BLOCK_M, T), T,
-                                    offs_n0, offs_h, D, HALF, HALF_PAD, BLOCK_N, True, HAS_MASK, DOT_PRECISION)  # fmt: skip
+                                    offs_n0, offs_h, D, HALF, HALF_PAD, BLOCK_N, True, HAS_MASK,
+                                    DOT_PRECISION)  # fmt: skip
 
     has_key = l_i > 0.0  # False only for a query with no allowed key: o = 0, lse = +inf
     o = acc / tl.where(has_key, l_i, 1.0)[:, None]
@@ -399,8 +400,8 @@ def _attn_bwd_dq_inner(
 ):  # fmt: skip
     """Accumulate Σ_s dA_ts k̃_s of one query block over the key blocks in [lo, hi)."""
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n, n_ok, k1, k2, qk = _key_block(q1, q2, K_bh, COS_b, SIN_b, start_n, offs_n0, offs_h, T, stride_kt, stride_ct,
-                                              HALF, HALF_PAD, DOT_PRECISION)  # fmt: skip
+        offs_n, n_ok, k1, k2, qk = _key_block(q1, q2, K_bh, COS_b, SIN_b, start_n, offs_n0, offs_h, T, stride_kt,
+                                              stride_ct, HALF, HALF_PAD, DOT_PRECISION)  # fmt: skip
         v = _load_rows(V_bh, offs_n, n_ok, stride_vt, D)
         p = tl.math.exp2(qk * row_scale[:, None] - lse[:, None])
         p = _allowed_only(p, 0.0, offs_m, offs_n, n_ok, KMASK_b, CAUSAL_DIAG, HAS_MASK)
@@ -443,8 +444,8 @@ def _attn_bwd_dq(
                                   D, HALF, HALF_PAD, BLOCK_N, False, HAS_MASK, DOT_PRECISION)  # fmt: skip
     dq1, dq2 = _attn_bwd_dq_inner(dq1, dq2, q1, q2, do, lse, delta, g * qk_scale, offs_m, K_bh, V_bh, COS_b, SIN_b,
                                   KMASK_b, stride_kt, stride_vt, stride_ct, diag_lo,
-                                  tl.minimum(diag_lo + BLOCK_M, T), T,
-                                  offs_n0, offs_h, D, HALF, HALF_PAD, BLOCK_N, True, HAS_MASK, DOT_PRECISION)  # fmt: skip
+                                  tl.minimum(diag_lo + BLOCK_M, T), T, offs_n0, offs_h, D, HALF, HALF_PAD, BLOCK_N,
+                                  True, HAS_MASK, DOT_PRECISION)  # fmt: skip
 
     # dg_t = ⟨q̃_t, Σ_s dA_ts k̃_s⟩ / sqrt(D), from the same rounded q̃ the MMAs used.
     dg = (tl.sum(q1.to(tl.float32) * dq1, 1) + tl.sum(q2.to(tl.float32) * dq2, 1)) * sm_scale
