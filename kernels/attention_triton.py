@@ -276,14 +276,18 @@ def _attn_bwd_preprocess(
     D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
     """Δ[b, h, t] = Σ_d o[b, t, h, d] · do[b, t, h, d] in fp32, o = O + O_RES when HAS_RESIDUAL."""
-    start_m, bh, b, h = _program_tile(H, BLOCK_M, False)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
     m_ok = offs_m < T
-    o_off = b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + tl.arange(0, D)[None, :]
+    o_off = b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :]
     o = tl.load(O + o_off, mask=m_ok[:, None], other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         o += tl.load(O_RES + o_off, mask=m_ok[:, None], other=0.0).to(tl.float32)
-    do = _load_rows(DO + b * stride_dob + h * stride_doh, offs_m, m_ok, stride_dot, D)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
+                 mask=m_ok[:, None], other=0.0)  # fmt: skip
     delta = tl.sum(o * do.to(tl.float32), 1)
     tl.store(DELTA + bh * T + offs_m, delta, mask=m_ok)
 
