@@ -169,6 +169,12 @@ def _meta(q: torch.Tensor, has_mask: bool) -> dict:
     }
 
 
+def _input_strides(q, k, v, g, cos, stride_mb: int) -> list[int]:
+    """The strides every attention kernel takes, in its argument order: (B, T, H) of q, k, v and g,
+    (B, T) of cos/sin, B of the key mask."""
+    return [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride()[:3], *cos.stride()[:2], stride_mb]
+
+
 def _t_bucket(T: int) -> int:
     return max(16, triton.next_power_of_2(T))
 
@@ -207,12 +213,7 @@ def attention_fwd_launch(
     km, stride_mb = _key_mask(attention_mask, q)
     args = [
         q, k, v, g, cos, sin, km, o, o if o_res is None else o_res, lse,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        g.stride(0), g.stride(1), g.stride(2),
-        cos.stride(0), cos.stride(1), stride_mb,
-        o.stride(0), o.stride(1), o.stride(2),
+        *_input_strides(q, k, v, g, cos, stride_mb), *o.stride()[:3],
         T, H, _t_bucket(T), LOG2E / math.sqrt(D),
     ]  # fmt: skip
     meta = {**_meta(q, attention_mask is not None), "STORE_RESIDUAL": o_res is not None}
@@ -259,19 +260,11 @@ def attention_bwd_launch(
         do.stride(0), do.stride(1), do.stride(2), T, H,
         D=D, BLOCK_M=PREPROCESS_BLOCK_M, HAS_RESIDUAL=o_res is not None, num_warps=4, num_stages=1,
     )  # fmt: skip
-    common = [
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        g.stride(0), g.stride(1), g.stride(2),
-        cos.stride(0), cos.stride(1), stride_mb,
-        do.stride(0), do.stride(1), do.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2),
-    ]  # fmt: skip
+    common = [*_input_strides(q, k, v, g, cos, stride_mb), *do.stride()[:3], *dq.stride()[:3]]
     scalars = [T, H, _t_bucket(T), LOG2E / math.sqrt(D), 1.0 / math.sqrt(D)]
     dkdv_args = [q, k, v, g, cos, sin, km, do, lse, delta, dk, dv, *common, *scalars]
     _launch(_attn_bwd_dkdv_tuned, _attn_bwd_dkdv, INTERPRET_DKDV, dkdv_config, T, B * H, dkdv_args, meta)
-    dq_args = [q, k, v, g, cos, sin, km, do, lse, delta, dq, dg, *common, dg.stride(0), dg.stride(1), dg.stride(2)]
+    dq_args = [q, k, v, g, cos, sin, km, do, lse, delta, dq, dg, *common, *dg.stride()[:3]]
     _launch(_attn_bwd_dq_tuned, _attn_bwd_dq, INTERPRET_DQ, dq_config, T, B * H, [*dq_args, *scalars], meta)
 
 

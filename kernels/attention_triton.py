@@ -108,36 +108,112 @@ def _store_unrotated(
 
 
 @triton.jit
+def _load_rows(X, rows, row_ok, stride_xt, D: tl.constexpr):
+    """Rows of a (T, D) matrix with unit last stride as one (rows, D) tile; zero past T."""
+    offs_d = tl.arange(0, D)
+    return tl.load(X + rows[:, None] * stride_xt + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+
+@triton.jit
+def _program_tile(H, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr):
+    """This program's (batch · head) index ``bh``, its batch ``b`` and head ``h`` (int64), and the
+    first row of its block of BLOCK rows; LAST_FIRST walks the blocks from the last one."""
+    if LAST_FIRST:
+        block = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        block = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    return block * BLOCK, bh, b, h
+
+
+@triton.jit
+def _query_tile(
+    Q, K, V, G, COS, SIN, KMASK,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kh, stride_vb, stride_vh,
+    stride_gb, stride_gt, stride_gh,
+    stride_cb, stride_ct, stride_mb,
+    T, H,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """What a program holding one query block (forward, dq) starts from, heaviest (last) blocks first.
+
+    Returns the block's first row ``diag_lo``, ``bh``, ``b``, ``h``, its rows ``offs_m`` and
+    ``m_ok``, the offsets of a key block and of a half head, the rotated q̃ halves in q's dtype,
+    the gate ``g`` of its rows, and the (batch, head) bases of k, v, cos, sin and the key mask.
+    """
+    diag_lo, bh, b, h = _program_tile(H, BLOCK_M, True)
+    offs_m = diag_lo + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, HALF_PAD)
+    m_ok = offs_m < T
+    COS_b = COS + b * stride_cb
+    SIN_b = SIN + b * stride_cb
+    KMASK_b = KMASK + b * stride_mb
+    K_bh = K + b * stride_kb + h * stride_kh
+    V_bh = V + b * stride_vb + h * stride_vh
+    q1, q2 = _load_rotated(Q + b * stride_qb + h * stride_qh, COS_b, SIN_b, offs_m, m_ok, stride_qt, stride_ct,
+                           offs_h, HALF, HALF_PAD)  # fmt: skip
+    q1 = q1.to(Q.dtype.element_ty)
+    q2 = q2.to(Q.dtype.element_ty)
+    g = tl.load(G + b * stride_gb + offs_m * stride_gt + h * stride_gh, mask=m_ok, other=0.0)
+    return diag_lo, bh, b, h, offs_m, m_ok, offs_n0, offs_h, q1, q2, g, K_bh, V_bh, COS_b, SIN_b, KMASK_b
+
+
+@triton.jit
+def _key_block(
+    q1, q2, K_bh, COS_b, SIN_b, start_n, offs_n0, offs_h, T, stride_kt, stride_ct,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One key block of a query block's walk: its rows ``offs_n`` and ``n_ok``, the rotated k̃
+    halves in q's dtype, and the scores ⟨q̃, k̃⟩ (BLOCK_M, BLOCK_N) in fp32."""
+    offs_n = start_n + offs_n0
+    n_ok = offs_n < T
+    k1, k2 = _load_rotated(K_bh, COS_b, SIN_b, offs_n, n_ok, stride_kt, stride_ct, offs_h, HALF, HALF_PAD)
+    k1 = k1.to(q1.dtype)
+    qk = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
+    k2 = k2.to(q2.dtype)
+    qk = tl.dot(q2, tl.trans(k2), qk, input_precision=DOT_PRECISION)
+    return offs_n, n_ok, k1, k2, qk
+
+
+@triton.jit
+def _allowed_only(x, fill, offs_m, offs_n, n_ok, KMASK_b, CAUSAL_DIAG: tl.constexpr, HAS_MASK: tl.constexpr):
+    """``x`` (BLOCK_M, BLOCK_N) where query ``offs_m`` may see key ``offs_n`` (s ≤ t on the diagonal
+    blocks, a real key when there is a mask), ``fill`` elsewhere."""
+    if CAUSAL_DIAG:
+        allowed = offs_m[:, None] >= offs_n[None, :]
+        if HAS_MASK:
+            allowed = allowed & (tl.load(KMASK_b + offs_n, mask=n_ok, other=0) != 0)[None, :]
+        x = tl.where(allowed, x, fill)
+    elif HAS_MASK:
+        x = tl.where((tl.load(KMASK_b + offs_n, mask=n_ok, other=0) != 0)[None, :], x, fill)
+    return x
+
+
+@triton.jit
 def _attn_fwd_inner(
     acc, l_i, m_i, q1, q2, row_scale, offs_m,
     K_bh, V_bh, COS_b, SIN_b, KMASK_b,
     stride_kt, stride_vt, stride_ct,
-    lo, hi, T,
-    offs_n0, offs_h, offs_d,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    lo, hi, T, offs_n0, offs_h,
+    D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_DIAG: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        n_ok = offs_n < T
-        k1, k2 = _load_rotated(K_bh, COS_b, SIN_b, offs_n, n_ok, stride_kt, stride_ct, offs_h, HALF, HALF_PAD)
-        qk = tl.dot(q1, tl.trans(k1.to(q1.dtype)), input_precision=DOT_PRECISION)
-        qk = tl.dot(q2, tl.trans(k2.to(q2.dtype)), qk, input_precision=DOT_PRECISION)
+        offs_n, n_ok, k1, k2, qk = _key_block(q1, q2, K_bh, COS_b, SIN_b, start_n, offs_n0, offs_h, T, stride_kt,
+                                              stride_ct, HALF, HALF_PAD, DOT_PRECISION)  # fmt: skip
         s = qk * row_scale[:, None]  # (BLOCK_M, BLOCK_N): gated score in log2 units
-        if CAUSAL_DIAG:
-            allowed = offs_m[:, None] >= offs_n[None, :]
-            if HAS_MASK:
-                allowed = allowed & (tl.load(KMASK_b + offs_n, mask=n_ok, other=0) != 0)[None, :]
-            s = tl.where(allowed, s, float("-inf"))
-        elif HAS_MASK:
-            s = tl.where((tl.load(KMASK_b + offs_n, mask=n_ok, other=0) != 0)[None, :], s, float("-inf"))
+        s = _allowed_only(s, float("-inf"), offs_m, offs_n, n_ok, KMASK_b, CAUSAL_DIAG, HAS_MASK)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row whose keys so far are all masked keeps m = -inf; subtract 0 instead (p = 0, no NaN).
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V_bh + offs_n[:, None] * stride_vt + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        v = _load_rows(V_bh, offs_n, n_ok, stride_vt, D)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -159,47 +235,30 @@ def _attn_fwd(
     """One (BLOCK_M query rows, batch, head) tile of o and lse (and o's rounding residual, O_RES,
     same strides as O, when STORE_RESIDUAL). T_BUCKET only keys the autotuner."""
     HALF: tl.constexpr = D // 2
-    start_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest query blocks first
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n0 = tl.arange(0, BLOCK_N)
-    offs_h = tl.arange(0, HALF_PAD)
-    offs_d = tl.arange(0, D)
-    m_ok = offs_m < T
-
-    COS_b = COS + b * stride_cb
-    SIN_b = SIN + b * stride_cb
-    KMASK_b = KMASK + b * stride_mb
-    K_bh = K + b * stride_kb + h * stride_kh
-    V_bh = V + b * stride_vb + h * stride_vh
-    q1, q2 = _load_rotated(Q + b * stride_qb + h * stride_qh, COS_b, SIN_b, offs_m, m_ok, stride_qt, stride_ct,
-                           offs_h, HALF, HALF_PAD)  # fmt: skip
-    q1 = q1.to(Q.dtype.element_ty)
-    q2 = q2.to(Q.dtype.element_ty)
-    g = tl.load(G + b * stride_gb + offs_m * stride_gt + h * stride_gh, mask=m_ok, other=0.0)
+    diag_lo, bh, b, h, offs_m, m_ok, offs_n0, offs_h, q1, q2, g, K_bh, V_bh, COS_b, SIN_b, KMASK_b = _query_tile(
+        Q, K, V, G, COS, SIN, KMASK, stride_qb, stride_qt, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+        stride_gb, stride_gt, stride_gh, stride_cb, stride_ct, stride_mb, T, H, HALF, HALF_PAD, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
     row_scale = g * qk_scale  # g_t · log2(e) / sqrt(D)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    diag_lo = start_m * BLOCK_M
     # Stage 1: key blocks entirely below the diagonal (all < T, no causal mask).
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q1, q2, row_scale, offs_m, K_bh, V_bh, COS_b, SIN_b, KMASK_b,
-                                    stride_kt, stride_vt, stride_ct, 0, diag_lo, T, offs_n0, offs_h, offs_d,
-                                    HALF, HALF_PAD, BLOCK_N, False, HAS_MASK, DOT_PRECISION)  # fmt: skip
+                                    stride_kt, stride_vt, stride_ct, 0, diag_lo, T, offs_n0, offs_h,
+                                    D, HALF, HALF_PAD, BLOCK_N, False, HAS_MASK, DOT_PRECISION)  # fmt: skip
     # Stage 2: the diagonal blocks, causally masked.
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q1, q2, row_scale, offs_m, K_bh, V_bh, COS_b, SIN_b, KMASK_b,
                                     stride_kt, stride_vt, stride_ct, diag_lo, tl.minimum(diag_lo + BLOCK_M, T), T,
-                                    offs_n0, offs_h, offs_d, HALF, HALF_PAD, BLOCK_N, True, HAS_MASK,
+                                    offs_n0, offs_h, D, HALF, HALF_PAD, BLOCK_N, True, HAS_MASK,
                                     DOT_PRECISION)  # fmt: skip
 
     has_key = l_i > 0.0  # False only for a query with no allowed key: o = 0, lse = +inf
     o = acc / tl.where(has_key, l_i, 1.0)[:, None]
     lse = tl.where(has_key, m_i + tl.math.log2(tl.where(has_key, l_i, 1.0)), float("inf"))
     tl.store(LSE + bh * T + offs_m, lse, mask=m_ok)
-    o_off = b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :]
+    o_off = b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + tl.arange(0, D)[None, :]
     o_low = o.to(O.dtype.element_ty)
     tl.store(O + o_off, o_low, mask=m_ok[:, None])
     if STORE_RESIDUAL:
@@ -238,9 +297,8 @@ def _attn_bwd_dkdv_inner(
     dk1, dk2, dv, k1, k2, v, offs_n,
     Q_bh, DO_bh, G_bh, COS_b, SIN_b, LSE_bh, DELTA_bh,
     stride_qt, stride_dot, stride_gt, stride_ct,
-    lo, hi, T, qk_scale,
-    offs_m0, offs_h, offs_d,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    lo, hi, T, qk_scale, offs_m0, offs_h,
+    D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     CAUSAL_DIAG: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Accumulate dk̃ (times sqrt(D)) and dv of one key block over the query blocks in [lo, hi)."""
@@ -250,7 +308,7 @@ def _attn_bwd_dkdv_inner(
         q1, q2 = _load_rotated(Q_bh, COS_b, SIN_b, offs_m, m_ok, stride_qt, stride_ct, offs_h, HALF, HALF_PAD)
         q1 = q1.to(k1.dtype)
         q2 = q2.to(k1.dtype)
-        do = tl.load(DO_bh + offs_m[:, None] * stride_dot + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+        do = _load_rows(DO_bh, offs_m, m_ok, stride_dot, D)
         # Rows past T: lse = +inf makes their probabilities 0.
         lse = tl.load(LSE_bh + offs_m, mask=m_ok, other=float("inf"))
         delta = tl.load(DELTA_bh + offs_m, mask=m_ok, other=0.0)
@@ -288,14 +346,11 @@ def _attn_bwd_dkdv(
 ):  # fmt: skip
     """dk and dv of one (BLOCK_N keys, batch, head) tile; dk stored through the inverse rotation."""
     HALF: tl.constexpr = D // 2
-    start_n = tl.program_id(0) * BLOCK_N  # the first key blocks see the most queries: launched first
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    # The first key blocks see the most queries: launched first.
+    start_n, bh, b, h = _program_tile(H, BLOCK_N, False)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_h = tl.arange(0, HALF_PAD)
-    offs_d = tl.arange(0, D)
     n_ok = offs_n < T
     COS_b = COS + b * stride_cb
     SIN_b = SIN + b * stride_cb
@@ -303,8 +358,7 @@ def _attn_bwd_dkdv(
                            offs_h, HALF, HALF_PAD)  # fmt: skip
     k1 = k1.to(K.dtype.element_ty)
     k2 = k2.to(K.dtype.element_ty)
-    v = tl.load(V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :],
-                mask=n_ok[:, None], other=0.0)  # fmt: skip
+    v = _load_rows(V + b * stride_vb + h * stride_vh, offs_n, n_ok, stride_vt, D)
     Q_bh = Q + b * stride_qb + h * stride_qh
     DO_bh = DO + b * stride_dob + h * stride_doh
     G_bh = G + b * stride_gb + h * stride_gh
@@ -318,11 +372,11 @@ def _attn_bwd_dkdv(
     # Query blocks on the diagonal (causally masked), then every later query block (unmasked).
     dk1, dk2, dv = _attn_bwd_dkdv_inner(dk1, dk2, dv, k1, k2, v, offs_n, Q_bh, DO_bh, G_bh, COS_b, SIN_b,
                                         LSE_bh, DELTA_bh, stride_qt, stride_dot, stride_gt, stride_ct, start_n,
-                                        diag_hi, T, qk_scale, offs_m0, offs_h, offs_d, HALF, HALF_PAD, BLOCK_M,
+                                        diag_hi, T, qk_scale, offs_m0, offs_h, D, HALF, HALF_PAD, BLOCK_M,
                                         True, HAS_MASK, DOT_PRECISION)  # fmt: skip
     dk1, dk2, dv = _attn_bwd_dkdv_inner(dk1, dk2, dv, k1, k2, v, offs_n, Q_bh, DO_bh, G_bh, COS_b, SIN_b,
                                         LSE_bh, DELTA_bh, stride_qt, stride_dot, stride_gt, stride_ct,
-                                        start_n + BLOCK_N, T, T, qk_scale, offs_m0, offs_h, offs_d, HALF, HALF_PAD,
+                                        start_n + BLOCK_N, T, T, qk_scale, offs_m0, offs_h, D, HALF, HALF_PAD,
                                         BLOCK_M, False, HAS_MASK, DOT_PRECISION)  # fmt: skip
 
     if HAS_MASK:
@@ -333,7 +387,7 @@ def _attn_bwd_dkdv(
         dk1 = tl.where(key_ok[:, None], dk1, 0.0)
         dk2 = tl.where(key_ok[:, None], dk2, 0.0)
     grad_off = b * stride_gradb + h * stride_gradh
-    tl.store(DV + grad_off + offs_n[:, None] * stride_gradt + offs_d[None, :], dv.to(DV.dtype.element_ty),
+    tl.store(DV + grad_off + offs_n[:, None] * stride_gradt + tl.arange(0, D)[None, :], dv.to(DV.dtype.element_ty),
              mask=n_ok[:, None])  # fmt: skip
     _store_unrotated(DK + grad_off, COS_b, SIN_b, offs_n, n_ok, stride_gradt, stride_ct, offs_h, dk1 * sm_scale,
                      dk2 * sm_scale, HALF, HALF_PAD)  # fmt: skip
@@ -344,29 +398,17 @@ def _attn_bwd_dq_inner(
     dq1, dq2, q1, q2, do, lse, delta, row_scale, offs_m,
     K_bh, V_bh, COS_b, SIN_b, KMASK_b,
     stride_kt, stride_vt, stride_ct,
-    lo, hi, T,
-    offs_n0, offs_h, offs_d,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    lo, hi, T, offs_n0, offs_h,
+    D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_DIAG: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Accumulate Σ_s dA_ts k̃_s of one query block over the key blocks in [lo, hi)."""
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        n_ok = offs_n < T
-        k1, k2 = _load_rotated(K_bh, COS_b, SIN_b, offs_n, n_ok, stride_kt, stride_ct, offs_h, HALF, HALF_PAD)
-        k1 = k1.to(q1.dtype)
-        k2 = k2.to(q1.dtype)
-        v = tl.load(V_bh + offs_n[:, None] * stride_vt + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-        qk = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
-        qk = tl.dot(q2, tl.trans(k2), qk, input_precision=DOT_PRECISION)
+        offs_n, n_ok, k1, k2, qk = _key_block(q1, q2, K_bh, COS_b, SIN_b, start_n, offs_n0, offs_h, T, stride_kt,
+                                              stride_ct, HALF, HALF_PAD, DOT_PRECISION)  # fmt: skip
+        v = _load_rows(V_bh, offs_n, n_ok, stride_vt, D)
         p = tl.math.exp2(qk * row_scale[:, None] - lse[:, None])
-        if CAUSAL_DIAG:
-            allowed = offs_m[:, None] >= offs_n[None, :]
-            if HAS_MASK:
-                allowed = allowed & (tl.load(KMASK_b + offs_n, mask=n_ok, other=0) != 0)[None, :]
-            p = tl.where(allowed, p, 0.0)
-        elif HAS_MASK:
-            p = tl.where((tl.load(KMASK_b + offs_n, mask=n_ok, other=0) != 0)[None, :], p, 0.0)
+        p = _allowed_only(p, 0.0, offs_m, offs_n, n_ok, KMASK_b, CAUSAL_DIAG, HAS_MASK)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = (p * (dp - delta[:, None])).to(q1.dtype)  # dA_ts
         dq1 = tl.dot(ds, k1, dq1, input_precision=DOT_PRECISION)
@@ -391,40 +433,23 @@ def _attn_bwd_dq(
 ):  # fmt: skip
     """dq (through the inverse rotation) and dg of one (BLOCK_M queries, batch, head) tile."""
     HALF: tl.constexpr = D // 2
-    start_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest query blocks first
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n0 = tl.arange(0, BLOCK_N)
-    offs_h = tl.arange(0, HALF_PAD)
-    offs_d = tl.arange(0, D)
-    m_ok = offs_m < T
-    COS_b = COS + b * stride_cb
-    SIN_b = SIN + b * stride_cb
-    q1, q2 = _load_rotated(Q + b * stride_qb + h * stride_qh, COS_b, SIN_b, offs_m, m_ok, stride_qt, stride_ct,
-                           offs_h, HALF, HALF_PAD)  # fmt: skip
-    q1 = q1.to(Q.dtype.element_ty)
-    q2 = q2.to(Q.dtype.element_ty)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
-                 mask=m_ok[:, None], other=0.0)  # fmt: skip
+    diag_lo, bh, b, h, offs_m, m_ok, offs_n0, offs_h, q1, q2, g, K_bh, V_bh, COS_b, SIN_b, KMASK_b = _query_tile(
+        Q, K, V, G, COS, SIN, KMASK, stride_qb, stride_qt, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+        stride_gb, stride_gt, stride_gh, stride_cb, stride_ct, stride_mb, T, H, HALF, HALF_PAD, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+    do = _load_rows(DO + b * stride_dob + h * stride_doh, offs_m, m_ok, stride_dot, D)
     lse = tl.load(LSE + bh * T + offs_m, mask=m_ok, other=float("inf"))
     delta = tl.load(DELTA + bh * T + offs_m, mask=m_ok, other=0.0)
-    g = tl.load(G + b * stride_gb + offs_m * stride_gt + h * stride_gh, mask=m_ok, other=0.0)
-    K_bh = K + b * stride_kb + h * stride_kh
-    V_bh = V + b * stride_vb + h * stride_vh
-    KMASK_b = KMASK + b * stride_mb
 
     dq1 = tl.zeros([BLOCK_M, HALF_PAD], tl.float32)
     dq2 = tl.zeros([BLOCK_M, HALF_PAD], tl.float32)
-    diag_lo = start_m * BLOCK_M
     dq1, dq2 = _attn_bwd_dq_inner(dq1, dq2, q1, q2, do, lse, delta, g * qk_scale, offs_m, K_bh, V_bh, COS_b, SIN_b,
-                                  KMASK_b, stride_kt, stride_vt, stride_ct, 0, diag_lo, T, offs_n0, offs_h, offs_d,
-                                  HALF, HALF_PAD, BLOCK_N, False, HAS_MASK, DOT_PRECISION)  # fmt: skip
+                                  KMASK_b, stride_kt, stride_vt, stride_ct, 0, diag_lo, T, offs_n0, offs_h,
+                                  D, HALF, HALF_PAD, BLOCK_N, False, HAS_MASK, DOT_PRECISION)  # fmt: skip
     dq1, dq2 = _attn_bwd_dq_inner(dq1, dq2, q1, q2, do, lse, delta, g * qk_scale, offs_m, K_bh, V_bh, COS_b, SIN_b,
                                   KMASK_b, stride_kt, stride_vt, stride_ct, diag_lo,
-                                  tl.minimum(diag_lo + BLOCK_M, T), T, offs_n0, offs_h, offs_d, HALF, HALF_PAD,
-                                  BLOCK_N, True, HAS_MASK, DOT_PRECISION)  # fmt: skip
+                                  tl.minimum(diag_lo + BLOCK_M, T), T, offs_n0, offs_h, D, HALF, HALF_PAD, BLOCK_N,
+                                  True, HAS_MASK, DOT_PRECISION)  # fmt: skip
 
     # dg_t = ⟨q̃_t, Σ_s dA_ts k̃_s⟩ / sqrt(D), from the same rounded q̃ the MMAs used.
     dg = (tl.sum(q1.to(tl.float32) * dq1, 1) + tl.sum(q2.to(tl.float32) * dq2, 1)) * sm_scale

@@ -64,6 +64,63 @@ from wiola_kernels._utils import (
 
 
 @triton.jit
+def _output_tile(N, COLS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's (BLOCK_M, BLOCK_N) tile of an (N, COLS) output: its rows (int64, for the
+    row offsets), columns and the K offsets of one step, and the row and column masks."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m.to(tl.int64), offs_n, tl.arange(0, BLOCK_K), offs_m < N, offs_n < COLS
+
+
+@triton.jit
+def _up_products(
+    X, DY, W_UP, W3, rows, offs_n, offs_k, mask_m, mask_n, D, F,
+    BACKWARD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The three fp32 (BLOCK_M, BLOCK_N) products of one up-projection tile, one pass over K = D:
+    ``a``, ``b`` (x times the two halves of W_upᵀ) and a third, ``c = x W_bpᵀ`` (W3 = W_bp, (F, D))
+    or with BACKWARD ``dr = dy W_down`` (W3 = W_down, (D, F); DY is read only then)."""
+    x_ptrs = X + rows[:, None] * D + offs_k[None, :]  # (BM, BK)
+    if BACKWARD:
+        dy_ptrs = DY + rows[:, None] * D + offs_k[None, :]  # (BM, BK)
+    wa_ptrs = W_UP + offs_n[None, :] * D + offs_k[:, None]  # (BK, BN): W_up[n, k]
+    wb_ptrs = wa_ptrs + F * D
+    if BACKWARD:
+        w3_ptrs = W3 + offs_k[:, None] * F + offs_n[None, :]  # (BK, BN): W_down[k, n]
+    else:
+        w3_ptrs = W3 + offs_n[None, :] * D + offs_k[:, None]  # (BK, BN): W_bp[n, k]
+    acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        mask_k = offs_k < D - k0
+        a_mask = mask_m[:, None] & mask_k[None, :]
+        w_mask = mask_k[:, None] & mask_n[None, :]
+        x = tl.load(x_ptrs, mask=a_mask, other=0.0)
+        if BACKWARD:
+            a3 = tl.load(dy_ptrs, mask=a_mask, other=0.0)
+        else:
+            a3 = x
+        wa = tl.load(wa_ptrs, mask=w_mask, other=0.0)
+        wb = tl.load(wb_ptrs, mask=w_mask, other=0.0)
+        w3 = tl.load(w3_ptrs, mask=w_mask, other=0.0)
+        acc_a = tl.dot(x, wa, acc_a, input_precision=PRECISION)
+        acc_b = tl.dot(x, wb, acc_b, input_precision=PRECISION)
+        acc_3 = tl.dot(a3, w3, acc_3, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        if BACKWARD:
+            dy_ptrs += BLOCK_K
+        wa_ptrs += BLOCK_K
+        wb_ptrs += BLOCK_K
+        if BACKWARD:
+            w3_ptrs += BLOCK_K * F
+        else:
+            w3_ptrs += BLOCK_K
+    return acc_a, acc_b, acc_3
+
+
+@triton.jit
 def _up_kernel(
     X,  # (N, D)
     W_UP,  # (2F, D): rows [0, F) give a, rows [F, 2F) give b
@@ -78,35 +135,9 @@ def _up_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < N
-    mask_n = offs_n < F
-    rows = offs_m.to(tl.int64)
-    x_ptrs = X + rows[:, None] * D + offs_k[None, :]  # (BM, BK)
-    wa_ptrs = W_UP + offs_n[None, :] * D + offs_k[:, None]  # (BK, BN): W_up[n, k]
-    wb_ptrs = wa_ptrs + F * D
-    wc_ptrs = W_BP + offs_n[None, :] * D + offs_k[:, None]
-    acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_c = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        mask_k = offs_k < D - k0
-        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w_mask = mask_k[:, None] & mask_n[None, :]
-        wa = tl.load(wa_ptrs, mask=w_mask, other=0.0)
-        wb = tl.load(wb_ptrs, mask=w_mask, other=0.0)
-        wc = tl.load(wc_ptrs, mask=w_mask, other=0.0)
-        acc_a = tl.dot(x, wa, acc_a, input_precision=PRECISION)
-        acc_b = tl.dot(x, wb, acc_b, input_precision=PRECISION)
-        acc_c = tl.dot(x, wc, acc_c, input_precision=PRECISION)
-        x_ptrs += BLOCK_K
-        wa_ptrs += BLOCK_K
-        wb_ptrs += BLOCK_K
-        wc_ptrs += BLOCK_K
+    rows, offs_n, offs_k, mask_m, mask_n = _output_tile(N, F, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc_a, acc_b, acc_c = _up_products(X, X, W_UP, W_BP, rows, offs_n, offs_k, mask_m, mask_n, D, F, False,
+                                       BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)  # fmt: skip
     r = acc_a * tl.sigmoid(acc_a) * acc_b + acc_c
     r_ptrs = R + rows[:, None] * F + offs_n[None, :]
     tl.store(r_ptrs, r.to(R.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
@@ -128,14 +159,7 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < N
-    mask_n = offs_n < D
-    rows = offs_m.to(tl.int64)
+    rows, offs_n, offs_k, mask_m, mask_n = _output_tile(N, D, BLOCK_M, BLOCK_N, BLOCK_K)
     r_ptrs = R + rows[:, None] * F + offs_k[None, :]  # (BM, BK)
     w_ptrs = W_DOWN + offs_n[None, :] * F + offs_k[:, None]  # (BK, BN): W_down[n, k]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -171,39 +195,9 @@ def _up_bwd_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < N
-    mask_n = offs_n < F
-    rows = offs_m.to(tl.int64)
-    x_ptrs = X + rows[:, None] * D + offs_k[None, :]  # (BM, BK)
-    dy_ptrs = DY + rows[:, None] * D + offs_k[None, :]  # (BM, BK)
-    wa_ptrs = W_UP + offs_n[None, :] * D + offs_k[:, None]  # (BK, BN): W_up[n, k]
-    wb_ptrs = wa_ptrs + F * D
-    wd_ptrs = W_DOWN + offs_k[:, None] * F + offs_n[None, :]  # (BK, BN): W_down[k, n]
-    acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_dr = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        mask_k = offs_k < D - k0
-        a_mask = mask_m[:, None] & mask_k[None, :]
-        w_mask = mask_k[:, None] & mask_n[None, :]
-        x = tl.load(x_ptrs, mask=a_mask, other=0.0)
-        dy = tl.load(dy_ptrs, mask=a_mask, other=0.0)
-        wa = tl.load(wa_ptrs, mask=w_mask, other=0.0)
-        wb = tl.load(wb_ptrs, mask=w_mask, other=0.0)
-        wd = tl.load(wd_ptrs, mask=w_mask, other=0.0)
-        acc_a = tl.dot(x, wa, acc_a, input_precision=PRECISION)
-        acc_b = tl.dot(x, wb, acc_b, input_precision=PRECISION)
-        acc_dr = tl.dot(dy, wd, acc_dr, input_precision=PRECISION)
-        x_ptrs += BLOCK_K
-        dy_ptrs += BLOCK_K
-        wa_ptrs += BLOCK_K
-        wb_ptrs += BLOCK_K
-        wd_ptrs += BLOCK_K * F
+    rows, offs_n, offs_k, mask_m, mask_n = _output_tile(N, F, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc_a, acc_b, acc_dr = _up_products(X, DY, W_UP, W_DOWN, rows, offs_n, offs_k, mask_m, mask_n, D, F, True,
+                                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)  # fmt: skip
     sig = tl.sigmoid(acc_a)
     silu = acc_a * sig
     # d SiLU(a)/da = σ(a) (1 + a (1 − σ(a)))

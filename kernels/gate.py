@@ -47,15 +47,19 @@ from wiola_kernels._utils import FLOAT_DTYPES, LaunchConfig, check_runnable, emp
 
 @triton.jit
 def _masked_mean_block(
-    Q, COS, SIN, MASK, b, offs_t, t_ok, offs_d, d_ok, H, HALF,
+    Q, COS, SIN, MASK, b, s, i, SPAN, t_end, offs_d, d_ok, H, HALF,
     stride_qb, stride_qt, stride_qh, stride_cb, stride_ct, stride_mb, stride_mt,
     ROTATE: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):  # fmt: skip
-    """Head mean of one block of queries, rotated if ROTATE, zero at padding.
+    """Head mean of block ``i`` of span ``s`` of row ``b`` (tokens before ``t_end``), rotated if
+    ROTATE, zero at padding.
 
-    Returns the two halves ``m1, m2`` ``(BLOCK_T, BLOCK_HALF)`` fp32 and ``real`` ``(BLOCK_T,)``
-    int32 (1 for a real token inside the sequence, else 0).
+    Returns the block's tokens ``offs_t`` and ``t_ok`` (inside the span), the two halves ``m1, m2``
+    ``(BLOCK_T, BLOCK_HALF)`` fp32 and ``real`` ``(BLOCK_T,)`` int32 (1 for a real token inside the
+    sequence, else 0).
     """
+    offs_t = s * SPAN + i * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = offs_t < t_end
     ok = t_ok[:, None] & d_ok[None, :]
     ptr = Q + b.to(tl.int64) * stride_qb + offs_t[:, None] * stride_qt + offs_d[None, :]
     m1 = tl.zeros([BLOCK_T, BLOCK_HALF], dtype=tl.float32)
@@ -75,7 +79,26 @@ def _masked_mean_block(
     else:
         real = t_ok.to(tl.int32)
     realf = real.to(tl.float32)[:, None]
-    return m1 * realf, m2 * realf, real
+    return offs_t, t_ok, m1 * realf, m2 * realf, real
+
+
+@triton.jit
+def _running_mean(m1, m2, real, run1, run2, n):
+    """``max(n_t, 1)`` (``(BLOCK_T, 1)`` fp32) and the two halves of ``c_t`` (``(BLOCK_T, BLOCK_HALF)``)
+    for a block's head means ``m1, m2`` and ``real``, given the running sum (``run1, run2``) and count
+    ``n`` before it."""
+    count = tl.maximum(tl.cumsum(real, 0) + n, 1).to(tl.float32)[:, None]
+    c1 = tl.fdiv(tl.cumsum(m1, 0) + run1[None, :], count, ieee_rounding=False)
+    c2 = tl.fdiv(tl.cumsum(m2, 0) + run2[None, :], count, ieee_rounding=False)
+    return count, c1, c2
+
+
+@triton.jit
+def _span_program(HALF, BLOCK_HALF: tl.constexpr):
+    """This program's span ``s`` and row ``b``, and the columns of one half of a head row
+    (``offs_d``, ``d_ok``)."""
+    offs_d = tl.arange(0, BLOCK_HALF)
+    return tl.program_id(0), tl.program_id(1), offs_d, offs_d < HALF
 
 
 @triton.jit
@@ -98,18 +121,14 @@ def _gate_span_sums_kernel(
     ROTATE: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):  # fmt: skip
     """Pre-pass of the two-level scan: Σ m_s and the real-token count of span ``s`` of row ``b``."""
-    s = tl.program_id(0)
-    b = tl.program_id(1)
-    offs_d = tl.arange(0, BLOCK_HALF)
-    d_ok = offs_d < HALF
+    s, b, offs_d, d_ok = _span_program(HALF, BLOCK_HALF)
     acc1 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
     n = tl.full([], 0, tl.int32)
     t_end = tl.minimum(s * SPAN + SPAN, T)
     for i in range(0, tl.cdiv(t_end - s * SPAN, BLOCK_T)):
-        offs_t = s * SPAN + i * BLOCK_T + tl.arange(0, BLOCK_T)
-        m1, m2, real = _masked_mean_block(
-            Q, COS, SIN, MASK, b, offs_t, offs_t < t_end, offs_d, d_ok, H, HALF,
+        _, _, m1, m2, real = _masked_mean_block(
+            Q, COS, SIN, MASK, b, s, i, SPAN, t_end, offs_d, d_ok, H, HALF,
             stride_qb, stride_qt, stride_qh, stride_cb, stride_ct, stride_mb, stride_mt,
             ROTATE, HAS_MASK, BLOCK_T, BLOCK_HALF,
         )  # fmt: skip
@@ -154,11 +173,8 @@ def _gate_fwd_kernel(
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):  # fmt: skip
     """g for span ``s`` of row ``b``; the last span also writes the final running sum and count."""
-    s = tl.program_id(0)
-    b = tl.program_id(1)
+    s, b, offs_d, d_ok = _span_program(HALF, BLOCK_HALF)
     D = 2 * HALF
-    offs_d = tl.arange(0, BLOCK_HALF)
-    d_ok = offs_d < HALF
     offs_h = tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
     run1, run2, n = _span_start(
@@ -173,16 +189,12 @@ def _gate_fwd_kernel(
 
     t_end = tl.minimum(s * SPAN + SPAN, T)
     for i in range(0, tl.cdiv(t_end - s * SPAN, BLOCK_T)):
-        offs_t = s * SPAN + i * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_ok = offs_t < t_end
-        m1, m2, real = _masked_mean_block(
-            Q, COS, SIN, MASK, b, offs_t, t_ok, offs_d, d_ok, H, HALF,
+        offs_t, t_ok, m1, m2, real = _masked_mean_block(
+            Q, COS, SIN, MASK, b, s, i, SPAN, t_end, offs_d, d_ok, H, HALF,
             stride_qb, stride_qt, stride_qh, stride_cb, stride_ct, stride_mb, stride_mt,
             ROTATE, HAS_MASK, BLOCK_T, BLOCK_HALF,
         )  # fmt: skip
-        count = tl.maximum(tl.cumsum(real, 0) + n, 1).to(tl.float32)[:, None]  # (BLOCK_T, 1)
-        c1 = tl.fdiv(tl.cumsum(m1, 0) + run1[None, :], count, ieee_rounding=False)  # (BLOCK_T, BLOCK_HALF)
-        c2 = tl.fdiv(tl.cumsum(m2, 0) + run2[None, :], count, ieee_rounding=False)
+        count, c1, c2 = _running_mean(m1, m2, real, run1, run2, n)
         a = tl.dot(c1, tl.trans(w1a), input_precision="ieee")  # (BLOCK_T, BLOCK_H) = c W_1^T
         a = tl.dot(c2, tl.trans(w1b), a, input_precision="ieee")
         z = tl.dot(a * tl.sigmoid(a), tl.trans(w2), input_precision="ieee")
@@ -213,11 +225,8 @@ def _gate_bwd_kernel(
 ):  # fmt: skip
     """Recompute span ``s`` of row ``b``: writes c_t, da_t (for dW_1), e_t = dc_t / max(n_t, 1) and
     the span's partial dW_2, db_2 (dW_1 = Σ da ⊗ c is one matmul afterwards: holding it here spills)."""
-    s = tl.program_id(0)
-    b = tl.program_id(1)
+    s, b, offs_d, d_ok = _span_program(HALF, BLOCK_HALF)
     D = 2 * HALF
-    offs_d = tl.arange(0, BLOCK_HALF)
-    d_ok = offs_d < HALF
     offs_h = tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
     prefix = PREFIX_SUM + (b * NS + s).to(tl.int64) * D + offs_d
@@ -231,18 +240,14 @@ def _gate_bwd_kernel(
 
     t_end = tl.minimum(s * SPAN + SPAN, T)
     for i in range(0, tl.cdiv(t_end - s * SPAN, BLOCK_T)):
-        offs_t = s * SPAN + i * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_ok = offs_t < t_end
-        m1, m2, real = _masked_mean_block(
-            Q, COS, SIN, MASK, b, offs_t, t_ok, offs_d, d_ok, H, HALF,
+        offs_t, t_ok, m1, m2, real = _masked_mean_block(
+            Q, COS, SIN, MASK, b, s, i, SPAN, t_end, offs_d, d_ok, H, HALF,
             stride_qb, stride_qt, stride_qh, stride_cb, stride_ct, stride_mb, stride_mt,
             ROTATE, HAS_MASK, BLOCK_T, BLOCK_HALF,
         )  # fmt: skip
         # Weights reloaded per block (L1-resident) rather than held live across the loop.
         w1a, w1b, w2, b2 = _gate_weights(W1, W2, B2, H, HALF, offs_h, h_ok, offs_d, d_ok)
-        count = tl.maximum(tl.cumsum(real, 0) + n, 1).to(tl.float32)[:, None]
-        c1 = tl.fdiv(tl.cumsum(m1, 0) + run1[None, :], count, ieee_rounding=False)
-        c2 = tl.fdiv(tl.cumsum(m2, 0) + run2[None, :], count, ieee_rounding=False)
+        count, c1, c2 = _running_mean(m1, m2, real, run1, run2, n)
         a = tl.dot(c1, tl.trans(w1a), input_precision="ieee")  # forward again
         a = tl.dot(c2, tl.trans(w1b), a, input_precision="ieee")
         sig = tl.sigmoid(a)
@@ -287,11 +292,8 @@ def _gate_bwd_scan_kernel(
     BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):  # fmt: skip
     """Reverse scan of e over span ``s`` of row ``b``, written to every head of dq (/H)."""
-    s = tl.program_id(0)
-    b = tl.program_id(1)
+    s, b, offs_d, d_ok = _span_program(HALF, BLOCK_HALF)
     D = 2 * HALF
-    offs_d = tl.arange(0, BLOCK_HALF)
-    d_ok = offs_d < HALF
     # Gradient reaching the running sum at the end of this span: d(sum_out) + Σ e of later spans.
     if HAS_DSUM:
         acc1 = tl.load(DSUM + b * D + offs_d, mask=d_ok, other=0.0)
