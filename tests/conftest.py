@@ -10,18 +10,18 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Under pytest-xdist (`-n auto`) each worker process gets its share of the cores for torch's pool
-# (which the C++ step also uses): N workers of all-core pools would oversubscribe the CPU.
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _WORKERS > 1:
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
-
 import warnings
 
 import pytest
 from numerics import DEVICE
 
 from wiola.fast import decode_step_cpu
+
+# Under pytest-xdist (`-n auto`) each worker process gets its share of the cores for torch's pool
+# (which the C++ step also uses): N workers of all-core pools would oversubscribe the CPU.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
 
 
 @pytest.fixture
