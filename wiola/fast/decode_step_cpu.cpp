@@ -308,7 +308,7 @@ inline vec q4_load(const uint8_t* p) {
 //   product w·x fused into the sum as the other types do (two operations per 2·kLanes weights
 //   against a widening shuffle and a shift per kLanes).
 // A row's tail of K mod kPer·kLanes takes the element-wise path.
-constexpr int kPackedBatch = kLanes >= 16 ? 2 : 1;  // batch rows per pass: 4 rows x (acc + sum) per batch row
+constexpr int kPackedBatch = kLanes >= 8 ? 2 : 1;  // batch rows per pass: 4 rows x (acc + sum) per batch row
 typedef uint32_t uvec __attribute__((vector_size(4 * kLanes)));
 
 inline vec as_vec(uvec u) {
