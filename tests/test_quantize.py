@@ -28,7 +28,11 @@ SCHEMES = ("int8", "int4", "bf16")
 
 ODD = wiola.WiolaConfig(vocab_size=301, d_model=40, n_layers=2, n_heads=4, d_ff=72, max_seq_len=320)
 SHAPE_13M = dataclasses.replace(wiola.WiolaConfig.preset("13m"), vocab_size=2000, n_layers=2)
-VARIANTS = {"odd": ODD, "no-gate": dataclasses.replace(ODD, gate=False), "13m-shape": SHAPE_13M}
+# Rows that end in a part of a lane-packed chunk (docs/SPEC.md, "Products by weight type"): bf16 K
+# = 184 and 216 leave 24 past whole chunks of 32 (AVX-512: one vector and 8 scalars); int4, fitted
+# to 192 and 224, leaves 64 and 96 past a chunk of 128.
+TAILS = wiola.WiolaConfig(vocab_size=301, d_model=184, n_layers=1, n_heads=4, d_ff=216, max_seq_len=320)
+VARIANTS = {"odd": ODD, "no-gate": dataclasses.replace(ODD, gate=False), "13m-shape": SHAPE_13M, "tails": TAILS}
 
 
 def fit(config: wiola.WiolaConfig, scheme: str) -> wiola.WiolaConfig:

@@ -2,9 +2,10 @@
 // head for B rows of one new token each, reading the model's weights and writing the static cache in
 // place. The matrices (the embedding/head and every layer's projections) are fp32, bf16, int8 with
 // one fp32 scale per output row, or int4 with one fp32 scale per group of kQ4Group weights of a row
-// (weight-only quantization, wiola/fast/quantize.py): one body of every product for the first three,
-// the weight type a template parameter (Weight<T> below), and one for int4 (q4_block), all widened to
-// fp32 in registers.
+// (weight-only quantization, wiola/fast/quantize.py): one body of the products for fp32 and int8,
+// the weight type a template parameter (Weight<T>, dot_block), and one for int4 and bf16, which are
+// read as 32-bit lanes of several weights each (Packed<P>, packed_block), all widened to fp32 in
+// registers.
 // Built and loaded by wiola/fast/decode_step_cpu.py (g++ -O3 -fopenmp, ctypes); the math is docs/SPEC.md's,
 // the same as wiola.model.WiolaModel.forward with a cache and T = 1.
 //
@@ -107,7 +108,6 @@ struct Weight<float> {
 template <>
 struct Weight<int8_t> {
   static constexpr bool kScaled = true;
-  typedef int8_t raw __attribute__((vector_size(kLanes)));
   typedef int32_t wide __attribute__((vector_size(4 * kLanes)));
   // GCC 12 scalarises the sign extension of a generic int8 vector: the x86 variants say it directly.
   static vec load(const int8_t* p) {
@@ -116,9 +116,14 @@ struct Weight<int8_t> {
 #elif defined(WIOLA_ISA_AVX2)
     return (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 #else
-    raw r;
-    std::memcpy(&r, p, sizeof(r));
-    return __builtin_convertvector(__builtin_convertvector(r, wide), vec);  // sign-extend, then convert
+    // Each lane shifts its byte of the 4 to the top and back (arithmetic: sign-extended); NEON:
+    // one broadcast load, one shift each way, one convert (a conversion of the int8 vector is
+    // scalarised there too).
+    int32_t four;
+    std::memcpy(&four, p, sizeof(four));
+    const wide up = {24, 16, 8, 0};
+    wide w = (wide{} + four) << up;
+    return __builtin_convertvector(w >> 24, vec);
 #endif
   }
   static float at(const int8_t* p) { return static_cast<float>(*p); }
@@ -206,19 +211,24 @@ inline void dot_rows(const T* W, const float* scale, int64_t K, const float* x, 
 // keeping it cached ran the 13m step 1.45x (fp32) and 1.7x (int8) faster at batch 1 (interleaved,
 // one thread, a loaded machine). 8 rows ahead: level with 16 and 32 on the Xeon, about 5% faster
 // than 16 on the EPYC.
+// The 4 rows `ahead` rows past row r (of rows below r1, row_bytes each, from W's first byte).
+inline void prefetch_block(const char* W, int64_t row_bytes, int64_t r, int64_t r1, bool stream, int64_t ahead) {
+  int64_t p0 = r + ahead < r1 ? r + ahead : r1, p1 = r + ahead + 4 < r1 ? r + ahead + 4 : r1;
+  const char* p = W + p0 * row_bytes;
+  for (int64_t off = 0; off < (p1 - p0) * row_bytes; off += 64) {
+    if (stream)
+      __builtin_prefetch(p + off, 0, 0);
+    else
+      __builtin_prefetch(p + off, 0, 3);
+  }
+}
+
 template <typename T>
 void gemv_rows(const T* W, const float* scale, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t B,
                int64_t r0, int64_t r1, bool stream, int64_t ahead) {
   int64_t r = r0;
   for (; r + 4 <= r1; r += 4) {
-    int64_t p0 = r + ahead, p1 = r + ahead + 4 < r1 ? r + ahead + 4 : r1;
-    const char* p = reinterpret_cast<const char*>(W + (p0 < r1 ? p0 : r1) * K);
-    for (int64_t off = 0; p0 < p1 && off < (p1 - p0) * K * static_cast<int64_t>(sizeof(T)); off += 64) {
-      if (stream)
-        __builtin_prefetch(p + off, 0, 0);
-      else
-        __builtin_prefetch(p + off, 0, 3);
-    }
+    prefetch_block(reinterpret_cast<const char*>(W), K * static_cast<int64_t>(sizeof(T)), r, r1, stream, ahead);
     dot_rows<4>(W, scale, K, x, ldx, y, ldy, B, r);
   }
   for (; r < r1; ++r) dot_rows<1>(W, scale, K, x, ldx, y, ldy, B, r);
@@ -238,9 +248,7 @@ inline void gemv_share(const T* W, const float* scale, int64_t N, int64_t K, con
 // A row of K weights is K/2 bytes, weight 2j in the low nibble of byte j and 2j+1 in the high one,
 // each nibble u the weight q = u - 8 in [-7, 7] (ONNX Runtime's MatMulNBits layout with its default
 // zero point 8); the row's K/kQ4Group groups of kQ4Group consecutive weights have one fp32 scale
-// each, (N, K/kQ4Group) row-major. A vector of weights is widened to fp32 and multiplied by its
-// group's scale (the dequantized weight, rounded as torch rounds q·scale), then fused into the sum
-// as the other types are: one multiply more per weight vector, shared by the batch rows.
+// each, (N, K/kQ4Group) row-major. How the product reads them: Packed<q4> below.
 #ifndef WIOLA_Q4_GROUP
 #define WIOLA_Q4_GROUP 32
 #endif
@@ -255,7 +263,7 @@ inline float q4_at(const uint8_t* row, int64_t k) {
   return static_cast<float>(((k & 1) ? (b >> 4) : (b & 15)) - 8);
 }
 
-// kLanes weights (kLanes/2 bytes at p) as fp32 q values.
+// kLanes weights (kLanes/2 bytes at p) as fp32 q values (a row's tail, beyond its whole chunks).
 inline vec q4_load(const uint8_t* p) {
 #if defined(WIOLA_ISA_AVX512) || defined(WIOLA_ISA_AVX2)
   const __m128i low = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
@@ -283,67 +291,192 @@ inline vec q4_load(const uint8_t* p) {
 #endif
 }
 
-template <int NR, int NB>
-inline void q4_block(const uint8_t* W, const float* scale, int64_t K, const float* x, int64_t ldx, float* y,
-                     int64_t ldy, int64_t r) {
-  const int64_t groups = K / kQ4Group, row_bytes = K / 2;
-  vec acc[NR][NB] = {};
-  for (int64_t g = 0; g < groups; ++g) {
-    vec s[NR];
-    for (int i = 0; i < NR; ++i) s[i] = vec{} + scale[(r + i) * groups + g];
-    for (int64_t k = g * kQ4Group; k < (g + 1) * kQ4Group; k += kLanes) {
-      vec xv[NB];
-      for (int b = 0; b < NB; ++b) {
-        xv[b] = load(x + b * ldx + k);
-        WIOLA_PIN(xv[b]);
-      }
-      for (int i = 0; i < NR; ++i) {
-        vec w = q4_load(W + (r + i) * row_bytes + k / 2) * s[i];
-        WIOLA_PIN(w);
-        for (int b = 0; b < NB; ++b) acc[i][b] += w * xv[b];
-      }
-    }
-  }
-  for (int i = 0; i < NR; ++i)
-    for (int b = 0; b < NB; ++b) y[b * ldy + r + i] = hsum(acc[i][b]);
+// ---- lane-packed products: int4 and bf16 ------------------------------------------------------
+// Both read a row in chunks of kPer·kLanes weights as kLanes 32-bit lanes, weight kPer·i + j of the
+// chunk in part j of lane i: int4, 8 nibbles a lane (128 weights a chunk on AVX-512: the stored
+// layout, nibble j at bits 4j); bf16, 2 halves a lane (weight 2i in the low half). Part j of every
+// lane at once is one or two lane operations away, with no widening shuffle, and it multiplies the
+// chunk's x taken at a stride of kPer, which each thread rearranges once per product (transpose
+// below, B·K floats), not once per row.
+// - int4: nibble j becomes its fp32 value q by a 16-entry table lookup (AVX-512 vpermps reads the
+//   low 4 bits of each lane's index) or exactly as (2^23 + u) - (2^23 + 8) (the other variants: the
+//   nibble ORed into the mantissa of 2^23). A lane's 8 products q·x are summed in fp32 and the sum
+//   multiplied by the lane's group scale (lane i lies in group i/4 of the chunk) before it joins the
+//   row's sum, as the int8 rows multiply by their scale after the sum: the dequantized weights'
+//   function within the fp32 error bound (docs/SPEC.md, "int4 weights").
+// - bf16: the high half masked, the low half shifted up, are the two weights' fp32 values: each
+//   product w·x fused into the sum as the other types do (two operations per 2·kLanes weights
+//   against a widening shuffle and a shift per kLanes).
+// A row's tail of K mod kPer·kLanes takes the element-wise path.
+constexpr int kPackedBatch = kLanes >= 8 ? 2 : 1;  // batch rows per pass: 4 rows x (acc + sum) per batch row
+typedef uint32_t uvec __attribute__((vector_size(4 * kLanes)));
+
+inline vec as_vec(uvec u) {
+  vec v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
 }
 
-template <int NR>
-inline void q4_rows(const uint8_t* W, const float* scale, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy,
-                    int64_t B, int64_t r) {
-  for (int64_t b = 0; b < B; b += kBatchBlock) {
-    const float* xb = x + b * ldx;
-    float* yb = y + b * ldy;
-    switch (B - b < kBatchBlock ? B - b : kBatchBlock) {
-      case 1: q4_block<NR, 1>(W, scale, K, xb, ldx, yb, ldy, r); break;
+template <typename P>
+struct Packed;
+template <>
+struct Packed<q4> {
+  static constexpr int kPer = 8;
+  static constexpr bool kScaled = true;
+  static int64_t row_bytes(int64_t K) { return K / 2; }  // the bytes of K weights
+  // Nibble J of every lane as fp32 q = u - 8.
+  template <int J>
+  static vec part(uvec lanes) {
+    uvec u = J ? lanes >> (4 * J) : lanes;
 #if defined(WIOLA_ISA_AVX512)
-      case 2: q4_block<NR, 2>(W, scale, K, xb, ldx, yb, ldy, r); break;
-      case 3: q4_block<NR, 3>(W, scale, K, xb, ldx, yb, ldy, r); break;
+    const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    return (vec)_mm512_permutexvar_ps((__m512i)u, table);
+#else
+    return as_vec((u & 15u) | 0x4B000000u) - 8388616.0f;  // (2^23 + u) - (2^23 + 8): exact
 #endif
-      default: q4_block<NR, kBatchBlock>(W, scale, K, xb, ldx, yb, ldy, r); break;
+  }
+  // The scale of each lane of the chunk at weight c of row r (lane i: group i/4).
+  static vec lane_scales(const float* scale, int64_t r, int64_t K, int64_t c) {
+    const float* s = scale + r * (K / kQ4Group) + c / kQ4Group;
+#if defined(WIOLA_ISA_AVX512)
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    return (vec)_mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(s)));
+#elif defined(WIOLA_ISA_AVX2)
+    return (vec)_mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(s[0])), _mm_set1_ps(s[1]), 1);
+#else
+    static_assert(kLanes == 4, "portable: one group a chunk");
+    return vec{} + s[0];
+#endif
+  }
+  // kLanes dequantized weights at weight k of row r (the tail: whole groups).
+  static vec tail(const uint8_t* row, const float* scale, int64_t r, int64_t K, int64_t k) {
+    return q4_load(row + k / 2) * (vec{} + scale[r * (K / kQ4Group) + k / kQ4Group]);
+  }
+  static float at(const uint8_t* row, const float* scale, int64_t r, int64_t K, int64_t k) {
+    return q4_at(row, k) * scale[r * (K / kQ4Group) + k / kQ4Group];
+  }
+};
+template <>
+struct Packed<bf16> {
+  static constexpr int kPer = 2;
+  static constexpr bool kScaled = false;
+  static int64_t row_bytes(int64_t K) { return 2 * K; }
+  template <int J>
+  static vec part(uvec lanes) {
+    return as_vec(J ? lanes & 0xFFFF0000u : lanes << 16);
+  }
+  static vec tail(const uint8_t* row, const float*, int64_t, int64_t, int64_t k) {
+    return Weight<bf16>::load(reinterpret_cast<const bf16*>(row) + k);
+  }
+  static float at(const uint8_t* row, const float*, int64_t, int64_t, int64_t k) {
+    return Weight<bf16>::at(reinterpret_cast<const bf16*>(row) + k);
+  }
+};
+
+// sum[b] += part J of lanes · x of batch row b, for J..kPer-1.
+template <typename P, int J, int NB>
+inline void packed_fma(uvec lanes, const float* xt, int64_t ldx, vec* sum) {
+  vec w = Packed<P>::template part<J>(lanes);
+  WIOLA_PIN(w);
+  for (int b = 0; b < NB; ++b) sum[b] += w * load(xt + b * ldx + J * kLanes);
+  if constexpr (J + 1 < Packed<P>::kPer) packed_fma<P, J + 1, NB>(lanes, xt, ldx, sum);
+}
+
+// Rows [r, r + NR) of NB batch rows; xt: transpose's x (stride ldx).
+template <typename P, int NR, int NB>
+inline void packed_block(const uint8_t* W, const float* scale, int64_t K, const float* xt, int64_t ldx, float* y,
+                         int64_t ldy, int64_t r) {
+  constexpr int64_t chunk = Packed<P>::kPer * kLanes;
+  const int64_t row_bytes = Packed<P>::row_bytes(K), full = K / chunk * chunk;
+  vec acc[NR][NB] = {};
+  for (int64_t c = 0; c < full; c += chunk) {
+    for (int i = 0; i < NR; ++i) {
+      uvec lanes;
+      std::memcpy(&lanes, W + (r + i) * row_bytes + Packed<P>::row_bytes(c), sizeof(lanes));
+      if constexpr (Packed<P>::kScaled) {
+        vec sum[NB] = {};
+        packed_fma<P, 0, NB>(lanes, xt + c, ldx, sum);
+        vec s = Packed<P>::lane_scales(scale, r + i, K, c);
+        for (int b = 0; b < NB; ++b) acc[i][b] += sum[b] * s;
+      } else {
+        packed_fma<P, 0, NB>(lanes, xt + c, ldx, acc[i]);
+      }
+    }
+  }
+  int64_t k = full;
+  for (; k + kLanes <= K; k += kLanes) {
+    for (int i = 0; i < NR; ++i) {
+      vec w = Packed<P>::tail(W + (r + i) * row_bytes, scale, r + i, K, k);
+      for (int b = 0; b < NB; ++b) acc[i][b] += w * load(xt + b * ldx + k);
+    }
+  }
+  for (int i = 0; i < NR; ++i) {
+    for (int b = 0; b < NB; ++b) {
+      float s = hsum(acc[i][b]);
+      for (int64_t kk = k; kk < K; ++kk) s += Packed<P>::at(W + (r + i) * row_bytes, scale, r + i, K, kk) * xt[b * ldx + kk];
+      y[b * ldy + r + i] = s;
     }
   }
 }
 
-// This thread's share of an int4 (N, K) product (the int4 counterpart of gemv_share, with the same
-// split, prefetch distance and non-temporal head).
-inline void gemv_share(const q4* Wq, const float* scale, int64_t N, int64_t K, const float* x, int64_t ldx, float* y,
-                       int64_t ldy, int64_t B, int tid, int nth, bool stream, int64_t ahead) {
-  const uint8_t* W = reinterpret_cast<const uint8_t*>(Wq);
+// x (B rows of K, stride ldx) into xt (B rows of K, stride K): each whole chunk's x[kPer·i + j] at
+// j·kLanes + i, the tail as it is.
+template <int kPer>
+inline void transpose(const float* x, int64_t ldx, int64_t B, int64_t K, float* xt) {
+  constexpr int64_t chunk = kPer * kLanes;
+  const int64_t full = K / chunk * chunk;
+  for (int64_t b = 0; b < B; ++b) {
+    const float* xb = x + b * ldx;
+    float* tb = xt + b * K;
+    for (int64_t c = 0; c < full; c += chunk)
+      for (int i = 0; i < kLanes; ++i)
+        for (int j = 0; j < kPer; ++j) tb[c + j * kLanes + i] = xb[c + kPer * i + j];
+    for (int64_t k = full; k < K; ++k) tb[k] = xb[k];
+  }
+}
+
+template <typename P, int NR>
+inline void packed_rows(const uint8_t* W, const float* scale, int64_t K, const float* xt, float* y, int64_t ldy,
+                        int64_t B, int64_t r) {
+  int64_t b = 0;
+  for (; b + kPackedBatch <= B; b += kPackedBatch)
+    packed_block<P, NR, kPackedBatch>(W, scale, K, xt + b * K, K, y + b * ldy, ldy, r);
+  for (; b < B; ++b) packed_block<P, NR, 1>(W, scale, K, xt + b * K, K, y + b * ldy, ldy, r);
+}
+
+// This thread's share of an int4 or bf16 (N, K) product, with gemv_share's split, prefetch distance
+// and non-temporal head. Each thread rearranges the x it reads into its own buffer first (B·K
+// floats, far fewer than the N·K weights).
+template <typename P>
+inline void packed_share(const P* Wp, const float* scale, int64_t N, int64_t K, const float* x, int64_t ldx, float* y,
+                         int64_t ldy, int64_t B, int tid, int nth, bool stream, int64_t ahead) {
+  const uint8_t* W = reinterpret_cast<const uint8_t*>(Wp);
   int64_t blocks = (N + 3) / 4;
   int64_t r = blocks * tid / nth * 4, r1 = blocks * (tid + 1) / nth * 4 < N ? blocks * (tid + 1) / nth * 4 : N;
-  const int64_t row_bytes = K / 2;
-  for (; r + 4 <= r1; r += 4) {
-    int64_t p0 = r + ahead < r1 ? r + ahead : r1, p1 = r + ahead + 4 < r1 ? r + ahead + 4 : r1;
-    for (int64_t off = 0; off < (p1 - p0) * row_bytes; off += 64) {
-      if (stream)
-        __builtin_prefetch(W + p0 * row_bytes + off, 0, 0);
-      else
-        __builtin_prefetch(W + p0 * row_bytes + off, 0, 3);
-    }
-    q4_rows<4>(W, scale, K, x, ldx, y, ldy, B, r);
+  if (r >= r1) return;
+  static thread_local float* xt = nullptr;
+  static thread_local int64_t xt_size = 0;
+  if (xt_size < B * K) {
+    delete[] xt;
+    xt = new float[B * K];
+    xt_size = B * K;
   }
-  for (; r < r1; ++r) q4_rows<1>(W, scale, K, x, ldx, y, ldy, B, r);
+  transpose<Packed<P>::kPer>(x, ldx, B, K, xt);
+  const int64_t row_bytes = Packed<P>::row_bytes(K);
+  for (; r + 4 <= r1; r += 4) {
+    prefetch_block(reinterpret_cast<const char*>(W), row_bytes, r, r1, stream, ahead);
+    packed_rows<P, 4>(W, scale, K, xt, y, ldy, B, r);
+  }
+  for (; r < r1; ++r) packed_rows<P, 1>(W, scale, K, xt, y, ldy, B, r);
+}
+
+inline void gemv_share(const q4* W, const float* scale, int64_t N, int64_t K, const float* x, int64_t ldx, float* y,
+                       int64_t ldy, int64_t B, int tid, int nth, bool stream, int64_t ahead) {
+  packed_share(W, scale, N, K, x, ldx, y, ldy, B, tid, nth, stream, ahead);
+}
+inline void gemv_share(const bf16* W, const float* scale, int64_t N, int64_t K, const float* x, int64_t ldx, float* y,
+                       int64_t ldy, int64_t B, int tid, int nth, bool stream, int64_t ahead) {
+  packed_share(W, scale, N, K, x, ldx, y, ldy, B, tid, nth, stream, ahead);
 }
 
 inline void embed_row(const q4* E, const float* scale, int64_t token, int64_t d, float* out) {

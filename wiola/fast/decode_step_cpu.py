@@ -6,8 +6,9 @@ It computes what ``wiola.WiolaModel.forward(ids, cache=cache)`` computes for ``i
 ``(B, 1)``, in fp32 with its own summation order (``tests/test_decode_step_cpu.py``). For a
 model quantized by ``wiola.fast.quantize`` (int8 with per-row scales, int4 with per-group scales,
 or bf16) it streams the packed matrices, widened to fp32 in registers, and computes what the PyTorch path computes on
-the dequantized weights (``tests/test_quantize.py``); the C++ has one body per product, the
-weight type a template parameter.
+the dequantized weights (``tests/test_quantize.py``); the C++ has one body of the products for
+fp32 and int8 (the weight type a template parameter) and one for int4 and bf16, whose rows it
+reads as 32-bit lanes of several weights each (``docs/SPEC.md``, "Products by weight type").
 
 One source, three instruction-set variants (``ISAS``), chosen at build time:
 
