@@ -340,6 +340,7 @@ class _FeedForward(nn.Module):
         for name, width in self.up:
             setattr(self, name, nn.Linear(d, width * f, bias=False))
         self.down_proj = nn.Linear(f, d, bias=False)
+        self.names = (*(name for name, _ in self.up), "down_proj")  # the projections in call order
 
     def compute(self, x: torch.Tensor, *weights: torch.Tensor, layouts: tuple | None) -> torch.Tensor:
         """The block's function of ``x`` ``(..., d)`` and the projections' weights (``up`` order, then down)."""
@@ -347,7 +348,7 @@ class _FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(..., d)`` -> ``(..., d)``."""
-        names = (*(name for name, _ in self.up), "down_proj")
+        names = self.names
         weights = tuple(getattr(self, n).weight for n in names)
         if not uses_decode_layout(x):
             dtype = autocast_dtype(x)  # the casts autocast makes, once per weight version
