@@ -113,6 +113,42 @@ def test_loop_is_one_call_per_chunk(monkeypatch):
     assert out[0, 3:].tolist() == [first] + [1] * 29 and calls == [(0, 30)]
 
 
+@pytest.mark.parametrize("V", [5, 16, 203, 32000])
+def test_greedy_choice_equals_torch_argmax(V, isa):
+    """Greedy rows take torch.argmax's token: the first NaN where there is one (in the vector part
+    or the last V % lanes elements), else the first maximum, -0.0 and 0.0 counted equal, a row of
+    -inf giving 0; rows narrower than a vector and a vocabulary's width included."""
+    lib = decode_step_cpu.load(isa)
+    gen = torch.Generator().manual_seed(V)
+    rows = [torch.randn(V, generator=gen) for _ in range(4)]
+    rows.append(torch.full((V,), float("-inf")))
+    rows.append(torch.zeros(V))
+    signed = torch.zeros(V)
+    signed[: V // 2] = -0.0
+    rows.append(signed)
+    for at in sorted({0, V // 3, V - 1}):
+        r = torch.randn(V, generator=gen)
+        r[at] = float("nan")
+        for later in (at + 2, at + 16):  # another lane; the same lane of every ISA variant
+            if later < V:
+                r[later] = float("nan")
+        rows.append(r)
+    tie = torch.randint(-3, 3, (V,), generator=gen).float()
+    rows.append(tie)
+    late = torch.randn(V, generator=gen)
+    late[-1] = 100.0
+    rows.append(late)
+    logits = torch.stack(rows).contiguous()
+    samplers = decode_step_cpu.Samplers(len(rows), V, 1)
+    samplers.mode.fill_(decode_step_cpu.MODE["greedy"])
+    decode_step_cpu.sample_rows(lib, logits, samplers)
+    want = torch.argmax(logits, dim=-1)
+    assert torch.equal(samplers.token, want), (
+        f"{isa} on {decode_step_cpu.cpu_info()['model']}: greedy tokens {samplers.token.tolist()} "
+        f"!= torch.argmax {want.tolist()}"
+    )
+
+
 @pytest.mark.parametrize("scale", [1.0, 30.0])
 def test_sampler_equals_sample_next_with_ties(scale, isa):
     """The C++ sampler's tokens equal ``wiola.generation.sample_next``'s on the same logits and

@@ -68,6 +68,10 @@ inline vec load(const float* p) {
 }
 inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
 
+#if defined(WIOLA_ISA_AVX512) || defined(WIOLA_ISA_AVX2)
+inline void store4(float* p, __m128 v) { _mm_storeu_ps(p, v); }
+#endif
+
 // Horizontal sums, halving the width each time (the halves taken through memcpy, which GCC and
 // Clang of any version turn into one extract).
 inline float hsum(v4 b) { return (b[0] + b[2]) + (b[1] + b[3]); }
@@ -85,6 +89,41 @@ inline float hsum(v8 a) { return hsum(fold<v4>(a)); }
 inline float hsum(vec v) { return hsum(fold<v8>(v)); }
 #endif
 
+// out[i] = hsum(a[i]) for four vectors, each sum in hsum's order (lane l + lane l + width/2, halving
+// down to four partial sums t, then (t0 + t2) + (t1 + t3)), so bitwise the same; the four folded
+// together, two vectors a shuffle, instead of one extract-and-add chain each.
+inline void hsum4(const vec* a, float* out) {
+#if defined(WIOLA_ISA_AVX512)
+  const __m512 a0 = (__m512)a[0], a1 = (__m512)a[1], a2 = (__m512)a[2], a3 = (__m512)a[3];
+  // [lo8(a0) | lo8(a1)] + [hi8(a0) | hi8(a1)]: lanes 0-7 a0's halves summed, 8-15 a1's.
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
+  // 128-bit blocks 0 and 2 of each plus blocks 1 and 3: four partial sums of each vector, a block each.
+  __m128 t[4];
+  const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+  t[0] = _mm512_castps512_ps128(q);
+  t[1] = _mm512_extractf32x4_ps(q, 1);
+  t[2] = _mm512_extractf32x4_ps(q, 2);
+  t[3] = _mm512_extractf32x4_ps(q, 3);
+#elif defined(WIOLA_ISA_AVX2)
+  __m128 t[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 v = (__m256)a[i];
+    t[i] = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  }
+#else
+  const v4* t = a;
+#endif
+#if defined(WIOLA_ISA_AVX512) || defined(WIOLA_ISA_AVX2)
+  // Transpose the four blocks, then (t0 + t2) + (t1 + t3) lane by lane.
+  __m128 r0 = t[0], r1 = t[1], r2 = t[2], r3 = t[3];
+  _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+  store4(out, _mm_add_ps(_mm_add_ps(r0, r2), _mm_add_ps(r1, r3)));
+#else
+  for (int i = 0; i < 4; ++i) out[i] = hsum(t[i]);
+#endif
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
   vec acc = {};
   int64_t k = 0;
@@ -92,6 +131,19 @@ inline float dot(const float* a, const float* b, int64_t n) {
   float s = hsum(acc);
   for (; k < n; ++k) s += a[k] * b[k];
   return s;
+}
+
+// o[0, NV·kLanes) = Σ_s ps[s] v_s over the real slots s <= slot, in slot order, the NV vectors
+// of o held in registers (v_s: `ld` floats apart).
+template <int NV>
+inline void attend_values(const float* ps, const bool* real, int64_t slot, const float* v, int64_t ld, float* o) {
+  vec acc[NV] = {};
+  for (int64_t s = 0; s <= slot; ++s) {
+    if (!real[s]) continue;
+    const float w = ps[s];
+    for (int u = 0; u < NV; ++u) acc[u] += w * load(v + s * ld + u * kLanes);
+  }
+  for (int u = 0; u < NV; ++u) store(o + u * kLanes, acc[u]);
 }
 
 // How a weight type is read: `load` widens kLanes consecutive weights to one fp32 vector, `at` one
@@ -173,10 +225,19 @@ inline void dot_block(const T* W, const float* scale, int64_t K, const float* x,
       for (int b = 0; b < NB; ++b) acc[i][b] += w * xv[b];
     }
   }
+  float sums[NB][NR];
+  for (int b = 0; b < NB; ++b) {
+    if constexpr (NR == 4) {
+      const vec four[4] = {acc[0][b], acc[1][b], acc[2][b], acc[3][b]};
+      hsum4(four, sums[b]);
+    } else {
+      for (int i = 0; i < NR; ++i) sums[b][i] = hsum(acc[i][b]);
+    }
+  }
   for (int i = 0; i < NR; ++i) {
     const T* w = W + (r + i) * K;
     for (int b = 0; b < NB; ++b) {
-      float s = hsum(acc[i][b]);
+      float s = sums[b][i];
       for (int64_t kk = k; kk < K; ++kk) s += Weight<T>::at(w + kk) * x[b * ldx + kk];
       if constexpr (Weight<T>::kScaled) s *= scale[r + i];
       y[b * ldy + r + i] = s;
@@ -410,9 +471,18 @@ inline void packed_block(const uint8_t* W, const float* scale, int64_t K, const 
       for (int b = 0; b < NB; ++b) acc[i][b] += w * load(xt + b * ldx + k);
     }
   }
+  float sums[NB][NR];
+  for (int b = 0; b < NB; ++b) {
+    if constexpr (NR == 4) {
+      const vec four[4] = {acc[0][b], acc[1][b], acc[2][b], acc[3][b]};
+      hsum4(four, sums[b]);
+    } else {
+      for (int i = 0; i < NR; ++i) sums[b][i] = hsum(acc[i][b]);
+    }
+  }
   for (int i = 0; i < NR; ++i) {
     for (int b = 0; b < NB; ++b) {
-      float s = hsum(acc[i][b]);
+      float s = sums[b][i];
       for (int64_t kk = k; kk < K; ++kk) s += Packed<P>::at(W + (r + i) * row_bytes, scale, r + i, K, kk) * xt[b * ldx + kk];
       y[b * ldy + r + i] = s;
     }
@@ -685,7 +755,11 @@ struct Step {
   }
 
   // Attention of (row, head) pair p over the row's cached slots [0, slot], padding left out:
-  // softmax(g · <q̃, k̃_s> / sqrt(D)) v_s, in fp32.
+  // softmax(g · <q̃, k̃_s> / sqrt(D)) v_s, in fp32. Three passes over the slots, each free of a
+  // chain from one slot to the next except the running max and sum: the scores, their
+  // exponentials (divided by the sum once each), then the weighted values summed in registers
+  // (attend_values). Every score, exponential and output lane is computed in the same order
+  // whatever the slot count, row or thread.
   void attention_row(int64_t l, int64_t p) {
     int64_t i = p / H, hh = p % H, slot = slots[i];
     const float* q = ws.qrot + i * d + hh * D;
@@ -706,15 +780,21 @@ struct Step {
       sc[s] = std::exp(sc[s] - mx);
       total += sc[s];
     }
+    for (int64_t s = 0; s <= slot; ++s) sc[s] = real[s] ? sc[s] / total : 0.0f;
     float* o = ws.o + i * d + hh * D;
-    for (int64_t j = 0; j < D; ++j) o[j] = 0.0f;
-    for (int64_t s = 0; s <= slot; ++s) {
-      if (!real[s]) continue;
-      float ps = sc[s] / total;
-      const float* vs = values + s * D;
-      int64_t j = 0;
-      for (; j + kLanes <= D; j += kLanes) store(o + j, load(o + j) + ps * load(vs + j));
-      for (; j < D; ++j) o[j] += ps * vs[j];
+    int64_t j = 0;
+    for (; j + 4 * kLanes <= D; j += 4 * kLanes) attend_values<4>(sc, real, slot, values + j, D, o + j);
+    switch ((D - j) / kLanes) {
+      case 3: attend_values<3>(sc, real, slot, values + j, D, o + j); break;
+      case 2: attend_values<2>(sc, real, slot, values + j, D, o + j); break;
+      case 1: attend_values<1>(sc, real, slot, values + j, D, o + j); break;
+      default: break;
+    }
+    for (j += (D - j) / kLanes * kLanes; j < D; ++j) {
+      float acc = 0.0f;
+      for (int64_t s = 0; s <= slot; ++s)
+        if (real[s]) acc += sc[s] * values[s * D + j];
+      o[j] = acc;
     }
   }
 
@@ -726,12 +806,17 @@ struct Step {
     rms_norm(hb, gamma, ws.x + i * d, d, eps);
   }
 
-  // The butterfly's middle of row i: r = SiLU(a) ⊙ b + x W_bpᵀ, over a (up = [a ‖ b]).
-  void butterfly_row(int64_t i) {
-    float* a = ws.up + i * 2 * F;
-    const float* bb = a + F;
-    const float* bp = ws.bp + i * F;
-    for (int64_t j = 0; j < F; ++j) a[j] = silu(a[j]) * bb[j] + bp[j];
+  // The butterfly's middle: r = SiLU(a) ⊙ b + x W_bpᵀ, over a (up = [a ‖ b]), element-wise, so
+  // this thread takes an equal share of all B·F elements (at batch 1 every thread has some).
+  void butterfly_share(int tid, int nth) {
+    const int64_t n = B * F, e0 = n * tid / nth, e1 = n * (tid + 1) / nth;
+    for (int64_t e = e0; e < e1;) {
+      const int64_t i = e / F, j0 = e % F, j1 = std::min(F, j0 + (e1 - e));
+      float* a = ws.up + i * 2 * F;
+      const float* bp = ws.bp + i * F;
+      for (int64_t j = j0; j < j1; ++j) a[j] = silu(a[j]) * a[F + j] + bp[j];
+      e += j1 - j0;
+    }
   }
 
   // One layer in the threads of the parallel region: products split by output rows, per-row
@@ -753,7 +838,7 @@ struct Step {
     product(at(l, kWUp), 2 * F, d, ws.x, d, ws.up, 2 * F, tid, nth);
     product(at(l, kWBp), F, d, ws.x, d, ws.bp, F, tid, nth);
 #pragma omp barrier
-    for (int64_t i = tid; i < B; i += nth) butterfly_row(i);
+    butterfly_share(tid, nth);
 #pragma omp barrier
     product(at(l, kWDown), d, F, ws.up, 2 * F, ws.qkv, 3 * d, tid, nth);
 #pragma omp barrier
@@ -802,9 +887,38 @@ int decode_rows(const int64_t* n, const void* const* weights, const float* const
 // samples those rows with wiola.generation itself (kModeCaller).
 enum SampleMode { kGreedy, kSample, kModeCaller };
 
+// torch.argmax's choice: the first NaN if there is one, else the first maximum. One vector pass
+// keeps each lane's maximum with the first index holding it and the lane's first NaN; the lanes
+// are merged after (the smallest index among those holding the maximum), the last n % kLanes
+// elements taken one by one, so the result is the scalar loop's, without its chain from one
+// element to the next. Vocabularies of 2^31 or more go through the scalar loop.
 inline int64_t argmax_first(const float* x, int64_t n) {
-  int64_t best = 0;
-  for (int64_t j = 0; j < n; ++j) {
+  typedef int32_t ivec __attribute__((vector_size(4 * kLanes)));
+  int64_t best = 0, j = 0;
+  if (n >= kLanes && n < (int64_t{1} << 31)) {
+    vec mx = load(x);
+    ivec at, lane, nan_at;
+    for (int u = 0; u < kLanes; ++u) lane[u] = at[u] = u;
+    const int32_t none = INT32_MAX;
+    nan_at = ivec{} + none;
+    nan_at = mx != mx ? at : nan_at;
+    for (j = kLanes; j + kLanes <= n; j += kLanes) {
+      const vec v = load(x + j);
+      const ivec here = lane + static_cast<int32_t>(j);
+      nan_at = (v != v) & (nan_at == none) ? here : nan_at;
+      at = v > mx ? here : at;
+      mx = v > mx ? v : mx;
+    }
+    int32_t first_nan = none;
+    for (int u = 0; u < kLanes; ++u) first_nan = nan_at[u] < first_nan ? nan_at[u] : first_nan;
+    if (first_nan != none) return first_nan;
+    float m = mx[0];
+    for (int u = 1; u < kLanes; ++u) m = mx[u] > m ? mx[u] : m;
+    best = n;
+    for (int u = 0; u < kLanes; ++u)
+      if (mx[u] == m && at[u] < best) best = at[u];
+  }
+  for (; j < n; ++j) {
     if (std::isnan(x[j])) return j;
     if (x[j] > x[best]) best = j;
   }
