@@ -92,7 +92,8 @@ inline float hsum(vec v) { return hsum(fold<v8>(v)); }
 // out[i] = hsum(a[i]) for four vectors, each sum in hsum's order (lane l + lane l + width/2, halving
 // down to four partial sums t, then (t0 + t2) + (t1 + t3)), so bitwise the same; the four folded
 // together, two vectors a shuffle, instead of one extract-and-add chain each.
-inline void hsum4(const vec* a, float* out) {
+__attribute__((always_inline)) inline void hsum4(vec a0_, vec a1_, vec a2_, vec a3_, float* out) {
+  const vec a[4] = {a0_, a1_, a2_, a3_};
 #if defined(WIOLA_ISA_AVX512)
   const __m512 a0 = (__m512)a[0], a1 = (__m512)a[1], a2 = (__m512)a[2], a3 = (__m512)a[3];
   // [lo8(a0) | lo8(a1)] + [hi8(a0) | hi8(a1)]: lanes 0-7 a0's halves summed, 8-15 a1's.
@@ -131,6 +132,17 @@ inline float dot(const float* a, const float* b, int64_t n) {
   float s = hsum(acc);
   for (; k < n; ++k) s += a[k] * b[k];
   return s;
+}
+
+// out[u] = the sum of a[k]·b[u·n + k] over the first n / kLanes · kLanes k, for u < 4: dot's vector
+// part, bitwise, for four rows of b at once.
+__attribute__((always_inline)) inline void dot4(const float* a, const float* b, int64_t n, float* out) {
+  vec acc[4] = {};
+  for (int64_t k = 0; k + kLanes <= n; k += kLanes) {
+    const vec av = load(a + k);
+    for (int u = 0; u < 4; ++u) acc[u] += av * load(b + u * n + k);
+  }
+  hsum4(acc[0], acc[1], acc[2], acc[3], out);
 }
 
 // o[0, NV·kLanes) = Σ_s ps[s] v_s over the real slots s <= slot, in slot order, the NV vectors
@@ -226,10 +238,10 @@ inline void dot_block(const T* W, const float* scale, int64_t K, const float* x,
     }
   }
   float sums[NB][NR];
+#pragma GCC unroll 4
   for (int b = 0; b < NB; ++b) {
     if constexpr (NR == 4) {
-      const vec four[4] = {acc[0][b], acc[1][b], acc[2][b], acc[3][b]};
-      hsum4(four, sums[b]);
+      hsum4(acc[0][b], acc[1][b], acc[2][b], acc[3][b], sums[b]);
     } else {
       for (int i = 0; i < NR; ++i) sums[b][i] = hsum(acc[i][b]);
     }
@@ -472,10 +484,10 @@ inline void packed_block(const uint8_t* W, const float* scale, int64_t K, const 
     }
   }
   float sums[NB][NR];
+#pragma GCC unroll 4
   for (int b = 0; b < NB; ++b) {
     if constexpr (NR == 4) {
-      const vec four[4] = {acc[0][b], acc[1][b], acc[2][b], acc[3][b]};
-      hsum4(four, sums[b]);
+      hsum4(acc[0][b], acc[1][b], acc[2][b], acc[3][b], sums[b]);
     } else {
       for (int i = 0; i < NR; ++i) sums[b][i] = hsum(acc[i][b]);
     }
@@ -769,7 +781,20 @@ struct Step {
     float* sc = ws.scores + p * S;
     float gh = ws.g[i * H + hh];
     float mx = -INFINITY;
-    for (int64_t s = 0; s <= slot; ++s) {
+    int64_t s = 0;
+    const int64_t full = D / kLanes * kLanes;
+    for (; s + 4 <= slot + 1; s += 4) {  // four slots at a time, each <q̃, k̃_s> in dot's order
+      float four[4];
+      dot4(q, keys + s * D, D, four);
+      for (int u = 0; u < 4; ++u) {
+        if (!real[s + u]) continue;
+        float t = four[u];
+        for (int64_t k = full; k < D; ++k) t += q[k] * keys[(s + u) * D + k];
+        sc[s + u] = t / sqrt_d * gh;
+        mx = sc[s + u] > mx ? sc[s + u] : mx;
+      }
+    }
+    for (; s <= slot; ++s) {
       if (!real[s]) continue;
       sc[s] = dot(q, keys + s * D, D) / sqrt_d * gh;
       mx = sc[s] > mx ? sc[s] : mx;
