@@ -39,6 +39,7 @@ compiler error is issued once (per variant); the model then keeps its PyTorch pa
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -119,11 +120,13 @@ def private_dir(path: Path) -> Path:
     return path
 
 
-def _cpuinfo_lines() -> list[str]:
+@functools.cache
+def _cpuinfo_lines() -> tuple[str, ...]:
+    """``/proc/cpuinfo``'s lines, read once a process (every binding of the step reads them)."""
     try:
-        return Path("/proc/cpuinfo").read_text().splitlines()
+        return tuple(Path("/proc/cpuinfo").read_text().splitlines())
     except OSError:
-        return []
+        return ()
 
 
 def cpu_info() -> dict[str, str]:
@@ -308,8 +311,10 @@ PREFETCH_ROWS = 8  # rows ahead of the product's block that are prefetched
 BYTES_PER_THREAD = 1 << 21  # a parallel region takes one thread per this many bytes streamed
 
 
+@functools.cache
 def last_level_cache_bytes() -> int | None:
-    """The size of this CPU's largest cache (``/sys/devices/system/cpu/cpu0/cache``), or None."""
+    """The size of this CPU's largest cache (``/sys/devices/system/cpu/cpu0/cache``), or None; read
+    once a process."""
     best = None
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
