@@ -74,6 +74,11 @@ inline void store4(float* p, __m128 v) { _mm_storeu_ps(p, v); }
 
 // Horizontal sums, halving the width each time (the halves taken through memcpy, which GCC and
 // Clang of any version turn into one extract).
+inline v4 load4(const float* p) {
+  v4 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
 inline float hsum(v4 b) { return (b[0] + b[2]) + (b[1] + b[3]); }
 #if defined(WIOLA_ISA_AVX512) || defined(WIOLA_ISA_AVX2)
 template <typename Half, typename Full>
@@ -235,6 +240,22 @@ inline void dot_block(const T* W, const float* scale, int64_t K, const float* x,
       vec w = Weight<T>::load(W + (r + i) * K + k);
       WIOLA_PIN(w);
       for (int b = 0; b < NB; ++b) acc[i][b] += w * xv[b];
+    }
+  }
+  if constexpr (NR == 4) {
+    if (k == K) {  // no tail: each batch row's four sums (times the rows' scales) stored at once
+#pragma GCC unroll 4
+      for (int b = 0; b < NB; ++b) {
+        if constexpr (Weight<T>::kScaled) {
+          v4 four;
+          hsum4(acc[0][b], acc[1][b], acc[2][b], acc[3][b], reinterpret_cast<float*>(&four));
+          four *= load4(scale + r);
+          std::memcpy(y + b * ldy + r, &four, sizeof(four));
+        } else {
+          hsum4(acc[0][b], acc[1][b], acc[2][b], acc[3][b], y + b * ldy + r);
+        }
+      }
+      return;
     }
   }
   float sums[NB][NR];
@@ -481,6 +502,13 @@ inline void packed_block(const uint8_t* W, const float* scale, int64_t K, const 
     for (int i = 0; i < NR; ++i) {
       vec w = Packed<P>::tail(W + (r + i) * row_bytes, scale, r + i, K, k);
       for (int b = 0; b < NB; ++b) acc[i][b] += w * load(xt + b * ldx + k);
+    }
+  }
+  if constexpr (NR == 4) {
+    if (k == K) {  // no tail: each batch row's four sums stored at once
+#pragma GCC unroll 4
+      for (int b = 0; b < NB; ++b) hsum4(acc[0][b], acc[1][b], acc[2][b], acc[3][b], y + b * ldy + r);
+      return;
     }
   }
   float sums[NB][NR];
