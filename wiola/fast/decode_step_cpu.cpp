@@ -150,6 +150,44 @@ __attribute__((always_inline)) inline void dot4(const float* a, const float* b, 
   hsum4(acc[0], acc[1], acc[2], acc[3], out);
 }
 
+// e^x lane by lane for x <= 0 (softmax's x - max), as Cephes' expf: x = n·ln 2 + r with n the
+// nearest integer to x·log2 e and |r| <= ln 2 / 2 (ln 2 in two parts, so r is exact), e^r by its
+// degree-7 polynomial, times 2^n built in the exponent bits. Relative error about 1e-7 (1 to 2
+// ulp, where std::exp is within 1); 0 below -87.33 (e^x under the smallest normal float), NaN for
+// NaN. One function for every lane and every element (a tail goes through a padded vector), so an
+// element's value does not depend on where it sits.
+inline vec exp_nonpositive(vec x) {
+  typedef int32_t ivec __attribute__((vector_size(4 * kLanes)));
+  const vec magic = vec{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const vec n = (x * 1.44269504088896341f + magic) - magic;
+  vec r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vec p = vec{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+  vec scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  const vec e = p * scale;
+  return x < -87.3365402f ? vec{} : e;
+}
+
+// x[i] = e^(x[i] - shift) for i < n (x[i] <= shift).
+inline void exp_shifted(float* x, int64_t n, float shift) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store(x + i, exp_nonpositive(load(x + i) - shift));
+  if (i < n) {
+    float tail[kLanes] = {};
+    std::memcpy(tail, x + i, (n - i) * sizeof(float));
+    vec t = exp_nonpositive(load(tail) - shift);
+    std::memcpy(x + i, &t, (n - i) * sizeof(float));
+  }
+}
+
 // o[0, NV·kLanes) = Σ_s ps[s] v_s over the real slots s <= slot, in slot order, the NV vectors
 // of o held in registers (v_s: `ld` floats apart).
 template <int NV>
@@ -827,12 +865,10 @@ struct Step {
       sc[s] = dot(q, keys + s * D, D) / sqrt_d * gh;
       mx = sc[s] > mx ? sc[s] : mx;
     }
+    exp_shifted(sc, slot + 1, mx);  // every slot's; the padding's are not used
     float total = 0.0f;
-    for (int64_t s = 0; s <= slot; ++s) {
-      if (!real[s]) continue;
-      sc[s] = std::exp(sc[s] - mx);
-      total += sc[s];
-    }
+    for (int64_t s = 0; s <= slot; ++s)
+      if (real[s]) total += sc[s];
     for (int64_t s = 0; s <= slot; ++s) sc[s] = real[s] ? sc[s] / total : 0.0f;
     float* o = ws.o + i * d + hh * D;
     int64_t j = 0;
