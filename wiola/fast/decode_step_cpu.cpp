@@ -259,6 +259,38 @@ struct Weight<bf16> {
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
+// The sums of a block of NR rows x NB batch rows of accumulators, each in hsum's order:
+// sums[b][i] = hsum(acc[i][b]), four rows at a time where there are four.
+template <int NR, int NB>
+__attribute__((always_inline)) inline void block_sums(const vec (&acc)[NR][NB], float (&sums)[NB][NR]) {
+#pragma GCC unroll 4
+  for (int b = 0; b < NB; ++b) {
+    if constexpr (NR == 4) {
+      hsum4(acc[0][b], acc[1][b], acc[2][b], acc[3][b], sums[b]);
+    } else {
+      for (int i = 0; i < NR; ++i) sums[b][i] = hsum(acc[i][b]);
+    }
+  }
+}
+
+// y[b·ldy + i] = hsum(acc[i][b]) (times scale[i] when kScaled) for four rows i, as one vector
+// store a batch row: the same values as block_sums, past the per-output loop.
+template <bool kScaled, int NB>
+__attribute__((always_inline)) inline void store_sums4(const vec (&acc)[4][NB], const float* scale, float* y,
+                                                       int64_t ldy) {
+#pragma GCC unroll 4
+  for (int b = 0; b < NB; ++b) {
+    if constexpr (kScaled) {
+      v4 four;
+      hsum4(acc[0][b], acc[1][b], acc[2][b], acc[3][b], reinterpret_cast<float*>(&four));
+      four *= load4(scale);
+      std::memcpy(y + b * ldy, &four, sizeof(four));
+    } else {
+      hsum4(acc[0][b], acc[1][b], acc[2][b], acc[3][b], y + b * ldy);
+    }
+  }
+}
+
 // y[b, r] = <W[r, :], x[b, :]> for rows r in [r0, r1) and every b < B: W (N, K) row-major as
 // nn.Linear stores it, so each thread streams one contiguous slice of the matrix exactly once.
 // Four rows at a time (independent FMA chains), the batch in groups of up to kBatchBlock rows of x,
@@ -282,29 +314,12 @@ inline void dot_block(const T* W, const float* scale, int64_t K, const float* x,
   }
   if constexpr (NR == 4) {
     if (k == K) {  // no tail: each batch row's four sums (times the rows' scales) stored at once
-#pragma GCC unroll 4
-      for (int b = 0; b < NB; ++b) {
-        if constexpr (Weight<T>::kScaled) {
-          v4 four;
-          hsum4(acc[0][b], acc[1][b], acc[2][b], acc[3][b], reinterpret_cast<float*>(&four));
-          four *= load4(scale + r);
-          std::memcpy(y + b * ldy + r, &four, sizeof(four));
-        } else {
-          hsum4(acc[0][b], acc[1][b], acc[2][b], acc[3][b], y + b * ldy + r);
-        }
-      }
+      store_sums4<Weight<T>::kScaled>(acc, scale + r, y + r, ldy);
       return;
     }
   }
   float sums[NB][NR];
-#pragma GCC unroll 4
-  for (int b = 0; b < NB; ++b) {
-    if constexpr (NR == 4) {
-      hsum4(acc[0][b], acc[1][b], acc[2][b], acc[3][b], sums[b]);
-    } else {
-      for (int i = 0; i < NR; ++i) sums[b][i] = hsum(acc[i][b]);
-    }
-  }
+  block_sums(acc, sums);
   for (int i = 0; i < NR; ++i) {
     const T* w = W + (r + i) * K;
     for (int b = 0; b < NB; ++b) {
@@ -544,20 +559,12 @@ inline void packed_block(const uint8_t* W, const float* scale, int64_t K, const 
   }
   if constexpr (NR == 4) {
     if (k == K) {  // no tail: each batch row's four sums stored at once
-#pragma GCC unroll 4
-      for (int b = 0; b < NB; ++b) hsum4(acc[0][b], acc[1][b], acc[2][b], acc[3][b], y + b * ldy + r);
+      store_sums4<false>(acc, nullptr, y + r, ldy);
       return;
     }
   }
   float sums[NB][NR];
-#pragma GCC unroll 4
-  for (int b = 0; b < NB; ++b) {
-    if constexpr (NR == 4) {
-      hsum4(acc[0][b], acc[1][b], acc[2][b], acc[3][b], sums[b]);
-    } else {
-      for (int i = 0; i < NR; ++i) sums[b][i] = hsum(acc[i][b]);
-    }
-  }
+  block_sums(acc, sums);
   for (int i = 0; i < NR; ++i) {
     for (int b = 0; b < NB; ++b) {
       float s = sums[b][i];
