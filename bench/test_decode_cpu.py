@@ -17,9 +17,9 @@ the path that decoded (``cpu_model``, ``cpu_flags``, ``cpu_isa``, ``decode_path`
 
 int4 (group-wise scales, ``wiola.fast.quantize``) joins int8 and bf16 in the quantized rows, with
 the int8 step timed beside it (goal at batch 1: int4 >= 1.6x int8 in the same run). Every
-quantized row and the fp32 row also report the **read floor**: the time PyTorch's
-matrix-vector product takes to read a matrix of the step's weight bytes once, measured in the
-same run (``read_floor``), beside the DRAM copy floor of ``bench.frame``; ``pct_read_floor`` is
+quantized row and the fp32 row also report the **read floor**: the time PyTorch takes to read
+a matrix of the step's weight bytes once (the faster of its matrix-vector product and a plain
+sum over the matrix; ``READERS``), measured in the same run (``read_floor``), beside the DRAM copy floor of ``bench.frame``; ``pct_read_floor`` is
 that time x the steps over the measured time. The prompt rows (``test_prefill_cpu``) are
 llama-bench's pp512: a 512-token prompt at batch 1 through ``wiola.fast`` in each prompt mode
 (``wiola.fast.prefill``: fp32 and bf16 products) beside wiola13m's forward of the same prompt.
@@ -98,48 +98,66 @@ def _wiola13m_baseline(hf_model, ids: torch.Tensor, new: int, ours: torch.Tensor
     return lambda: hf_greedy(hf_model, ids, new)
 
 
-def tuning() -> dict[str, Any]:
-    """The choices the CPU paths made on this machine: the step's own record where it has one
-    (``decode_step_cpu.tuning()``), else its ISA variant and thread count; the prompt mode."""
+def tuning(scheme: str | None = None) -> dict[str, Any]:
+    """The choices the CPU paths made on this machine for ``scheme``'s weights (None: fp32): the
+    step's own record where it has one (``decode_step_cpu.tuning()``), else its ISA variant and
+    thread count; the prompt mode."""
     from wiola.fast import prefill
 
     record = getattr(decode_step_cpu, "tuning", None)
-    out: dict[str, Any] = dict(record()) if callable(record) else {}
+    weight_bytes = decode_step_cpu.WEIGHT_TYPES[scheme][1].itemsize
+    out: dict[str, Any] = dict(record(weight_bytes=weight_bytes)) if callable(record) else {}
     out.setdefault("isa", decode_step_cpu.select_isa())
     out.setdefault("threads", torch.get_num_threads())
     out["prefill"] = prefill.describe()
     return out
 
 
-def _cpu_notes(isa: str | None, path: str) -> tuple[dict[str, Any], list[str]]:
+def _cpu_notes(isa: str | None, path: str, scheme: str | None = None) -> tuple[dict[str, Any], list[str]]:
     """The CPU this ran on (model name, flags), the ISA variant, the decoding path and the tuning
-    choices: as ``extra_info`` keys and as notes (which also reach ``WIOLA_BENCH_JSONL``)."""
+    choices for ``scheme``'s weights: as ``extra_info`` keys and as notes (which also reach
+    ``WIOLA_BENCH_JSONL``)."""
     cpu = decode_step_cpu.cpu_info()
-    tune = tuning()
+    tune = tuning(scheme)
     info = {"cpu_model": cpu["model"], "cpu_flags": cpu["flags"], "cpu_isa": isa, "decode_path": path, "tuning": tune}
     notes = [f"decode path: {path}", f"CPU: {cpu['model']} ({cpu['machine']})", f"CPU flags: {cpu['flags']}"]
     return info, [*notes, f"tuning: {tune}"]
 
 
-_READS: dict[int, float] = {}
+_READS: dict[int, dict[str, float]] = {}
 READ_REPEATS = 31  # the best of this many: a shared host's noise can slow a few reads in a row
+READERS = {
+    # PyTorch's matrix-vector product over the matrix (MKL's sgemv on x86): the step's own operation.
+    "torch.mv": lambda A, x: torch.mv(A, x),
+    # A plain reduction over the same bytes (ATen's vectorized, threaded sum): on CPUs where the
+    # BLAS's gemv is not tuned (MKL on AMD EPYC reads a 13 MB matrix at a ninth of this rate), the
+    # faster of the two is the honest floor.
+    "torch.sum": lambda A, x: A.sum(),
+}
 
 
-def read_floor(nbytes: int) -> float:
-    """Seconds to read ``nbytes`` once, measured now: the best of ``READ_REPEATS`` ``torch.mv`` over an fp32
-    matrix of that many bytes (256 columns, like the model's rows), the step's own threads. Cached
-    per size for the module (each row's ratio uses the same measurement)."""
+def read_floor(nbytes: int) -> dict[str, float]:
+    """Seconds to read ``nbytes`` once, measured now: for each reader of ``READERS``, the best of
+    ``READ_REPEATS`` reads of an fp32 matrix of that many bytes (256 columns, like the model's rows)
+    on the step's own threads, the readers interleaved. ``{"s": the fastest, "reader": its name,
+    "<reader> GB/s": each one's rate}``. Cached per size for the module (each row's ratio uses the
+    same measurement)."""
     if nbytes not in _READS:
         cols = 256
         A = torch.randn(max(1, nbytes // 4 // cols), cols)
         x = torch.randn(cols)
-        torch.mv(A, x)
-        best = float("inf")
+        best = dict.fromkeys(READERS, float("inf"))
+        for read in READERS.values():
+            read(A, x)
         for _ in range(READ_REPEATS):
-            t0 = time.perf_counter()
-            torch.mv(A, x)
-            best = min(best, time.perf_counter() - t0)
-        _READS[nbytes] = best
+            for name, read in READERS.items():
+                t0 = time.perf_counter()
+                read(A, x)
+                best[name] = min(best[name], time.perf_counter() - t0)
+        reader = min(best, key=best.__getitem__)
+        _READS[nbytes] = {"s": best[reader], "reader": reader} | {
+            f"{name} GB/s": A.numel() * 4 / t / 1e9 for name, t in best.items()
+        }
     return _READS[nbytes]
 
 
@@ -147,9 +165,12 @@ def _read_floor_pct(rec: dict, config: wiola.WiolaConfig, new: int, scheme: str 
     """``rec['pct_read_floor']``: (new − 1) steps each reading the step's weight bytes once at the
     measured read rate, over the measured time (the prompt's cost left in the time: a lower bound)."""
     nbytes = roofline.weight_bytes(config, scheme)
-    t_read = read_floor(nbytes)
+    read = read_floor(nbytes)
+    t_read = read["s"]
     rec["read_floor_s_per_step"] = t_read
     rec["read_floor_gbs"] = nbytes / t_read / 1e9
+    rec["read_floor_reader"] = read["reader"]
+    rec["read_floor_readers_gbs"] = {k[: -len(" GB/s")]: v for k, v in read.items() if k.endswith(" GB/s")}
     seconds = rec.get("time_s")
     if seconds:
         rec["pct_read_floor"] = 100.0 * (new - 1) * t_read / seconds
@@ -177,18 +198,20 @@ def _record(
     rec.update(cpu[0])
     if not cpu_bench.quick and "tokens_per_s" in rec:
         _read_floor_pct(rec, config, new, scheme)
-        cpu_bench.benchmark.extra_info["pct_read_floor"] = rec.get("pct_read_floor")
+        for key in ("pct_read_floor", "read_floor_gbs", "read_floor_reader", "read_floor_readers_gbs"):
+            cpu_bench.benchmark.extra_info[key] = rec.get(key)
     if not cpu_bench.quick:
         _summary(batch, name, rec)
         if scheme is not None:
             goal = {"int8": "2,000 tok/s", "bf16": "1,000 tok/s", "int4": "1.6x int8"}[scheme]
             pct, pct_l3, pct_read = rec.get("pct_floor"), rec.get("pct_floor_l3"), rec.get("pct_read_floor")
+            reader = rec.get("read_floor_reader")
             beside = ", ".join(
                 f"{k} {v['tokens_per_s']:.1f}" for k, v in rec["baselines"].items() if "tokens_per_s" in v
             )
             print(
                 f"decode CPU B{batch}: {name} {rec['tokens_per_s']:.1f} tok/s (goal at B1: >= {goal}), "
-                f"{'' if pct_read is None else f'{pct_read:.0f}% of the read floor (torch.mv, same run), '}"
+                f"{'' if pct_read is None else f'{pct_read:.0f}% of the read floor ({reader}, same run), '}"
                 f"{'' if pct is None else f'{pct:.0f}% of the DRAM copy floor, '}"
                 f"{'' if pct_l3 is None else f'{pct_l3:.0f}% of its floor from L3, '}beside it (tok/s): {beside}"
             )
@@ -326,7 +349,7 @@ def test_decode_cpu_quantized(cpu_bench, model, batch: int, scheme: str, monkeyp
         f"wiola.fast {scheme}",
         baselines,
         notes,
-        _cpu_notes(chosen, f"{path}, {scheme} weights"),
+        _cpu_notes(chosen, f"{path}, {scheme} weights", scheme),
         scheme,
     )
 
@@ -392,7 +415,7 @@ def hf_decoding_only(hf_model, ids: torch.Tensor, new: int):
 def test_tg128_cpu(cpu_bench, model, hf_model, batch: int, scheme: str, monkeypatch) -> None:
     """tg128 as llama-bench reports it: the 128 greedy tokens after a 16-token prompt, the prompt's
     time left out (``decoding_only``), per weight type, with the % of the read floor (``new - 1``
-    steps each reading the weights once at ``torch.mv``'s rate, measured in the same run). Beside
+    steps each reading the weights once at the read floor's rate, measured in the same run). Beside
     it, in the same run: fp32 (for a quantized row), int8 (for int4: the goal is 1.6x) and
     wiola13m's own decoding after the same prompt (``hf_decoding_only``: fp32 rows; its tokens
     asserted equal to ours). Tokens asserted equal to ``generate``'s."""
@@ -433,7 +456,7 @@ def test_tg128_cpu(cpu_bench, model, hf_model, batch: int, scheme: str, monkeypa
             assert differ.numel() == 0, f"wiola13m's decoded tokens differ from ours first at {differ[0].tolist()}"
             baselines["wiola13m"] = hf_run
     weights = roofline.weight_bytes(model.config, None if scheme == "fp32" else scheme)
-    cpu = _cpu_notes(decode_step_cpu.select_isa(), f"{path}, {scheme} weights")
+    cpu = _cpu_notes(decode_step_cpu.select_isa(), f"{path}, {scheme} weights", None if scheme == "fp32" else scheme)
     rec = cpu_bench.run(
         run,
         op="decode_cpu",
@@ -454,12 +477,13 @@ def test_tg128_cpu(cpu_bench, model, hf_model, batch: int, scheme: str, monkeypa
     rec.update(cpu[0])
     if not cpu_bench.quick and "tokens_per_s" in rec:
         _read_floor_pct(rec, model.config, new, None if scheme == "fp32" else scheme)
-        cpu_bench.benchmark.extra_info["pct_read_floor"] = rec.get("pct_read_floor")
+        for key in ("pct_read_floor", "read_floor_gbs", "read_floor_reader", "read_floor_readers_gbs"):
+            cpu_bench.benchmark.extra_info[key] = rec.get(key)
         beside = ", ".join(f"{k} {v['tokens_per_s']:.0f}" for k, v in rec["baselines"].items() if "tokens_per_s" in v)
         print(
             f"\ntg{new} CPU B{batch}: {scheme} {rec['tokens_per_s']:.0f} tok/s, "
             f"{rec.get('pct_read_floor', float('nan')):.0f}% of the read floor "
-            f"({rec['read_floor_gbs']:.1f} GB/s, torch.mv, same run); beside it (tok/s): {beside}"
+            f"({rec['read_floor_gbs']:.1f} GB/s, {rec['read_floor_reader']}, same run); beside it (tok/s): {beside}"
         )
 
 
