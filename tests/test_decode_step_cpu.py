@@ -25,6 +25,7 @@ from numerics import (
     bound,
     cache_bound,
     left_padded_prompt,
+    platform_line,
     step_beside,
 )
 
@@ -151,6 +152,50 @@ def test_thread_count_does_not_change_results(isa):
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2]), (
         "logits depend on the thread count"
     )
+
+
+@pytest.mark.parametrize("tune", [{"stream_head": 1}, {"stream_head": 0}, {"prefetch_rows": 0}, {"prefetch_rows": 32}])
+def test_tuning_does_not_change_results(tune, isa, monkeypatch):
+    """The tuning (the head's prefetch kind, the prefetch distance) moves bytes, never a sum:
+    the logits of 3 rows over 3 steps are bitwise the defaults'."""
+    model = _model(VARIANTS["13m-shape"])
+    ids, mask = left_padded_prompt(model.config.vocab_size, 3, 20, 5)
+    chosen = decode_step_cpu.choose_tuning
+
+    def run() -> torch.Tensor:
+        cache = model.new_cache(3, 24)
+        model(ids, attention_mask=mask, cache=cache)
+        step = decode_step_cpu.DecodeStepCPU(model, cache, isa=isa)
+        return torch.stack([step(ids[:, t], cache.length + t) for t in range(3)])
+
+    want = run()
+    monkeypatch.setattr(decode_step_cpu, "choose_tuning", lambda *a, **k: chosen(*a, **k) | tune)
+    got = run()
+    assert torch.equal(want, got), f"{tune} changed the logits; {platform_line(isa)}"
+
+
+@pytest.mark.parametrize(
+    "vendor,family,model,llc,weight_bytes,stream",
+    [
+        ("GenuineIntel", 6, 207, 260 << 20, 4, 0),  # everything fits: the head stays cached
+        ("AuthenticAMD", 25, 17, 32 << 20, 4, 1),  # Zen 4, 52 MB past a 32 MiB L3: streamed
+        ("AuthenticAMD", 25, 17, 32 << 20, 1, 0),  # int8's 13 MB fits
+        ("AuthenticAMD", 25, 1, 32 << 20, 4, 0),  # Zen 3: cached whatever the sizes
+        ("AuthenticAMD", 23, 49, 16 << 20, 4, 1),  # Zen 2: streamed
+        ("GenuineIntel", 6, 143, None, 4, 1),  # no cache size known: streamed
+    ],
+)
+def test_head_prefetch_choice(vendor, family, model, llc, weight_bytes, stream, monkeypatch):
+    """``choose_tuning`` streams the 13m head past the cache when the matrices outgrow half the
+    last-level cache, except on the CPUs of ``CACHED_HEAD_CPUS``; it records what it chose from."""
+    lines = (f"vendor_id\t: {vendor}", f"cpu family\t: {family}", f"model\t\t: {model}", "model name\t: test CPU")
+    monkeypatch.setattr(decode_step_cpu, "_cpuinfo_lines", lambda: lines)
+    monkeypatch.setattr(decode_step_cpu, "last_level_cache_bytes", lambda: llc)
+    got = decode_step_cpu.choose_tuning(wiola.WiolaConfig.preset("13m"), weight_bytes)
+    assert got["stream_head"] == stream, got
+    assert (got["vendor"], got["family"], got["model"], got["last_level_cache_bytes"]) == (
+        vendor, str(family), str(model), llc,
+    )  # fmt: skip
 
 
 def test_bad_bindings_name_the_tensor():

@@ -308,6 +308,12 @@ def describe(isa: str | None = None) -> str:
 
 
 PREFETCH_ROWS = 8  # rows ahead of the product's block that are prefetched
+# (vendor, family, models) whose tied head is read through the caches even when the matrices
+# outgrow the last-level cache. AMD Zen 3 (EPYC 7003 "Milan", family 25, models 0-15): its
+# non-temporal prefetch streams DRAM more slowly than a plain one (a 200 MB fp32 product on 2
+# threads: 15.3 GB/s against 18.4), and the layers' weights were not kept in its L3 either way
+# (the 13m fp32 step at batch 1: 1.07-1.10x faster with the head cached, three interleaved runs).
+CACHED_HEAD_CPUS = (("AuthenticAMD", 25, range(0, 16)),)
 BYTES_PER_THREAD = 1 << 21  # a parallel region takes one thread per this many bytes streamed
 
 
@@ -337,7 +343,7 @@ def choose_tuning(config: WiolaConfig, weight_bytes: int = 4) -> dict[str, int |
       layers' weights) when the matrices do not fit in the last-level cache together (an AMD EPYC
       CCD's 32 MiB for the 13m fp32 step's 52 MB), else keep it cached: where everything fits (an
       Intel Xeon's shared L3 of a few hundred MiB), a non-temporal head is fetched again from
-      DRAM every step;
+      DRAM every step. Never on the CPUs of ``CACHED_HEAD_CPUS`` (Zen 3), whatever the sizes;
     - ``prefetch_rows``: rows of each product prefetched ahead (``PREFETCH_ROWS``);
     - ``bytes_per_thread``: one thread per this many bytes streamed (``BYTES_PER_THREAD``).
 
@@ -352,6 +358,11 @@ def choose_tuning(config: WiolaConfig, weight_bytes: int = 4) -> dict[str, int |
     V, d, L, F = config.vocab_size, config.d_model, config.n_layers, config.d_ff
     matrices = weight_bytes * (V * d + L * (4 * d * d + 3 * F * d))
     stream = llc is None or matrices > llc // 2  # half: the cache also holds the cache and activations
+    vendor, family, model = info.get("vendor_id"), info.get("cpu family", ""), info.get("model", "")
+    if family.isdigit() and model.isdigit():
+        stream = stream and not any(
+            vendor == v and int(family) == f and int(model) in models for v, f, models in CACHED_HEAD_CPUS
+        )
     return {
         "vendor": info.get("vendor_id", platform.machine()), "family": info.get("cpu family"),
         "model": info.get("model"), "cpu": info.get("model name", platform.processor()),
