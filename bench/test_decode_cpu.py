@@ -124,7 +124,7 @@ def _cpu_notes(isa: str | None, path: str, scheme: str | None = None) -> tuple[d
     return info, [*notes, f"tuning: {tune}"]
 
 
-_READS: dict[int, dict[str, float]] = {}
+_READS: dict[int, dict[str, Any]] = {}
 READ_REPEATS = 31  # the best of this many: a shared host's noise can slow a few reads in a row
 READERS = {
     # PyTorch's matrix-vector product over the matrix (MKL's sgemv on x86): the step's own operation.
@@ -137,27 +137,28 @@ READERS = {
 
 
 def read_floor(nbytes: int) -> dict[str, float]:
-    """Seconds to read ``nbytes`` once, measured now: for each reader of ``READERS``, the best of
-    ``READ_REPEATS`` reads of an fp32 matrix of that many bytes (256 columns, like the model's rows)
-    on the step's own threads, the readers interleaved. ``{"s": the fastest, "reader": its name,
-    "<reader> GB/s": each one's rate}``. Cached per size for the module (each row's ratio uses the
-    same measurement)."""
-    if nbytes not in _READS:
-        cols = 256
-        A = torch.randn(max(1, nbytes // 4 // cols), cols)
-        x = torch.randn(cols)
-        best = dict.fromkeys(READERS, float("inf"))
-        for read in READERS.values():
+    """Seconds to read ``nbytes`` once, measured now and kept at its best: for each reader of
+    ``READERS``, the best of ``READ_REPEATS`` reads of an fp32 matrix of that many bytes (256
+    columns, like the model's rows) on the step's own threads, the readers interleaved, and the
+    best of that and every earlier measurement of the size in this run (on a shared host a read
+    can be slowed for seconds at a time by other tenants of the cache: a floor measured then
+    would flatter every row after it). ``{"s": the fastest, "reader": its name, "<reader> GB/s":
+    each one's best rate}``."""
+    cols = 256
+    A = torch.randn(max(1, nbytes // 4 // cols), cols)
+    x = torch.randn(cols)
+    best = dict(_READS.get(nbytes, {}).get("best", dict.fromkeys(READERS, float("inf"))))
+    for read in READERS.values():
+        read(A, x)
+    for _ in range(READ_REPEATS):
+        for name, read in READERS.items():
+            t0 = time.perf_counter()
             read(A, x)
-        for _ in range(READ_REPEATS):
-            for name, read in READERS.items():
-                t0 = time.perf_counter()
-                read(A, x)
-                best[name] = min(best[name], time.perf_counter() - t0)
-        reader = min(best, key=best.__getitem__)
-        _READS[nbytes] = {"s": best[reader], "reader": reader} | {
-            f"{name} GB/s": A.numel() * 4 / t / 1e9 for name, t in best.items()
-        }
+            best[name] = min(best[name], time.perf_counter() - t0)
+    reader = min(best, key=best.__getitem__)
+    _READS[nbytes] = {"s": best[reader], "reader": reader, "best": best} | {
+        f"{name} GB/s": A.numel() * 4 / t / 1e9 for name, t in best.items()
+    }
     return _READS[nbytes]
 
 
