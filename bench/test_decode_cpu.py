@@ -590,36 +590,55 @@ def test_decode_cpu_onnx(cpu_bench, model, onnx_exports, tmp_path_factory, batch
         )
 
 
-@pytest.mark.parametrize("prefill_mode", ["fp32", "bf16"])
-def test_prefill_cpu(cpu_bench, model, hf_model, prefill_mode: str, monkeypatch) -> None:
+PP_ROWS = [("fp32", "fp32"), ("bf16", "fp32"), ("fp32", "bf16"), ("fp32", "int8"), ("fp32", "int4")]
+
+
+@pytest.mark.parametrize("prefill_mode,weights", PP_ROWS, ids=[f"{m}-products-{w}-weights" for m, w in PP_ROWS])
+def test_prefill_cpu(cpu_bench, model, hf_model, prefill_mode: str, weights: str, monkeypatch) -> None:
     """pp512: a 512-token prompt at batch 1 through ``wiola.fast`` (with a cache, the logits of the
     last position: what ``generate`` runs before its first step) in the prompt mode
-    ``prefill_mode`` (``WIOLA_CPU_PREFILL``), beside the reference's and wiola13m's forward of the
-    same prompt. fp32: the next token asserted equal to the reference's; bf16: the largest logit
-    difference from fp32 is recorded (its loss cost: ``bench.quality``)."""
+    ``prefill_mode`` (``WIOLA_CPU_PREFILL``) with ``weights`` (fp32, or quantized by
+    ``wiola.fast.quantize``: the prompt then runs in fp32 on the dequantized weights, the step's
+    oracle), beside the reference's forward on the same weights, wiola13m's forward of the same
+    prompt (on the fp32 weights) and, for quantized weights, the fp32 model's prompt. fp32
+    products: the next token asserted equal to the reference's; bf16: the largest logit difference
+    from fp32 is recorded (its loss cost: ``bench.quality``)."""
     from wiola.fast import WiolaModel as FastModel
     from wiola.fast import prefill
+    from wiola.fast.quantize import quantize
 
     monkeypatch.setenv(prefill.ENV, prefill_mode)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     T = SMOKE_PP if cpu_bench.quick else PP
     ids = torch.randint(0, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(512))
-    fast = FastModel(model.config).eval().requires_grad_(False)
-    fast.load_state_dict(model.state_dict())
 
-    def ours() -> torch.Tensor:
-        with torch.inference_mode():
-            return fast(ids, cache=fast.new_cache(1, T + 1), logits_to_keep=1).logits
+    def fast_model(kind: str) -> Any:
+        m = FastModel(model.config).eval().requires_grad_(False)
+        m.load_state_dict(model.state_dict())
+        return m if kind == "fp32" else quantize(m, kind)
 
-    def reference() -> torch.Tensor:
-        with torch.inference_mode():
-            return model(ids, cache=model.new_cache(1, T + 1), logits_to_keep=1).logits
+    def prompt(m: Any) -> Any:
+        def run() -> torch.Tensor:
+            with torch.inference_mode():
+                return m(ids, cache=m.new_cache(1, T + 1), logits_to_keep=1).logits
 
+        return run
+
+    fast = fast_model(weights)
+    oracle = model
+    if weights != "fp32":  # the reference on the weights the quantized model stands for
+        oracle = type(model)(model.config).eval().requires_grad_(False)
+        oracle.load_state_dict(fast.state_dict())
+    ours, reference = prompt(fast), prompt(oracle)
     got, want = ours(), reference()
     diff = float((got - want).abs().max())
     if prefill_mode == "fp32":
-        assert int(got.argmax()) == int(want.argmax()), "the fp32 prompt's next token differs from the reference's"
+        assert int(got.argmax()) == int(want.argmax()), (
+            f"the fp32 prompt's next token differs from the reference's ({weights} weights)"
+        )
     baselines: dict[str, Any] = {"reference": reference}
+    if weights != "fp32":
+        baselines["fp32"] = prompt(fast_model("fp32"))
     if isinstance(hf_model, str):
         baselines["wiola13m"] = hf_model
     else:
@@ -629,21 +648,31 @@ def test_prefill_cpu(cpu_bench, model, hf_model, prefill_mode: str, monkeypatch)
                 return hf_model(ids, attention_mask=torch.ones_like(ids), use_cache=True).logits[:, -1:]
 
         baselines["wiola13m"] = hf_prompt
-    cpu = _cpu_notes(decode_step_cpu.select_isa(), f"PyTorch prompt path, {prefill.describe()}")
+    cpu = _cpu_notes(
+        decode_step_cpu.select_isa(),
+        f"PyTorch prompt path, {prefill.describe()}",
+        None if weights == "fp32" else weights,
+    )
+    name = f"wiola.fast prefill {prefill_mode}" + ("" if weights == "fp32" else f", {weights} weights")
     rec = cpu_bench.run(
         ours,
         op="prefill_cpu",
         mode="prompt",
-        name=f"wiola.fast prefill {prefill_mode}",
+        name=name,
         cost=roofline.prefill(model.config, 1, T, torch.float32),
         shape={"B": 1, "P": T},
         dtype=torch.float32,
         tokens=T,
         baselines=baselines,
-        notes=[f"pp{T}: 13m preset, random weights, batch 1; max |logit - reference| {diff:.2e}", *cpu[1]],
-        info={"max_abs_logit_diff": diff},
+        notes=[
+            f"pp{T}: 13m preset, random weights, batch 1, {weights} weights"
+            f"{'' if weights == 'fp32' else ' (the prompt in fp32 on their dequantized values)'}; "
+            f"max |logit - reference| {diff:.2e}",
+            *cpu[1],
+        ],
+        info={"max_abs_logit_diff": diff, "weights": weights},
     )
     cpu_bench.benchmark.extra_info.update(cpu[0])
     if not cpu_bench.quick:
         beside = ", ".join(f"{k} {v['tokens_per_s']:.0f}" for k, v in rec["baselines"].items() if "tokens_per_s" in v)
-        print(f"\nprefill CPU pp{T}: wiola.fast {prefill_mode} {rec['tokens_per_s']:.0f} tok/s; beside it: {beside}")
+        print(f"\nprefill CPU pp{T}: {name} {rec['tokens_per_s']:.0f} tok/s; beside it: {beside}")
