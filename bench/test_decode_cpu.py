@@ -22,7 +22,8 @@ a matrix of the step's weight bytes once (the faster of its matrix-vector produc
 sum over the matrix; ``READERS``), measured in the same run (``read_floor``), beside the DRAM copy floor of ``bench.frame``; ``pct_read_floor`` is
 that time x the steps over the measured time. The prompt rows (``test_prefill_cpu``) are
 llama-bench's pp512: a 512-token prompt at batch 1 through ``wiola.fast`` in each prompt mode
-(``wiola.fast.prefill``: fp32 and bf16 products) beside wiola13m's forward of the same prompt.
+(``wiola.fast.prefill``: fp32 and bf16 products) and with bf16, int8 and int4 weights (whose
+prompt runs in fp32 on their dequantized values), beside wiola13m's forward of the same prompt.
 Each result records the CPU's model and flags, the ISA variant, the threads and the prompt mode
 chosen (``tuning``).
 
