@@ -19,8 +19,9 @@ int4 (group-wise scales, ``wiola.fast.quantize``) joins int8 and bf16 in the qua
 the int8 step timed beside it (goal at batch 1: int4 >= 1.6x int8 in the same run). Every
 quantized row and the fp32 row also report the **read floor**: the time PyTorch takes to read
 a matrix of the step's weight bytes once (the faster of its matrix-vector product and a plain
-sum over the matrix; ``READERS``), measured in the same run (``read_floor``), beside the DRAM copy floor of ``bench.frame``; ``pct_read_floor`` is
-that time x the steps over the measured time. The prompt rows (``test_prefill_cpu``) are
+sum over the matrix; ``READERS``), measured in the same run (``read_floor``), beside the DRAM
+copy floor of ``bench.frame``; ``pct_read_floor`` is that time x the steps over the measured
+time. The prompt rows (``test_prefill_cpu``) are
 llama-bench's pp512: a 512-token prompt at batch 1 through ``wiola.fast`` in each prompt mode
 (``wiola.fast.prefill``: fp32 and bf16 products) and with bf16, int8 and int4 weights (whose
 prompt runs in fp32 on their dequantized values), beside wiola13m's forward of the same prompt.

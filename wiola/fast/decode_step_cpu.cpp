@@ -848,8 +848,8 @@ struct Step {
   // whatever the slot count, row or thread.
   // The pair `next` (the next this thread attends, or -1) has its keys and values prefetched
   // alongside the scores: a batch's cache outgrows the caches (8 rows of the 13m preset at 144
-  // slots: 14 MB), and a pair's two blocks are only a few KB each, too short for the hardware
-  // prefetcher to reach full rate.
+  // slots: 14 MB), and a pair's two blocks (D floats a slot each: 2-18 KB there) are too short for
+  // the hardware prefetcher to reach full rate.
   void attention_row(int64_t l, int64_t p, int64_t next) {
     int64_t i = p / H, hh = p % H, slot = slots[i];
     const float* q = ws.qrot + i * d + hh * D;
