@@ -101,13 +101,13 @@ def _wiola13m_baseline(hf_model, ids: torch.Tensor, new: int, ours: torch.Tensor
 
 
 def tuning(scheme: str | None = None) -> dict[str, Any]:
-    """The choices the CPU paths made on this machine for ``scheme``'s weights (None: fp32): the
+    """The choices the CPU paths made on this machine for ``scheme``'s weights (None or "fp32"): the
     step's own record where it has one (``decode_step_cpu.tuning()``), else its ISA variant and
     thread count; the prompt mode."""
     from wiola.fast import prefill
 
     record = getattr(decode_step_cpu, "tuning", None)
-    weight_bytes = decode_step_cpu.WEIGHT_TYPES[scheme][1].itemsize
+    weight_bytes = decode_step_cpu.WEIGHT_TYPES[None if scheme == "fp32" else scheme][1].itemsize
     out: dict[str, Any] = dict(record(weight_bytes=weight_bytes)) if callable(record) else {}
     out.setdefault("isa", decode_step_cpu.select_isa())
     out.setdefault("threads", torch.get_num_threads())
@@ -126,7 +126,7 @@ def _cpu_notes(isa: str | None, path: str, scheme: str | None = None) -> tuple[d
     return info, [*notes, f"tuning: {tune}"]
 
 
-_READS: dict[int, dict[str, Any]] = {}
+_READS: dict[int, tuple[torch.Tensor, torch.Tensor, dict[str, float]]] = {}  # size -> (matrix, x, best s)
 READ_REPEATS = 31  # the best of this many: a shared host's noise can slow a few reads in a row
 READERS = {
     # PyTorch's matrix-vector product over the matrix (MKL's sgemv on x86): the step's own operation.
@@ -138,30 +138,28 @@ READERS = {
 }
 
 
-def read_floor(nbytes: int) -> dict[str, float]:
+def read_floor(nbytes: int) -> dict[str, Any]:
     """Seconds to read ``nbytes`` once, measured now and kept at its best: for each reader of
     ``READERS``, the best of ``READ_REPEATS`` reads of an fp32 matrix of that many bytes (256
-    columns, like the model's rows) on the step's own threads, the readers interleaved, and the
-    best of that and every earlier measurement of the size in this run (on a shared host a read
-    can be slowed for seconds at a time by other tenants of the cache: a floor measured then
-    would flatter every row after it). ``{"s": the fastest, "reader": its name, "<reader> GB/s":
-    each one's best rate}``."""
-    cols = 256
-    A = torch.randn(max(1, nbytes // 4 // cols), cols)
-    x = torch.randn(cols)
-    best = dict(_READS.get(nbytes, {}).get("best", dict.fromkeys(READERS, float("inf"))))
-    for read in READERS.values():
-        read(A, x)
+    columns, like the model's rows; made once per size) on the step's own threads, the readers
+    interleaved, and the best of that and every earlier measurement of the size in this run (on a
+    shared host a read can be slowed for seconds at a time by other tenants of the cache: a floor
+    measured then would flatter every row after it). ``{"s": the fastest, "reader": its name,
+    "<reader> GB/s": each one's best rate}``."""
+    if nbytes not in _READS:
+        cols = 256
+        A = torch.randn(max(1, nbytes // 4 // cols), cols)
+        _READS[nbytes] = (A, torch.randn(cols), dict.fromkeys(READERS, float("inf")))
+        for read in READERS.values():
+            read(A, _READS[nbytes][1])
+    A, x, best = _READS[nbytes]
     for _ in range(READ_REPEATS):
         for name, read in READERS.items():
             t0 = time.perf_counter()
             read(A, x)
             best[name] = min(best[name], time.perf_counter() - t0)
     reader = min(best, key=best.__getitem__)
-    _READS[nbytes] = {"s": best[reader], "reader": reader, "best": best} | {
-        f"{name} GB/s": A.numel() * 4 / t / 1e9 for name, t in best.items()
-    }
-    return _READS[nbytes]
+    return {"s": best[reader], "reader": reader} | {f"{name} GB/s": A.numel() * 4 / t / 1e9 for name, t in best.items()}
 
 
 def _read_floor_pct(rec: dict, config: wiola.WiolaConfig, new: int, scheme: str | None) -> None:
@@ -459,7 +457,7 @@ def test_tg128_cpu(cpu_bench, model, hf_model, batch: int, scheme: str, monkeypa
             assert differ.numel() == 0, f"wiola13m's decoded tokens differ from ours first at {differ[0].tolist()}"
             baselines["wiola13m"] = hf_run
     weights = roofline.weight_bytes(model.config, None if scheme == "fp32" else scheme)
-    cpu = _cpu_notes(decode_step_cpu.select_isa(), f"{path}, {scheme} weights", None if scheme == "fp32" else scheme)
+    cpu = _cpu_notes(decode_step_cpu.select_isa(), f"{path}, {scheme} weights", scheme)
     rec = cpu_bench.run(
         run,
         op="decode_cpu",
@@ -650,11 +648,7 @@ def test_prefill_cpu(cpu_bench, model, hf_model, prefill_mode: str, weights: str
                 return hf_model(ids, attention_mask=torch.ones_like(ids), use_cache=True).logits[:, -1:]
 
         baselines["wiola13m"] = hf_prompt
-    cpu = _cpu_notes(
-        decode_step_cpu.select_isa(),
-        f"PyTorch prompt path, {prefill.describe()}",
-        None if weights == "fp32" else weights,
-    )
+    cpu = _cpu_notes(decode_step_cpu.select_isa(), f"PyTorch prompt path, {prefill.describe()}", weights)
     name = f"wiola.fast prefill {prefill_mode}" + ("" if weights == "fp32" else f", {weights} weights")
     rec = cpu_bench.run(
         ours,

@@ -869,12 +869,15 @@ struct Step {
       next_values = reinterpret_cast<const char*>(v_cache + kv_at(l, ni, nh, 0));
       next_bytes = (slots[ni] + 1) * D * static_cast<int64_t>(sizeof(float));
     }
-    const int64_t per_four = 4 * D * static_cast<int64_t>(sizeof(float));
-    for (; s + 4 <= slot + 1; s += 4) {  // four slots at a time, each <q̃, k̃_s> in dot's order
-      for (const int64_t end = std::min(next_bytes, fetched + per_four); fetched < end; fetched += 64) {
+    auto prefetch_next = [&](int64_t upto) {  // the next pair's lines up to byte `upto` of its blocks
+      for (const int64_t end = std::min(next_bytes, upto); fetched < end; fetched += 64) {
         __builtin_prefetch(next_keys + fetched, 0, 3);
         __builtin_prefetch(next_values + fetched, 0, 3);
       }
+    };
+    const int64_t per_four = 4 * D * static_cast<int64_t>(sizeof(float));
+    for (; s + 4 <= slot + 1; s += 4) {  // four slots at a time, each <q̃, k̃_s> in dot's order
+      prefetch_next(fetched + per_four);
       float four[4];
       dot4(q, keys + s * D, D, four);
       for (int u = 0; u < 4; ++u) {
@@ -890,10 +893,7 @@ struct Step {
       sc[s] = dot(q, keys + s * D, D) / sqrt_d * gh;
       mx = sc[s] > mx ? sc[s] : mx;
     }
-    for (; fetched < next_bytes; fetched += 64) {  // the next pair is longer than this one
-      __builtin_prefetch(next_keys + fetched, 0, 3);
-      __builtin_prefetch(next_values + fetched, 0, 3);
-    }
+    prefetch_next(next_bytes);  // the rest, where the next pair is longer than this one
     exp_shifted(sc, slot + 1, mx);  // every slot's; the padding's are not used
     float total = 0.0f;
     for (int64_t s = 0; s <= slot; ++s)
