@@ -181,9 +181,10 @@ def test_tuning_does_not_change_results(knob, values, isa, monkeypatch):
     "vendor,family,model,llc,weight_bytes,stream",
     [
         ("GenuineIntel", 6, 207, 260 << 20, 4, 0),  # everything fits: the head stays cached
-        ("AuthenticAMD", 25, 17, 32 << 20, 4, 1),  # Zen 4, 52 MB past a 32 MiB L3: streamed
-        ("AuthenticAMD", 25, 17, 32 << 20, 1, 0),  # int8's 13 MB fits
+        ("AuthenticAMD", 25, 17, 32 << 20, 4, 0),  # Zen 4: cached whatever the sizes
         ("AuthenticAMD", 25, 1, 32 << 20, 4, 0),  # Zen 3: cached whatever the sizes
+        ("AuthenticAMD", 25, 97, 32 << 20, 4, 1),  # Zen 4 desktop (not measured): 52 MB past 32 MiB, streamed
+        ("AuthenticAMD", 25, 97, 32 << 20, 1, 0),  # its int8's 13 MB fits
         ("AuthenticAMD", 23, 49, 16 << 20, 4, 1),  # Zen 2: streamed
         ("GenuineIntel", 6, 143, None, 4, 1),  # no cache size known: streamed
     ],
