@@ -105,18 +105,25 @@ def worker(arch: str, names: list[str]) -> dict[str, dict]:
     return report
 
 
-def build_in_workers(names: list[str], archs: list[str], cache_dir: str | None = None) -> dict[str, dict[str, dict]]:
-    """``{arch: {name: report}}``: one ``--worker`` process per target, side by side (one core each).
+def build_in_workers(
+    names: list[str] | dict[str, list[str]], archs: list[str], cache_dir: str | None = None
+) -> dict[str, dict[str, dict]]:
+    """``{arch: {name: report}}``: one ``--worker`` process per target, side by side (one core each),
+    building ``names`` (or ``names[arch]`` when a dict gives each target its own list).
     ``cache_dir`` replaces Triton's cache for the workers (a fresh one makes every build a real compile)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     if cache_dir is not None:
         env["TRITON_CACHE_DIR"] = cache_dir
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(names, f)
+    lists = {arch: names[arch] if isinstance(names, dict) else names for arch in archs}
+    files = {}
     try:
+        for arch, selected in lists.items():
+            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+                json.dump(selected, f)
+            files[arch] = f.name
         procs = {
             arch: subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), "--worker", arch, "--names", f.name],
+                [sys.executable, str(Path(__file__).resolve()), "--worker", arch, "--names", files[arch]],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -132,7 +139,8 @@ def build_in_workers(names: list[str], archs: list[str], cache_dir: str | None =
                 raise RuntimeError(f"aot_build.py --worker {arch} failed:\n{stderr[-4000:]}")
             out[arch] = json.loads(stdout)
     finally:
-        os.unlink(f.name)
+        for name in files.values():
+            os.unlink(name)
     return out
 
 

@@ -6,11 +6,14 @@ The interpreter accepts code that the real compiler rejects; this test catches i
 run in worker processes (``tests/aot_build.py``) with ``TRITON_INTERPRET=0``, one per target,
 each spec built once per target for the whole session.
 
-By default it builds a representative subset, ``ci_subset``; ``WIOLA_AOT_SUBSET=full`` (or
-``WIOLA_AOT_FULL=1``) builds every registered spec (the matrix ``bench/aot_builds.json`` records);
-``WIOLA_AOT_SUBSET=paths`` builds each code path once, ``code_paths`` (CI's leg on the newest
-Triton, where spills are expected failures, proves that every path still compiles; the leg on
-the tuned Triton builds ``ci_subset`` with spills as failures).
+By default it builds, for sm_90 (the lent GPU's target), a representative subset,
+``ci_subset``: every tile config the autotuner can pick there; and for sm_80, each code path once,
+``code_paths``. ``WIOLA_AOT_SUBSET`` chooses one subset for both targets (``full``, ``ci`` or
+``paths``) or one per target (``sm_90=ci,sm_80=full``); ``WIOLA_AOT_SUBSET=full`` (or
+``WIOLA_AOT_FULL=1``) builds every registered spec (the matrix ``bench/aot_builds.json`` records).
+CI's leg on the newest Triton, where spills are expected failures, builds ``paths`` for both
+(every path still compiles); the leg on the tuned Triton builds the default with spills as
+failures.
 
 Spills are failures under the Triton the configs were tuned for (``TUNED_TRITON``, what the
 lent GPU image compiles with; ``WIOLA_AOT_STRICT_SPILLS=1`` makes them failures under any
@@ -59,11 +62,35 @@ def code_paths(specs: list[AotSpec]) -> list[AotSpec]:
     return list(seen.values())
 
 
-SUBSET = "full" if FULL else os.environ.get("WIOLA_AOT_SUBSET", "ci")
 SUBSETS = {"full": list, "ci": ci_subset, "paths": code_paths}
-if SUBSET not in SUBSETS:
-    raise ValueError(f"WIOLA_AOT_SUBSET={SUBSET!r}: one of {', '.join(SUBSETS)}")
-SPECS = SUBSETS[SUBSET](ALL_SPECS)
+DEFAULT_SUBSETS = {"sm_90": "ci", "sm_80": "paths"}
+
+
+def subsets_by_arch(value: str, full: bool = False) -> dict[str, str]:
+    """``{arch: subset name}`` from ``WIOLA_AOT_SUBSET``: empty for ``DEFAULT_SUBSETS``, one name
+    for every target, or ``arch=name`` pairs joined by commas (targets not named keep the default)."""
+    if full:
+        return dict.fromkeys(ARCHS, "full")
+    value = value.strip()
+    if not value:
+        return dict(DEFAULT_SUBSETS)
+    if "=" not in value:
+        chosen = dict.fromkeys(ARCHS, value)
+    else:
+        chosen = dict(DEFAULT_SUBSETS)
+        for part in value.split(","):
+            arch, _, name = (p.strip() for p in part.partition("="))
+            if arch not in ARCHS:
+                raise ValueError(f"WIOLA_AOT_SUBSET={value!r}: {arch!r} is not one of {', '.join(ARCHS)}")
+            chosen[arch] = name
+    for name in chosen.values():
+        if name not in SUBSETS:
+            raise ValueError(f"WIOLA_AOT_SUBSET={value!r}: {name!r} is not one of {', '.join(SUBSETS)}")
+    return chosen
+
+
+SUBSET = subsets_by_arch(os.environ.get("WIOLA_AOT_SUBSET", ""), FULL)
+BUILDS = [(spec, arch) for arch in ARCHS for spec in SUBSETS[SUBSET[arch]](ALL_SPECS)]
 TUNED_TRITON = "3.6"
 STRICT_SPILLS = triton.__version__.startswith(TUNED_TRITON + ".") or os.environ.get(
     "WIOLA_AOT_STRICT_SPILLS", ""
@@ -72,14 +99,12 @@ STRICT_SPILLS = triton.__version__.startswith(TUNED_TRITON + ".") or os.environ.
 
 @pytest.fixture(scope="module")
 def builds(request) -> dict[str, dict]:
-    """``{arch: {spec name: report}}``, every spec this session selected built once per target."""
-    names = list(
-        dict.fromkeys(
-            item.callspec.params["spec"].name
-            for item in request.session.items
-            if hasattr(item, "callspec") and "spec" in item.callspec.params
-        )
-    )
+    """``{arch: {spec name: report}}``, every (spec, target) this session selected built once."""
+    names: dict[str, list[str]] = {arch: [] for arch in ARCHS}
+    for item in request.session.items:
+        params = getattr(item, "callspec", None) and item.callspec.params
+        if params and "spec" in params and "arch" in params and params["spec"].name not in names[params["arch"]]:
+            names[params["arch"]].append(params["spec"].name)
     out = build_in_workers(names, ARCHS)
     yield out
     print(f"\n{'kernel':<64}{'arch':>7}{'regs':>6}{'local':>7}{'stack':>7}{'shared':>9}{'cpu s':>7}")
@@ -92,8 +117,7 @@ def builds(request) -> dict[str, dict]:
                 )
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+@pytest.mark.parametrize("spec,arch", BUILDS, ids=[f"{s.name}-{arch}" for s, arch in BUILDS])
 def test_compiles(builds, spec, arch):
     r = builds[arch].get(spec.name)
     assert r is not None, f"{spec.name}: not built"
@@ -122,3 +146,15 @@ def test_every_op_builds_every_dtype(op):
     assert by_kernel, f"{op}: no ahead-of-time specs"
     for kernel, dtypes in by_kernel.items():
         assert dtypes == {"fp32", "bf16", "fp16"}, f"{kernel}: AOT specs for {sorted(dtypes)} only"
+
+
+def test_subsets_by_arch_parses_and_refuses():
+    assert subsets_by_arch("") == DEFAULT_SUBSETS == {"sm_90": "ci", "sm_80": "paths"}
+    assert subsets_by_arch("paths") == {"sm_80": "paths", "sm_90": "paths"}
+    assert subsets_by_arch("sm_80=full") == {"sm_90": "ci", "sm_80": "full"}
+    assert subsets_by_arch(" sm_90 = paths , sm_80 = ci ") == {"sm_90": "paths", "sm_80": "ci"}
+    assert subsets_by_arch("paths", full=True) == {"sm_80": "full", "sm_90": "full"}
+    with pytest.raises(ValueError, match="'sm_70' is not one of sm_80, sm_90"):
+        subsets_by_arch("sm_70=ci")
+    with pytest.raises(ValueError, match="'most' is not one of full, ci, paths"):
+        subsets_by_arch("sm_90=most")
