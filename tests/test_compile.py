@@ -6,9 +6,8 @@ The interpreter accepts code that the real compiler rejects; this test catches i
 run in worker processes (``tests/aot_build.py``) with ``TRITON_INTERPRET=0``, one per target,
 each spec built once per target for the whole session.
 
-By default it builds, for sm_90 (the lent GPU's target), a representative subset,
-``ci_subset``: every tile config the autotuner can pick there; and for sm_80, each code path once,
-``code_paths``. ``WIOLA_AOT_SUBSET`` chooses one subset for both targets (``full``, ``ci`` or
+By default it builds, for sm_90 (the lent GPU's target), ``ci_subset``: every fp32 and bf16
+tile config the autotuner can pick there; and for sm_80, each code path once, ``code_paths``. ``WIOLA_AOT_SUBSET`` chooses one subset for both targets (``full``, ``ci`` or
 ``paths``) or one per target (``sm_90=ci,sm_80=full``); ``WIOLA_AOT_SUBSET=full`` (or
 ``WIOLA_AOT_FULL=1``) builds every registered spec (the matrix ``bench/aot_builds.json`` records).
 CI's leg on the newest Triton, where spills are expected failures, builds ``paths`` for both
