@@ -343,8 +343,8 @@ def choose_tuning(config: WiolaConfig, weight_bytes: int = 4) -> dict[str, int |
     """The step's tuning for this CPU and a model of ``config`` with ``weight_bytes``-byte matrices:
 
     - ``stream_head``: prefetch the tied head non-temporally (so that it does not evict the
-      layers' weights) when the matrices do not fit in the last-level cache together (an AMD EPYC
-      CCD's 32 MiB for the 13m fp32 step's 52 MB), else keep it cached: where everything fits (an
+      layers' weights) when the matrices do not fit in half the last-level cache (the 13m fp32
+      step's 52 MB against a 32 MiB L3), else keep it cached: where everything fits (an
       Intel Xeon's shared L3 of a few hundred MiB), a non-temporal head is fetched again from
       DRAM every step. Never on the CPUs of ``CACHED_HEAD_CPUS`` (Zen 3 and Zen 4), whatever the sizes;
     - ``prefetch_rows``: rows of each product prefetched ahead (``PREFETCH_ROWS``);
