@@ -98,13 +98,13 @@ STRICT_SPILLS = triton.__version__.startswith(TUNED_TRITON + ".") or os.environ.
 
 @pytest.fixture(scope="module")
 def builds(request) -> dict[str, dict]:
-    """``{arch: {spec name: report}}``, every (spec, target) this session selected built once."""
-    names: dict[str, list[str]] = {arch: [] for arch in ARCHS}
+    """``{arch: {spec name: report}}``, every (spec, target) the collected tests select, built once."""
+    picked: dict[str, dict[str, None]] = {arch: {} for arch in ARCHS}  # ordered, without repeats
     for item in request.session.items:
         params = getattr(item, "callspec", None) and item.callspec.params
-        if params and "spec" in params and "arch" in params and params["spec"].name not in names[params["arch"]]:
-            names[params["arch"]].append(params["spec"].name)
-    out = build_in_workers(names, ARCHS)
+        if params and "spec" in params and "arch" in params:
+            picked[params["arch"]][params["spec"].name] = None
+    out = build_in_workers({arch: list(names) for arch, names in picked.items()}, ARCHS)
     yield out
     print(f"\n{'kernel':<64}{'arch':>7}{'regs':>6}{'local':>7}{'stack':>7}{'shared':>9}{'cpu s':>7}")
     for arch in ARCHS:

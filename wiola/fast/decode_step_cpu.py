@@ -316,7 +316,7 @@ PREFETCH_ROWS = 8  # rows ahead of the product's block that are prefetched
 # AMD Zen 4 (EPYC 9004 "Genoa", family 25, models 16-31; measured on model 17): the 13m step at
 # batch 1 ran 1.01-1.12x faster in fp32 and 1.08-1.09x in bf16 with the head cached (medians of
 # three interleaved runs of 15-40 rounds), batch 8 level.
-CACHED_HEAD_CPUS = (("AuthenticAMD", 25, range(0, 16)), ("AuthenticAMD", 25, range(16, 32)))
+CACHED_HEAD_CPUS = (("AuthenticAMD", 25, range(0, 32)),)  # Zen 3 and Zen 4 EPYC
 BYTES_PER_THREAD = 1 << 21  # a parallel region takes one thread per this many bytes streamed
 
 
