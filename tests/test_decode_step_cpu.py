@@ -4,11 +4,15 @@ are not multiples of the 4-row blocks, widths that are not multiples of the 16, 
 lanes), every gate variant, left padding, long caches, NaN-poisoned slots it must not read,
 thread counts, each instruction-set variant this CPU runs (every variant this compiler builds
 is compiled), the choice of variant and its refusal, the build-failure warning, and its use by
-``wiola.fast.WiolaModel`` on a plain CPU (dispatch, rebinding, fallback)."""
+``wiola.fast.WiolaModel`` on a plain CPU (dispatch, rebinding, fallback). The same library's
+prompt attention (``decode_attention`` for ``T > 1``) against the float64 equations: outputs and
+cache writes within its error bound, NaN padding it must not read, bitwise batch and thread
+invariance, what it declines, and its use by the fast model's prompt."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import platform
 import stat
@@ -19,6 +23,8 @@ import pytest
 import torch
 from conftest import ISAS_HERE
 from numerics import (
+    LAMBDA,
+    U32,
     AbsSums,
     assert_within,
     beside_reference,
@@ -516,3 +522,178 @@ def test_bound_catches_a_perturbed_weight(where, fraction, isa):
         else:
             with pytest.raises(AssertionError, match="exceeds the fp32 error bound"):
                 step_beside(ref, ref_cache, step, cache, 4, "logits")
+
+
+# ------------------------------------------------------------------------- the prompt's attention
+# (B, T, H, D, S, start, pad): T new tokens at slot `start` of an S-slot cache; row 1 is padding
+# up to slot `pad` (the last row up to pad // 2).
+PROMPT_CASES = [
+    (1, 2, 1, 16, 4, 0, 0),  # the smallest prompt
+    (1, 37, 3, 32, 40, 0, 0),  # T not a multiple of the 8-query tile
+    (3, 21, 2, 32, 70, 40, 45),  # a chunk after 40 cached slots; row 1's early queries see no key
+    (2, 130, 4, 64, 140, 0, 20),  # D 64: two passes of values a tile on AVX-512; left padding
+    (2, 19, 2, 48, 300, 250, 3),  # D 48: a pass of two vectors and one of one; a long prefix
+]
+
+
+def _prompt_inputs(B, T, H, D, S, start, pad, seed=0):
+    """q, k, v (views of one (B, T, 3, H, D) projection, as the model's), g, cos, sin, a cache whose
+    first `start` slots hold earlier keys and values, and its key mask."""
+    from wiola.ops.rope import helix_frequencies, rope_tables
+
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = torch.randn(B, T, 3, H, D, generator=gen).unbind(2)
+    g = torch.rand(B, T, H, generator=gen)
+    key_mask = torch.zeros(B, S, dtype=torch.bool)
+    key_mask[:, : start + T] = True
+    if B > 1:
+        key_mask[1, :pad] = False
+        key_mask[B - 1, : pad // 2] = False
+    real = key_mask[:, start : start + T].long()
+    positions = (torch.cumsum(real, 1) - real) + key_mask[:, :start].sum(1, keepdim=True)
+    cos, sin = rope_tables(positions, helix_frequencies(D))
+    k_cache, v_cache = torch.zeros(B, H, S, D), torch.zeros(B, H, S, D)
+    k_cache[:, :, :start] = torch.randn(B, H, start, D, generator=gen)
+    v_cache[:, :, :start] = torch.randn(B, H, start, D, generator=gen)
+    return q, k, v, g, cos, sin, k_cache, v_cache, key_mask
+
+
+def _prompt_oracle(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start, reach=0):
+    """float64, from SPEC's equations: the output (B, T, H, D), the keys it caches (B, H, T, D),
+    and the bound's magnitudes: Σ_s p_s |v_s| (B, T, H, D), each query's largest score magnitude
+    g/√D Σ_j |q̃_j k̃_j| (B, T, H, 1) and its count of real slots (B, T, 1, 1). ``reach``: how many
+    slots past its own each query may see (1: a causal mask off by one, for the defect check)."""
+    B, T, H, D = q.shape
+    half = D // 2
+
+    def rotate(x):  # (B, T, H, D), pair i = (x_i, x_{i + D/2})
+        c, s = cos.double().unsqueeze(2), sin.double().unsqueeze(2)
+        x1, x2 = x.double()[..., :half], x.double()[..., half:]
+        return torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+
+    qr, kr = rotate(q), rotate(k)
+    keys = torch.cat((k_cache.double()[:, :, :start], kr.transpose(1, 2)), dim=2)  # (B, H, end, D)
+    values = torch.cat((v_cache.double()[:, :, :start], v.double().transpose(1, 2)), dim=2)
+    end = start + T
+    slots = torch.arange(end)
+    allowed = (slots.view(1, end) <= (torch.arange(T) + start + reach).view(T, 1)).view(1, 1, T, end)
+    allowed = allowed & key_mask[:, :end].view(B, 1, 1, end)  # (B, 1, T, end)
+    scale = g.double().transpose(1, 2).unsqueeze(-1) / math.sqrt(D)  # (B, H, T, 1)
+    scores = (qr.transpose(1, 2) @ keys.transpose(-1, -2)) * scale
+    p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+    out = (p @ values).transpose(1, 2)
+    magnitude = (p @ values.abs()).transpose(1, 2)
+    a = (qr.abs().transpose(1, 2) @ keys.abs().transpose(-1, -2)) * scale
+    largest = a.masked_fill(~allowed, 0.0).amax(-1, keepdim=True).transpose(1, 2)
+    count = allowed.sum(-1, keepdim=True).transpose(1, 2).double()  # (B, T, 1, 1)
+    return out, kr.transpose(1, 2), magnitude, largest, count
+
+
+def _prompt_bound(D, magnitude, largest, count):
+    """|error| of an output element: λ u Σ_s p_s |v_s| (√(2n) + 2 √(D + 4) max_s g/√D Σ_j |q̃_j k̃_j|).
+    The softmax sum and the weighted values are sums of n terms (√(2n)); a score's error (its D
+    products and the two rotations) moves each p_s by that much relative, which moves the output
+    by at most twice the score error times Σ p_s |v_s|. Probabilistic, as ``numerics.bound``."""
+    return LAMBDA * U32 * magnitude * ((2 * count).sqrt() + 2 * math.sqrt(D + 4) * largest)
+
+
+@pytest.mark.parametrize("case", PROMPT_CASES, ids=lambda c: "B{}-T{}-H{}-D{}-S{}-start{}-pad{}".format(*c))
+def test_prompt_attention_matches_float64(case, isa):
+    """The C++ prompt attention's output and cache writes against the float64 oracle, within the
+    error bound; padding slots and every slot past the prompt hold NaN, which it must not read;
+    the same oracle with the causal mask off by one lies outside the bound (the test can fail)."""
+    B, T, H, D, S, start, pad = case
+    inputs = _prompt_inputs(*case)
+    q, k, v, g, cos, sin, k_cache, v_cache, key_mask = inputs
+    want, want_keys, magnitude, largest, count = _prompt_oracle(*inputs, start)
+    unread = ~key_mask.clone()  # padding and every slot past start + T
+    kc, vc = k_cache.clone(), v_cache.clone()
+    for buf in (kc, vc):
+        buf.masked_fill_(unread[:, None, :, None], float("nan"))
+    with torch.inference_mode():
+        got = decode_step_cpu.decode_attention(q, k, v, g, cos, sin, kc, vc, key_mask, start, isa=isa)
+    assert got is not None, "the C++ prompt attention did not apply"
+    allowed = _prompt_bound(D, magnitude, largest, count)
+    real = key_mask[:, start : start + T]
+    assert torch.equal(got[~real], torch.zeros_like(got[~real])) or bool(real.all()), "a padding query got non-zeros"
+    assert_within(f"prompt attention {case}", want[real], got[real].double(), allowed[real], isa)
+    keys_allowed = LAMBDA * U32 * 4 * want_keys.abs().amax(-1, keepdim=True)  # a rotation: two products, one sum
+    assert_within("cached keys", want_keys, kc[:, :, start : start + T].double(), keys_allowed, isa)
+    assert torch.equal(vc[:, :, start : start + T], v.transpose(1, 2)), "cached values are not the values"
+    untouched = unread.clone()
+    untouched[:, start : start + T] = False  # the new slots are written, padding or not (as the reference)
+    for name, buf in (("key", kc), ("value", vc)):
+        assert torch.isnan(buf[untouched[:, None, :, None].expand_as(buf)]).all(), (
+            f"a {name} slot outside the prompt was written"
+        )
+    off_by_one = _prompt_oracle(*inputs, start, reach=1)[0]
+    assert bool(((off_by_one - want).abs() > allowed)[real].any()), "the bound cannot tell a causal mask off by one"
+
+
+def test_prompt_attention_batch_and_threads_bitwise(isa):
+    """A row's outputs and cached keys are bitwise the same alone and as row 1 of 3, and on 1, 2
+    or 3 threads: every number a query gets is independent of the batch, tile and thread."""
+    B, T, H, D, S, start = 3, 45, 2, 32, 60, 7
+    q, k, v, g, cos, sin, k_cache, v_cache, key_mask = _prompt_inputs(B, T, H, D, S, start, 0, seed=4)
+    runs = {}
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            kc = k_cache.clone()
+            out = decode_step_cpu.decode_attention(q, k, v, g, cos, sin, kc, v_cache.clone(), key_mask, start, isa=isa)
+            runs[f"{n} threads"] = (out[1], kc[1])
+        row = slice(1, 2)
+        kc = k_cache[row].clone()
+        one = (q[row], k[row], v[row], g[row], cos[row], sin[row])
+        out = decode_step_cpu.decode_attention(*one, kc, v_cache[row].clone(), key_mask[row], start, isa=isa)
+        runs["alone"] = (out[0], kc[0])
+    finally:
+        torch.set_num_threads(threads)
+    first = runs["1 threads"]
+    for name, (out, keys) in runs.items():
+        assert torch.equal(out, first[0]) and torch.equal(keys, first[1]), f"{isa}: row 1 {name} != on 1 thread"
+
+
+def test_prompt_attention_declines_what_it_does_not_cover():
+    """None (the caller's PyTorch path) for a head width not a multiple of 16, a single token,
+    other dtypes, a tensor start and a cache of other rows."""
+    inputs = list(_prompt_inputs(1, 5, 2, 32, 8, 0, 0))
+    assert decode_step_cpu.decode_attention(*inputs, 0) is not None
+    odd = list(_prompt_inputs(1, 5, 2, 40, 8, 0, 0))
+    assert decode_step_cpu.decode_attention(*odd, 0) is None, "D 40 applied"
+    one = list(_prompt_inputs(1, 1, 2, 32, 8, 0, 0))
+    assert decode_step_cpu.decode_attention(*one, 0) is None, "T 1 applied"
+    half = [t.double() if t.is_floating_point() else t for t in inputs]
+    assert decode_step_cpu.decode_attention(*half, 0) is None, "float64 applied"
+    assert decode_step_cpu.decode_attention(*inputs, torch.tensor(0)) is None, "a tensor start applied"
+    wide = [*inputs[:6], torch.zeros(2, 2, 8, 32), torch.zeros(2, 2, 8, 32), torch.ones(2, 8, dtype=torch.bool)]
+    assert decode_step_cpu.decode_attention(*wide, 0) is None, "a cache of 2 rows applied to 1"
+
+
+@torch.inference_mode()
+def test_fast_prompt_uses_cpp_attention_and_matches_float64_oracle(plain_cpu, monkeypatch):
+    """wiola.fast on a plain CPU: a left-padded prompt with a cache runs the C++ prompt attention
+    in every layer, and its logits lie within the model's error bound of the float64 oracle."""
+    from f64_reference import forward_row
+
+    config = dataclasses.replace(SMALL, n_heads=4)  # D 16
+    model = _model(config, seed=5)
+    fast = wiola.fast.WiolaModel(config).eval()
+    fast.load_state_dict(model.state_dict())
+    calls = []
+    real_fn = decode_step_cpu.decode_attention
+    monkeypatch.setattr(decode_step_cpu, "decode_attention", lambda *a, **kw: calls.append(1) or real_fn(*a, **kw))
+    ids, mask = left_padded_prompt(config.vocab_size, 3, 40, 9)
+    got = fast(ids, attention_mask=mask, cache=fast.new_cache(3, 48)).logits
+    assert len(calls) == config.n_layers, (
+        f"the C++ prompt attention ran {len(calls)} times for {config.n_layers} layers"
+    )
+    state = model.state_dict()
+    want = [forward_row(state, config, ids[b].tolist(), mask[b].bool().tolist()) for b in range(3)]
+    with AbsSums(model) as sums:
+        model(ids, attention_mask=mask)
+    allowed = bound(config, ids.shape[1], sums.head, sides=1)
+    for b in range(3):
+        real = mask[b].bool()
+        assert_within(f"row {b} logits vs float64", want[b][real], got[b][real].double(), allowed[b][real])

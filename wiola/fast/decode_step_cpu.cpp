@@ -994,6 +994,165 @@ int decode_rows(const int64_t* n, const void* const* weights, const float* const
   return 0;
 }
 
+// ------------------------------------------------------------------------- the prompt's attention
+// wiola.ops.decode_attention for T new tokens per row (a prompt, or a chunk of one after cached
+// tokens): the T keys rotated and written with their values to slots [start, start + T) of each
+// row's cache, then every query attends to the row's real slots up to its own. The PyTorch path
+// runs this as a dozen ATen calls and SDPA's CPU flash attention, which at the model's small head
+// dimension (32) spends most of its time outside the products; here each (row, head) pair's keys
+// are transposed once, and a tile of kTileRows queries takes its scores against kKeyChunk keys at
+// a time as outer products (an accumulator per query and key vector, the queries' elements
+// broadcast), then its softmax and its weighted values in registers.
+//
+// Every number a query gets is independent of the tile it sits in, the thread and the batch: a
+// score is one FMA chain over d in order (then / sqrt(D) · g, as the step), the maximum is exact,
+// the exponentials are exp_nonpositive's, the sum runs in lanes fixed by the slot (slot mod
+// kLanes, zeros past the query's own slot, then hsum), and its weighted values are one FMA chain
+// over the slots in order, zeros (masked or later slots) adding nothing.
+constexpr int kTileRows = 8;                      // queries a tile
+constexpr int kKeyVecs = kLanes >= 16 ? 2 : 1;    // key vectors a step: 8 x 2 accumulators of 32 registers (AVX-512)
+constexpr int64_t kKeyChunk = kKeyVecs * kLanes;  // keys a step
+constexpr int kValueVecs = kLanes >= 16 ? 2 : 1;  // value vectors a pass: 8 x 2 accumulators
+
+struct PromptAttention {
+  int64_t B, T, H, D, S, start, end, Sp;  // Sp: end rounded up to kKeyChunk, the transposed keys' row length
+  const float *q, *k, *v;                 // (B, T, H, D), element (b, t, h, j) at b·ld_b + t·ld_t + h·D + j
+  int64_t ld_b, ld_t;
+  const float *g, *cs, *sn;  // g (B, T, H); cos, sin (B, T, D/2)
+  float *k_cache, *v_cache;  // (B, H, S, D)
+  const bool* key_mask;      // (B, S)
+  float* out;                // (B, T, H, D)
+  float* kt;                 // (B·H, D, Sp) transposed keys
+  float* scratch;            // per thread: tile_floats()
+  float sqrt_d;
+
+  int64_t tile_floats() const { return kTileRows * (D + Sp) + Sp; }
+
+  // Pair p = b·H + h: its T new keys rotated into the cache, their values copied; then every key
+  // in [0, end) transposed into kt (zeros past end).
+  void keys(int64_t p) {
+    const int64_t b = p / H, h = p % H, half = D / 2;
+    float* kc = k_cache + p * S * D;
+    float* vc = v_cache + p * S * D;
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t at = b * ld_b + t * ld_t + h * D, r = (b * T + t) * half;
+      rope(k + at, cs + r, sn + r, kc + (start + t) * D, D);
+      std::memcpy(vc + (start + t) * D, v + at, D * sizeof(float));
+    }
+    float* kp = kt + p * D * Sp;
+    for (int64_t s = 0; s < end; ++s)
+      for (int64_t j = 0; j < D; ++j) kp[j * Sp + s] = kc[s * D + j];
+    for (int64_t j = 0; j < D; ++j) std::fill(kp + j * Sp + end, kp + (j + 1) * Sp, 0.0f);
+  }
+
+  // Queries t0 .. t0 + n - 1 of pair p.
+  void tile(int64_t p, int64_t t0, float* work) {
+    const int64_t b = p / H, h = p % H, half = D / 2, n = std::min<int64_t>(kTileRows, T - t0);
+    float* qt = work;                   // kTileRows x D rotated queries (zeros past n)
+    float* sc = work + kTileRows * D;   // kTileRows x Sp scores, then probabilities
+    float* bias = sc + kTileRows * Sp;  // Sp: 0 for a real slot, -1 for padding
+    for (int64_t r = 0; r < kTileRows; ++r) {
+      if (r < n) {
+        const int64_t t = t0 + r, rr = (b * T + t) * half;
+        rope(q + b * ld_b + t * ld_t + h * D, cs + rr, sn + rr, qt + r * D, D);
+      } else {
+        std::fill(qt + r * D, qt + (r + 1) * D, 0.0f);
+      }
+    }
+    const int64_t last = start + t0 + n - 1;                  // the last query's slot
+    const int64_t reach = (last / kKeyChunk + 1) * kKeyChunk;  // keys scored: [0, reach), reach <= Sp
+    const float* kp = kt + p * D * Sp;
+    for (int64_t s = 0; s < reach; s += kKeyChunk) {
+      vec acc[kTileRows][kKeyVecs] = {};
+      for (int64_t j = 0; j < D; ++j) {
+        vec kv[kKeyVecs];
+        for (int u = 0; u < kKeyVecs; ++u) kv[u] = load(kp + j * Sp + s + u * kLanes);
+        for (int r = 0; r < kTileRows; ++r) {
+          const float x = qt[r * D + j];
+          for (int u = 0; u < kKeyVecs; ++u) acc[r][u] += x * kv[u];
+        }
+      }
+      for (int r = 0; r < kTileRows; ++r)
+        for (int u = 0; u < kKeyVecs; ++u) store(sc + r * Sp + s + u * kLanes, acc[r][u]);
+    }
+    const bool* km = key_mask + b * S;
+    const bool padded = std::memchr(km, 0, last + 1) != nullptr;
+    if (padded)  // -1 marks a padding slot (whatever its cache holds, even NaN, it is never used)
+      for (int64_t s = 0; s < reach; ++s) bias[s] = s <= last && km[s] ? 0.0f : -1.0f;
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t slot = start + t0 + r;
+      const float gr = g[(b * T + t0 + r) * H + h];
+      float* row = sc + r * Sp;
+      vec mx = vec{} - INFINITY;
+      for (int64_t s = 0; s < reach; s += kLanes) {
+        vec x = load(row + s) / sqrt_d * gr;
+        if (padded) x = load(bias + s) < 0.0f ? vec{} - INFINITY : x;
+        store(row + s, x);
+      }
+      for (int64_t s = slot + 1; s < reach; ++s) row[s] = -INFINITY;
+      for (int64_t s = 0; s < reach; s += kLanes) {
+        const vec x = load(row + s);
+        mx = x > mx ? x : mx;
+      }
+      float m = mx[0];
+      for (int l = 1; l < kLanes; ++l) m = mx[l] > m ? mx[l] : m;
+      if (m == -INFINITY) {  // no real key (a padding query): zeros, as the reference
+        std::fill(row, row + reach, 0.0f);
+        continue;
+      }
+      vec total = {};
+      for (int64_t s = 0; s < reach; s += kLanes) {
+        const vec e = exp_nonpositive(load(row + s) - m);
+        store(row + s, e);
+        total += e;
+      }
+      const float sum = hsum(total);
+      for (int64_t s = 0; s < reach; s += kLanes) store(row + s, load(row + s) / sum);
+    }
+    for (int64_t r = n; r < kTileRows; ++r) std::fill(sc + r * Sp, sc + r * Sp + reach, 0.0f);
+    int64_t j = 0;
+    for (; j + kValueVecs * kLanes <= D; j += kValueVecs * kLanes) values<kValueVecs>(p, b, t0, n, last, sc, j, padded);
+    for (; j < D; j += kLanes) values<1>(p, b, t0, n, last, sc, j, padded);  // D % kLanes == 0 (checked by the caller)
+  }
+
+  // Output columns [j, j + NV·kLanes) of the tile's queries: Σ_s p_s v_s over the real slots
+  // 0 .. last in order (a later slot's p_s is 0 for an earlier query), NV vectors a query in registers.
+  template <int NV>
+  void values(int64_t p, int64_t b, int64_t t0, int64_t n, int64_t last, const float* sc, int64_t j, bool padded) {
+    const float* vc = v_cache + p * S * D + j;
+    const bool* km = key_mask + b * S;
+    const int64_t h = p % H;
+    vec acc[kTileRows][NV] = {};
+    for (int64_t s = 0; s <= last; ++s) {
+      if (padded && !km[s]) continue;  // a padding slot: weight 0, its values never read
+      vec vv[NV];
+      for (int u = 0; u < NV; ++u) vv[u] = load(vc + s * D + u * kLanes);
+      for (int r = 0; r < kTileRows; ++r) {
+        const float w = sc[r * Sp + s];
+        for (int u = 0; u < NV; ++u) acc[r][u] += w * vv[u];
+      }
+    }
+    for (int64_t r = 0; r < n; ++r) {
+      float* o = out + ((b * T + t0 + r) * H + h) * D + j;
+      for (int u = 0; u < NV; ++u) store(o + u * kLanes, acc[r][u]);
+    }
+  }
+
+  void run() {
+    const int64_t pairs = B * H, tiles = (T + kTileRows - 1) / kTileRows, tasks = pairs * tiles;
+    const int most = omp_get_max_threads();
+    const int nth = tasks >= 2 * most ? most : 1;  // a few tiles are done sooner by one thread than a region costs
+    parallel(nth, [&](int tid, int nth_) {
+      for (int64_t p = tid; p < pairs; p += nth_) keys(p);
+#pragma omp barrier
+      float* work = scratch + tid * tile_floats();
+      // The longest tiles (the last queries) first, so that the short ones even out the threads.
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t task = 0; task < tasks; ++task) tile(task % pairs, (tiles - 1 - task / pairs) * kTileRows, work);
+    });
+  }
+};
+
 // ---------------------------------------------------------------------------------------- sampling
 // The sampler of wiola.generation, operation for operation in fp32, so that the tokens are the
 // Python sampler's bitwise: greedy is the first maximal logit (torch.argmax; a NaN wins, as
@@ -1256,6 +1415,32 @@ int wiola_decode_step(const int64_t* n, const void* const* weights, const float*
   int rc = wiola_decode_rows(n, weights, scales, state, R, rows, tokens, rows + R, eps, logits, work);
   delete[] rows;
   return rc;
+}
+
+// wiola.ops.decode_attention for T > 1 new tokens (PromptAttention). n: B, T, H, D, S, start, ld_b,
+// ld_t (q, k and v are (B, T, H, D) views with those batch and token strides, head stride D, unit
+// element stride: the fused projection's output). g (B, T, H), cos and sin (B, T, D/2), key_mask
+// (B, S): contiguous; k_cache, v_cache (B, H, S, D) contiguous, written at [start, start + T);
+// out (B, T, H, D). scratch: wiola_decode_attention_floats(B, H, D, start + T). The caller has
+// checked every shape, dtype and range (D even and a multiple of 16, start + T <= S).
+int64_t wiola_decode_attention_floats(int64_t B, int64_t H, int64_t D, int64_t end) {
+  const int64_t Sp = (end + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
+  return B * H * D * Sp + omp_get_max_threads() * (kTileRows * (D + Sp) + Sp);
+}
+
+void wiola_decode_attention(const int64_t* n, const float* q, const float* k, const float* v, const float* g,
+                            const float* cs, const float* sn, float* k_cache, float* v_cache, const bool* key_mask,
+                            float* out, float* scratch) {
+  PromptAttention a;
+  a.B = n[0], a.T = n[1], a.H = n[2], a.D = n[3], a.S = n[4], a.start = n[5], a.ld_b = n[6], a.ld_t = n[7];
+  a.end = a.start + a.T;
+  a.Sp = (a.end + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
+  a.q = q, a.k = k, a.v = v, a.g = g, a.cs = cs, a.sn = sn;
+  a.k_cache = k_cache, a.v_cache = v_cache, a.key_mask = key_mask, a.out = out;
+  a.kt = scratch;
+  a.scratch = scratch + a.B * a.H * a.D * a.Sp;
+  a.sqrt_d = std::sqrt(static_cast<float>(a.D));
+  a.run();
 }
 
 }  // extern "C"

@@ -256,6 +256,10 @@ def _build(compiler: str, isa: str) -> ctypes.CDLL:
     layout.check_counts(tuple(reported), str(target))
     lib.wiola_q4_group.argtypes = []
     lib.wiola_q4_group.restype = ctypes.c_int64
+    lib.wiola_decode_attention_floats.argtypes = [I, I, I, I]
+    lib.wiola_decode_attention_floats.restype = I
+    lib.wiola_decode_attention.argtypes = [P] * 12
+    lib.wiola_decode_attention.restype = None
     return lib
 
 
@@ -620,6 +624,69 @@ def quant_group(lib: ctypes.CDLL) -> int:
     if group != GROUP:
         raise RuntimeError(f"the CPU decode step was built for int4 groups of {group}, quantize packs {GROUP}")
     return group
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key_mask: torch.Tensor,
+    start: int,
+    *,
+    isa: str | None = None,
+) -> torch.Tensor | None:
+    """``wiola.ops.decode_attention`` for ``T > 1`` new tokens on a CPU in C++ (the prompt, or a
+    chunk of one; ``PromptAttention`` in the source): the keys rotated and written with the
+    values to slots ``[start, start + T)`` of the cache, each query's gated causal attention over
+    its row's real slots; ``(B, T, H, D)`` fp32. Its own summation order (``docs/SPEC.md``, "The
+    prompt's attention on a CPU"), each query's numbers independent of the batch, the tile and
+    the thread.
+
+    None where it does not apply, for the caller's PyTorch path: the library not built, other
+    than fp32 CPU tensors, ``q``/``k``/``v`` not the fused projection's views (head stride ``D``,
+    unit element stride, one layout for the three), ``D`` not a multiple of 16, a cache of other
+    rows or layout, or ``start`` not a Python int. ``isa``: the variant (``select_isa``)."""
+    lib = load(isa)
+    if lib is None or not isinstance(start, int) or q.dim() != 4:
+        return None
+    B, T, H, D = q.shape
+    S = k_cache.shape[2] if k_cache.dim() == 4 else -1
+    fp32 = (q, k, v, g, cos, sin, k_cache, v_cache)
+    if (
+        T < 2
+        or D % 16
+        or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in fp32)
+        or k.stride() != q.stride()
+        or v.stride() != q.stride()
+        or q.stride(3) != 1
+        or q.stride(2) != D
+        or tuple(k.shape) != (B, T, H, D)
+        or tuple(v.shape) != (B, T, H, D)
+        or tuple(g.shape) != (B, T, H)
+        or tuple(cos.shape) != (B, T, D // 2)
+        or tuple(sin.shape) != (B, T, D // 2)
+        or tuple(k_cache.shape) != (B, H, S, D)
+        or tuple(v_cache.shape) != (B, H, S, D)
+        or tuple(key_mask.shape) != (B, S)
+        or key_mask.dtype != torch.bool
+        or not 0 <= start <= S - T
+        or not all(t.is_contiguous() for t in (k_cache, v_cache, key_mask))
+    ):
+        return None
+    g, cos, sin = g.contiguous(), cos.contiguous(), sin.contiguous()
+    out = torch.empty(B, T, H, D, dtype=torch.float32)
+    scratch = torch.empty(lib.wiola_decode_attention_floats(B, H, D, start + T), dtype=torch.float32)
+    n = torch.tensor([B, T, H, D, S, start, q.stride(0), q.stride(1)], dtype=torch.int64)
+    lib.wiola_decode_attention(
+        n.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), key_mask.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+    )  # fmt: skip
+    return out
 
 
 def _pointers(tensors: list[torch.Tensor | None]) -> tuple[int, ...]:

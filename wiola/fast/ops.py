@@ -227,7 +227,9 @@ class _Ops:
         Kernels: a prefill into an empty cache (``start == 0``, ``T > 1``) writes the cache with the
         decode write kernel and runs the training attention kernel, so it equals the full pass
         exactly; everything else (one token, or a chunk after cached tokens) runs the
-        flash-decoding kernel. PyTorch path: slice writes and SDPA over the filled slots.
+        flash-decoding kernel. On a plain CPU (no kernels), ``T > 1`` in fp32 with gradients off runs
+        the C++ prompt attention (``wiola.fast.decode_step_cpu.decode_attention``) where it applies.
+        PyTorch path: slice writes and SDPA over the filled slots.
         With ``unpadded`` (the caller had no ``attention_mask``), the prefill runs the unmasked
         attention variant (``mask=None``) and does not read ``key_mask``.
         """
@@ -241,6 +243,12 @@ class _Ops:
             return decode(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start)
         if isinstance(start, torch.Tensor):
             start = int(start)  # host sync: the PyTorch path is not for CUDA graphs
+        if T > 1 and self.kernels and _plain_cpu(q):
+            from wiola.fast import decode_step_cpu
+
+            o = decode_step_cpu.decode_attention(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start)
+            if o is not None:
+                return o
         end = start + T
         if T == 1 and q.dtype == torch.float32 and k_cache.dtype == torch.float32:
             q_rot, k_rot = _rotate_pair(q, k, cos, sin)
@@ -345,6 +353,19 @@ def cpu_decode_step(
 
     step = model.derived_weights.bound("cpu_decode_step", cache, bind, lambda s: s is not False and s.is_current())
     return step or None
+
+
+def _plain_cpu(t: torch.Tensor) -> bool:
+    """Whether the C++ CPU code may run on ``t``'s op here: a CPU tensor outside Triton's
+    interpreter, the kernels on in this context, gradients and CPU autocast off, not tracing."""
+    return (
+        t.device.type == "cpu"
+        and kernels_on()
+        and not kernels_usable(t)
+        and not torch.is_grad_enabled()
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.compiler.is_compiling()
+    )
 
 
 # --------------------------------------------------------------------------- PyTorch path
