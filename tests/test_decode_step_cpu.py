@@ -672,9 +672,11 @@ def test_prompt_attention_declines_what_it_does_not_cover():
 
 
 @torch.inference_mode()
-def test_fast_prompt_uses_cpp_attention_and_matches_float64_oracle(plain_cpu, monkeypatch):
-    """wiola.fast on a plain CPU: a left-padded prompt with a cache runs the C++ prompt attention
-    in every layer, and its logits lie within the model's error bound of the float64 oracle."""
+@pytest.mark.parametrize("chunks", [(40,), (17, 1, 22)], ids=lambda c: "+".join(map(str, c)))
+def test_fast_prompt_uses_cpp_attention_and_matches_float64_oracle(chunks, plain_cpu, monkeypatch):
+    """wiola.fast on a plain CPU: a left-padded prompt with a cache, whole or in chunks (a chunk
+    of one is the one-token step's), runs the C++ prompt attention in every layer for each chunk
+    of several tokens, and its logits lie within the model's error bound of the float64 oracle."""
     from f64_reference import forward_row
 
     config = dataclasses.replace(SMALL, n_heads=4)  # D 16
@@ -684,11 +686,14 @@ def test_fast_prompt_uses_cpp_attention_and_matches_float64_oracle(plain_cpu, mo
     calls = []
     real_fn = decode_step_cpu.decode_attention
     monkeypatch.setattr(decode_step_cpu, "decode_attention", lambda *a, **kw: calls.append(1) or real_fn(*a, **kw))
-    ids, mask = left_padded_prompt(config.vocab_size, 3, 40, 9)
-    got = fast(ids, attention_mask=mask, cache=fast.new_cache(3, 48)).logits
-    assert len(calls) == config.n_layers, (
-        f"the C++ prompt attention ran {len(calls)} times for {config.n_layers} layers"
-    )
+    ids, mask = left_padded_prompt(config.vocab_size, 3, sum(chunks), 9)
+    cache, pieces, at = fast.new_cache(3, 48), [], 0
+    for n in chunks:
+        pieces.append(fast(ids[:, at : at + n], attention_mask=mask[:, : at + n], cache=cache).logits)
+        at += n
+    got = torch.cat(pieces, dim=1)
+    expected = config.n_layers * sum(n > 1 for n in chunks)
+    assert len(calls) == expected, f"the C++ prompt attention ran {len(calls)} times, not {expected}"
     state = model.state_dict()
     want = [forward_row(state, config, ids[b].tolist(), mask[b].bool().tolist()) for b in range(3)]
     with AbsSums(model) as sums:
@@ -696,4 +701,4 @@ def test_fast_prompt_uses_cpp_attention_and_matches_float64_oracle(plain_cpu, mo
     allowed = bound(config, ids.shape[1], sums.head, sides=1)
     for b in range(3):
         real = mask[b].bool()
-        assert_within(f"row {b} logits vs float64", want[b][real], got[b][real].double(), allowed[b][real])
+        assert_within(f"row {b} logits vs float64 ({chunks})", want[b][real], got[b][real].double(), allowed[b][real])
