@@ -648,7 +648,9 @@ def test_prefill_cpu(cpu_bench, model, hf_model, prefill_mode: str, weights: str
                 return hf_model(ids, attention_mask=torch.ones_like(ids), use_cache=True).logits[:, -1:]
 
         baselines["wiola13m"] = hf_prompt
-    cpu = _cpu_notes(decode_step_cpu.select_isa(), f"PyTorch prompt path, {prefill.describe()}", weights)
+    cpp = prefill_mode == "fp32" and decode_step_cpu.load() is not None  # bf16 products: autocast, ATen throughout
+    path = "ATen products, C++ attention, RMSNorms and SiLU gate" if cpp else "PyTorch prompt path"
+    cpu = _cpu_notes(decode_step_cpu.select_isa(), f"{path}, {prefill.describe()}", weights)
     name = f"wiola.fast prefill {prefill_mode}" + ("" if weights == "fp32" else f", {weights} weights")
     rec = cpu_bench.run(
         ours,

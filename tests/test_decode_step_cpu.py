@@ -7,7 +7,8 @@ is compiled), the choice of variant and its refusal, the build-failure warning, 
 ``wiola.fast.WiolaModel`` on a plain CPU (dispatch, rebinding, fallback). The same library's
 prompt attention (``decode_attention`` for ``T > 1``) against the float64 equations: outputs and
 cache writes within its error bound, NaN padding it must not read, bitwise batch and thread
-invariance, what it declines, and its use by the fast model's prompt."""
+invariance, what it declines, and its use by the fast model's prompt; likewise the prompt's
+row functions (RMSNorm with the residual add, the butterfly's SiLU gate)."""
 
 from __future__ import annotations
 
@@ -671,29 +672,141 @@ def test_prompt_attention_declines_what_it_does_not_cover():
     assert decode_step_cpu.decode_attention(*wide, 0) is None, "a cache of 2 rows applied to 1"
 
 
+def _rows_inputs(rows, d, seed):
+    """(rows, d) fp32 values whose rows differ in scale by powers of 10 from 1e-3 (where RMSNorm's
+    eps 1e-6 matters) to 1e3, and some beyond ±87 (where e^-|x| underflows)."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = 10.0 ** torch.arange(-3, 4, dtype=torch.float32).repeat(rows // 7 + 1)[:rows, None]
+    x = torch.randn(rows, d, generator=gen) * scale
+    x[::5, ::3] = torch.empty(len(range(0, rows, 5)), len(range(0, d, 3))).uniform_(-120, 120, generator=gen)
+    return x
+
+
+@pytest.mark.parametrize("rows,d,residual", [(7, 256, True), (300, 256, True), (9, 40, False), (3, 5, True)])
+def test_rms_norm_rows_matches_float64(rows, d, residual, isa):
+    """The C++ RMSNorm of the prompt (``decode_step_cpu.rms_norm``) against float64: ``h = x +
+    residual`` equals fp32's sum bitwise; each output within λu(√(2d)/2 + 6) of its value (the
+    mean of d squares, then the add of eps, square root, reciprocal and two products), on rows
+    from 1e-3 (eps matters) to 1e3, widths with and without a SIMD tail; the same bound misses a
+    mean over d - 1 elements and a dropped eps (it can fail)."""
+    x = _rows_inputs(rows, d, seed=d)
+    r = _rows_inputs(rows, d, seed=d + 1) if residual else None
+    w = torch.randn(d, generator=torch.Generator().manual_seed(3))
+    eps = 1e-6
+    got = decode_step_cpu.rms_norm(x, w, eps, r, isa=isa)
+    assert got is not None, f"{isa}: the C++ RMSNorm did not apply"
+    out, h = got if residual else (got, x)
+    if residual:
+        assert torch.equal(h, x + r), f"{isa}: h != x + residual in fp32"
+    h64 = h.double()
+
+    def oracle(n: int = d, e: float = eps) -> torch.Tensor:
+        return h64 / torch.sqrt(h64.pow(2).sum(-1, keepdim=True) / n + e) * w.double()
+
+    want = oracle()
+    allowed = LAMBDA * U32 * (math.sqrt(2 * d) / 2 + 6) * want.abs()
+    assert_within(f"rms_norm rows {rows}x{d}", want, out.double(), allowed, isa)
+    assert ((oracle(n=d - 1) - want).abs() > allowed).any(), "the bound cannot tell a mean over d - 1"
+    assert ((oracle(e=0.0) - want).abs() > allowed).any(), "the bound cannot tell a dropped eps"
+
+
+@pytest.mark.parametrize("rows,F", [(300, 512), (5, 37), (2, 3)])
+def test_silu_gate_rows_matches_float64(rows, F, isa):
+    """The butterfly's middle in C++ (``decode_step_cpu.silu_gate``): ``SiLU(a) ⊙ b + c`` against
+    float64 within u(6|SiLU(a) b| + 2|SiLU(a) b + c|) (e^-|x| within 7.9e-8, an add, a division
+    and three products; the final add) plus 1.1e-36|b| where e^-|x| underflows (|x| e^-|x| below
+    it past -87.34), over inputs from 1e-3 to 1e3 and past ±87, with and without a SIMD tail; a
+    sigmoid of the wrong sign lies outside the bound."""
+    up = _rows_inputs(rows, 2 * F, seed=F)
+    c = _rows_inputs(rows, F, seed=F + 1)
+    got = decode_step_cpu.silu_gate(up, c, isa=isa)
+    assert got is not None, f"{isa}: the C++ SiLU gate did not apply"
+    a, b = up.double().chunk(2, dim=-1)
+
+    def oracle(sign: float = 1.0) -> torch.Tensor:
+        return a * torch.sigmoid(sign * a) * b + c.double()
+
+    want = oracle()
+    sb = (a * torch.sigmoid(a) * b).abs()
+    allowed = U32 * (6 * sb + 2 * want.abs()) + 1.1e-36 * b.abs()
+    assert_within(f"silu gate rows {rows}x{F}", want, got.double(), allowed, isa)
+    assert ((oracle(-1.0) - want).abs() > allowed).any(), "the bound cannot tell a sigmoid of the wrong sign"
+
+
+def test_row_functions_batch_and_threads_bitwise(isa):
+    """A row's RMSNorm and SiLU gate are bitwise the same alone and within 300 rows (two threads'
+    share each), on 1 or 2 threads."""
+    x, r, up, c = (_rows_inputs(300, n, seed=n) for n in (256, 257, 1024, 512))
+    x, r = x, r[:, :256].contiguous()
+    w = torch.randn(256, generator=torch.Generator().manual_seed(3))
+    threads = torch.get_num_threads()
+    runs = {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out, h = decode_step_cpu.rms_norm(x, w, 1e-6, r, isa=isa)
+            runs[f"{n} threads"] = (out[150], h[150], decode_step_cpu.silu_gate(up, c, isa=isa)[150])
+        out, h = decode_step_cpu.rms_norm(x[150:151], w, 1e-6, r[150:151], isa=isa)
+        runs["alone"] = (out[0], h[0], decode_step_cpu.silu_gate(up[150:151], c[150:151], isa=isa)[0])
+    finally:
+        torch.set_num_threads(threads)
+    first = runs["1 threads"]
+    for name, got in runs.items():
+        for what, a, b in zip(("rms_norm", "h", "silu_gate"), got, first):
+            assert torch.equal(a, b), f"{isa}: row 150's {what} {name} != on 1 thread"
+
+
+def test_row_functions_decline_what_they_do_not_cover():
+    """None (the caller's PyTorch path) for other dtypes, non-contiguous tensors, a weight or a
+    residual of another shape, halves that do not pair."""
+    x, w, up, c = torch.randn(4, 8), torch.randn(8), torch.randn(4, 16), torch.randn(4, 8)
+    assert decode_step_cpu.rms_norm(x, w, 1e-6) is not None and decode_step_cpu.silu_gate(up, c) is not None
+    assert decode_step_cpu.rms_norm(x.double(), w.double(), 1e-6) is None, "float64 applied"
+    assert decode_step_cpu.rms_norm(x.t(), torch.randn(4), 1e-6) is None, "a transposed x applied"
+    assert decode_step_cpu.rms_norm(x, torch.randn(7), 1e-6) is None, "a weight of 7 applied to rows of 8"
+    assert decode_step_cpu.rms_norm(x, w, 1e-6, torch.randn(4, 1)) is None, "a residual of another shape applied"
+    assert decode_step_cpu.silu_gate(up, torch.randn(4, 7)) is None, "halves of 8 applied to a width of 7"
+    assert decode_step_cpu.silu_gate(up.double(), c.double()) is None, "float64 applied"
+    assert decode_step_cpu.silu_gate(torch.randn(16, 4).t(), c) is None, "a transposed up applied"
+
+
 @torch.inference_mode()
 @pytest.mark.parametrize("chunks", [(40,), (17, 1, 22)], ids=lambda c: "+".join(map(str, c)))
 def test_fast_prompt_uses_cpp_attention_and_matches_float64_oracle(chunks, plain_cpu, monkeypatch):
     """wiola.fast on a plain CPU: a left-padded prompt with a cache, whole or in chunks (a chunk
-    of one is the one-token step's), runs the C++ prompt attention in every layer for each chunk
-    of several tokens, and its logits lie within the model's error bound of the float64 oracle."""
+    of one is the one-token step's), runs the C++ prompt attention, RMSNorm and SiLU gate in
+    every layer for each chunk of several tokens, and its logits lie within the model's error
+    bound of the float64 oracle."""
     from f64_reference import forward_row
 
     config = dataclasses.replace(SMALL, n_heads=4)  # D 16
     model = _model(config, seed=5)
     fast = wiola.fast.WiolaModel(config).eval()
     fast.load_state_dict(model.state_dict())
-    calls = []
-    real_fn = decode_step_cpu.decode_attention
-    monkeypatch.setattr(decode_step_cpu, "decode_attention", lambda *a, **kw: calls.append(1) or real_fn(*a, **kw))
+    calls: dict[str, int] = {}
+
+    def counted(name):
+        real_fn = getattr(decode_step_cpu, name)
+
+        def call(*a, **kw):
+            out = real_fn(*a, **kw)
+            calls[name] = calls.get(name, 0) + (out is not None)
+            return out
+
+        monkeypatch.setattr(decode_step_cpu, name, call)
+
+    for name in ("decode_attention", "rms_norm", "silu_gate"):
+        counted(name)
     ids, mask = left_padded_prompt(config.vocab_size, 3, sum(chunks), 9)
     cache, pieces, at = fast.new_cache(3, 48), [], 0
     for n in chunks:
         pieces.append(fast(ids[:, at : at + n], attention_mask=mask[:, : at + n], cache=cache).logits)
         at += n
     got = torch.cat(pieces, dim=1)
-    expected = config.n_layers * sum(n > 1 for n in chunks)
-    assert len(calls) == expected, f"the C++ prompt attention ran {len(calls)} times, not {expected}"
+    prompts = sum(n > 1 for n in chunks)
+    L = config.n_layers
+    expected = {"decode_attention": L * prompts, "rms_norm": (2 * L + 1) * prompts, "silu_gate": L * prompts}
+    assert calls == expected, f"the C++ prompt functions ran {calls} times, not {expected}"
     state = model.state_dict()
     want = [forward_row(state, config, ids[b].tolist(), mask[b].bool().tolist()) for b in range(3)]
     with AbsSums(model) as sums:

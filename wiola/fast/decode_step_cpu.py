@@ -9,6 +9,9 @@ or bf16) it streams the packed matrices, widened to fp32 in registers, and compu
 the dequantized weights (``tests/test_quantize.py``); the C++ has one body of the products for
 fp32 and int8 (the weight type a template parameter) and one for int4 and bf16, whose rows it
 reads as 32-bit lanes of several weights each (``docs/SPEC.md``, "Products by weight type").
+The same library runs three parts of a prompt (``T > 1``) on a plain CPU: its attention over the
+cache (``decode_attention``), its RMSNorms (``rms_norm``) and the butterfly's middle
+(``silu_gate``); the products stay ATen's.
 
 One source, three instruction-set variants (``ISAS``), chosen at build time:
 
@@ -260,6 +263,10 @@ def _build(compiler: str, isa: str) -> ctypes.CDLL:
     lib.wiola_decode_attention_floats.restype = I
     lib.wiola_decode_attention.argtypes = [P] * 12
     lib.wiola_decode_attention.restype = None
+    lib.wiola_rms_norm_rows.argtypes = [P, P, P, F, P, P, I, I]
+    lib.wiola_rms_norm_rows.restype = None
+    lib.wiola_silu_gate_rows.argtypes = [P, P, P, I, I]
+    lib.wiola_silu_gate_rows.restype = None
     return lib
 
 
@@ -686,6 +693,62 @@ def decode_attention(
         n.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         k_cache.data_ptr(), v_cache.data_ptr(), key_mask.data_ptr(), out.data_ptr(), scratch.data_ptr(),
     )  # fmt: skip
+    return out
+
+
+def _rows_fp32(*tensors: torch.Tensor) -> bool:
+    """Whether each tensor is a contiguous fp32 CPU tensor (what the row functions read)."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    isa: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    """``wiola.ops.rms_norm`` row by row in C++ (the step's own RMSNorm: ``mean(h²)`` as the
+    step's dot product, then ``h / sqrt(mean + eps) ⊙ weight``), after ``h = x + residual`` where
+    ``residual`` is given: ``out``, or ``(out, h)``; each row's numbers independent of the others.
+
+    None where it does not apply, for the caller's PyTorch path: the library not built, other
+    than contiguous fp32 CPU tensors, ``weight`` not ``(d,)``, ``residual`` of another shape.
+    ``isa``: the variant (``select_isa``)."""
+    lib = load(isa)
+    if lib is None or x.dim() < 1 or x.numel() == 0:
+        return None
+    d = x.shape[-1]
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    if not _rows_fp32(*tensors) or tuple(weight.shape) != (d,):
+        return None
+    if residual is not None and residual.shape != x.shape:
+        return None
+    out = torch.empty_like(x)
+    h = None if residual is None else torch.empty_like(x)
+    lib.wiola_rms_norm_rows(
+        x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(), eps, out.data_ptr(),
+        0 if h is None else h.data_ptr(), x.numel() // d, d,
+    )  # fmt: skip
+    return out if h is None else (out, h)
+
+
+def silu_gate(up: torch.Tensor, bp: torch.Tensor, *, isa: str | None = None) -> torch.Tensor | None:
+    """The butterfly's middle in C++, ``SiLU(a) ⊙ b + bp`` with ``[a ‖ b] = up`` along the last
+    dimension (``up`` ``(..., 2F)``, ``bp`` ``(..., F)``), row by row, in vectors (SiLU as
+    ``x·σ(x)`` with ``σ`` from ``e^-|x|``: ``docs/SPEC.md``, "The prompt's element-wise parts").
+
+    None where it does not apply: the library not built, other than contiguous fp32 CPU tensors,
+    shapes that do not pair. ``isa``: the variant (``select_isa``)."""
+    lib = load(isa)
+    if lib is None or bp.dim() < 1 or bp.numel() == 0:
+        return None
+    F = bp.shape[-1]
+    if not _rows_fp32(up, bp) or up.shape[:-1] != bp.shape[:-1] or up.shape[-1] != 2 * F:
+        return None
+    out = torch.empty_like(bp)
+    lib.wiola_silu_gate_rows(up.data_ptr(), bp.data_ptr(), out.data_ptr(), bp.numel() // F, F)
     return out
 
 

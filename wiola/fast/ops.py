@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 import wiola.ops as reference
 from wiola.model import Ops, has_adapters
-from wiola.ops.linear import DecodeLayout, autocast_dtype
+from wiola.ops.linear import DecodeLayout, autocast_dtype, linear
 from wiola.ops.rope import apply_rope
 
 _KERNEL_MODULES = (
@@ -146,13 +146,21 @@ class _Ops:
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``wiola.ops.rms_norm``: the fused residual add + RMSNorm kernel where usable, else one
-        ATen ``rms_norm`` for fp32 tensors (the reference for other dtypes)."""
+        """``wiola.ops.rms_norm``: the fused residual add + RMSNorm kernel where usable; on a plain
+        CPU for ``T > 1`` fp32 positions the C++ rows (``decode_step_cpu.rms_norm``, the one-token
+        step's RMSNorm); else one ATen ``rms_norm`` for fp32 tensors (the reference for other
+        dtypes)."""
         kernel = self._kernel("rms_norm", x)
         if kernel is not None:
             # A bf16 autocast output with the fp32 stream goes in as it is: the kernel adds in the
             # promoted dtype itself, as the reference's ``x + residual`` does (no cast copy first).
             return kernel(x, weight, eps, residual)
+        if self.kernels and x.dim() == 3 and x.shape[1] > 1 and _plain_cpu(x):
+            from wiola.fast import decode_step_cpu
+
+            out = decode_step_cpu.rms_norm(x, weight, eps, residual)
+            if out is not None:
+                return out
         if (
             x.dtype == torch.float32
             and weight.dtype == torch.float32
@@ -272,9 +280,12 @@ class _Ops:
         layouts: tuple[DecodeLayout, DecodeLayout, DecodeLayout] | None = None,
     ) -> torch.Tensor:
         """``wiola.ops.butterfly``: the fused up/bypass GEMM with the SiLU-gate epilogue and the down
-        projection where usable (inputs cast to the autocast dtype first; ``layouts`` unused there),
-        else the reference."""
+        projection where usable (inputs cast to the autocast dtype first; ``layouts`` unused there);
+        on a plain CPU for ``T > 1`` positions the middle in C++ (``_butterfly_cpu``); else the
+        reference."""
         kernel = self._kernel("butterfly", x)
+        if kernel is None and self.kernels and x.dim() == 3 and x.shape[1] > 1 and _plain_cpu(x):
+            return _butterfly_cpu(x, w_up, w_bp, w_down, residual, layouts)
         if kernel is None:
             return reference.butterfly(x, w_up, w_bp, w_down, residual, layouts)
         dtype = autocast_dtype(x)
@@ -369,6 +380,29 @@ def _plain_cpu(t: torch.Tensor) -> bool:
 
 
 # --------------------------------------------------------------------------- PyTorch path
+def _butterfly_cpu(
+    x: torch.Tensor,
+    w_up: torch.Tensor,
+    w_bp: torch.Tensor,
+    w_down: torch.Tensor,
+    residual: torch.Tensor | None,
+    layouts: tuple[DecodeLayout, DecodeLayout, DecodeLayout] | None,
+) -> torch.Tensor:
+    """``wiola.ops.butterfly`` for many positions on a plain CPU: the reference's three products,
+    its middle ``SiLU(a) ⊙ b + x W_bpᵀ`` in one C++ pass (``decode_step_cpu.silu_gate``) instead
+    of four ATen ops over the ``(…, d_ff)`` activations (those ops where it does not apply)."""
+    from wiola.fast import decode_step_cpu
+
+    up, bp, down = layouts or (None, None, None)
+    ab, c = linear(x, w_up, up), linear(x, w_bp, bp)
+    r = decode_step_cpu.silu_gate(ab, c)
+    if r is None:
+        a, b = ab.chunk(2, dim=-1)
+        r = F.silu(a) * b + c
+    y = linear(r, w_down, down)
+    return y if residual is None else y + residual
+
+
 def _gate_step(
     q: torch.Tensor,
     w1: torch.Tensor,
