@@ -530,6 +530,30 @@ inline void packed_fma(uvec lanes, const float* xt, int64_t ldx, vec* sum) {
   if constexpr (J + 1 < Packed<P>::kPer) packed_fma<P, J + 1, NB>(lanes, xt, ldx, sum);
 }
 
+// sum[i][b] += part J of lanes[i] · x of batch row b, for J..kPer-1 and the NR rows: each part of
+// x loaded once for all NR rows (as dot_block does), each (row, lane) summing its parts in order.
+template <typename P, int J, int NR, int NB>
+inline void packed_fma_rows(const uvec* lanes, const float* xt, int64_t ldx, vec (*sum)[NB]) {
+  vec xv[NB];
+  for (int b = 0; b < NB; ++b) {
+    xv[b] = load(xt + b * ldx + J * kLanes);
+    WIOLA_PIN(xv[b]);
+  }
+  for (int i = 0; i < NR; ++i) {
+    vec w = Packed<P>::template part<J>(lanes[i]);
+    WIOLA_PIN(w);
+    for (int b = 0; b < NB; ++b) sum[i][b] += w * xv[b];
+  }
+  if constexpr (J + 1 < Packed<P>::kPer) packed_fma_rows<P, J + 1, NR, NB>(lanes, xt, ldx, sum);
+}
+
+// Whether a chunk's x parts are shared by the NR rows (packed_fma_rows) or loaded per row
+// (packed_fma): sharing holds NR lanes, NR·NB sums (and as many accumulators when scaled) in
+// registers, which fits 32 vector registers (AVX-512, NEON) at every NB and 16 (AVX2, SSE) at NB 1.
+// Either order gives every number bitwise the same.
+template <typename P, int NR, int NB>
+constexpr bool kShareX = NR * NB * (Packed<P>::kScaled ? 2 : 1) + NR + NB + 1 <= (kLanes >= 16 ? 32 : 16);
+
 // Rows [r, r + NR) of NB batch rows; xt: transpose's x (stride ldx).
 template <typename P, int NR, int NB>
 inline void packed_block(const uint8_t* W, const float* scale, int64_t K, const float* xt, int64_t ldx, float* y,
@@ -538,6 +562,22 @@ inline void packed_block(const uint8_t* W, const float* scale, int64_t K, const 
   const int64_t row_bytes = Packed<P>::row_bytes(K), full = K / chunk * chunk;
   vec acc[NR][NB] = {};
   for (int64_t c = 0; c < full; c += chunk) {
+    if constexpr (kShareX<P, NR, NB>) {
+      uvec lanes[NR];
+      for (int i = 0; i < NR; ++i)
+        std::memcpy(&lanes[i], W + (r + i) * row_bytes + Packed<P>::row_bytes(c), sizeof(lanes[i]));
+      if constexpr (Packed<P>::kScaled) {
+        vec sum[NR][NB] = {};
+        packed_fma_rows<P, 0, NR, NB>(lanes, xt + c, ldx, sum);
+        for (int i = 0; i < NR; ++i) {
+          vec s = Packed<P>::lane_scales(scale, r + i, K, c);
+          for (int b = 0; b < NB; ++b) acc[i][b] += sum[i][b] * s;
+        }
+      } else {
+        packed_fma_rows<P, 0, NR, NB>(lanes, xt + c, ldx, acc);
+      }
+      continue;
+    }
     for (int i = 0; i < NR; ++i) {
       uvec lanes;
       std::memcpy(&lanes, W + (r + i) * row_bytes + Packed<P>::row_bytes(c), sizeof(lanes));
