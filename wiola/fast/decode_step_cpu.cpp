@@ -7,7 +7,9 @@
 // read as 32-bit lanes of several weights each (Packed<P>, packed_block), all widened to fp32 in
 // registers.
 // Built and loaded by wiola/fast/decode_step_cpu.py (g++ -O3 -fopenmp, ctypes); the math is docs/SPEC.md's,
-// the same as wiola.model.WiolaModel.forward with a cache and T = 1.
+// the same as wiola.model.WiolaModel.forward with a cache and T = 1. For a prompt (T > 1) the same
+// library runs the attention over the cache (PromptAttention), the RMSNorms and the butterfly's
+// SiLU gate (rms_norm_rows, silu_gate_rows); its products stay ATen's.
 //
 // Why C++: decoding one token is bound by reading the weights (52 MB for the 13m preset), yet the
 // PyTorch path spends as long again on ~2,000 small ATen calls, and MKL's matrix-vector product is
@@ -1537,7 +1539,6 @@ void wiola_decode_attention(const int64_t* n, const float* q, const float* k, co
   a.sqrt_d = std::sqrt(static_cast<float>(a.D));
   a.run();
 }
-
 
 // wiola.ops.rms_norm over `rows` contiguous rows of d floats (rms_norm_rows): residual and h are
 // both null or both (rows, d); out (rows, d).
