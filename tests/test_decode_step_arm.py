@@ -5,7 +5,9 @@ includes ``wiola/fast/decode_step_cpu.cpp`` whole) is cross-compiled for aarch64
 on files this test writes: the weights (fp32, bf16, int8 with per-row scales, or int4 with group scales), the cache after
 a prefill and the tokens of a few steps. The oracle is the reference ``wiola.WiolaModel`` on the
 same (dequantized) weights, run here on x86: the ARM logits of every step and the cache it wrote
-equal it to fp32 rounding, as on x86 (``tests/test_quantize.py``).
+equal it to fp32 rounding, as on x86 (``tests/test_quantize.py``). The same harness runs the
+prompt's C++ functions (attention over the cache, RMSNorm rows, the SiLU gate) against their
+float64 oracles within the x86 tests' bounds (``cpu_prompt_oracle``).
 
 Skips, saying which, only when the cross compiler or qemu is absent (``.ci/run`` installs both).
 """
@@ -23,6 +25,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cpu_prompt_oracle import (
+    PROMPT_CASES,
+    cached_keys_bound,
+    prompt_bound,
+    prompt_inputs,
+    prompt_oracle,
+    rms_norm_bound,
+    rms_norm_oracle,
+    rows_inputs,
+    silu_gate_oracle,
+)
 from numerics import AbsSums, assert_within, bound, cache_bound, reference_on
 
 import wiola
@@ -75,6 +88,16 @@ def _bytes(t: torch.Tensor | None) -> bytes:
     return struct.pack("<q", len(raw)) + raw
 
 
+def _run(harness: Path, tmp_path: Path, blob: bytes, *mode: str) -> bytes:
+    """The harness's output for input ``blob`` under qemu-aarch64 on two OpenMP threads."""
+    (tmp_path / "in.bin").write_bytes(blob)
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "QEMU_LD_PREFIX": SYSROOT}
+    cmd = [QEMU, "-L", SYSROOT, str(harness), *mode, str(tmp_path / "in.bin"), str(tmp_path / "out.bin")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, f"`{' '.join(cmd)}` exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    return (tmp_path / "out.bin").read_bytes()
+
+
 def _model(config: wiola.WiolaConfig, scheme: str) -> wiola.fast.WiolaModel:
     torch.manual_seed(0)
     model = wiola.fast.WiolaModel(config).eval().requires_grad_(False)
@@ -118,14 +141,7 @@ def test_arm_step_matches_oracle(scheme, variant, B, prompt, steps, pad, arm_har
             blob += struct.pack(f"<{B + 1}q", cache.length + i, *tokens[i].tolist())
             want.append(ref(tokens[i].view(B, 1), cache=ref_cache).logits[:, 0])
             allowed.append(bound(config, cache.length + i + 1, sums.head[:, 0]))
-    (tmp_path / "in.bin").write_bytes(blob)
-
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "QEMU_LD_PREFIX": SYSROOT}
-    cmd = [QEMU, "-L", SYSROOT, str(arm_harness), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, f"`{' '.join(cmd)}` exited {proc.returncode}:\n{proc.stderr[-3000:]}"
-
-    out = (tmp_path / "out.bin").read_bytes()
+    out = _run(arm_harness, tmp_path, blob)
     V = config.vocab_size
     logits = torch.from_numpy(np.frombuffer(out, dtype=np.float32, count=steps * B * V).copy()).view(steps, B, V)
     for i in range(steps):
@@ -143,3 +159,57 @@ def test_arm_step_matches_oracle(scheme, variant, B, prompt, steps, pad, arm_har
     assert_within("ARM cache.k", ref_cache.k[real], got["k"][real], limit["k"])
     assert_within("ARM cache.v", ref_cache.v[real], got["v"][real], limit["v"])
     assert_within("ARM cache.gate_sum", ref_cache.gate_sum, got["gate_sum"], limit["gate_sum"])
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize(
+    "case", [PROMPT_CASES[2], PROMPT_CASES[4]], ids=lambda c: "B{}-T{}-H{}-D{}-S{}-start{}-pad{}".format(*c)
+)
+def test_arm_prompt_functions_match_oracle(case, arm_harness, tmp_path):
+    """The prompt's C++ functions on aarch64 (NEON): the attention over the cache (a chunk after
+    cached slots, left padding, D 32 and 48), RMSNorm rows after the residual add and the SiLU
+    gate (widths with a vector tail, inputs from 1e-3 to past ±87) against the float64 oracles
+    within the same error bounds as on x86 (``cpu_prompt_oracle``)."""
+    B, T, H, D, S, start, _ = case
+    q, k, v, g, cos, sin, k_cache, v_cache, key_mask = (
+        t.contiguous() for t in prompt_inputs(*case)
+    )  # q, k, v as separate contiguous (B, T, H, D) tensors: ld_b T·H·D, ld_t H·D
+    rows, d, F, eps = 9, 40, 37, 1e-6
+    x, residual = rows_inputs(rows, d, seed=d), rows_inputs(rows, d, seed=d + 1)
+    up, bp = rows_inputs(rows, 2 * F, seed=F), rows_inputs(rows, F, seed=F + 1)
+    gamma = torch.randn(d, generator=torch.Generator().manual_seed(3))
+    blob = struct.pack("<8q", B, T, H, D, S, start, T * H * D, H * D)
+    blob += b"".join(map(_bytes, (q, k, v, g, cos, sin, k_cache, v_cache, key_mask)))
+    blob += struct.pack("<2qf", rows, d, eps) + b"".join(map(_bytes, (x, residual, gamma)))
+    blob += struct.pack("<2q", rows, F) + b"".join(map(_bytes, (up, bp)))
+    out = _run(arm_harness, tmp_path, blob, "prompt")
+
+    sizes = [B * T * H * D, B * H * S * D, B * H * S * D, rows * d, rows * d, rows * F]
+    assert len(out) == 4 * sum(sizes), f"the harness wrote {len(out)} bytes, {4 * sum(sizes)} expected"
+    parts, at = [], 0
+    for n in sizes:
+        parts.append(torch.from_numpy(np.frombuffer(out, dtype=np.float32, count=n, offset=4 * at).copy()))
+        at += n
+    att, kc, vc, norm, h, gate = parts
+    where = "portable (aarch64, qemu)"
+    want, want_keys, magnitude, largest, count = prompt_oracle(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start)
+    real = key_mask[:, start : start + T]
+    att = att.view(B, T, H, D)
+    assert_within(
+        f"ARM prompt attention {case}",
+        want[real],
+        att[real].double(),
+        prompt_bound(D, magnitude, largest, count)[real],
+        where,
+    )
+    assert torch.equal(att[~real], torch.zeros_like(att[~real])), "ARM: a padding query got non-zeros"
+    kc, vc = kc.view(B, H, S, D), vc.view(B, H, S, D)
+    assert_within(
+        "ARM cached keys", want_keys, kc[:, :, start : start + T].double(), cached_keys_bound(want_keys), where
+    )
+    assert torch.equal(vc[:, :, start : start + T], v.transpose(1, 2)), "ARM: cached values are not the values"
+    assert torch.equal(h.view(rows, d), x + residual), "ARM: h != x + residual in fp32"
+    want_norm = rms_norm_oracle(x + residual, gamma, eps)
+    assert_within("ARM rms_norm rows", want_norm, norm.view(rows, d).double(), rms_norm_bound(want_norm), where)
+    want_gate, gate_allowed = silu_gate_oracle(up, bp)
+    assert_within("ARM silu gate rows", want_gate, gate.view(rows, F).double(), gate_allowed, where)

@@ -13,7 +13,6 @@ row functions (RMSNorm with the residual add, the butterfly's SiLU gate)."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import platform
 import stat
@@ -23,9 +22,18 @@ import warnings
 import pytest
 import torch
 from conftest import ISAS_HERE
+from cpu_prompt_oracle import (
+    PROMPT_CASES,
+    cached_keys_bound,
+    prompt_bound,
+    prompt_inputs,
+    prompt_oracle,
+    rms_norm_bound,
+    rms_norm_oracle,
+    rows_inputs,
+    silu_gate_oracle,
+)
 from numerics import (
-    LAMBDA,
-    U32,
     AbsSums,
     assert_within,
     beside_reference,
@@ -526,87 +534,15 @@ def test_bound_catches_a_perturbed_weight(where, fraction, isa):
 
 
 # ------------------------------------------------------------------------- the prompt's attention
-# (B, T, H, D, S, start, pad): T new tokens at slot `start` of an S-slot cache; row 1 is padding
-# up to slot `pad` (the last row up to pad // 2).
-PROMPT_CASES = [
-    (1, 2, 1, 16, 4, 0, 0),  # the smallest prompt
-    (1, 37, 3, 32, 40, 0, 0),  # T not a multiple of the 8-query tile
-    (3, 21, 2, 32, 70, 40, 45),  # a chunk after 40 cached slots; row 1's early queries see no key
-    (2, 130, 4, 64, 140, 0, 20),  # D 64: two passes of values a tile on AVX-512; left padding
-    (2, 19, 2, 48, 300, 250, 3),  # D 48: a pass of two vectors and one of one; a long prefix
-]
-
-
-def _prompt_inputs(B, T, H, D, S, start, pad, seed=0):
-    """q, k, v (views of one (B, T, 3, H, D) projection, as the model's), g, cos, sin, a cache whose
-    first `start` slots hold earlier keys and values, and its key mask."""
-    from wiola.ops.rope import helix_frequencies, rope_tables
-
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v = torch.randn(B, T, 3, H, D, generator=gen).unbind(2)
-    g = torch.rand(B, T, H, generator=gen)
-    key_mask = torch.zeros(B, S, dtype=torch.bool)
-    key_mask[:, : start + T] = True
-    if B > 1:
-        key_mask[1, :pad] = False
-        key_mask[B - 1, : pad // 2] = False
-    real = key_mask[:, start : start + T].long()
-    positions = (torch.cumsum(real, 1) - real) + key_mask[:, :start].sum(1, keepdim=True)
-    cos, sin = rope_tables(positions, helix_frequencies(D))
-    k_cache, v_cache = torch.zeros(B, H, S, D), torch.zeros(B, H, S, D)
-    k_cache[:, :, :start] = torch.randn(B, H, start, D, generator=gen)
-    v_cache[:, :, :start] = torch.randn(B, H, start, D, generator=gen)
-    return q, k, v, g, cos, sin, k_cache, v_cache, key_mask
-
-
-def _prompt_oracle(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start, reach=0):
-    """float64, from SPEC's equations: the output (B, T, H, D), the keys it caches (B, H, T, D),
-    and the bound's magnitudes: Σ_s p_s |v_s| (B, T, H, D), each query's largest score magnitude
-    g/√D Σ_j |q̃_j k̃_j| (B, T, H, 1) and its count of real slots (B, T, 1, 1). ``reach``: how many
-    slots past its own each query may see (1: a causal mask off by one, for the defect check)."""
-    B, T, H, D = q.shape
-    half = D // 2
-
-    def rotate(x):  # (B, T, H, D), pair i = (x_i, x_{i + D/2})
-        c, s = cos.double().unsqueeze(2), sin.double().unsqueeze(2)
-        x1, x2 = x.double()[..., :half], x.double()[..., half:]
-        return torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
-
-    qr, kr = rotate(q), rotate(k)
-    keys = torch.cat((k_cache.double()[:, :, :start], kr.transpose(1, 2)), dim=2)  # (B, H, end, D)
-    values = torch.cat((v_cache.double()[:, :, :start], v.double().transpose(1, 2)), dim=2)
-    end = start + T
-    slots = torch.arange(end)
-    allowed = (slots.view(1, end) <= (torch.arange(T) + start + reach).view(T, 1)).view(1, 1, T, end)
-    allowed = allowed & key_mask[:, :end].view(B, 1, 1, end)  # (B, 1, T, end)
-    scale = g.double().transpose(1, 2).unsqueeze(-1) / math.sqrt(D)  # (B, H, T, 1)
-    scores = (qr.transpose(1, 2) @ keys.transpose(-1, -2)) * scale
-    p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
-    out = (p @ values).transpose(1, 2)
-    magnitude = (p @ values.abs()).transpose(1, 2)
-    a = (qr.abs().transpose(1, 2) @ keys.abs().transpose(-1, -2)) * scale
-    largest = a.masked_fill(~allowed, 0.0).amax(-1, keepdim=True).transpose(1, 2)
-    count = allowed.sum(-1, keepdim=True).transpose(1, 2).double()  # (B, T, 1, 1)
-    return out, kr.transpose(1, 2), magnitude, largest, count
-
-
-def _prompt_bound(D, magnitude, largest, count):
-    """|error| of an output element: λ u Σ_s p_s |v_s| (√(2n) + 2 √(D + 4) max_s g/√D Σ_j |q̃_j k̃_j|).
-    The softmax sum and the weighted values are sums of n terms (√(2n)); a score's error (its D
-    products and the two rotations) moves each p_s by that much relative, which moves the output
-    by at most twice the score error times Σ p_s |v_s|. Probabilistic, as ``numerics.bound``."""
-    return LAMBDA * U32 * magnitude * ((2 * count).sqrt() + 2 * math.sqrt(D + 4) * largest)
-
-
 @pytest.mark.parametrize("case", PROMPT_CASES, ids=lambda c: "B{}-T{}-H{}-D{}-S{}-start{}-pad{}".format(*c))
 def test_prompt_attention_matches_float64(case, isa):
     """The C++ prompt attention's output and cache writes against the float64 oracle, within the
     error bound; padding slots and every slot past the prompt hold NaN, which it must not read;
     the same oracle with the causal mask off by one lies outside the bound (the test can fail)."""
     B, T, H, D, S, start, pad = case
-    inputs = _prompt_inputs(*case)
+    inputs = prompt_inputs(*case)
     q, k, v, g, cos, sin, k_cache, v_cache, key_mask = inputs
-    want, want_keys, magnitude, largest, count = _prompt_oracle(*inputs, start)
+    want, want_keys, magnitude, largest, count = prompt_oracle(*inputs, start)
     unread = ~key_mask.clone()  # padding and every slot past start + T
     kc, vc = k_cache.clone(), v_cache.clone()
     for buf in (kc, vc):
@@ -614,11 +550,11 @@ def test_prompt_attention_matches_float64(case, isa):
     with torch.inference_mode():
         got = decode_step_cpu.decode_attention(q, k, v, g, cos, sin, kc, vc, key_mask, start, isa=isa)
     assert got is not None, "the C++ prompt attention did not apply"
-    allowed = _prompt_bound(D, magnitude, largest, count)
+    allowed = prompt_bound(D, magnitude, largest, count)
     real = key_mask[:, start : start + T]
     assert torch.equal(got[~real], torch.zeros_like(got[~real])) or bool(real.all()), "a padding query got non-zeros"
     assert_within(f"prompt attention {case}", want[real], got[real].double(), allowed[real], isa)
-    keys_allowed = LAMBDA * U32 * 4 * want_keys.abs().amax(-1, keepdim=True)  # a rotation: two products, one sum
+    keys_allowed = cached_keys_bound(want_keys)
     assert_within("cached keys", want_keys, kc[:, :, start : start + T].double(), keys_allowed, isa)
     assert torch.equal(vc[:, :, start : start + T], v.transpose(1, 2)), "cached values are not the values"
     untouched = unread.clone()
@@ -627,7 +563,7 @@ def test_prompt_attention_matches_float64(case, isa):
         assert torch.isnan(buf[untouched[:, None, :, None].expand_as(buf)]).all(), (
             f"a {name} slot outside the prompt was written"
         )
-    off_by_one = _prompt_oracle(*inputs, start, reach=1)[0]
+    off_by_one = prompt_oracle(*inputs, start, reach=1)[0]
     assert bool(((off_by_one - want).abs() > allowed)[real].any()), "the bound cannot tell a causal mask off by one"
 
 
@@ -635,7 +571,7 @@ def test_prompt_attention_batch_and_threads_bitwise(isa):
     """A row's outputs and cached keys are bitwise the same alone and as row 1 of 3, and on 1, 2
     or 3 threads: every number a query gets is independent of the batch, tile and thread."""
     B, T, H, D, S, start = 3, 45, 2, 32, 60, 7
-    q, k, v, g, cos, sin, k_cache, v_cache, key_mask = _prompt_inputs(B, T, H, D, S, start, 0, seed=4)
+    q, k, v, g, cos, sin, k_cache, v_cache, key_mask = prompt_inputs(B, T, H, D, S, start, 0, seed=4)
     runs = {}
     threads = torch.get_num_threads()
     try:
@@ -659,27 +595,17 @@ def test_prompt_attention_batch_and_threads_bitwise(isa):
 def test_prompt_attention_declines_what_it_does_not_cover():
     """None (the caller's PyTorch path) for a head width not a multiple of 16, a single token,
     other dtypes, a tensor start and a cache of other rows."""
-    inputs = list(_prompt_inputs(1, 5, 2, 32, 8, 0, 0))
+    inputs = list(prompt_inputs(1, 5, 2, 32, 8, 0, 0))
     assert decode_step_cpu.decode_attention(*inputs, 0) is not None
-    odd = list(_prompt_inputs(1, 5, 2, 40, 8, 0, 0))
+    odd = list(prompt_inputs(1, 5, 2, 40, 8, 0, 0))
     assert decode_step_cpu.decode_attention(*odd, 0) is None, "D 40 applied"
-    one = list(_prompt_inputs(1, 1, 2, 32, 8, 0, 0))
+    one = list(prompt_inputs(1, 1, 2, 32, 8, 0, 0))
     assert decode_step_cpu.decode_attention(*one, 0) is None, "T 1 applied"
     half = [t.double() if t.is_floating_point() else t for t in inputs]
     assert decode_step_cpu.decode_attention(*half, 0) is None, "float64 applied"
     assert decode_step_cpu.decode_attention(*inputs, torch.tensor(0)) is None, "a tensor start applied"
     wide = [*inputs[:6], torch.zeros(2, 2, 8, 32), torch.zeros(2, 2, 8, 32), torch.ones(2, 8, dtype=torch.bool)]
     assert decode_step_cpu.decode_attention(*wide, 0) is None, "a cache of 2 rows applied to 1"
-
-
-def _rows_inputs(rows, d, seed):
-    """(rows, d) fp32 values whose rows differ in scale by powers of 10 from 1e-3 (where RMSNorm's
-    eps 1e-6 matters) to 1e3, and some beyond ±87 (where e^-|x| underflows)."""
-    gen = torch.Generator().manual_seed(seed)
-    scale = 10.0 ** torch.arange(-3, 4, dtype=torch.float32).repeat(rows // 7 + 1)[:rows, None]
-    x = torch.randn(rows, d, generator=gen) * scale
-    x[::5, ::3] = torch.empty(len(range(0, rows, 5)), len(range(0, d, 3))).uniform_(-120, 120, generator=gen)
-    return x
 
 
 @pytest.mark.parametrize("rows,d,residual", [(7, 256, True), (300, 256, True), (9, 40, False), (3, 5, True)])
@@ -689,8 +615,8 @@ def test_rms_norm_rows_matches_float64(rows, d, residual, isa):
     mean of d squares, then the add of eps, square root, reciprocal and two products), on rows
     from 1e-3 (eps matters) to 1e3, widths with and without a SIMD tail; the same bound misses a
     mean over d - 1 elements and a dropped eps (it can fail)."""
-    x = _rows_inputs(rows, d, seed=d)
-    r = _rows_inputs(rows, d, seed=d + 1) if residual else None
+    x = rows_inputs(rows, d, seed=d)
+    r = rows_inputs(rows, d, seed=d + 1) if residual else None
     w = torch.randn(d, generator=torch.Generator().manual_seed(3))
     eps = 1e-6
     got = decode_step_cpu.rms_norm(x, w, eps, r, isa=isa)
@@ -698,16 +624,13 @@ def test_rms_norm_rows_matches_float64(rows, d, residual, isa):
     out, h = got if residual else (got, x)
     if residual:
         assert torch.equal(h, x + r), f"{isa}: h != x + residual in fp32"
-    h64 = h.double()
-
-    def oracle(n: int = d, e: float = eps) -> torch.Tensor:
-        return h64 / torch.sqrt(h64.pow(2).sum(-1, keepdim=True) / n + e) * w.double()
-
-    want = oracle()
-    allowed = LAMBDA * U32 * (math.sqrt(2 * d) / 2 + 6) * want.abs()
+    want = rms_norm_oracle(h, w, eps)
+    allowed = rms_norm_bound(want)
     assert_within(f"rms_norm rows {rows}x{d}", want, out.double(), allowed, isa)
-    assert ((oracle(n=d - 1) - want).abs() > allowed).any(), "the bound cannot tell a mean over d - 1"
-    assert ((oracle(e=0.0) - want).abs() > allowed).any(), "the bound cannot tell a dropped eps"
+    assert ((rms_norm_oracle(h, w, eps, n=d - 1) - want).abs() > allowed).any(), (
+        "the bound cannot tell a mean over d - 1"
+    )
+    assert ((rms_norm_oracle(h, w, 0.0) - want).abs() > allowed).any(), "the bound cannot tell a dropped eps"
 
 
 @pytest.mark.parametrize("rows,F", [(300, 512), (5, 37), (2, 3)])
@@ -717,26 +640,20 @@ def test_silu_gate_rows_matches_float64(rows, F, isa):
     and three products; the final add) plus 1.1e-36|b| where e^-|x| underflows (|x| e^-|x| below
     it past -87.34), over inputs from 1e-3 to 1e3 and past ±87, with and without a SIMD tail; a
     sigmoid of the wrong sign lies outside the bound."""
-    up = _rows_inputs(rows, 2 * F, seed=F)
-    c = _rows_inputs(rows, F, seed=F + 1)
+    up = rows_inputs(rows, 2 * F, seed=F)
+    c = rows_inputs(rows, F, seed=F + 1)
     got = decode_step_cpu.silu_gate(up, c, isa=isa)
     assert got is not None, f"{isa}: the C++ SiLU gate did not apply"
-    a, b = up.double().chunk(2, dim=-1)
-
-    def oracle(sign: float = 1.0) -> torch.Tensor:
-        return a * torch.sigmoid(sign * a) * b + c.double()
-
-    want = oracle()
-    sb = (a * torch.sigmoid(a) * b).abs()
-    allowed = U32 * (6 * sb + 2 * want.abs()) + 1.1e-36 * b.abs()
+    want, allowed = silu_gate_oracle(up, c)
     assert_within(f"silu gate rows {rows}x{F}", want, got.double(), allowed, isa)
-    assert ((oracle(-1.0) - want).abs() > allowed).any(), "the bound cannot tell a sigmoid of the wrong sign"
+    wrong = silu_gate_oracle(up, c, sign=-1.0)[0]
+    assert ((wrong - want).abs() > allowed).any(), "the bound cannot tell a sigmoid of the wrong sign"
 
 
 def test_row_functions_batch_and_threads_bitwise(isa):
     """A row's RMSNorm and SiLU gate are bitwise the same alone and within 300 rows (two threads'
     share each), on 1 or 2 threads."""
-    x, r, up, c = (_rows_inputs(300, n, seed=n) for n in (256, 257, 1024, 512))
+    x, r, up, c = (rows_inputs(300, n, seed=n) for n in (256, 257, 1024, 512))
     x, r = x, r[:, :256].contiguous()
     w = torch.randn(256, generator=torch.Generator().manual_seed(3))
     threads = torch.get_num_threads()

@@ -6,8 +6,15 @@
 // eps, int64 count of weight slots; per weight slot then per scale slot then per cache buffer
 // (kNumState): int64 byte count (0: null) and the bytes; int64 step count; per step int64 slot and
 // B int64 tokens. Output: each step's (B, V) fp32 logits, then the cache buffers' bytes.
+//
+// `harness prompt INPUT OUTPUT` runs the prompt's functions of the same source instead:
+// wiola_decode_attention, wiola_rms_norm_rows and wiola_silu_gate_rows. Input: 8 int64 (B, T, H,
+// D, S, start, ld_b, ld_t), then the buffers q, k, v, g, cos, sin, k_cache, v_cache, key_mask;
+// int64 rows, d, float32 eps, the buffers x, residual, gamma; int64 rows, F, the buffers up, bp.
+// Output: the attention's (B, T, H, D), the caches, the RMSNorm's out and h, the SiLU gate's out.
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "wiola/fast/decode_step_cpu.cpp"
@@ -45,18 +52,56 @@ std::vector<void*> read_buffers(int64_t count, std::vector<int64_t>* sizes = nul
   return out;
 }
 
+float* floats(void* p) { return static_cast<float*>(p); }
+
+int run_prompt(const char* output) {
+  int64_t n[8];
+  read(n, sizeof(n));
+  std::vector<int64_t> sizes;
+  std::vector<void*> a = read_buffers(9, &sizes);  // q k v g cos sin k_cache v_cache key_mask
+  const int64_t B = n[0], T = n[1], H = n[2], D = n[3];
+  std::vector<float> att(B * T * H * D), scratch(wiola_decode_attention_floats(B, H, D, n[5] + T));
+  wiola_decode_attention(n, floats(a[0]), floats(a[1]), floats(a[2]), floats(a[3]), floats(a[4]), floats(a[5]),
+                         floats(a[6]), floats(a[7]), static_cast<const bool*>(a[8]), att.data(), scratch.data());
+  const int64_t rows = read_i64(), d = read_i64();
+  float eps;
+  read(&eps, sizeof(eps));
+  std::vector<void*> r = read_buffers(3);  // x residual gamma
+  std::vector<float> norm(rows * d), h(rows * d);
+  wiola_rms_norm_rows(floats(r[0]), floats(r[1]), floats(r[2]), eps, norm.data(), h.data(), rows, d);
+  const int64_t grows = read_i64(), F = read_i64();
+  std::vector<void*> s = read_buffers(2);  // up bp
+  std::vector<float> gate(grows * F);
+  wiola_silu_gate_rows(floats(s[0]), floats(s[1]), gate.data(), grows, F);
+  FILE* out = std::fopen(output, "wb");
+  if (!out) {
+    std::perror(output);
+    return 2;
+  }
+  std::fwrite(att.data(), sizeof(float), att.size(), out);
+  std::fwrite(a[6], 1, sizes[6], out);
+  std::fwrite(a[7], 1, sizes[7], out);
+  std::fwrite(norm.data(), sizeof(float), norm.size(), out);
+  std::fwrite(h.data(), sizeof(float), h.size(), out);
+  std::fwrite(gate.data(), sizeof(float), gate.size(), out);
+  return std::fclose(out) == 0 ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 3) {
-    std::fprintf(stderr, "usage: %s INPUT OUTPUT\n", argv[0]);
+  const bool prompt = argc == 4 && std::string(argv[1]) == "prompt";
+  if (argc != 3 && !prompt) {
+    std::fprintf(stderr, "usage: %s [prompt] INPUT OUTPUT\n", argv[0]);
     return 2;
   }
-  in = std::fopen(argv[1], "rb");
+  const char* input = argv[prompt ? 2 : 1];
+  in = std::fopen(input, "rb");
   if (!in) {
-    std::perror(argv[1]);
+    std::perror(input);
     return 2;
   }
+  if (prompt) return run_prompt(argv[3]);
   int64_t n[kNumDims];
   read(n, sizeof(n));
   float eps;
