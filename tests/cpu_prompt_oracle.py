@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 import torch
-from numerics import LAMBDA, U32
+from numerics import LAMBDA, U32, assert_within
 
 # (B, T, H, D, S, start, pad): T new tokens at slot `start` of an S-slot cache; row 1 is padding
 # up to slot `pad` (the last row up to pad // 2).
@@ -121,3 +121,41 @@ def silu_gate_oracle(up: torch.Tensor, c: torch.Tensor, sign: float = 1.0) -> tu
 def cached_keys_bound(want_keys: torch.Tensor) -> torch.Tensor:
     """λu·4·max|k̃| per cached key (a rotation: two products and one sum per element)."""
     return LAMBDA * U32 * 4 * want_keys.abs().amax(-1, keepdim=True)
+
+
+def check_prompt_attention(name, inputs, start, got, k_cache, v_cache, where):
+    """Asserts what the C++ prompt attention wrote for ``inputs`` (``prompt_inputs``' tuple) at
+    ``start``: ``got`` (B, T, H, D) within ``prompt_bound`` of the float64 oracle at real queries
+    and zeros at padding queries, the new slots of ``k_cache`` the rotated keys within
+    ``cached_keys_bound`` and of ``v_cache`` the values exactly. Returns ``(want, allowed, real)``
+    for further checks."""
+    q, k, v, g, cos, sin, _, _, key_mask = inputs
+    T, D = q.shape[1], q.shape[3]
+    want, want_keys, magnitude, largest, count = prompt_oracle(*inputs, start)
+    allowed = prompt_bound(D, magnitude, largest, count)
+    real = key_mask[:, start : start + T]
+    assert torch.equal(got[~real], torch.zeros_like(got[~real])), f"{name}: a padding query got non-zeros"
+    assert_within(name, want[real], got[real].double(), allowed[real], where)
+    new = slice(start, start + T)
+    assert_within(f"{name}: cached keys", want_keys, k_cache[:, :, new].double(), cached_keys_bound(want_keys), where)
+    assert torch.equal(v_cache[:, :, new], v.transpose(1, 2)), f"{name}: cached values are not the values"
+    return want, allowed, real
+
+
+def check_rms_norm(name, x, residual, w, eps, out, h, where):
+    """Asserts the C++ RMSNorm's ``h`` (bitwise fp32's ``x + residual``, or ``x`` without one) and
+    ``out`` within ``rms_norm_bound`` of the float64 oracle. Returns ``(want, allowed)``."""
+    if residual is not None:
+        assert torch.equal(h, x + residual), f"{name}: h != x + residual in fp32"
+    want = rms_norm_oracle(h, w, eps)
+    allowed = rms_norm_bound(want)
+    assert_within(name, want, out.double(), allowed, where)
+    return want, allowed
+
+
+def check_silu_gate(name, up, c, got, where):
+    """Asserts the C++ SiLU gate's ``got`` within ``silu_gate_oracle``'s bound. Returns
+    ``(want, allowed)``."""
+    want, allowed = silu_gate_oracle(up, c)
+    assert_within(name, want, got.double(), allowed, where)
+    return want, allowed
