@@ -199,8 +199,9 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"CPU decoding: {path}{f', {scheme} weights' if scheme else ''}", file=sys.stderr)
     ids, mask, rows = encode_batch(enc, prompts, model.config.vocab_size, args.num_samples, args.device)
     printer = _Printer(enc, args.stop or []) if len(rows) == 1 and not args.json else None
-    if printer is not None and not args.no_echo:
+    if printer is not None and not args.no_echo:  # shown now, not with the first whole character
         sys.stdout.write(prompts[0])
+        sys.stdout.flush()
     progress = None
     if printer is None and sys.stderr.isatty():  # a batch: a progress bar, on a terminal only
         from tqdm import tqdm
