@@ -136,16 +136,18 @@ def test_bad_input_exits_2_with_one_line(checkpoint, tmp_path, monkeypatch, caps
 
 
 def test_ctrl_c_exits_130_without_a_traceback(tmp_path):
-    """SIGINT while decoding: exit 130 and one line, no traceback. Greedy decoding of this seeded
-    model runs all 4,000 tokens without an eos (about 20 s), so the signal, sent 0.5 s after the
-    echoed prompt (flushed before decoding starts), always lands mid-generation; the streamed text
-    itself may be held back for a long time (incomplete UTF-8 characters), so it is not waited for."""
+    """SIGINT while decoding: exit 130 and one line, no traceback. The eos row of the tied
+    embedding is zero, so its logit is 0 and greedy decoding picks it only if all 299 others are
+    negative: the model runs all 4,000 tokens (about 20 s), and the signal, sent 0.5 s after the
+    echoed prompt (flushed before decoding starts), lands mid-generation. The streamed text itself
+    may be held back for a long time (incomplete UTF-8 characters), so it is not waited for."""
     folder = tmp_path / "long"
     tok = train_tokenizer(TEXTS, 300, show_progress=False)
     torch.manual_seed(0)
-    WiolaModel(
-        WiolaConfig(vocab_size=300, d_model=128, n_layers=4, n_heads=4, d_ff=256, max_seq_len=4096)
-    ).save_pretrained(folder, tok)
+    model = WiolaModel(WiolaConfig(vocab_size=300, d_model=128, n_layers=4, n_heads=4, d_ff=256, max_seq_len=4096))
+    with torch.no_grad():
+        model.embed.weight[tok.eos_token_id].zero_()
+    model.save_pretrained(folder, tok)
     proc = subprocess.Popen(
         [sys.executable, "-m", "wiola", "generate", "--checkpoint", str(folder), "--max-new-tokens", "4000",
          "--device", "cpu", "--reference", "--temperature", "0", "--prompt", "Once"],
