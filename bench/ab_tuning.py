@@ -18,7 +18,8 @@ run (``docs/SPEC.md``, "Tuning per CPU"), never a result.
 Prints each value's median and fastest step time and its speed relative to the first value, with
 the CPU's model name, the ISA variant and the binding's tuning; with ``--out``, writes
 ``ab_tuning.json`` and ``ab_tuning.png`` (the step times per value) there. A knob that is not
-one of ``KNOBS``, or a value it does not take, exits with status 2 and a message naming it.
+one of ``KNOBS``, or a value it does not take, exits with status 2 and a message naming it; where
+the C++ step cannot be built, it exits 1 saying why.
 """
 
 from __future__ import annotations
@@ -30,14 +31,17 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from wiola.config import WiolaConfig
 
 KNOBS = {"stream_head": (0, 1), "prefetch_rows": (0, 4096), "bytes_per_thread": (1, 1 << 40)}  # allowed ranges
 
 
-def _model(config, scheme: str):
+def _model(config: WiolaConfig, scheme: str) -> torch.nn.Module:
     from wiola.fast import WiolaModel as FastModel
     from wiola.fast.quantize import quantize
 
@@ -71,7 +75,7 @@ def run(
     rounds: int = 12,
     steps: int = 5,
     prompt: int = 16,
-    config=None,
+    config: WiolaConfig | None = None,
     progress: bool = False,
 ) -> dict[str, Any]:
     """Time the step under each of ``values`` of ``knob`` (see the module's text); the record."""
@@ -102,7 +106,9 @@ def run(
         step.dims[index] = v
         logits[v] = step(tok, prompt)
     differ = [v for v in values[1:] if not torch.equal(logits[v], logits[values[0]])]
-    assert not differ, f"{knob}={differ} changed the logits against {knob}={values[0]} ({_cpu()})"
+    assert not differ, (
+        f"{knob}={differ} changed the logits against {knob}={values[0]} ({_cpu()}, {decode_step_cpu.select_isa()})"
+    )
 
     step = decode_step_cpu.DecodeStepCPU(model, cache)
     chosen = int(step.dims[index])
@@ -129,7 +135,7 @@ def run(
     return {
         "cpu": _cpu(),
         "isa": step.isa,
-        "tuning": {k: v for k, v in step.tuning.items()},
+        "tuning": dict(step.tuning),
         "knob": knob,
         "chosen": chosen,
         "scheme": scheme,
@@ -158,7 +164,7 @@ def _cpu() -> str:
     return f"{decode_step_cpu.cpu_info()['model']} (family {t['family']}, model {t['model']})"
 
 
-def _tiny_config():
+def _tiny_config() -> WiolaConfig:
     import wiola
 
     return wiola.WiolaConfig(vocab_size=300, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=8)
@@ -217,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"bench.ab_tuning: error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # no C++ step on this machine (no compiler, a build error)
+        print(f"bench.ab_tuning: {exc}", file=sys.stderr)
+        return 1
     print(summary(rec))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
