@@ -45,8 +45,9 @@ def _model(config: WiolaConfig, scheme: str) -> torch.nn.Module:
     from wiola.fast import WiolaModel as FastModel
     from wiola.fast.quantize import quantize
 
-    torch.manual_seed(0)
-    model = FastModel(config).eval().requires_grad_(False)
+    with torch.random.fork_rng(devices=[]):  # seeded weights, the caller's generator left as it was
+        torch.manual_seed(0)
+        model = FastModel(config).eval().requires_grad_(False)
     return model if scheme == "fp32" else quantize(model, scheme)
 
 
@@ -78,14 +79,29 @@ def run(
     config: WiolaConfig | None = None,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """Time the step under each of ``values`` of ``knob`` (see the module's text); the record."""
+    """Time the step under each of ``values`` of ``knob`` (see the module's text); the record.
+    Leaves torch's global state (gradient mode, generator) as it found it."""
+    check(knob, values, scheme, batch, rounds, steps)
+    with torch.no_grad():
+        return _run(knob, values, scheme, batch, rounds, steps, prompt, config, progress)
+
+
+def _run(
+    knob: str,
+    values: list[int],
+    scheme: str,
+    batch: int,
+    rounds: int,
+    steps: int,
+    prompt: int,
+    config: WiolaConfig | None,
+    progress: bool,
+) -> dict[str, Any]:
     import wiola
     from wiola.fast import decode_step_cpu, step_layout
 
-    check(knob, values, scheme, batch, rounds, steps)
     if decode_step_cpu.load() is None:
         raise RuntimeError(f"the C++ step is not available here: {decode_step_cpu.BUILD_ERROR}")
-    torch.set_grad_enabled(False)
     config = config or wiola.WiolaConfig.preset("13m")
     slots = prompt + 1 + rounds * len(values) * steps
     if slots > config.max_seq_len:

@@ -29,16 +29,21 @@ def test_each_value_is_timed_with_equal_logits(knob, values, step_built, tmp_pat
     """bytes_per_thread 1 and 2^30 run the step on every thread and on one: bitwise the same."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
     try:
         rec = ab_tuning.run(knob, values, "int8", batch=2, rounds=2, steps=1, prompt=5, config=CONFIG)
     finally:
         torch.set_num_threads(threads)
+    assert torch.equal(torch.rand(1), before), "the run moved the global generator"
     assert rec["bitwise_equal"] and rec["knob"] == knob and rec["isa"] == decode_step_cpu.select_isa()
     assert "family" in rec["cpu"] and rec["chosen"] == rec["tuning"][knob]
     assert list(rec["values"]) == [str(v) for v in values]
     for r in rec["values"].values():
         assert len(r["times_us"]) == 2 and min(r["times_us"]) == r["min_us"] > 0
     assert rec["values"][str(values[0])]["speed_vs_first"] == 1.0
+    assert torch.is_grad_enabled(), "the run left gradients off for the rest of the process"
     text = ab_tuning.summary(rec)
     assert text.splitlines()[0].startswith(f"{knob} on ") and len(text.splitlines()) == 1 + len(values)
     ab_tuning.plot(rec, tmp_path / "ab.png")
