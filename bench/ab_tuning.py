@@ -117,16 +117,14 @@ def _run(
 
     logits = {}
     for v in values:  # the same step from copies of the same cache: bitwise the same logits
-        twin = copy.deepcopy(cache)
-        step = decode_step_cpu.DecodeStepCPU(model, twin)
-        step.dims[index] = v
-        logits[v] = step(tok, prompt)
+        twin = decode_step_cpu.DecodeStepCPU(model, copy.deepcopy(cache))
+        twin.dims[index] = v
+        logits[v] = twin(tok, prompt)
+    step = decode_step_cpu.DecodeStepCPU(model, cache)
     differ = [v for v in values[1:] if not torch.equal(logits[v], logits[values[0]])]
     assert not differ, (
-        f"{knob}={differ} changed the logits against {knob}={values[0]} ({_cpu()}, {decode_step_cpu.select_isa()})"
+        f"{knob}={differ} changed the logits against {knob}={values[0]} ({_cpu(step.tuning)}, {step.isa})"
     )
-
-    step = decode_step_cpu.DecodeStepCPU(model, cache)
     chosen = int(step.dims[index])
     times: dict[int, list[float]] = {v: [] for v in values}
     slot = prompt
@@ -149,7 +147,7 @@ def _run(
         bar.close()
     first = statistics.median(times[values[0]])
     return {
-        "cpu": _cpu(),
+        "cpu": _cpu(step.tuning),
         "isa": step.isa,
         "tuning": dict(step.tuning),
         "knob": knob,
@@ -172,18 +170,10 @@ def _run(
     }
 
 
-def _cpu() -> str:
-    """The CPU's model name with its vendor family and model numbers (a VM's name can be bare)."""
-    from wiola.fast import decode_step_cpu
-
-    t = decode_step_cpu.choose_tuning(_tiny_config())
-    return f"{decode_step_cpu.cpu_info()['model']} (family {t['family']}, model {t['model']})"
-
-
-def _tiny_config() -> WiolaConfig:
-    import wiola
-
-    return wiola.WiolaConfig(vocab_size=300, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=8)
+def _cpu(tuning: dict[str, Any]) -> str:
+    """The CPU's model name with its vendor family and model numbers (a VM's name can be bare), from
+    the binding's tuning record."""
+    return f"{tuning['cpu']} (family {tuning['family']}, model {tuning['model']})"
 
 
 def summary(rec: dict[str, Any]) -> str:
@@ -232,7 +222,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="folder for ab_tuning.json and ab_tuning.png")
     args = parser.parse_args(argv)
     try:
-        check(args.knob, args.values, args.scheme, args.batch, args.rounds, args.steps)
         rec = run(
             args.knob, args.values, args.scheme, args.batch, args.rounds, args.steps, progress=sys.stderr.isatty()
         )
