@@ -148,9 +148,17 @@ def test_ctrl_c_exits_130_without_a_traceback(tmp_path):
     with torch.no_grad():
         model.embed.weight[tok.eos_token_id].zero_()
     model.save_pretrained(folder, tok)
+    # A process started in the background of a shell without job control (nohup, `cmd &` in a
+    # script: how a CI runner may start the suite) inherits SIGINT ignored, and Python then installs
+    # no KeyboardInterrupt handler. The child restores Python's handler first, as at a terminal.
+    args = ["generate", "--checkpoint", str(folder), "--max-new-tokens", "4000", "--device", "cpu",
+            "--reference", "--temperature", "0", "--prompt", "Once"]  # fmt: skip
+    as_at_a_terminal = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv = ['wiola', *sys.argv[1:]]; runpy.run_module('wiola', run_name='__main__', alter_sys=True)"
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "wiola", "generate", "--checkpoint", str(folder), "--max-new-tokens", "4000",
-         "--device", "cpu", "--reference", "--temperature", "0", "--prompt", "Once"],
+        [sys.executable, "-c", as_at_a_terminal, *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "0"},
     )  # fmt: skip
     try:
