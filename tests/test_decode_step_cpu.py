@@ -41,12 +41,14 @@ from numerics import (
     cache_bound,
     left_padded_prompt,
     platform_line,
+    reference_on,
     step_beside,
 )
 
 import wiola
 import wiola.fast
 from wiola.fast import ops as fast_ops
+from wiola.fast.quantize import quantize
 
 decode_step_cpu = pytest.importorskip("wiola.fast.decode_step_cpu")
 
@@ -149,24 +151,36 @@ def test_step_matches_float64_oracle(isa):
 
 
 @torch.inference_mode()
-def test_thread_count_does_not_change_results(isa):
-    """Each output is one dot product whatever the split between threads: bitwise equal."""
-    model = _model(VARIANTS["13m-shape"])
+@pytest.mark.parametrize("scheme", ["fp32", "int8", "int4", "bf16"])
+def test_thread_count_does_not_change_results(scheme, isa, monkeypatch):
+    """Each output is one dot product whatever the split between threads (a static share each,
+    then taken over chunk by chunk by whichever thread is free): the logits of 3 rows over 3 steps
+    are bitwise equal on 1 to 4 threads (4 on fewer cores: threads are descheduled mid-share and
+    the others take their rows). One thread per byte, so that every count is used."""
+    model = wiola.fast.WiolaModel(VARIANTS["13m-shape"]).eval().requires_grad_(False)
+    model.load_state_dict(_model(VARIANTS["13m-shape"]).state_dict())
+    if scheme != "fp32":
+        quantize(model, scheme)
+    chosen = decode_step_cpu.choose_tuning
+    monkeypatch.setattr(decode_step_cpu, "choose_tuning", lambda *a, **k: chosen(*a, **k) | {"bytes_per_thread": 1})
+    prefill = reference_on(model)  # the PyTorch path on the (dequantized) weights, no kernels
     ids, mask = left_padded_prompt(model.config.vocab_size, 3, 20, 5)
     results = []
     threads = torch.get_num_threads()
     try:
-        for n in (1, 2, 3):
+        for n in (1, 2, 3, 4):
             torch.set_num_threads(n)
             cache = model.new_cache(3, 24)
-            model(ids, attention_mask=mask, cache=cache)
+            prefill(ids, attention_mask=mask, cache=cache)
             step = decode_step_cpu.DecodeStepCPU(model, cache, isa=isa)
+            assert step.quantization == (None if scheme == "fp32" else scheme)
             results.append(torch.stack([step(ids[:, t], cache.length + t) for t in range(3)]))
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2]), (
-        "logits depend on the thread count"
-    )
+    for n, got in zip((2, 3, 4), results[1:]):
+        assert torch.equal(results[0], got), (
+            f"{scheme}: logits on {n} threads differ from 1 thread's; {platform_line(isa)}"
+        )
 
 
 @pytest.mark.parametrize("knob,values", [("stream_head", (0, 1)), ("prefetch_rows", (0, 8, 32))])

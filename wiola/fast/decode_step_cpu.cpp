@@ -25,9 +25,11 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #if defined(WIOLA_ISA_AVX512) || defined(WIOLA_ISA_AVX2)
 #include <immintrin.h>
@@ -373,25 +375,107 @@ inline void prefetch_block(const char* W, int64_t row_bytes, int64_t r, int64_t 
   }
 }
 
+// Rows [r0, r1) (r0 a multiple of 4; r1 too unless it is N), prefetching up to row `limit`
+// (the end of the rows this thread expects to take next: past r1 when it goes on there).
 template <typename T>
 void gemv_rows(const T* W, const float* scale, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t B,
-               int64_t r0, int64_t r1, bool stream, int64_t ahead) {
+               int64_t r0, int64_t r1, int64_t limit, bool stream, int64_t ahead) {
   int64_t r = r0;
   for (; r + 4 <= r1; r += 4) {
-    prefetch_block(reinterpret_cast<const char*>(W), K * static_cast<int64_t>(sizeof(T)), r, r1, stream, ahead);
+    prefetch_block(reinterpret_cast<const char*>(W), K * static_cast<int64_t>(sizeof(T)), r, limit, stream, ahead);
     dot_rows<4>(W, scale, K, x, ldx, y, ldy, B, r);
   }
   for (; r < r1; ++r) dot_rows<1>(W, scale, K, x, ldx, y, ldy, B, r);
 }
 
-// This thread's share of the rows of an (N, K) product: contiguous, multiples of 4 rows.
+// ---- sharing a product's rows among the threads ----------------------------------------------
+// A product's rows go in blocks of 4. Each thread starts on a static share (contiguous, split by
+// thread index) and takes it from the front a part at a time (see claim); a thread done with its own share
+// moves half of what is left of another's into its own and goes on there. Where cores are shared
+// (a VM's neighbours, a laptop's other programs) one core often runs slower than the other for a
+// while: with a fixed split every barrier waits for the slowest share (measured on the AMD EPYC
+// VM: one thread's products 1.2-1.6x slower than the other's for whole runs). A row is computed
+// the same way whichever thread computes it, so no result depends on the split.
+struct alignas(64) Share {
+  std::atomic<uint64_t> blocks;  // the blocks still unclaimed: first << 32 | end
+};
+inline uint64_t pack_blocks(int64_t first, int64_t end) {
+  return static_cast<uint64_t>(first) << 32 | static_cast<uint64_t>(end);
+}
+
+// One step's shares: thread t's share of product p at p * nth + t, filled before the parallel
+// region (its start orders these stores before every thread's loads).
+struct Shares {
+  Share* slots = nullptr;
+  int nth = 1;
+  int64_t chunk_bytes = 16 << 10;  // claimed at a time: few claims, and a short wait at the end
+
+  void init(int64_t p, int64_t N) {
+    const int64_t blocks = (N + 3) / 4;
+    for (int t = 0; t < nth; ++t)
+      slots[p * nth + t].blocks.store(pack_blocks(blocks * t / nth, blocks * (t + 1) / nth), std::memory_order_relaxed);
+  }
+
+  // Blocks from the front of a share: a quarter of what is left, at least `most` (a chunk), so
+  // that a share takes a few claims and its last ones are short. [first, end), and the share's
+  // end when claimed (how far to prefetch); false when it is empty.
+  static bool claim(Share& s, int64_t most, int64_t& first, int64_t& end, int64_t& share_end) {
+    uint64_t v = s.blocks.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t lo = static_cast<int64_t>(v >> 32), hi = static_cast<int64_t>(v & 0xffffffffu);
+      if (lo >= hi) return false;
+      const int64_t n = std::min(hi - lo, std::max(most, (hi - lo) / 4));
+      if (s.blocks.compare_exchange_weak(v, pack_blocks(lo + n, hi), std::memory_order_acq_rel)) {
+        first = lo, end = lo + n, share_end = hi;
+        return true;
+      }
+    }
+  }
+
+  // Half of what is left of another thread's share of product p (all of it when at most a
+  // chunk is left) moved into `mine`, which is empty; false when every other share is empty.
+  bool steal(int64_t p, int tid, int64_t chunk, Share& mine) const {
+    for (int k = 1; k < nth; ++k) {
+      Share& s = slots[p * nth + (tid + k) % nth];
+      uint64_t v = s.blocks.load(std::memory_order_relaxed);
+      for (;;) {
+        const int64_t lo = static_cast<int64_t>(v >> 32), hi = static_cast<int64_t>(v & 0xffffffffu);
+        if (lo >= hi) break;
+        const int64_t n = hi - lo <= chunk ? hi - lo : (hi - lo) / 2;
+        if (s.blocks.compare_exchange_weak(v, pack_blocks(lo, hi - n), std::memory_order_acq_rel)) {
+          mine.blocks.store(pack_blocks(hi - n, hi), std::memory_order_release);
+          return true;
+        }
+      }
+    }
+    return false;
+  }
+
+  // body(r0, r1, limit) over rows of product p (N rows of row_bytes) until every share is done.
+  template <typename Body>
+  void run(int64_t p, int64_t N, int64_t row_bytes, int tid, const Body& body) const {
+    if (nth <= 1) {
+      body(0, N, N);
+      return;
+    }
+    const int64_t chunk = std::max<int64_t>(1, chunk_bytes / (4 * row_bytes));
+    Share& mine = slots[p * nth + tid];
+    int64_t first, end, share_end;
+    do {
+      while (claim(mine, chunk, first, end, share_end))
+        body(first * 4, std::min(end * 4, N), std::min(share_end * 4, N));
+    } while (steal(p, tid, chunk, mine));
+  }
+};
+
+// This thread's part of an fp32 or int8 (N, K) product, its rows shared as Shares::run shares them.
 template <typename T>
-inline void gemv_share(const T* W, const float* scale, int64_t N, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy,
-                       int64_t B, int tid, int nth, bool stream, int64_t ahead) {
-  int64_t blocks = (N + 3) / 4;
-  int64_t b0 = blocks * tid / nth, b1 = blocks * (tid + 1) / nth;
-  int64_t r0 = b0 * 4, r1 = b1 * 4 < N ? b1 * 4 : N;
-  if (r0 < r1) gemv_rows(W, scale, K, x, ldx, y, ldy, B, r0, r1, stream, ahead);
+inline void share_product(const Shares& shares, int64_t p, const T* W, const float* scale, int64_t N, int64_t K,
+                          const float* x, int64_t ldx, float* y, int64_t ldy, int64_t B, int tid, bool stream,
+                          int64_t ahead) {
+  shares.run(p, N, K * static_cast<int64_t>(sizeof(T)), tid, [&](int64_t r0, int64_t r1, int64_t limit) {
+    gemv_rows(W, scale, K, x, ldx, y, ldy, B, r0, r1, limit, stream, ahead);
+  });
 }
 
 // ---- int4: group-wise, symmetric, fp32 scales (wiola/fast/quantize.py) ----------------------------
@@ -645,39 +729,42 @@ inline void packed_rows(const uint8_t* W, const float* scale, int64_t K, const f
   for (; b < B; ++b) packed_block<P, NR, 1>(W, scale, K, xt + b * K, K, y + b * ldy, ldy, r);
 }
 
-// This thread's share of an int4 or bf16 (N, K) product, with gemv_share's split, prefetch distance
-// and non-temporal head. Each thread rearranges the x it reads into its own buffer first (B·K
-// floats, far fewer than the N·K weights).
+// This thread's part of an int4 or bf16 (N, K) product, its rows shared as Shares::run shares
+// them, with gemv_rows' prefetch and non-temporal head. Each thread rearranges the x it reads
+// into its own buffer first (B·K floats, far fewer than the N·K weights).
 template <typename P>
-inline void packed_share(const P* Wp, const float* scale, int64_t N, int64_t K, const float* x, int64_t ldx, float* y,
-                         int64_t ldy, int64_t B, int tid, int nth, bool stream, int64_t ahead) {
+inline void share_packed_product(const Shares& shares, int64_t p, const P* Wp, const float* scale, int64_t N, int64_t K,
+                          const float* x, int64_t ldx, float* y, int64_t ldy, int64_t B, int tid, bool stream,
+                          int64_t ahead) {
   const uint8_t* W = reinterpret_cast<const uint8_t*>(Wp);
-  int64_t blocks = (N + 3) / 4;
-  int64_t r = blocks * tid / nth * 4, r1 = blocks * (tid + 1) / nth * 4 < N ? blocks * (tid + 1) / nth * 4 : N;
-  if (r >= r1) return;
-  static thread_local float* xt = nullptr;
-  static thread_local int64_t xt_size = 0;
-  if (xt_size < B * K) {
-    delete[] xt;
-    xt = new float[B * K];
-    xt_size = B * K;
+  static thread_local float* buffer = nullptr;
+  static thread_local int64_t size = 0;
+  if (size < B * K) {
+    delete[] buffer;
+    buffer = new float[B * K];
+    size = B * K;
   }
+  float* const xt = buffer;  // one lookup of the thread-local, not one a block
   transpose<Packed<P>::kPer>(x, ldx, B, K, xt);
   const int64_t row_bytes = Packed<P>::row_bytes(K);
-  for (; r + 4 <= r1; r += 4) {
-    prefetch_block(reinterpret_cast<const char*>(W), row_bytes, r, r1, stream, ahead);
-    packed_rows<P, 4>(W, scale, K, xt, y, ldy, B, r);
-  }
-  for (; r < r1; ++r) packed_rows<P, 1>(W, scale, K, xt, y, ldy, B, r);
+  shares.run(p, N, row_bytes, tid, [&](int64_t r0, int64_t r1, int64_t limit) {
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) {
+      prefetch_block(reinterpret_cast<const char*>(W), row_bytes, r, limit, stream, ahead);
+      packed_rows<P, 4>(W, scale, K, xt, y, ldy, B, r);
+    }
+    for (; r < r1; ++r) packed_rows<P, 1>(W, scale, K, xt, y, ldy, B, r);
+  });
 }
-
-inline void gemv_share(const q4* W, const float* scale, int64_t N, int64_t K, const float* x, int64_t ldx, float* y,
-                       int64_t ldy, int64_t B, int tid, int nth, bool stream, int64_t ahead) {
-  packed_share(W, scale, N, K, x, ldx, y, ldy, B, tid, nth, stream, ahead);
+inline void share_product(const Shares& shares, int64_t p, const q4* W, const float* scale, int64_t N, int64_t K,
+                          const float* x, int64_t ldx, float* y, int64_t ldy, int64_t B, int tid, bool stream,
+                          int64_t ahead) {
+  share_packed_product<q4>(shares, p, W, scale, N, K, x, ldx, y, ldy, B, tid, stream, ahead);
 }
-inline void gemv_share(const bf16* W, const float* scale, int64_t N, int64_t K, const float* x, int64_t ldx, float* y,
-                       int64_t ldy, int64_t B, int tid, int nth, bool stream, int64_t ahead) {
-  packed_share(W, scale, N, K, x, ldx, y, ldy, B, tid, nth, stream, ahead);
+inline void share_product(const Shares& shares, int64_t p, const bf16* W, const float* scale, int64_t N, int64_t K,
+                          const float* x, int64_t ldx, float* y, int64_t ldy, int64_t B, int tid, bool stream,
+                          int64_t ahead) {
+  share_packed_product<bf16>(shares, p, W, scale, N, K, x, ldx, y, ldy, B, tid, stream, ahead);
 }
 
 inline void embed_row(const q4* E, const float* scale, int64_t token, int64_t d, float* out) {
@@ -800,6 +887,7 @@ struct Step {
   const float eps, sqrt_d;
   Workspace ws;
   float* logits;
+  Shares shares;
 
   Step(const int64_t* n, const void* const* w, const float* const* sc, void* const* state, int64_t b,
        const int64_t* rows_, const int64_t* tokens_, const int64_t* slots_, float eps_, float* logits_, float* work)
@@ -819,10 +907,31 @@ struct Step {
   int64_t cache_row(int64_t l, int64_t i) const { return l * R + rows[i]; }
   int64_t kv_at(int64_t l, int64_t i, int64_t hh, int64_t s) const { return ((cache_row(l, i) * H + hh) * S + s) * D; }
 
-  // This thread's share of y = x Wᵀ for every active row (W of matrix slot `slot`, N x K).
-  void product(int64_t slot, int64_t N, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int tid,
-               int nth, bool stream = false) const {
-    gemv_share(mat(slot), scales[slot], N, K, x, ldx, y, ldy, B, tid, nth, stream, ahead);
+  // This thread's part of y = x Wᵀ for every active row (W of matrix slot `slot`, N x K), the
+  // step's product number p (kProducts a layer in order, then the head; see init_shares).
+  void product(int64_t p, int64_t slot, int64_t N, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy,
+               int tid, bool stream = false) const {
+    share_product(shares, p, mat(slot), scales[slot], N, K, x, ldx, y, ldy, B, tid, stream, ahead);
+  }
+
+  // Each product's rows, in the order layer() runs them: W_q, W_k, W_v, W_o, W_up, W_bp, W_down.
+  static constexpr int kProducts = 7;
+  int64_t product_rows(int j) const { return j == 4 ? 2 * F : j == 5 ? F : d; }
+
+  // Every product's shares for nth threads, in this thread's buffer (grown, never shrunk).
+  void init_shares(int nth) {
+    static thread_local std::unique_ptr<Share[]> buffer;
+    static thread_local int64_t size = 0;
+    const int64_t need = (kProducts * L + 1) * nth;
+    if (size < need) {
+      buffer.reset(new Share[need]);
+      size = need;
+    }
+    shares.slots = buffer.get();
+    shares.nth = nth;
+    for (int64_t l = 0; l < L; ++l)
+      for (int j = 0; j < kProducts; ++j) shares.init(l * kProducts + j, product_rows(j));
+    shares.init(kProducts * L, V);
   }
 
   // The residual stream from the embedding, the rotation tables at the row's position (fp32
@@ -985,7 +1094,8 @@ struct Step {
   // One layer in the threads of the parallel region: products split by output rows, per-row
   // work split by rows, a barrier wherever the next part reads what other threads wrote.
   void layer(int64_t l, int tid, int nth) {
-    for (int j = 0; j < 3; ++j) product(at(l, kWq + j), d, d, ws.x, d, ws.qkv + j * d, 3 * d, tid, nth);
+    const int64_t first = l * kProducts;  // this layer's first product
+    for (int j = 0; j < 3; ++j) product(first + j, at(l, kWq + j), d, d, ws.x, d, ws.qkv + j * d, 3 * d, tid);
 #pragma omp barrier
     for (int64_t i = tid; i < B; i += nth) {
       gate_row(l, i);
@@ -994,16 +1104,16 @@ struct Step {
 #pragma omp barrier
     for (int64_t p = tid; p < B * H; p += nth) attention_row(l, p, p + nth < B * H ? p + nth : -1);
 #pragma omp barrier
-    product(at(l, kWo), d, d, ws.o, d, ws.qkv, 3 * d, tid, nth);
+    product(first + 3, at(l, kWo), d, d, ws.o, d, ws.qkv, 3 * d, tid);
 #pragma omp barrier
     for (int64_t i = tid; i < B; i += nth) residual_norm_row(i, ws.qkv, 3 * d, vec(at(l, kFfnNorm)));
 #pragma omp barrier
-    product(at(l, kWUp), 2 * F, d, ws.x, d, ws.up, 2 * F, tid, nth);
-    product(at(l, kWBp), F, d, ws.x, d, ws.bp, F, tid, nth);
+    product(first + 4, at(l, kWUp), 2 * F, d, ws.x, d, ws.up, 2 * F, tid);
+    product(first + 5, at(l, kWBp), F, d, ws.x, d, ws.bp, F, tid);
 #pragma omp barrier
     butterfly_share(tid, nth);
 #pragma omp barrier
-    product(at(l, kWDown), d, F, ws.up, 2 * F, ws.qkv, 3 * d, tid, nth);
+    product(first + 6, at(l, kWDown), d, F, ws.up, 2 * F, ws.qkv, 3 * d, tid);
 #pragma omp barrier
     // h'' = h' + y; x = RMSNorm(h'') with the next layer's γ (the final norm after the last).
     const float* next_gamma = l + 1 < L ? vec(at(l + 1, kAttnNorm)) : vec(kFinalNorm);
@@ -1012,7 +1122,7 @@ struct Step {
   }
 
   // The tied head, logits = x Eᵀ, streamed past the last-level cache (see gemv_rows).
-  void head(int tid, int nth) { product(kEmbed, V, d, ws.x, d, logits, V, tid, nth, stream_head); }
+  void head(int tid) { product(kProducts * L, kEmbed, V, d, ws.x, d, logits, V, tid, stream_head); }
 
   // The bytes of the matrices one step streams (each read once, whatever B).
   int64_t matrix_bytes() const {
@@ -1021,12 +1131,14 @@ struct Step {
 
   void layers_and_head(int tid, int nth) {
     for (int64_t l = 0; l < L; ++l) layer(l, tid, nth);
-    head(tid, nth);
+    head(tid);
   }
 
   void run() {
     for (int64_t i = 0; i < B; ++i) begin_row(i);
-    parallel(threads_for(matrix_bytes(), bytes_per_thread), [this](int tid, int nth) { layers_and_head(tid, nth); });
+    const int nth = threads_for(matrix_bytes(), bytes_per_thread);
+    init_shares(nth);
+    parallel(nth, [this](int tid, int nth) { layers_and_head(tid, nth); });
     for (int64_t i = 0; i < B; ++i) n_real[rows[i]] += 1;
   }
 };
