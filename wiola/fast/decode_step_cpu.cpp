@@ -408,7 +408,7 @@ inline uint64_t pack_blocks(int64_t first, int64_t end) {
 struct Shares {
   Share* slots = nullptr;
   int nth = 1;
-  int64_t chunk_bytes = 16 << 10;  // claimed at a time: few claims, and a short wait at the end
+  static constexpr int64_t kChunkBytes = 16 << 10;  // the least claimed at a time, and stolen whole
 
   void init(int64_t p, int64_t N) {
     const int64_t blocks = (N + 3) / 4;
@@ -458,7 +458,7 @@ struct Shares {
       body(0, N, N);
       return;
     }
-    const int64_t chunk = std::max<int64_t>(1, chunk_bytes / (4 * row_bytes));
+    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (4 * row_bytes));
     Share& mine = slots[p * nth + tid];
     int64_t first, end, share_end;
     do {
@@ -467,16 +467,6 @@ struct Shares {
     } while (steal(p, tid, chunk, mine));
   }
 };
-
-// This thread's part of an fp32 or int8 (N, K) product, its rows shared as Shares::run shares them.
-template <typename T>
-inline void share_product(const Shares& shares, int64_t p, const T* W, const float* scale, int64_t N, int64_t K,
-                          const float* x, int64_t ldx, float* y, int64_t ldy, int64_t B, int tid, bool stream,
-                          int64_t ahead) {
-  shares.run(p, N, K * static_cast<int64_t>(sizeof(T)), tid, [&](int64_t r0, int64_t r1, int64_t limit) {
-    gemv_rows(W, scale, K, x, ldx, y, ldy, B, r0, r1, limit, stream, ahead);
-  });
-}
 
 // ---- int4: group-wise, symmetric, fp32 scales (wiola/fast/quantize.py) ----------------------------
 // A row of K weights is K/2 bytes, weight 2j in the low nibble of byte j and 2j+1 in the high one,
@@ -729,42 +719,39 @@ inline void packed_rows(const uint8_t* W, const float* scale, int64_t K, const f
   for (; b < B; ++b) packed_block<P, NR, 1>(W, scale, K, xt + b * K, K, y + b * ldy, ldy, r);
 }
 
-// This thread's part of an int4 or bf16 (N, K) product, its rows shared as Shares::run shares
-// them, with gemv_rows' prefetch and non-temporal head. Each thread rearranges the x it reads
-// into its own buffer first (B·K floats, far fewer than the N·K weights).
-template <typename P>
-inline void share_packed_product(const Shares& shares, int64_t p, const P* Wp, const float* scale, int64_t N, int64_t K,
+// This thread's part of an (N, K) product, its rows shared as Shares::run shares them, with
+// gemv_rows' prefetch and non-temporal head. fp32 and int8 rows are read as they are; int4 and
+// bf16 rows are packed for x rearranged (transpose), which each thread does into its own buffer
+// first (B·K floats, far fewer than the N·K weights).
+template <typename T>
+inline void share_product(const Shares& shares, int64_t p, const T* W, const float* scale, int64_t N, int64_t K,
                           const float* x, int64_t ldx, float* y, int64_t ldy, int64_t B, int tid, bool stream,
                           int64_t ahead) {
-  const uint8_t* W = reinterpret_cast<const uint8_t*>(Wp);
-  static thread_local float* buffer = nullptr;
-  static thread_local int64_t size = 0;
-  if (size < B * K) {
-    delete[] buffer;
-    buffer = new float[B * K];
-    size = B * K;
-  }
-  float* const xt = buffer;  // one lookup of the thread-local, not one a block
-  transpose<Packed<P>::kPer>(x, ldx, B, K, xt);
-  const int64_t row_bytes = Packed<P>::row_bytes(K);
-  shares.run(p, N, row_bytes, tid, [&](int64_t r0, int64_t r1, int64_t limit) {
-    int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) {
-      prefetch_block(reinterpret_cast<const char*>(W), row_bytes, r, limit, stream, ahead);
-      packed_rows<P, 4>(W, scale, K, xt, y, ldy, B, r);
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, int8_t>) {
+    shares.run(p, N, K * static_cast<int64_t>(sizeof(T)), tid, [&](int64_t r0, int64_t r1, int64_t limit) {
+      gemv_rows(W, scale, K, x, ldx, y, ldy, B, r0, r1, limit, stream, ahead);
+    });
+  } else {
+    static thread_local float* buffer = nullptr;
+    static thread_local int64_t size = 0;
+    if (size < B * K) {
+      delete[] buffer;
+      buffer = new float[B * K];
+      size = B * K;
     }
-    for (; r < r1; ++r) packed_rows<P, 1>(W, scale, K, xt, y, ldy, B, r);
-  });
-}
-inline void share_product(const Shares& shares, int64_t p, const q4* W, const float* scale, int64_t N, int64_t K,
-                          const float* x, int64_t ldx, float* y, int64_t ldy, int64_t B, int tid, bool stream,
-                          int64_t ahead) {
-  share_packed_product<q4>(shares, p, W, scale, N, K, x, ldx, y, ldy, B, tid, stream, ahead);
-}
-inline void share_product(const Shares& shares, int64_t p, const bf16* W, const float* scale, int64_t N, int64_t K,
-                          const float* x, int64_t ldx, float* y, int64_t ldy, int64_t B, int tid, bool stream,
-                          int64_t ahead) {
-  share_packed_product<bf16>(shares, p, W, scale, N, K, x, ldx, y, ldy, B, tid, stream, ahead);
+    float* const xt = buffer;  // one lookup of the thread-local, not one a block
+    transpose<Packed<T>::kPer>(x, ldx, B, K, xt);
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(W);
+    const int64_t row_bytes = Packed<T>::row_bytes(K);
+    shares.run(p, N, row_bytes, tid, [&](int64_t r0, int64_t r1, int64_t limit) {
+      int64_t r = r0;
+      for (; r + 4 <= r1; r += 4) {
+        prefetch_block(reinterpret_cast<const char*>(bytes), row_bytes, r, limit, stream, ahead);
+        packed_rows<T, 4>(bytes, scale, K, xt, y, ldy, B, r);
+      }
+      for (; r < r1; ++r) packed_rows<T, 1>(bytes, scale, K, xt, y, ldy, B, r);
+    });
+  }
 }
 
 inline void embed_row(const q4* E, const float* scale, int64_t token, int64_t d, float* out) {
