@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "runtimes.json").write_text(json.dumps({"env": versions, "cpu": cpu, "rows": rows}, indent=2) + "\n")
     lines = [
         f"13m preset, random weights; {PROMPT}-token prompt fed one token a step, {NEW} greedy tokens; "
-        f"{cpu['model']}, {versions['threads']} threads; " + ", ".join(f"{k} {v}" for k, v in versions.items() if v),
+        f"{cpu['name']}, {versions['threads']} threads; " + ", ".join(f"{k} {v}" for k, v in versions.items() if v),
         "",
         "| runtime | weights | batch | tok/s | tokens identical to the oracle | file MB | export s |",
         "| --- | --- | ---: | ---: | --- | ---: | ---: |",

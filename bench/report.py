@@ -4,8 +4,9 @@
 
 Inputs are pytest-benchmark ``--benchmark-json`` files or the frame's JSON-lines files
 (``WIOLA_BENCH_JSONL``); a ``env.json`` beside a results file is read as its metadata. Runs are
-grouped by device; the latest run of each device is shown in full, older ones are linked. Every
-number printed comes from the inputs: nothing is estimated or filled in.
+grouped by machine (a GPU by its name, a CPU by its model name, family and model numbers and
+vector units, as the records name it); the latest run of each is shown in full, older ones are
+linked. Every number printed comes from the inputs: nothing is estimated or filled in.
 """
 
 from __future__ import annotations
@@ -41,6 +42,42 @@ class Run:
     @property
     def date(self) -> str:
         return str(self.meta.get("date", ""))
+
+    @property
+    def cpu(self) -> str:
+        """The CPU the records name (``cpu_label``), or "" where none does."""
+        return next((cpu_label(r) for r in self.records if r.get("cpu_model")), "")
+
+    @property
+    def machine(self) -> str:
+        """What the run's numbers belong to: the GPU's name, the CPU's label, or "cpu"."""
+        return self.device if self.device != "cpu" else self.cpu or "cpu"
+
+
+# The vector units that set a CPU's speed here (the C++ step's variants, the prompt's bf16/int8
+# units), by the flags /proc/cpuinfo lists.
+AVX512_EXTRAS = (("avx512_bf16", "BF16"), ("avx512_vnni", "VNNI"), ("avx512_fp16", "FP16"))
+VECTOR_FLAG_PREFIXES = ("avx", "fma", "amx", "f16c", "asimd", "sve", "neon")
+
+
+def vector_units(flags: str) -> str:
+    """``"AVX-512 with BF16/VNNI"``, ``"AVX2"``, ``"NEON"``… from a CPU's flags ("" when none of these)."""
+    have = set(flags.split())
+    if "avx512f" in have:
+        extras = [name for flag, name in AVX512_EXTRAS if flag in have]
+        units = "AVX-512" + (" with " + "/".join(extras) if extras else "")
+        return units + (", AMX" if "amx_tile" in have else "")
+    for flag, name in (("avx2", "AVX2"), ("sve", "SVE"), ("asimd", "NEON")):
+        if flag in have:
+            return name
+    return ""
+
+
+def cpu_label(record: dict[str, Any]) -> str:
+    """A CPU record's machine: its model name (x86's family and model numbers with it in records
+    that have them) and vector units, ``"AMD EPYC (family 25, model 17), AVX-512 with BF16/VNNI"``."""
+    units = vector_units(record.get("cpu_flags") or "")
+    return f"{record['cpu_model']}, {units}" if units else str(record["cpu_model"])
 
 
 # ---------------------------------------------------------------------------------- loading
@@ -198,15 +235,28 @@ def group_table(records: Sequence[dict[str, Any]]) -> tuple[list[str], list[list
     """Header, rows and footnotes of the table of one op group.
 
     Columns: shape, dtype, implementation, our time (and tokens/s), achieved TFLOP/s and GB/s,
-    % of the roofline floor, then one column per baseline: its time and ``ours N×`` (baseline
-    time / our time: above 1 means ours is faster).
+    % of the roofline floor, % of the read floor where a record has one (its weight bytes read once
+    a step at the rate the same run read that many bytes: ``bench/test_decode_cpu.py``), then one
+    column per baseline: its time and ``ours N×`` (baseline time / our time: above 1 means ours is
+    faster).
     """
     baselines: list[str] = []
     for r in records:
         for name in [*r.get("baselines", {}), *r.get("baselines_pending", [])]:
             if name not in baselines:
                 baselines.append(name)
-    header = ["shape", "dtype", "impl", "ours", "TFLOP/s", "GB/s", "% of floor", *baselines]
+    read = any("pct_read_floor" in r for r in records)
+    header = [
+        "shape",
+        "dtype",
+        "impl",
+        "ours",
+        "TFLOP/s",
+        "GB/s",
+        "% of floor",
+        *(["% of read floor"] * read),
+        *baselines,
+    ]
     rows, notes = [], []
     for r in records:
         timed = "time_s" in r and not r.get("quick")
@@ -219,6 +269,8 @@ def group_table(records: Sequence[dict[str, Any]]) -> tuple[list[str], list[list
             fmt_num(r["gbs"]) if timed and "gbs" in r else "—",
             fmt_pct(r["pct_floor"]) if timed and "pct_floor" in r else "—",
         ]
+        if read:
+            row.append(fmt_pct(r["pct_read_floor"]) if timed and "pct_read_floor" in r else "—")
         row += [_baseline_cell(r, _baseline(r, name), notes) for name in baselines]
         rows.append(row)
     return header, rows, notes
@@ -240,7 +292,7 @@ def _meta_lines(run: Run) -> list[str]:
         if m.get("cuda"):
             parts.append(f"CUDA {m['cuda']}")
     else:
-        cpu = f"CPU {m.get('cpu', '?')}"
+        cpu = f"CPU {run.cpu} ({m.get('cpu', '?')})" if run.cpu else f"CPU {m.get('cpu', '?')}"
         if m.get("cpu_count"):
             cpu += f", {m['cpu_count']} cores"
         if m.get("load_avg_1m") is not None:
@@ -268,12 +320,26 @@ def _meta_lines(run: Run) -> list[str]:
     return lines
 
 
-def run_section(run: Run, level: int = 3, chart_links: dict[str, str] | None = None) -> str:
-    """Markdown for one run: metadata, then one table per op group."""
+def _short_note(note: str, cpu: str) -> str | None:
+    """A record's note as the report prints it: a CPU's whole flags line cut to its vector flags;
+    None for the note naming the CPU where the run's metadata line names it (``cpu``)."""
+    if cpu and note.startswith("CPU: "):
+        return None
+    if not note.startswith("CPU flags: "):
+        return note
+    keep = [f for f in note[len("CPU flags: ") :].split() if f.startswith(VECTOR_FLAG_PREFIXES)]
+    return "CPU vector flags: " + (" ".join(keep) or "none")
+
+
+def run_section(
+    run: Run, level: int = 3, chart_links: dict[str, str] | None = None, only: Sequence[str] | None = None
+) -> str:
+    """Markdown for one run: metadata, then one table per op group (those in ``only`` if given)."""
     out = _meta_lines(run)
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in run.records:
-        groups.setdefault(group_key(r), []).append(r)
+        if only is None or group_key(r) in only:
+            groups.setdefault(group_key(r), []).append(r)
     for key, recs in groups.items():
         header, rows, notes = group_table(recs)
         out.append("")
@@ -288,7 +354,8 @@ def run_section(run: Run, level: int = 3, chart_links: dict[str, str] | None = N
             load = f", 1-minute load average {min(loads)}–{max(loads)} on the machine" if loads else ""
             threads = sorted({r["threads"] for r in cpu})
             out.append(f"\nCPU: {'/'.join(map(str, threads))} torch thread(s){load}.")
-        extra = sorted({n for r in recs for n in r.get("notes", [])})
+        shown = (_short_note(note, run.cpu) for r in recs for note in r.get("notes", []))
+        extra = sorted({note for note in shown if note})
         for n in extra:
             out.append(f"\nNote: {n}")
         if chart_links and key in chart_links:
@@ -340,8 +407,9 @@ def _timed_groups(run: Run) -> dict[str, list[dict[str, Any]]]:
     return groups
 
 
-def write_charts(run: Run, directory: str | Path) -> dict[str, Path]:
-    """One PNG bar chart per op group of ``run`` in ``directory``; returns {group: path}."""
+def write_charts(run: Run, directory: str | Path, only: Sequence[str] | None = None) -> dict[str, Path]:
+    """One PNG bar chart per op group of ``run`` (those in ``only`` if given) in ``directory``;
+    returns {group: path}."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -351,10 +419,12 @@ def write_charts(run: Run, directory: str | Path) -> dict[str, Path]:
     directory.mkdir(parents=True, exist_ok=True)
     paths = {}
     for key, recs in _timed_groups(run).items():
+        if only is not None and key not in only:
+            continue
         fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(recs) + 2), 3.6))
-        _draw(ax, f"{key} — {run.device}", recs)
+        _draw(ax, f"{key} — {run.machine}", recs)
         fig.tight_layout()
-        path = directory / f"{_slug(run.device)}_{_slug(key)}.png"
+        path = directory / f"{_slug(run.machine)}_{_slug(key)}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths[key] = path
@@ -373,7 +443,7 @@ def write_combined_chart(run: Run, path: str | Path) -> Path | None:
         return None
     fig, axes = plt.subplots(len(groups), 1, figsize=(10, 3.4 * len(groups)), squeeze=False)
     for ax, (key, recs) in zip(axes[:, 0], groups.items()):
-        _draw(ax, f"{key} — {run.device}", recs)
+        _draw(ax, f"{key} — {run.machine}", recs)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -383,44 +453,82 @@ def write_combined_chart(run: Run, path: str | Path) -> Path | None:
 
 
 # ----------------------------------------------------------------------------------- report
-def build_markdown(runs: Sequence[Run], out_path: str | Path, charts: dict[str, dict[str, Path]] | None = None) -> str:
-    """The whole ``BENCHMARKS.md``: the latest run of each device in full, the others linked."""
-    out_dir = Path(out_path).resolve().parent
-    by_device: dict[str, list[Run]] = {}
+def by_machine(runs: Sequence[Run]) -> dict[str, list[Run]]:
+    """The runs grouped by ``Run.machine``, newest first, the newest machine first (GPUs before CPUs).
+    A CPU run whose records lack the family and model numbers (recorded since 2026-12-03) joins the
+    one numbered CPU of the same name and vector units, where there is exactly one."""
+    groups: dict[str, list[Run]] = {}
     for run in runs:
-        by_device.setdefault(run.device, []).append(run)
+        groups.setdefault(run.machine, []).append(run)
+    numbered = re.compile(r" \(family [^)]*\)")
+    for label in [k for k in groups if numbered.search(k) is None]:
+        matches = [k for k in groups if k != label and numbered.sub("", k) == label]
+        if len(matches) == 1:
+            groups[matches[0]] += groups.pop(label)
+    ordered = sorted(((k, sorted(v, key=lambda r: r.date, reverse=True)) for k, v in groups.items()),
+                     key=lambda kv: kv[1][0].date, reverse=True)  # fmt: skip
+    return dict(sorted(ordered, key=lambda kv: kv[1][0].device == "cpu"))  # stable: GPUs first, each newest first
+
+
+def newest_per_group(ordered: Sequence[Run]) -> list[tuple[Run, list[str]]]:
+    """For one machine's runs, newest first: each run that is the newest to hold some op group,
+    with those groups (a run of the decoding rows alone after a run of decoding and prompt rows
+    leaves the prompt's table to the earlier run)."""
+    seen: set[str] = set()
+    out = []
+    for run in ordered:
+        keys = [k for k in dict.fromkeys(group_key(r) for r in run.records) if k not in seen]
+        if keys:
+            out.append((run, keys))
+            seen.update(keys)
+    return out
+
+
+def build_markdown(runs: Sequence[Run], out_path: str | Path, charts: dict[str, dict[str, Path]] | None = None) -> str:
+    """The whole ``BENCHMARKS.md``: for each machine, each op group from the newest run that has
+    it, the other runs linked."""
+    out_dir = Path(out_path).resolve().parent
+    groups = by_machine(runs)
     lines = [
         "# Benchmarks",
         "",
         "Generated by `python -m bench.report` from the raw results under `bench/results/`; every number",
         "below was measured by `pytest bench/` (see `bench/README.md` for how each is timed and counted).",
         "`ours N×` = baseline time / our time (above 1: ours is faster). `% of floor` = the roofline time",
-        "(from the matmul and copy ceilings measured in the same run) / the measured time.",
+        "(from the matmul and copy ceilings measured in the same run) / the measured time; `% of read",
+        "floor` = the time to read the step's weight bytes once a token, at the rate the same run read",
+        "as many bytes, / the measured time (CPU decoding).",
         "",
     ]
-    if not any(d != "cpu" for d in by_device):
+    if all(group[0].device == "cpu" for group in groups.values()):
         lines += [f"**{UNMEASURED_GPU}**", ""]
-    for device in sorted(by_device, key=lambda d: (d == "cpu", d)):
-        ordered = sorted(by_device[device], key=lambda r: r.date, reverse=True)
+    for machine, ordered in groups.items():
         latest = ordered[0]
-        title = "CPU" if device == "cpu" else f"GPU: {device}"
+        if latest.device != "cpu":
+            title = f"GPU: {machine}"
+        else:
+            title = "CPU (its model not recorded)" if machine == "cpu" else f"CPU: {machine}"
         lines += [f"## {title} — latest run", ""]
-        if device == "cpu":
+        if latest.device == "cpu":
             lines += [
                 "CPU times depend on whatever else the machine runs (the load average is given with each",
                 "table): compare implementations within one run, which share the conditions, not across runs.",
                 "",
             ]
-        links = None
-        if charts and str(latest.path) in charts:
-            links = {k: os.path.relpath(p, out_dir) for k, p in charts[str(latest.path)].items()}
-        lines.append(run_section(latest, chart_links=links))
-        lines.append("")
-        lines.append(f"Raw results: [{os.path.relpath(latest.path, out_dir)}]({os.path.relpath(latest.path, out_dir)})")
-        lines.append("")
-        if len(ordered) > 1:
+        shown = newest_per_group(ordered)
+        for run, keys in shown:
+            links = None
+            if charts and str(run.path) in charts:
+                links = {k: os.path.relpath(p, out_dir) for k, p in charts[str(run.path)].items()}
+            lines.append(run_section(run, chart_links=links, only=keys))
+            lines.append("")
+            rel = os.path.relpath(run.path, out_dir)
+            lines.append(f"Raw results: [{rel}]({rel})")
+            lines.append("")
+        earlier = [r for r in ordered if all(r is not run for run, _ in shown)]
+        if earlier:
             lines += [f"### Earlier {title} runs", ""]
-            for r in ordered[1:]:
+            for r in earlier:
                 rel = os.path.relpath(r.path, out_dir)
                 lines.append(f"- {r.date}: [{rel}]({rel}) ({len(r.records)} benchmarks)")
             lines.append("")
@@ -454,12 +562,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = [load_run(p) for p in args.results]
     charts: dict[str, dict[str, Path]] = {}
     if args.charts:
-        latest: dict[str, Run] = {}
-        for run in runs:
-            if run.device not in latest or run.date > latest[run.device].date:
-                latest[run.device] = run
-        for run in latest.values():
-            charts[str(run.path)] = write_charts(run, args.charts)
+        for group in by_machine(runs).values():
+            for run, keys in newest_per_group(group):
+                charts[str(run.path)] = write_charts(run, args.charts, only=keys)
     if args.combined_chart:
         newest = max(runs, key=lambda r: r.date)
         write_combined_chart(newest, args.combined_chart)

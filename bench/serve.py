@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     cpu = cpu_info()
-    meta = {"date": today, "cpu_model": cpu["model"], "cpu_flags": cpu["flags"], "machine": platform.machine(),
+    meta = {"date": today, "cpu_model": cpu["name"], "cpu_flags": cpu["flags"], "machine": platform.machine(),
             "cores": os.cpu_count(), "load_average_before": os.getloadavg(), "step": describe(),
             "requests": args.requests, "max_tokens": args.max_tokens, "prompt_tokens": PROMPT_TOKENS,
             "max_batch": args.max_batch, "note": args.note}  # fmt: skip

@@ -11,9 +11,10 @@ measured in the same run. Quantized rows (issue 15): ``wiola.fast`` with int8 an
 (``wiola.fast.quantize``; goals at batch 1: int8 >= 2,000 tok/s, bf16 >= 1,000), each beside the
 fp32 ``wiola.fast`` and ``wiola13m`` (both timed again in the row), greedy tokens asserted equal
 to the reference's and ``wiola13m``'s on the dequantized weights, and each with the % of its own
-floor (its cost counts the packed weights' bytes: ``roofline.weight_bytes``). Every result records the CPU's model name and flags, the variant and
-the path that decoded (``cpu_model``, ``cpu_flags``, ``cpu_isa``, ``decode_path`` in
-``extra_info``, and in its notes).
+floor (its cost counts the packed weights' bytes: ``roofline.weight_bytes``). Every result
+records the CPU's model name (with x86's family and model numbers) and flags, the variant and the
+path that decoded (``cpu_model``, ``cpu_flags``, ``cpu_isa``, ``decode_path`` in ``extra_info``,
+and in its notes).
 
 int4 (group-wise scales, ``wiola.fast.quantize``) joins int8 and bf16 in the quantized rows, with
 the int8 step timed beside it (goal at batch 1: int4 >= 1.6x int8 in the same run). Every
@@ -121,8 +122,8 @@ def _cpu_notes(isa: str | None, path: str, scheme: str | None = None) -> tuple[d
     ``WIOLA_BENCH_JSONL``)."""
     cpu = decode_step_cpu.cpu_info()
     tune = tuning(scheme)
-    info = {"cpu_model": cpu["model"], "cpu_flags": cpu["flags"], "cpu_isa": isa, "decode_path": path, "tuning": tune}
-    notes = [f"decode path: {path}", f"CPU: {cpu['model']} ({cpu['machine']})", f"CPU flags: {cpu['flags']}"]
+    info = {"cpu_model": cpu["name"], "cpu_flags": cpu["flags"], "cpu_isa": isa, "decode_path": path, "tuning": tune}
+    notes = [f"decode path: {path}", f"CPU: {cpu['name']} ({cpu['machine']})", f"CPU flags: {cpu['flags']}"]
     return info, [*notes, f"tuning: {tune}"]
 
 

@@ -132,7 +132,7 @@ def platform_line(isa: str | None = None) -> str:
     info = cpu_info()
     keep = ("avx", "fma", "amx", "f16c", "sse4", "asimd", "sve", "neon")
     flags = " ".join(f for f in info["flags"].split() if f.startswith(keep)) or "none"
-    return f"CPU {info['model']!r} ({info['machine']}), flags: {flags}; ISA variant: {isa or 'n/a'}"
+    return f"CPU {info['name']!r} ({info['machine']}), flags: {flags}; ISA variant: {isa or 'n/a'}"
 
 
 class AbsSums:

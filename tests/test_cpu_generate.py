@@ -144,7 +144,7 @@ def test_greedy_choice_equals_torch_argmax(V, isa):
     decode_step_cpu.sample_rows(lib, logits, samplers)
     want = torch.argmax(logits, dim=-1)
     assert torch.equal(samplers.token, want), (
-        f"{isa} on {decode_step_cpu.cpu_info()['model']}: greedy tokens {samplers.token.tolist()} "
+        f"{isa} on {decode_step_cpu.cpu_info()['name']}: greedy tokens {samplers.token.tolist()} "
         f"!= torch.argmax {want.tolist()}"
     )
 

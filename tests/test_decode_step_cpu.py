@@ -231,6 +231,34 @@ def test_head_prefetch_choice(vendor, family, model, llc, weight_bytes, stream, 
     )  # fmt: skip
 
 
+X86_CPUINFO = (
+    "vendor_id\t: AuthenticAMD",
+    "cpu family\t: 25",
+    "model\t\t: 17",
+    "model name\t: AMD EPYC",
+    "flags\t: avx2 fma",
+)
+
+
+@pytest.mark.parametrize(
+    "lines, vendor, numbers, flags",
+    [
+        (X86_CPUINFO, "AuthenticAMD", ("25", "17"), "avx2 fma"),  # a VM names a Zen 3 and a Zen 4 alike
+        (("processor\t: 0", "Features\t: fp asimd", "CPU part\t: 0xd0c"), "", ("", ""), "fp asimd"),  # aarch64
+    ],
+)
+def test_cpu_info_names_the_cpu(lines, vendor, numbers, flags, monkeypatch):
+    """``cpu_info`` reads the vendor, model name, family and model numbers and flags, and names the
+    CPU with its numbers where it has them (benchmark records, failure messages)."""
+    monkeypatch.setattr(decode_step_cpu, "_cpuinfo_lines", lambda: lines)
+    info = decode_step_cpu.cpu_info()
+    assert (info["vendor"], (info["family"], info["model_number"]), info["flags"]) == (vendor, numbers, flags), info
+    if numbers[0]:
+        assert info["model"] == "AMD EPYC" and info["name"] == "AMD EPYC (family 25, model 17)", info
+    else:  # no model name: the platform's processor string, without numbers
+        assert info["model"] and info["name"] == info["model"], info
+
+
 def test_bad_bindings_name_the_tensor():
     model = _model(SMALL)
     with pytest.raises(ValueError, match="weight #0 must be a contiguous torch.float32"):

@@ -96,6 +96,30 @@ def test_latest_run_shown_and_older_linked(tmp_path: Path) -> None:
     assert "- 2000-01-02T03:04:05Z: [results/2000-01-02_gpu/bench.json](results/2000-01-02_gpu/bench.json)" in md
 
 
+def test_each_table_from_the_newest_run_that_has_it(tmp_path: Path) -> None:
+    """A newer run with the decoding rows alone leaves the attention table to the older run, which
+    is then shown, not merely linked."""
+    data = json.loads(FIXTURE.read_text())
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps(data))
+    data["machine_info"]["wiola"]["date"] = "2000-02-03T00:00:00Z"
+    data["benchmarks"] = [b for b in data["benchmarks"] if b["extra_info"].get("op") == "decode"]
+    data["benchmarks"][0]["extra_info"]["time_s"] = 0.016  # 16,000 tok/s: 256 tokens
+    data["benchmarks"][0]["extra_info"]["tokens_per_s"] = 16000.0
+    new.write_text(json.dumps(data))
+    out = tmp_path / "BENCHMARKS.md"
+    report.main([str(old), str(new), "--out", str(out)])
+    md = out.read_text()
+    assert md.count("### decode greedy") == 1 and md.count("### attention fwd_bwd") == 1, md
+    _, rows = _table_rows(md, "decode greedy")
+    assert rows[0][3] == "16 ms · 16,000 tok/s", f"decode table not from the newer run: {rows}"
+    _, rows = _table_rows(md, "attention fwd_bwd")
+    assert rows[0][3] == "1.23 ms", rows
+    assert md.index("date 2000-02-03") < md.index("### decode greedy") < md.index("date 2000-01-02")
+    assert "Raw results: [new.json](new.json)" in md and "Raw results: [old.json](old.json)" in md
+    assert "Earlier" not in md  # both runs are shown
+
+
 def test_cpu_only_says_gpu_unmeasured(tmp_path: Path) -> None:
     data = json.loads(FIXTURE.read_text())
     data["machine_info"]["wiola"]["gpu"] = None
@@ -105,7 +129,7 @@ def test_cpu_only_says_gpu_unmeasured(tmp_path: Path) -> None:
     path.write_text(json.dumps(data))
     md = report.build_markdown([report.load_run(path)], tmp_path / "B.md")
     assert report.UNMEASURED_GPU in md
-    assert "## CPU — latest run" in md
+    assert "## CPU (its model not recorded) — latest run" in md  # the fixture's records name no CPU
 
 
 def test_jsonl_input_and_charts(tmp_path: Path) -> None:
@@ -148,3 +172,74 @@ def test_bad_inputs(tmp_path: Path) -> None:
 )
 def test_fmt_time(seconds: float, text: str) -> None:
     assert report.fmt_time(seconds) == text
+
+
+ZEN4_FLAGS = "fpu sse2 avx avx2 fma avx512f avx512bw avx512_bf16 avx512_vnni vaes"
+ZEN3_FLAGS = "fpu sse2 avx avx2 fma vaes"
+
+
+def _cpu_run(directory: Path, date: str, model: str, flags: str, tok_s: float, read_pct: float | None) -> Path:
+    """A CPU results file like bench/test_decode_cpu.py's: the fixture's decode record moved to a CPU."""
+    data = json.loads(FIXTURE.read_text())
+    data["machine_info"]["wiola"] = {"date": date, "gpu": None, "cpu": "x86_64", "cpu_count": 2, "torch": "t"}
+    decode = next(b for b in data["benchmarks"] if b["extra_info"].get("op") == "decode")
+    info = decode["extra_info"]
+    info.update(device="cpu", cpu_model=model, cpu_flags=flags, time_s=256 / tok_s, tokens_per_s=tok_s)
+    info["notes"] = [f"CPU flags: {flags}", f"CPU: {model} (x86_64)"]
+    if read_pct is not None:
+        info["pct_read_floor"] = read_pct
+    data["benchmarks"] = [decode]
+    directory.mkdir(parents=True)
+    path = directory / "bench.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_cpu_runs_grouped_by_machine(tmp_path: Path) -> None:
+    """Each CPU (model name, family and model numbers, vector units) gets its latest run in full; a
+    run recorded without the numbers joins the one numbered CPU of its name and units."""
+    zen4 = "AMD EPYC (family 25, model 17)"
+    new4 = _cpu_run(tmp_path / "r" / "zen4-new", "2000-03-01T00:00:00Z", zen4, ZEN4_FLAGS, 2000.0, 41.0)
+    old4 = _cpu_run(tmp_path / "r" / "zen4-old", "2000-02-01T00:00:00Z", "AMD EPYC", ZEN4_FLAGS, 1000.0, None)
+    zen3 = _cpu_run(tmp_path / "r" / "zen3", "2000-02-15T00:00:00Z", "AMD EPYC", ZEN3_FLAGS, 800.0, 55.5)
+    out = tmp_path / "BENCHMARKS.md"
+    assert report.main([str(old4), str(zen3), str(new4), "--out", str(out), "--charts", str(tmp_path / "c")]) == 0
+    md = out.read_text()
+    titles = [line for line in md.splitlines() if line.startswith("## ")]
+    assert titles == [
+        "## CPU: AMD EPYC (family 25, model 17), AVX-512 with BF16/VNNI — latest run",
+        "## CPU: AMD EPYC, AVX2 — latest run",
+    ], titles
+    assert report.UNMEASURED_GPU in md
+    header, rows = _table_rows(md, "decode greedy")  # the first table: Zen 4's newest run
+    row = dict(zip(header, rows[0]))
+    assert row["ours"] == "128 ms · 2,000 tok/s" and row["% of read floor"] == "41%", row
+    zen3_section = md[md.index("## CPU: AMD EPYC, AVX2") :]
+    header, rows = _table_rows(zen3_section, "decode greedy")
+    assert dict(zip(header, rows[0]))["% of read floor"] == "56%"  # 55.5, rounded
+    assert "- 2000-02-01T00:00:00Z: [r/zen4-old/bench.json]" in md  # listed under Zen 4, not tabulated
+    assert md.count("### decode greedy") == 2
+    assert "CPU vector flags: avx avx2 fma avx512f avx512bw avx512_bf16 avx512_vnni" in md
+    assert "vaes" not in md and "fpu" not in md  # the flags note keeps the vector units only
+    assert "Note: CPU: " not in md  # the metadata line names the CPU
+    charts = sorted(p.name for p in (tmp_path / "c").iterdir())
+    assert charts == [
+        "AMD_EPYC_AVX2_decode_greedy.png",
+        "AMD_EPYC_family_25_model_17_AVX-512_with_BF16_VNNI_decode_greedy.png",
+    ], charts
+
+
+@pytest.mark.parametrize(
+    "flags, units",
+    [
+        (ZEN4_FLAGS, "AVX-512 with BF16/VNNI"),
+        ("avx2 avx512f avx512_bf16 avx512_vnni avx512_fp16 amx_tile amx_bf16", "AVX-512 with BF16/VNNI/FP16, AMX"),
+        ("avx512f avx512bw", "AVX-512"),
+        (ZEN3_FLAGS, "AVX2"),
+        ("fp asimd asimdhp sve", "SVE"),
+        ("fp asimd", "NEON"),
+        ("fpu sse2", ""),
+    ],
+)
+def test_vector_units(flags: str, units: str) -> None:
+    assert report.vector_units(flags) == units

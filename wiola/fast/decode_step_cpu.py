@@ -133,16 +133,27 @@ def _cpuinfo_lines() -> tuple[str, ...]:
 
 
 def cpu_info() -> dict[str, str]:
-    """The CPU as the OS reports it, for benchmark records: ``machine``, ``model`` (the model
-    name in ``/proc/cpuinfo``, else the platform's processor string) and ``flags``."""
-    info = {"machine": platform.machine(), "model": "", "flags": ""}
+    """The CPU as the OS reports it, for the tuning, benchmark records and failure messages:
+    ``machine``, ``vendor`` (x86's vendor_id), ``model`` (the model name in ``/proc/cpuinfo``, else
+    the platform's processor string), ``family`` and ``model_number`` (x86's "cpu family" and
+    "model"; "" where not reported), ``name`` (the model name with those numbers: a VM may name
+    both a Zen 3 and a Zen 4 EPYC just "AMD EPYC", family 25 with model 1 or 17) and ``flags``."""
+    info = {"machine": platform.machine(), "vendor": "", "model": "", "family": "", "model_number": "", "flags": ""}
+    fields = {
+        "vendor_id": "vendor",
+        "model name": "model",
+        "cpu family": "family",
+        "model": "model_number",
+        "flags": "flags",
+        "Features": "flags",
+    }
     for line in _cpuinfo_lines():
         key, _, value = (part.strip() for part in line.partition(":"))
-        if key == "model name" and not info["model"]:
-            info["model"] = value
-        elif key in ("flags", "Features") and not info["flags"]:
-            info["flags"] = value
+        if key in fields and not info[fields[key]]:
+            info[fields[key]] = value
     info["model"] = info["model"] or platform.processor() or platform.machine()
+    numbers = [f"{what} {n}" for what, n in (("family", info["family"]), ("model", info["model_number"])) if n]
+    info["name"] = f"{info['model']} ({', '.join(numbers)})" if numbers else info["model"]
     return info
 
 
@@ -363,23 +374,18 @@ def choose_tuning(config: WiolaConfig, weight_bytes: int = 4) -> dict[str, int |
 
     Also records what it was chosen from: the CPU's vendor, family, model and cache size, and
     the thread count. No choice changes a result, only the time."""
-    info = {}
-    for line in _cpuinfo_lines():
-        key, _, value = (part.strip() for part in line.partition(":"))
-        if key in ("vendor_id", "cpu family", "model", "model name") and key not in info:
-            info[key] = value
+    cpu = cpu_info()
     llc = last_level_cache_bytes()
     V, d, L, F = config.vocab_size, config.d_model, config.n_layers, config.d_ff
     matrices = weight_bytes * (V * d + L * (4 * d * d + 3 * F * d))
     stream = llc is None or matrices > llc // 2  # half: the cache also holds the cache and activations
-    vendor, family, model = info.get("vendor_id"), info.get("cpu family", ""), info.get("model", "")
+    vendor, family, model = cpu["vendor"], cpu["family"], cpu["model_number"]
     if family.isdigit() and model.isdigit():
         stream = stream and not any(
             vendor == v and int(family) == f and int(model) in models for v, f, models in CACHED_HEAD_CPUS
         )
     return {
-        "vendor": info.get("vendor_id", platform.machine()), "family": info.get("cpu family"),
-        "model": info.get("model"), "cpu": info.get("model name", platform.processor()),
+        "vendor": vendor or platform.machine(), "family": family or None, "model": model or None, "cpu": cpu["model"],
         "last_level_cache_bytes": llc, "matrix_bytes": matrices, "threads": torch.get_num_threads(),
         "stream_head": int(stream), "prefetch_rows": PREFETCH_ROWS, "bytes_per_thread": BYTES_PER_THREAD,
     }  # fmt: skip
