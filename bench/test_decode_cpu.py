@@ -20,7 +20,8 @@ int4 (group-wise scales, ``wiola.fast.quantize``) joins int8 and bf16 in the qua
 the int8 step timed beside it (goal at batch 1: int4 >= 1.6x int8 in the same run). Every
 quantized row and the fp32 row also report the **read floor**: the time PyTorch takes to read
 a matrix of the step's weight bytes once (the faster of its matrix-vector product and a plain
-sum over the matrix; ``READERS``), measured in the same run (``read_floor``), beside the DRAM
+sum over the matrix; ``wiola.fast.speed.READERS``), measured in the same run
+(``wiola.fast.speed.read_floor``, as ``wiola bench`` does), beside the DRAM
 copy floor of ``bench.frame``; ``pct_read_floor`` is that time x the steps over the measured
 time. The prompt rows (``test_prefill_cpu``) are
 llama-bench's pp512: a 512-token prompt at batch 1 through ``wiola.fast`` in each prompt mode
@@ -44,7 +45,6 @@ Under ``--benchmark-disable`` (the CI smoke run) only 8 tokens are generated and
 from __future__ import annotations
 
 import copy
-import time
 from typing import Any
 
 import pytest
@@ -54,6 +54,7 @@ import wiola
 from bench import roofline
 from bench.hf_baseline import hf_greedy, wiola13m_like
 from wiola.fast import decode_step_cpu
+from wiola.fast.speed import decoding_only, read_floor
 
 PROMPT, NEW_TOKENS, SMOKE_TOKENS = 16, 128, 8
 PP, SMOKE_PP = 512, 32  # pp512: the prompt rows' length (the smoke run's)
@@ -125,42 +126,6 @@ def _cpu_notes(isa: str | None, path: str, scheme: str | None = None) -> tuple[d
     info = {"cpu_model": cpu["name"], "cpu_flags": cpu["flags"], "cpu_isa": isa, "decode_path": path, "tuning": tune}
     notes = [f"decode path: {path}", f"CPU: {cpu['name']} ({cpu['machine']})", f"CPU flags: {cpu['flags']}"]
     return info, [*notes, f"tuning: {tune}"]
-
-
-_READS: dict[int, tuple[torch.Tensor, torch.Tensor, dict[str, float]]] = {}  # size -> (matrix, x, best s)
-READ_REPEATS = 31  # the best of this many: a shared host's noise can slow a few reads in a row
-READERS = {
-    # PyTorch's matrix-vector product over the matrix (MKL's sgemv on x86): the step's own operation.
-    "torch.mv": lambda A, x: torch.mv(A, x),
-    # A plain reduction over the same bytes (ATen's vectorized, threaded sum): on CPUs where the
-    # BLAS's gemv is not tuned (MKL on AMD EPYC reads a 13 MB matrix at a ninth of this rate), the
-    # faster of the two is the honest floor.
-    "torch.sum": lambda A, x: A.sum(),
-}
-
-
-def read_floor(nbytes: int) -> dict[str, Any]:
-    """Seconds to read ``nbytes`` once, measured now and kept at its best: for each reader of
-    ``READERS``, the best of ``READ_REPEATS`` reads of an fp32 matrix of that many bytes (256
-    columns, like the model's rows; made once per size) on the step's own threads, the readers
-    interleaved, and the best of that and every earlier measurement of the size in this run (on a
-    shared host a read can be slowed for seconds at a time by other tenants of the cache: a floor
-    measured then would flatter every row after it). ``{"s": the fastest, "reader": its name,
-    "<reader> GB/s": each one's best rate}``."""
-    if nbytes not in _READS:
-        cols = 256
-        A = torch.randn(max(1, nbytes // 4 // cols), cols)
-        _READS[nbytes] = (A, torch.randn(cols), dict.fromkeys(READERS, float("inf")))
-        for read in READERS.values():
-            read(A, _READS[nbytes][1])
-    A, x, best = _READS[nbytes]
-    for _ in range(READ_REPEATS):
-        for name, read in READERS.items():
-            t0 = time.perf_counter()
-            read(A, x)
-            best[name] = min(best[name], time.perf_counter() - t0)
-    reader = min(best, key=best.__getitem__)
-    return {"s": best[reader], "reader": reader} | {f"{name} GB/s": A.numel() * 4 / t / 1e9 for name, t in best.items()}
 
 
 def _read_floor_pct(rec: dict, config: wiola.WiolaConfig, new: int, scheme: str | None) -> None:
@@ -357,36 +322,6 @@ def test_decode_cpu_quantized(cpu_bench, model, batch: int, scheme: str, monkeyp
 
 
 TG_SCHEMES = ["fp32", "bf16", "int8", "int4"]
-
-
-def decoding_only(fast_model, ids: torch.Tensor, new: int):
-    """llama-bench's tg: ``generate``'s greedy decoding of ``new`` tokens after the prompt, without
-    the prompt. The prompt is prefilled here, once; the callable puts the cache back as the prefill
-    left it (a copy of its buffers) and runs ``generate``'s C++ loop (``generate_loop``: ``new``
-    samples, ``new - 1`` steps), returning the tokens ``(B, new)``. None where the C++ step does
-    not apply (no compiler)."""
-    from wiola.fast import ops
-
-    B, T = ids.shape
-    with torch.inference_mode():
-        cache = fast_model.new_cache(B, T + new)
-        step = ops.cpu_decode_step(fast_model, ids[:, -1:], cache)
-        if step is None:
-            return None
-        first = fast_model(ids, cache=cache, logits_to_keep=1).logits[:, -1].contiguous()
-    saved = [(t, t.clone()) for t in step.state]
-    out = torch.empty(B, new, dtype=torch.int64)
-    finished = torch.zeros(B, dtype=torch.uint8)
-
-    def run() -> torch.Tensor:
-        with torch.inference_mode():  # the cache's buffers are inference tensors
-            for t, copy_ in saved:
-                t.copy_(copy_)
-            finished.zero_()
-            step.generate_loop(T, (0, new), out, first, finished, 0.0, None, None, None, None)
-        return out
-
-    return run
 
 
 def hf_decoding_only(hf_model, ids: torch.Tensor, new: int):

@@ -7,15 +7,13 @@ import contextlib
 import os
 import shlex
 import shutil
-import subprocess
 import sys
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from terminal import Terminal
 
 import wiola
 from wiola.tokenizer import load_tokenizer
@@ -25,42 +23,6 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed"),
 ]
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class Terminal:
-    """A tmux session of its own server (``-L``), 120 x 40, running one command."""
-
-    def __init__(self, command: str) -> None:
-        self.server = f"wiola-test-{uuid.uuid4().hex[:8]}"
-        self._tmux("new-session", "-d", "-x", "120", "-y", "40", "-s", "chat", command)
-
-    def _tmux(self, *args: str) -> str:
-        return subprocess.run(["tmux", "-L", self.server, *args], capture_output=True, text=True, timeout=20).stdout
-
-    def type(self, text: str) -> None:
-        self._tmux("send-keys", "-t", "chat", "-l", text)
-        self._tmux("send-keys", "-t", "chat", "Enter")
-
-    def key(self, key: str) -> None:
-        self._tmux("send-keys", "-t", "chat", key)
-
-    def screen(self) -> str:
-        return self._tmux("capture-pane", "-p", "-J", "-S", "-200", "-t", "chat")
-
-    def wait_for(self, predicate, what: str, timeout: float = 90.0) -> str:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            screen = self.screen()
-            if predicate(screen):
-                return screen
-            time.sleep(0.2)
-        raise AssertionError(f"waited {timeout:.0f} s for {what}; the screen:\n{self.screen()}")
-
-    def alive(self) -> bool:
-        return "chat" in self._tmux("list-sessions", "-F", "#{session_name}")
-
-    def close(self) -> None:
-        self._tmux("kill-server")
 
 
 def _checkpoint(path: Path, max_seq_len: int, d_model: int) -> Path:

@@ -3,7 +3,8 @@
 Sub-commands: ``budget`` (``wiola.cli.budget``), ``generate`` (``wiola.cli.generate``), ``train``
 (``wiola.cli.train``), ``eval`` and ``gates`` (``wiola.cli.evaluate``), ``demo`` (``wiola.cli.demo``),
 ``tokenizer train`` (``wiola.cli.tokenizer``), ``export`` (``wiola.cli.export``), ``ablate``
-(``wiola.cli.ablate``), ``finetune``, ``merge``, ``chat``, ``serve`` (each ``wiola.cli.<name>``).
+(``wiola.cli.ablate``), ``finetune``, ``merge``, ``chat``, ``serve``, ``bench`` (each
+``wiola.cli.<name>``).
 ``wiola --version`` prints the package version.
 Every handler takes the parsed arguments and returns an exit code (0 done, 2 bad input, 130
 interrupted: Ctrl-C, with a checkpoint saved where training). Bad input is one line on stderr,
@@ -17,7 +18,21 @@ import sys
 from typing import NoReturn
 
 from wiola import __version__
-from wiola.cli import ablate, budget, chat, demo, evaluate, export, finetune, generate, merge, serve, tokenizer, train
+from wiola.cli import (
+    ablate,
+    bench,
+    budget,
+    chat,
+    demo,
+    evaluate,
+    export,
+    finetune,
+    generate,
+    merge,
+    serve,
+    tokenizer,
+    train,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -31,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="wiola", description="Wiola small language model")
     parser.add_argument("--version", action="version", version=f"wiola {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (budget, generate, train, evaluate, demo, tokenizer, export, ablate, finetune, merge, chat, serve):
+    commands = (budget, generate, train, evaluate, demo, tokenizer, export, ablate, finetune, merge, chat, serve, bench)
+    for command in commands:
         command.register(sub)
     return parser
 

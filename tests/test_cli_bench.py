@@ -1,0 +1,182 @@
+"""``wiola bench`` (``wiola.cli.bench``) and ``wiola.fast.speed``: pp and tg rows per weight form,
+as JSON lines and as a table, run as a user runs them (``python -m wiola bench``); the bytes a step
+reads against ``bench/roofline.py``'s independent count; a quantized checkpoint runs in its own
+form only; bad input exits 2 with one line naming the flag. No speed is asserted: only that every
+row was measured and is consistent with itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from wiola import WiolaConfig
+from wiola.cli import main
+from wiola.fast import WiolaModel, decode_step_cpu, speed
+from wiola.fast.quantize import quantize
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # bench/ is not an installed package
+    sys.path.insert(0, str(ROOT))
+
+from terminal import Terminal  # noqa: E402
+
+from bench import roofline  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("plain_cpu")  # a plain CPU: the C++ step, not the interpreter
+
+SMALL = WiolaConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=64)
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "wiola", "bench", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env={**os.environ, "TRITON_INTERPRET": "0"},
+    )
+
+
+@pytest.fixture(scope="module")
+def step_available() -> None:
+    path = decode_step_cpu.describe()
+    if not path.startswith("C++"):
+        pytest.skip(f"the C++ step is not available here: {path}")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("bench-ckpt")
+    torch.manual_seed(0)
+    WiolaModel(SMALL).save_pretrained(folder)
+    return folder
+
+
+def test_json_rows_for_every_form(step_available, checkpoint):
+    done = _run("--checkpoint", str(checkpoint), "-p", "12", "-n", "5", "-r", "3", "--json")
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(r["weights"], r["test"]) for r in rows] == [
+        (form, test) for form in ("fp32", "bf16", "int8", "int4") for test in ("pp12", "tg5")
+    ], rows
+    cpu = decode_step_cpu.cpu_info()["name"]
+    for r in rows:
+        assert r["cpu"] == cpu and r["batch"] == 1 and r["reps"] == 3, r
+        assert r["tokens"] == (12 if r["test"] == "pp12" else 5), r
+        assert r["tok_s"] > 0 and r["seconds"] > 0, r
+        # of an odd count of reps, the median rate is the median time's
+        assert r["tok_s"] == pytest.approx(r["tokens"] / r["seconds"], rel=1e-12), r
+        if r["test"] == "tg5":  # 4 steps each reading the weights once at the measured rate
+            read_s = r["bytes"] / (r["read_floor_gbs"] * 1e9)
+            assert r["pct_read_floor"] == pytest.approx(100 * 4 * read_s / r["seconds"], rel=1e-9), r
+            assert r["read_floor_reader"] in speed.READERS
+        else:
+            assert "pct_read_floor" not in r, r
+    sizes = {r["weights"]: r["bytes"] for r in rows}
+    assert sizes["fp32"] > sizes["bf16"] > sizes["int8"] > sizes["int4"], sizes
+    assert f"CPU: {cpu}" in done.stderr
+
+
+def test_table_and_batch(step_available):
+    done = _run("--preset", "tiny", "--weights", "int8", "-p", "0", "-n", "3", "-b", "2", "-r", "1", "-t", "1")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "| model | weights | size | batch | test | t/s | % of read floor |", lines
+    assert len([line for line in lines if line.startswith("| tiny (random) | int8 |")]) == 1, lines
+    row = next(line for line in lines if line.startswith("| tiny (random)"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[3:5] == ["2", "tg3"] and cells[6].endswith("%"), cells
+    assert "1 threads" in done.stdout
+
+
+@pytest.mark.parametrize("scheme", ["fp32", "bf16", "int8", "int4"])
+def test_step_bytes_match_the_roofline_count(step_available, scheme):
+    """The bytes a binding reads (its tensors as bound) equal ``bench/roofline.py``'s count from
+    the shapes alone (matrices at their stored width, int8's row scales, int4's group scales), plus
+    the helical frequencies (``rope_freqs``, D/2 floats: a buffer, not a parameter)."""
+    torch.manual_seed(0)
+    model = WiolaModel(SMALL).eval().requires_grad_(False)
+    if scheme != "fp32":
+        quantize(model, scheme)
+    step = decode_step_cpu.DecodeStepCPU(model, model.new_cache(1, 4))
+    want = roofline.weight_bytes(SMALL, None if scheme == "fp32" else scheme) + SMALL.head_dim // 2 * 4
+    assert speed.step_bytes(step) == want, (scheme, speed.step_bytes(step), want)
+
+
+def test_decoding_only_repeats_generate(step_available):
+    """Each tg call starts again from the prefill's cache: the same tokens as ``generate``, every call."""
+    torch.manual_seed(0)
+    model = WiolaModel(SMALL).eval().requires_grad_(False)
+    ids = torch.randint(0, SMALL.vocab_size, (2, 6), generator=torch.Generator().manual_seed(3))
+    run = speed.decoding_only(model, ids, 7)
+    want = model.generate(ids, 7, temperature=0)[:, 6:]
+    assert torch.equal(run().clone(), want) and torch.equal(run(), want)
+
+
+def test_quantized_checkpoint_runs_in_its_own_form(step_available, tmp_path):
+    torch.manual_seed(0)
+    model = quantize(WiolaModel(SMALL).eval().requires_grad_(False), "int8")
+    model.save_pretrained(tmp_path)
+    done = _run("--checkpoint", str(tmp_path), "--weights", "fp32,int8", "-p", "4", "-n", "0", "-r", "1")
+    assert done.returncode == 2 and "stored int8-quantized" in done.stderr and "Traceback" not in done.stderr
+    done = _run("--checkpoint", str(tmp_path), "-p", "4", "-n", "0", "-r", "1", "--json")  # its form by default
+    assert done.returncode == 0, done.stderr
+    assert [(r["weights"], r["test"]) for r in map(json.loads, done.stdout.splitlines())] == [("int8", "pp4")]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--weights", "fp16"], "--weights 'fp16': want a comma-separated list of fp32, bf16, int8, int4"),
+        (["--weights", "int8,int8"], "names a form twice"),
+        (["-n", "1"], "-n/--new-tokens 1 decodes no step"),
+        (["-p", "0", "-n", "0"], "one of them > 0"),
+        (["-p", "-3"], "must be >= 0"),
+        (["-b", "0"], "-b/--batch must be >= 1, got 0"),
+        (["-r", "0"], "-r/--reps must be >= 1, got 0"),
+        (["-t", "0"], "-t/--threads must be >= 1, got 0"),
+        (["--preset", "tiny", "-p", "513"], "-p/--prompt-tokens = 513 is past the model's 512 positions"),
+        (["--preset", "tiny", "-n", "497"], "16 + -n/--new-tokens = 513 is past the model's 512 positions"),
+    ],
+)
+def test_bad_input_exits_2(args, message, capsys):
+    """Checked before any model is made (in-process: ``wiola.cli.main``, the command's entry point)."""
+    assert main(["bench", *args]) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("wiola bench: error: ") and message in lines[0], err
+    assert out == ""
+
+
+def test_read_floor_refuses_less_than_a_row():
+    with pytest.raises(ValueError, match="nbytes=100 must be at least 1024"):
+        speed.read_floor(100)
+    got = speed.read_floor(1 << 16, repeats=2)
+    assert got["s"] > 0 and got["reader"] in speed.READERS
+    assert set(got) == {"s", "reader", *(f"{name} GB/s" for name in speed.READERS)}
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_in_a_terminal(step_available, checkpoint):
+    """On a terminal: the progress bar while it runs (cleared after), then the CPU line, the table
+    and its legend; exit 0."""
+    cmd = [sys.executable, "-m", "wiola", "bench", "--checkpoint", str(checkpoint), "-p", "8", "-n", "4", "-r", "1000"]
+    term = Terminal(f"cd {shlex.quote(str(ROOT))} && env TRITON_INTERPRET=0 {shlex.join(cmd)}; echo EXIT=$?; sleep 30")
+    try:
+        term.wait_for(lambda s: "/8008" in s, "the progress bar (8 rows x 1,001 runs)", timeout=120)
+        screen = term.wait_for(lambda s: "EXIT=" in s, "the end of the run", timeout=240)
+    finally:
+        term.close()
+    assert "EXIT=0" in screen, screen
+    assert "CPU: " in screen and "| model | weights | size | batch | test | t/s | % of read floor |" in screen, screen
+    assert sum(line.startswith(f"| {checkpoint} |") for line in screen.splitlines()) == 8, screen
+    assert "/8008" not in screen, "the bar was left on the screen"

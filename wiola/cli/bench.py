@@ -1,0 +1,211 @@
+"""``wiola bench``: how fast a model decodes on this CPU in each weight form, as llama.cpp's
+``llama-bench`` reports it: pp<P> (a P-token prompt, the logits of its last position) and tg<N>
+(N greedy tokens after a 16-token prompt whose prefill is not timed), in tokens a second, each tg
+row beside the read floor of its weights measured in the same process (``wiola.fast.speed``).
+
+Every weight form is the same model: fp32, then ``wiola.fast.quantize``'s bf16, int8 and int4 of
+it (a quantized checkpoint runs in its own form only). Before timing, each form's tg tokens are
+checked against ``generate``'s for the same prompt: the timed loop is the one ``generate`` runs.
+A table (markdown) or one JSON object a row (``--json``) goes to stdout; the CPU, the C++ step's
+ISA variant and threads, and progress (on a terminal) go to stderr."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from wiola.cli.arguments import add_checkpoint_arguments
+
+FORMS = ("fp32", "bf16", "int8", "int4")
+TG_PROMPT = 16  # the tg rows' prompt (llama-bench's tg has none; ours decodes after one, as bench/)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from wiola.config import PRESETS
+
+    p = sub.add_parser(
+        "bench", help="CPU decoding speed of each weight form (pp512 and tg128 tokens/s, as llama-bench reports them)"
+    )
+    add_checkpoint_arguments(p, help="model folder (ours or wiola13m's), a training run folder, or a Hub id")
+    p.add_argument("--preset", default="13m", choices=sorted(PRESETS), help="random model when no checkpoint")
+    p.add_argument(
+        "--weights",
+        help=f"comma-separated weight forms ({', '.join(FORMS)}; default: all, or a quantized checkpoint's own)",
+    )
+    p.add_argument("-p", "--prompt-tokens", type=int, default=512, help="pp: the prompt's length (0: no pp row)")
+    p.add_argument("-n", "--new-tokens", type=int, default=128, help="tg: tokens decoded (0: no tg row)")
+    p.add_argument("-b", "--batch", type=int, default=1, help="rows decoded together")
+    p.add_argument("-r", "--reps", type=int, default=5, help="timed repetitions of each row (the median is shown)")
+    p.add_argument("-t", "--threads", type=int, help="torch's threads (default: torch's own choice)")
+    p.add_argument("--json", action="store_true", help="one JSON object a row instead of the table")
+    p.set_defaults(func=_bench)
+
+
+def _forms(spec: str | None, stored: str | None) -> list[str]:
+    if spec is None:
+        return [stored] if stored is not None else list(FORMS)
+    forms = [f.strip() for f in spec.split(",") if f.strip()]
+    unknown = [f for f in forms if f not in FORMS]
+    if not forms or unknown:
+        raise ValueError(f"--weights {spec!r}: want a comma-separated list of {', '.join(FORMS)}")
+    if len(set(forms)) != len(forms):
+        raise ValueError(f"--weights {spec!r} names a form twice")
+    if stored is not None and forms != [stored]:
+        raise ValueError(f"the checkpoint is stored {stored}-quantized: it runs only as --weights {stored}")
+    return forms
+
+
+def check(args: argparse.Namespace, max_len: int) -> None:
+    """``ValueError`` naming the flag for a length, batch, repetition or thread count this run cannot use."""
+    if args.prompt_tokens < 0 or args.new_tokens < 0 or (args.prompt_tokens == 0 and args.new_tokens == 0):
+        raise ValueError("-p/--prompt-tokens and -n/--new-tokens must be >= 0, and one of them > 0")
+    if args.new_tokens == 1:
+        raise ValueError("-n/--new-tokens 1 decodes no step (the first token comes from the prompt): use 0 or >= 2")
+    for flag, value in (("-b/--batch", args.batch), ("-r/--reps", args.reps)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"-t/--threads must be >= 1, got {args.threads}")
+    for what, length in (
+        ("-p/--prompt-tokens", args.prompt_tokens),
+        ("16 + -n/--new-tokens", TG_PROMPT + args.new_tokens),
+    ):
+        if length > max_len:
+            raise ValueError(f"{what} = {length} is past the model's {max_len} positions")
+
+
+def _timed(run: Any, reps: int, bar: Any) -> list[float]:
+    run()  # warm-up: first-touch of the buffers, the library's first call
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+        bar.update(1)
+    return times
+
+
+def _row(model_name: str, form: str, nbytes: int, test: str, tokens: int, times: list[float]) -> dict[str, Any]:
+    rates = [tokens / t for t in times]
+    return {
+        "model": model_name, "weights": form, "bytes": nbytes, "test": test, "tokens": tokens,
+        "tok_s": statistics.median(rates), "tok_s_stdev": statistics.stdev(rates) if len(rates) > 1 else 0.0,
+        "seconds": statistics.median(times), "reps": len(times),
+    }  # fmt: skip
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a markdown table, llama-bench's columns and the % of the read floor."""
+    lines = [
+        "| model | weights | size | batch | test | t/s | % of read floor |",
+        "| --- | --- | ---: | ---: | --- | ---: | ---: |",
+    ]
+    for r in rows:
+        pct = f"{r['pct_read_floor']:.0f}%" if "pct_read_floor" in r else "—"
+        lines.append(
+            f"| {r['model']} | {r['weights']} | {r['bytes'] / 1e6:.1f} MB | {r['batch']} | {r['test']} | "
+            f"{r['tok_s']:,.0f} ± {r['tok_s_stdev']:,.0f} | {pct} |"
+        )
+    return "\n".join(lines)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from wiola import WiolaConfig
+    from wiola.checkpoint import resolve_checkpoint
+    from wiola.fast import WiolaModel, decode_step_cpu, speed
+    from wiola.fast.quantize import quantize
+
+    if args.checkpoint:
+        base = WiolaModel.from_pretrained(resolve_checkpoint(args.checkpoint, args.revision), device="cpu")
+        model_name = args.checkpoint
+        forms = _forms(args.weights, getattr(base, "quantization", None))
+        check(args, base.config.max_seq_len)
+    else:  # checked before the model is made
+        config = WiolaConfig.preset(args.preset)
+        forms = _forms(args.weights, None)
+        check(args, config.max_seq_len)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            base = WiolaModel(config)
+        model_name = f"{args.preset} (random)"
+    base = base.eval().requires_grad_(False)
+    stored = getattr(base, "quantization", None)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    path = decode_step_cpu.describe()
+    if not path.startswith("C++"):
+        raise RuntimeError(f"the C++ CPU step is not available here, so there is nothing to time: {path}")
+    cpu = decode_step_cpu.cpu_info()
+    print(f"CPU: {cpu['name']} ({cpu['machine']}); {path}; torch {torch.__version__}", file=sys.stderr)
+
+    generator = torch.Generator().manual_seed(1)
+    V, B = base.config.vocab_size, args.batch
+    pp_ids = torch.randint(0, V, (B, args.prompt_tokens), generator=generator) if args.prompt_tokens else None
+    tg_ids = torch.randint(0, V, (B, TG_PROMPT), generator=generator)
+    tests = (args.prompt_tokens > 0) + (args.new_tokens > 0)
+    bar = _progress(len(forms) * tests * (args.reps + 1))
+    rows = []
+    try:
+        for form in forms:
+            model = base if form in ("fp32", stored) else quantize(copy.deepcopy(base), form)
+            tg = speed.decoding_only(model, tg_ids, args.new_tokens) if args.new_tokens else None
+            if args.new_tokens and tg is None:
+                raise RuntimeError(f"the C++ step does not run this model's {form} weights: {path}")
+            step = tg.step if tg is not None else decode_step_cpu.DecodeStepCPU(model, model.new_cache(B, 1))
+            nbytes = speed.step_bytes(step)
+            if pp_ids is not None:
+                bar.set_description(f"{form} pp{args.prompt_tokens}")
+                times = _timed(speed.prompt_run(model, pp_ids), args.reps, bar)
+                rows.append(_row(model_name, form, nbytes, f"pp{args.prompt_tokens}", B * args.prompt_tokens, times))
+            if tg is not None:
+                bar.set_description(f"{form} tg{args.new_tokens}")
+                want = model.generate(tg_ids, args.new_tokens, temperature=0)[:, TG_PROMPT:]
+                got = tg().clone()
+                if not torch.equal(got, want):
+                    first = (got != want).nonzero()[0].tolist()
+                    raise RuntimeError(f"{form}: the timed loop's tokens differ from generate's first at {first}")
+                row = _row(
+                    model_name, form, nbytes, f"tg{args.new_tokens}", B * args.new_tokens, _timed(tg, args.reps, bar)
+                )
+                read = speed.read_floor(nbytes)
+                row["read_floor_gbs"] = nbytes / read["s"] / 1e9
+                row["read_floor_reader"] = read["reader"]
+                row["pct_read_floor"] = 100.0 * (args.new_tokens - 1) * read["s"] / row["seconds"]
+                rows.append(row)
+    finally:
+        bar.close()
+    for r in rows:
+        r.update(batch=B, threads=torch.get_num_threads(), cpu=cpu["name"], isa=decode_step_cpu.select_isa())
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+    else:
+        print(table(rows))
+        print(
+            f"\n{cpu['name']}, {torch.get_num_threads()} threads; t/s: median of {args.reps} ± their standard "
+            "deviation; tg after a 16-token prompt, not timed; % of read floor: the tg call's steps each reading "
+            "the weights once at the best rate this process read as many bytes"
+        )
+    return 0
+
+
+class _NoBar:
+    def update(self, n: int) -> None: ...
+    def set_description(self, text: str) -> None: ...
+    def close(self) -> None: ...
+
+
+def _progress(total: int) -> Any:
+    """A tqdm bar on stderr where it is a terminal; otherwise nothing is drawn."""
+    if not sys.stderr.isatty():
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="run", file=sys.stderr, leave=False)

@@ -1,0 +1,119 @@
+"""Measuring decoding on a CPU as llama.cpp's ``llama-bench`` reports it, for ``wiola bench`` and
+``bench/test_decode_cpu.py``.
+
+- **pp<P>**: a P-token prompt through the model with a new cache, the logits of its last position
+  (what ``generate`` runs before its first step): ``prompt_run``.
+- **tg<N>**: ``generate``'s greedy decoding of N tokens after a prompt whose prefill is not timed
+  (done once; each call puts the cache back as the prefill left it and runs ``generate``'s C++
+  loop: N samples, N - 1 steps): ``decoding_only``.
+- **The read floor**: the time to read the C++ step's bytes once (``step_bytes``: its matrices as
+  stored, their scales, the norms and the gate), measured in the same process as the best of plain
+  reads of an fp32 matrix of that many bytes (``read_floor``). A step cannot take less time than
+  reading its weights once, so (N - 1) read times over a tg call's time is the share of that floor
+  it reaches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+READ_REPEATS = 31  # the best of this many: a shared host's noise can slow a few reads in a row
+READERS: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
+    # PyTorch's matrix-vector product over the matrix (MKL's sgemv on x86): the step's own operation.
+    "torch.mv": lambda A, x: torch.mv(A, x),
+    # A plain reduction over the same bytes (ATen's vectorized, threaded sum): on CPUs where the
+    # BLAS's gemv is not tuned (MKL on AMD EPYC reads a 13 MB matrix at a ninth of this rate), the
+    # faster of the two is the honest floor.
+    "torch.sum": lambda A, x: A.sum(),
+}
+_READS: dict[int, tuple[torch.Tensor, torch.Tensor, dict[str, float]]] = {}  # size -> (matrix, x, best s)
+
+
+def read_floor(nbytes: int, repeats: int = READ_REPEATS) -> dict[str, Any]:
+    """Seconds to read ``nbytes`` once, measured now and kept at its best: for each reader of
+    ``READERS``, the best of ``repeats`` reads of an fp32 matrix of that many bytes (256 columns,
+    like the model's rows; made once per size) on torch's threads, the readers interleaved, and the
+    best of that and every earlier measurement of the size in this process (on a shared host a read
+    can be slowed for seconds at a time by other tenants of the cache: a floor measured then would
+    flatter every row after it). ``{"s": the fastest, "reader": its name, "<reader> GB/s": each
+    one's best rate}``. ``ValueError`` for a size under one row (1 KiB) or ``repeats`` under 1."""
+    cols = 256
+    if nbytes < 4 * cols or repeats < 1:
+        raise ValueError(f"read_floor: nbytes={nbytes} must be at least {4 * cols} and repeats={repeats} at least 1")
+    if nbytes not in _READS:
+        A = torch.randn(nbytes // 4 // cols, cols)
+        _READS[nbytes] = (A, torch.randn(cols), dict.fromkeys(READERS, float("inf")))
+        for read in READERS.values():
+            read(A, _READS[nbytes][1])
+    A, x, best = _READS[nbytes]
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for name, read in READERS.items():
+                t0 = time.perf_counter()
+                read(A, x)
+                best[name] = min(best[name], time.perf_counter() - t0)
+    reader = min(best, key=best.__getitem__)
+    return {"s": best[reader], "reader": reader} | {f"{name} GB/s": A.numel() * 4 / t / 1e9 for name, t in best.items()}
+
+
+def step_bytes(step: Any) -> int:
+    """The bytes one step of a ``decode_step_cpu.DecodeStepCPU`` binding reads from its weights,
+    whatever the batch: every tensor it is bound to (the matrices as stored: fp32, bf16, int8 or
+    packed int4; the tied embedding once, as the head) and their scales."""
+    tensors = [*step.step_tensors, *(s for s in step.scales if s is not None)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class DecodingOnly:
+    """A tg call (``decoding_only``): ``run()`` decodes and returns the tokens ``(B, new)``; ``step``
+    is the C++ step's binding (``step_bytes(run.step)``)."""
+
+    def __init__(self, step: Any, prompt_len: int, new: int, first: torch.Tensor) -> None:
+        self.step, self.prompt_len, self.new, self.first = step, prompt_len, new, first
+        self.saved = [(t, t.clone()) for t in step.state]
+        self.out = torch.empty(first.shape[0], new, dtype=torch.int64)
+        self.finished = torch.zeros(first.shape[0], dtype=torch.uint8)
+
+    def __call__(self) -> torch.Tensor:
+        with torch.inference_mode():  # the cache's buffers are inference tensors
+            for t, copy_ in self.saved:
+                t.copy_(copy_)
+            self.finished.zero_()
+            self.step.generate_loop(
+                self.prompt_len, (0, self.new), self.out, self.first, self.finished, 0.0, None, None, None, None
+            )
+        return self.out
+
+
+def decoding_only(fast_model: torch.nn.Module, ids: torch.Tensor, new: int) -> DecodingOnly | None:
+    """llama-bench's tg: ``generate``'s greedy decoding of ``new`` tokens after the prompt ``ids``
+    (B, T), without the prompt. The prompt is prefilled here, once; each call puts the cache back
+    as the prefill left it (a copy of its buffers) and runs ``generate``'s C++ loop
+    (``generate_loop``: ``new`` samples, ``new - 1`` steps), returning the tokens ``(B, new)`` (the
+    same tensor each call). None where the C++ step does not apply (no compiler, not a CPU model)."""
+    from wiola.fast import ops
+
+    B, T = ids.shape
+    with torch.inference_mode():
+        cache = fast_model.new_cache(B, T + new)
+        step = ops.cpu_decode_step(fast_model, ids[:, -1:], cache)
+        if step is None:
+            return None
+        first = fast_model(ids, cache=cache, logits_to_keep=1).logits[:, -1].contiguous()
+    return DecodingOnly(step, T, new, first)
+
+
+def prompt_run(fast_model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """llama-bench's pp: the prompt ``ids`` (B, T) through the model with a new cache of T slots,
+    returning the logits of its last position (B, V), as ``generate`` prefills before its first step."""
+
+    def run() -> torch.Tensor:
+        with torch.inference_mode():
+            cache = fast_model.new_cache(ids.shape[0], ids.shape[1])
+            return fast_model(ids, cache=cache, logits_to_keep=1).logits[:, -1]
+
+    return run
