@@ -122,6 +122,18 @@ def test_decoding_only_repeats_generate(step_available):
     assert torch.equal(run().clone(), want) and torch.equal(run(), want)
 
 
+def test_pp_only_on_a_model_shorter_than_the_tg_prompt(step_available, tmp_path):
+    """-n 0 runs no tg row, so a model of fewer positions than its 16-token prompt still gets its pp row."""
+    torch.manual_seed(0)
+    short = WiolaConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=8)
+    WiolaModel(short).save_pretrained(tmp_path)
+    done = _run("--checkpoint", str(tmp_path), "--weights", "fp32", "-p", "8", "-n", "0", "-r", "1", "--json")
+    assert done.returncode == 0, done.stderr
+    assert [json.loads(line)["test"] for line in done.stdout.splitlines()] == ["pp8"]
+    done = _run("--checkpoint", str(tmp_path), "--weights", "fp32", "-p", "8", "-n", "2", "-r", "1")
+    assert done.returncode == 2 and "16 + -n/--new-tokens = 18 is past the model's 8 positions" in done.stderr
+
+
 def test_quantized_checkpoint_runs_in_its_own_form(step_available, tmp_path):
     torch.manual_seed(0)
     model = quantize(WiolaModel(SMALL).eval().requires_grad_(False), "int8")

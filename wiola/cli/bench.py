@@ -77,7 +77,7 @@ def check(args: argparse.Namespace, max_len: int) -> None:
         raise ValueError(f"-t/--threads must be >= 1, got {args.threads}")
     for what, length in (
         ("-p/--prompt-tokens", args.prompt_tokens),
-        ("16 + -n/--new-tokens", TG_PROMPT + args.new_tokens),
+        ("16 + -n/--new-tokens", TG_PROMPT + args.new_tokens if args.new_tokens else 0),  # no tg row: no check
     ):
         if length > max_len:
             raise ValueError(f"{what} = {length} is past the model's {max_len} positions")
