@@ -5,8 +5,9 @@
 Inputs are pytest-benchmark ``--benchmark-json`` files or the frame's JSON-lines files
 (``WIOLA_BENCH_JSONL``); a ``env.json`` beside a results file is read as its metadata. Runs are
 grouped by machine (a GPU by its name, a CPU by its model name, family and model numbers and
-vector units, as the records name it); the latest run of each is shown in full, older ones are
-linked. Every number printed comes from the inputs: nothing is estimated or filled in.
+vector units, as the records name it); for each, every table comes from the newest run that has
+it, and the other runs are linked. Every number printed comes from the inputs: nothing is
+estimated or filled in.
 """
 
 from __future__ import annotations
