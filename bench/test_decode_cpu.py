@@ -54,7 +54,7 @@ import wiola
 from bench import roofline
 from bench.hf_baseline import hf_greedy, wiola13m_like
 from wiola.fast import decode_step_cpu
-from wiola.fast.speed import decoding_only, read_floor
+from wiola.fast.speed import decoding_only, prompt_run, read_floor
 
 PROMPT, NEW_TOKENS, SMOKE_TOKENS = 16, 128, 8
 PP, SMOKE_PP = 512, 32  # pp512: the prompt rows' length (the smoke run's)
@@ -553,19 +553,12 @@ def test_prefill_cpu(cpu_bench, model, hf_model, prefill_mode: str, weights: str
         m.load_state_dict(model.state_dict())
         return m if kind == "fp32" else quantize(m, kind)
 
-    def prompt(m: Any) -> Any:
-        def run() -> torch.Tensor:
-            with torch.inference_mode():
-                return m(ids, cache=m.new_cache(1, T + 1), logits_to_keep=1).logits
-
-        return run
-
     fast = fast_model(weights)
     oracle = model
     if weights != "fp32":  # the reference on the weights the quantized model stands for
         oracle = type(model)(model.config).eval().requires_grad_(False)
         oracle.load_state_dict(fast.state_dict())
-    ours, reference = prompt(fast), prompt(oracle)
+    ours, reference = prompt_run(fast, ids), prompt_run(oracle, ids)
     got, want = ours(), reference()
     diff = float((got - want).abs().max())
     if prefill_mode == "fp32":
@@ -574,7 +567,7 @@ def test_prefill_cpu(cpu_bench, model, hf_model, prefill_mode: str, weights: str
         )
     baselines: dict[str, Any] = {"reference": reference}
     if weights != "fp32":
-        baselines["fp32"] = prompt(fast_model("fp32"))
+        baselines["fp32"] = prompt_run(fast_model("fp32"), ids)
     if isinstance(hf_model, str):
         baselines["wiola13m"] = hf_model
     else:

@@ -375,17 +375,22 @@ inline void prefetch_block(const char* W, int64_t row_bytes, int64_t r, int64_t 
   }
 }
 
-// Rows [r0, r1) (r0 a multiple of 4; r1 too unless it is N), prefetching up to row `limit`
-// (the end of the rows this thread expects to take next: past r1 when it goes on there).
-template <typename T>
-void gemv_rows(const T* W, const float* scale, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t B,
-               int64_t r0, int64_t r1, int64_t limit, bool stream, int64_t ahead) {
+// Rows [r0, r1) (r0 a multiple of 4; r1 too unless it is N) of a matrix of row_bytes-byte rows at
+// W, in blocks of 4 (rows(r, 4)) and then one at a time (rows(r, 1)), the row count a compile-time
+// constant; before each block, the block `ahead` rows on is prefetched, up to row `limit` (the end
+// of the rows this thread expects to take next: past r1 when it goes on there). A function of its
+// own for each weight type, as the product loop always was: inlined into the sharing loop, the fp32
+// step at batch 1 ran about a tenth slower on the Zen 4 VM (interleaved A/B, both slot orders).
+template <typename Rows>
+__attribute__((noinline)) void stream_rows(const void* W, int64_t row_bytes, int64_t r0, int64_t r1, int64_t limit, bool stream,
+                        int64_t ahead, const Rows& rows) {
+  const char* bytes = static_cast<const char*>(W);
   int64_t r = r0;
   for (; r + 4 <= r1; r += 4) {
-    prefetch_block(reinterpret_cast<const char*>(W), K * static_cast<int64_t>(sizeof(T)), r, limit, stream, ahead);
-    dot_rows<4>(W, scale, K, x, ldx, y, ldy, B, r);
+    prefetch_block(bytes, row_bytes, r, limit, stream, ahead);
+    rows(r, std::integral_constant<int, 4>{});
   }
-  for (; r < r1; ++r) dot_rows<1>(W, scale, K, x, ldx, y, ldy, B, r);
+  for (; r < r1; ++r) rows(r, std::integral_constant<int, 1>{});
 }
 
 // ---- sharing a product's rows among the threads ----------------------------------------------
@@ -402,6 +407,8 @@ struct alignas(64) Share {
 inline uint64_t pack_blocks(int64_t first, int64_t end) {
   return static_cast<uint64_t>(first) << 32 | static_cast<uint64_t>(end);
 }
+inline int64_t blocks_first(uint64_t v) { return static_cast<int64_t>(v >> 32); }
+inline int64_t blocks_end(uint64_t v) { return static_cast<int64_t>(v & 0xffffffffu); }
 
 // One step's shares: thread t's share of product p at p * nth + t, filled before the parallel
 // region (its start orders these stores before every thread's loads).
@@ -422,7 +429,7 @@ struct Shares {
   static bool claim(Share& s, int64_t most, int64_t& first, int64_t& end, int64_t& share_end) {
     uint64_t v = s.blocks.load(std::memory_order_relaxed);
     for (;;) {
-      const int64_t lo = static_cast<int64_t>(v >> 32), hi = static_cast<int64_t>(v & 0xffffffffu);
+      const int64_t lo = blocks_first(v), hi = blocks_end(v);
       if (lo >= hi) return false;
       const int64_t n = std::min(hi - lo, std::max(most, (hi - lo) / 4));
       if (s.blocks.compare_exchange_weak(v, pack_blocks(lo + n, hi), std::memory_order_acq_rel)) {
@@ -439,7 +446,7 @@ struct Shares {
       Share& s = slots[p * nth + (tid + k) % nth];
       uint64_t v = s.blocks.load(std::memory_order_relaxed);
       for (;;) {
-        const int64_t lo = static_cast<int64_t>(v >> 32), hi = static_cast<int64_t>(v & 0xffffffffu);
+        const int64_t lo = blocks_first(v), hi = blocks_end(v);
         if (lo >= hi) break;
         const int64_t n = hi - lo <= chunk ? hi - lo : (hi - lo) / 2;
         if (s.blocks.compare_exchange_weak(v, pack_blocks(lo, hi - n), std::memory_order_acq_rel)) {
@@ -719,8 +726,8 @@ inline void packed_rows(const uint8_t* W, const float* scale, int64_t K, const f
   for (; b < B; ++b) packed_block<P, NR, 1>(W, scale, K, xt + b * K, K, y + b * ldy, ldy, r);
 }
 
-// This thread's part of an (N, K) product, its rows shared as Shares::run shares them, with
-// gemv_rows' prefetch and non-temporal head. fp32 and int8 rows are read as they are; int4 and
+// This thread's part of an (N, K) product, its rows shared as Shares::run shares them and read
+// by stream_rows (prefetch, non-temporal head). fp32 and int8 rows are read as they are; int4 and
 // bf16 rows are packed for x rearranged (transpose), which each thread does into its own buffer
 // first (B·K floats, far fewer than the N·K weights).
 template <typename T>
@@ -728,8 +735,10 @@ inline void share_product(const Shares& shares, int64_t p, const T* W, const flo
                           const float* x, int64_t ldx, float* y, int64_t ldy, int64_t B, int tid, bool stream,
                           int64_t ahead) {
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, int8_t>) {
-    shares.run(p, N, K * static_cast<int64_t>(sizeof(T)), tid, [&](int64_t r0, int64_t r1, int64_t limit) {
-      gemv_rows(W, scale, K, x, ldx, y, ldy, B, r0, r1, limit, stream, ahead);
+    const int64_t row_bytes = K * static_cast<int64_t>(sizeof(T));
+    const auto rows = [&](int64_t r, auto nr) { dot_rows<decltype(nr)::value>(W, scale, K, x, ldx, y, ldy, B, r); };
+    shares.run(p, N, row_bytes, tid, [&](int64_t r0, int64_t r1, int64_t limit) {
+      stream_rows(W, row_bytes, r0, r1, limit, stream, ahead, rows);
     });
   } else {
     static thread_local float* buffer = nullptr;
@@ -743,13 +752,9 @@ inline void share_product(const Shares& shares, int64_t p, const T* W, const flo
     transpose<Packed<T>::kPer>(x, ldx, B, K, xt);
     const uint8_t* bytes = reinterpret_cast<const uint8_t*>(W);
     const int64_t row_bytes = Packed<T>::row_bytes(K);
+    const auto rows = [&](int64_t r, auto nr) { packed_rows<T, decltype(nr)::value>(bytes, scale, K, xt, y, ldy, B, r); };
     shares.run(p, N, row_bytes, tid, [&](int64_t r0, int64_t r1, int64_t limit) {
-      int64_t r = r0;
-      for (; r + 4 <= r1; r += 4) {
-        prefetch_block(reinterpret_cast<const char*>(bytes), row_bytes, r, limit, stream, ahead);
-        packed_rows<T, 4>(bytes, scale, K, xt, y, ldy, B, r);
-      }
-      for (; r < r1; ++r) packed_rows<T, 1>(bytes, scale, K, xt, y, ldy, B, r);
+      stream_rows(W, row_bytes, r0, r1, limit, stream, ahead, rows);
     });
   }
 }
@@ -894,16 +899,21 @@ struct Step {
   int64_t cache_row(int64_t l, int64_t i) const { return l * R + rows[i]; }
   int64_t kv_at(int64_t l, int64_t i, int64_t hh, int64_t s) const { return ((cache_row(l, i) * H + hh) * S + s) * D; }
 
-  // This thread's part of y = x Wᵀ for every active row (W of matrix slot `slot`, N x K), the
-  // step's product number p (kProducts a layer in order, then the head; see init_shares).
-  void product(int64_t p, int64_t slot, int64_t N, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy,
-               int tid, bool stream = false) const {
-    share_product(shares, p, mat(slot), scales[slot], N, K, x, ldx, y, ldy, B, tid, stream, ahead);
+  // The step's products, kProducts a layer in the order layer() runs them (W_q, W_k, W_v, W_o,
+  // W_up, W_bp, W_down), then the head; product p's output rows.
+  static constexpr int kProducts = 7;
+  int64_t product_rows(int64_t p) const {
+    if (p == kProducts * L) return V;
+    const int64_t j = p % kProducts;
+    return j == 4 ? 2 * F : j == 5 ? F : d;
   }
 
-  // Each product's rows, in the order layer() runs them: W_q, W_k, W_v, W_o, W_up, W_bp, W_down.
-  static constexpr int kProducts = 7;
-  int64_t product_rows(int j) const { return j == 4 ? 2 * F : j == 5 ? F : d; }
+  // This thread's part of y = x Wᵀ for every active row: product p (product_rows(p) x K), the
+  // matrix of slot `slot`.
+  void product(int64_t p, int64_t slot, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int tid,
+               bool stream = false) const {
+    share_product(shares, p, mat(slot), scales[slot], product_rows(p), K, x, ldx, y, ldy, B, tid, stream, ahead);
+  }
 
   // Every product's shares for nth threads, in this thread's buffer (grown, never shrunk).
   void init_shares(int nth) {
@@ -916,9 +926,7 @@ struct Step {
     }
     shares.slots = buffer.get();
     shares.nth = nth;
-    for (int64_t l = 0; l < L; ++l)
-      for (int j = 0; j < kProducts; ++j) shares.init(l * kProducts + j, product_rows(j));
-    shares.init(kProducts * L, V);
+    for (int64_t p = 0; p <= kProducts * L; ++p) shares.init(p, product_rows(p));
   }
 
   // The residual stream from the embedding, the rotation tables at the row's position (fp32
@@ -1082,7 +1090,7 @@ struct Step {
   // work split by rows, a barrier wherever the next part reads what other threads wrote.
   void layer(int64_t l, int tid, int nth) {
     const int64_t first = l * kProducts;  // this layer's first product
-    for (int j = 0; j < 3; ++j) product(first + j, at(l, kWq + j), d, d, ws.x, d, ws.qkv + j * d, 3 * d, tid);
+    for (int j = 0; j < 3; ++j) product(first + j, at(l, kWq + j), d, ws.x, d, ws.qkv + j * d, 3 * d, tid);
 #pragma omp barrier
     for (int64_t i = tid; i < B; i += nth) {
       gate_row(l, i);
@@ -1091,16 +1099,16 @@ struct Step {
 #pragma omp barrier
     for (int64_t p = tid; p < B * H; p += nth) attention_row(l, p, p + nth < B * H ? p + nth : -1);
 #pragma omp barrier
-    product(first + 3, at(l, kWo), d, d, ws.o, d, ws.qkv, 3 * d, tid);
+    product(first + 3, at(l, kWo), d, ws.o, d, ws.qkv, 3 * d, tid);
 #pragma omp barrier
     for (int64_t i = tid; i < B; i += nth) residual_norm_row(i, ws.qkv, 3 * d, vec(at(l, kFfnNorm)));
 #pragma omp barrier
-    product(first + 4, at(l, kWUp), 2 * F, d, ws.x, d, ws.up, 2 * F, tid);
-    product(first + 5, at(l, kWBp), F, d, ws.x, d, ws.bp, F, tid);
+    product(first + 4, at(l, kWUp), d, ws.x, d, ws.up, 2 * F, tid);
+    product(first + 5, at(l, kWBp), d, ws.x, d, ws.bp, F, tid);
 #pragma omp barrier
     butterfly_share(tid, nth);
 #pragma omp barrier
-    product(first + 6, at(l, kWDown), d, F, ws.up, 2 * F, ws.qkv, 3 * d, tid);
+    product(first + 6, at(l, kWDown), F, ws.up, 2 * F, ws.qkv, 3 * d, tid);
 #pragma omp barrier
     // h'' = h' + y; x = RMSNorm(h'') with the next layer's γ (the final norm after the last).
     const float* next_gamma = l + 1 < L ? vec(at(l + 1, kAttnNorm)) : vec(kFinalNorm);
@@ -1108,8 +1116,8 @@ struct Step {
 #pragma omp barrier
   }
 
-  // The tied head, logits = x Eᵀ, streamed past the last-level cache (see gemv_rows).
-  void head(int tid) { product(kProducts * L, kEmbed, V, d, ws.x, d, logits, V, tid, stream_head); }
+  // The tied head, logits = x Eᵀ, streamed past the last-level cache where chosen (see prefetch_block).
+  void head(int tid) { product(kProducts * L, kEmbed, d, ws.x, d, logits, V, tid, stream_head); }
 
   // The bytes of the matrices one step streams (each read once, whatever B).
   int64_t matrix_bytes() const {
