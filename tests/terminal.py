@@ -3,17 +3,30 @@ session of its own server, typed into and read as a person would."""
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 import time
 import uuid
+from pathlib import Path
 
 
 class Terminal:
-    """A tmux session of its own server (``-L``), 120 x 40, running one command."""
+    """A tmux session of its own server (``-L``), 120 x 40, running one command.
 
-    def __init__(self, command: str) -> None:
+    With ``record``, every byte the command writes to the terminal is also appended to that file
+    (``pipe-pane``), so a test can see what was on the screen only for a moment (a progress bar
+    that a fast run draws and clears between two looks at the pane). The command waits on a tmux
+    channel until the recording has started, so nothing it writes is missed."""
+
+    def __init__(self, command: str, record: Path | None = None) -> None:
         self.server = f"wiola-test-{uuid.uuid4().hex[:8]}"
-        self._tmux("new-session", "-d", "-x", "120", "-y", "40", "-s", "term", command)
+        if record is None:
+            self._tmux("new-session", "-d", "-x", "120", "-y", "40", "-s", "term", command)
+            return
+        gate = f"tmux -L {self.server} wait-for recording; {command}"
+        self._tmux("new-session", "-d", "-x", "120", "-y", "40", "-s", "term", gate)
+        self._tmux("pipe-pane", "-t", "term", f"cat >> {shlex.quote(str(record))}")
+        self._tmux("wait-for", "-S", "recording")
 
     def _tmux(self, *args: str) -> str:
         return subprocess.run(["tmux", "-L", self.server, *args], capture_output=True, text=True, timeout=20).stdout
