@@ -157,8 +157,10 @@ def time_cpu(
     target_s: float = 3.0,
     min_reps: int = 3,
     max_reps: int = 200,
+    between: Callable[[], Any] | None = None,
 ) -> list[float]:
-    """Per-repetition wall times in seconds of ``fn(*input_sets[i % n])`` on the CPU (one warm-up call)."""
+    """Per-repetition wall times in seconds of ``fn(*input_sets[i % n])`` on the CPU (one warm-up
+    call); ``between()``, untimed, after each timed call (a floor read at the same moments)."""
     n = len(input_sets)
     t0 = time.perf_counter()
     fn(*input_sets[0])
@@ -170,6 +172,8 @@ def time_cpu(
         t0 = time.perf_counter()
         fn(*args)
         times.append(time.perf_counter() - t0)
+        if between is not None:
+            between()
     return times
 
 
@@ -443,10 +447,12 @@ class Bench:
         """True under ``--benchmark-disable``: a smoke run, where benchmarks may shrink their work."""
         return bool(getattr(self.benchmark, "disabled", False))
 
-    def _time(self, fn: Callable[..., Any], sets: Sequence[tuple]) -> list[float]:
+    def _time(
+        self, fn: Callable[..., Any], sets: Sequence[tuple], between: Callable[[], Any] | None = None
+    ) -> list[float]:
         if self.device == "cuda":
             return time_cuda(fn, sets)
-        return time_cpu(fn, sets)
+        return time_cpu(fn, sets, between=between)
 
     def _peak_mem(self, fn: Callable[..., Any], args: tuple) -> int | None:
         if self.device != "cuda":
@@ -491,6 +497,7 @@ class Bench:
         tokens: int | None = None,
         notes: Sequence[str] = (),
         info: Mapping[str, Any] | None = None,
+        between: Callable[[], Any] | None = None,
     ) -> dict[str, Any]:
         """Time ``fn`` and every baseline on the same fresh inputs; fill ``benchmark.extra_info``.
 
@@ -512,6 +519,8 @@ class Bench:
             notes: free-text remarks stored with the result.
             info: further facts stored with the result under ``"info"`` (JSON-serialisable), e.g.
                 how far two implementations' greedy tokens agree.
+            between: on the CPU, called untimed after each timed call of ``fn`` (not of the
+                baselines): a floor measured at the same moments of a shared machine as ``fn``.
 
         Our result is appended to ``WIOLA_BENCH_JSONL`` as soon as it is measured, before any
         baseline runs, and again after each baseline (same ``record_id``; ``baselines_pending``
@@ -561,7 +570,7 @@ class Bench:
             self.record = rec
             return rec
 
-        times = self._time(fn, sets)
+        times = self._time(fn, sets, between)
         t = _median(times)
         rec.update(self._metrics(t, cost, tokens))
         rec["time_iqr_s"] = _iqr(times)

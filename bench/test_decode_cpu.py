@@ -20,8 +20,8 @@ int4 (group-wise scales, ``wiola.fast.quantize``) joins int8 and bf16 in the qua
 the int8 step timed beside it (goal at batch 1: int4 >= 1.6x int8 in the same run). Every
 quantized row and the fp32 row also report the **read floor**: the time PyTorch takes to read
 a matrix of the step's weight bytes once (the faster of its matrix-vector product and a plain
-sum over the matrix; ``wiola.fast.speed.READERS``), measured in the same run
-(``wiola.fast.speed.read_floor``, as ``wiola bench`` does), beside the DRAM
+sum over the matrix; ``wiola.fast.speed.READERS``), measured in the same run and read between
+the timed calls (``wiola.fast.speed.read_floor``, as ``wiola bench`` does), beside the DRAM
 copy floor of ``bench.frame``; ``pct_read_floor`` is that time x the steps over the measured
 time. The prompt rows (``test_prefill_cpu``) are
 llama-bench's pp512: a 512-token prompt at batch 1 through ``wiola.fast`` in each prompt mode
@@ -54,7 +54,7 @@ import wiola
 from bench import roofline
 from bench.hf_baseline import hf_greedy, wiola13m_like
 from wiola.fast import decode_step_cpu
-from wiola.fast.speed import decoding_only, prompt_run, read_floor
+from wiola.fast.speed import READS_BETWEEN, decoding_only, prompt_run, read_floor
 
 PROMPT, NEW_TOKENS, SMOKE_TOKENS = 16, 128, 8
 PP, SMOKE_PP = 512, 32  # pp512: the prompt rows' length (the smoke run's)
@@ -128,9 +128,17 @@ def _cpu_notes(isa: str | None, path: str, scheme: str | None = None) -> tuple[d
     return info, [*notes, f"tuning: {tune}"]
 
 
+def _floor_reads(config: wiola.WiolaConfig, scheme: str | None) -> Any:
+    """Reads of the step's weight bytes for ``Bench.run``'s ``between``: ``READS_BETWEEN`` after each
+    timed call, so that the floor is read at the same moments of a shared machine as the step."""
+    nbytes = roofline.weight_bytes(config, scheme)
+    return lambda: read_floor(nbytes, READS_BETWEEN)
+
+
 def _read_floor_pct(rec: dict, config: wiola.WiolaConfig, new: int, scheme: str | None) -> None:
     """``rec['pct_read_floor']``: (new − 1) steps each reading the step's weight bytes once at the
-    measured read rate, over the measured time (the prompt's cost left in the time: a lower bound)."""
+    measured read rate (the best of this process's reads of that size, those between the timed calls
+    included), over the measured time (the prompt's cost left in the time: a lower bound)."""
     nbytes = roofline.weight_bytes(config, scheme)
     read = read_floor(nbytes)
     t_read = read["s"]
@@ -160,6 +168,7 @@ def _record(
         tokens=batch * new,
         baselines=baselines,
         notes=notes + cpu[1],
+        between=_floor_reads(config, scheme),
     )
     cpu_bench.benchmark.extra_info.update(cpu[0])
     rec.update(cpu[0])
@@ -409,6 +418,7 @@ def test_tg128_cpu(cpu_bench, model, hf_model, batch: int, scheme: str, monkeypa
             f"after a {PROMPT}-token prompt whose prefill is not timed; tokens identical to generate's",
             *cpu[1],
         ],
+        between=_floor_reads(model.config, None if scheme == "fp32" else scheme),
     )
     cpu_bench.benchmark.extra_info.update(cpu[0])
     rec.update(cpu[0])

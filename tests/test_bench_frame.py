@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,24 @@ def test_run_smoke_mode_calls_each_once() -> None:
                     baselines={"ref": counted("ref")})  # fmt: skip
     assert calls == {"ours": 1, "ref": 1}
     assert rec["quick"] and "time_s" not in rec and rec["baselines"]["ref"] == {"ran": True}
+
+
+def test_between_runs_after_each_timed_call_of_ours_only_and_is_not_timed() -> None:
+    """``between`` (a floor read at the same moments as the step) runs untimed after each timed call
+    of ours, never around the warm-up or a baseline."""
+    log: list[str] = []
+
+    def between():
+        log.append("between")
+        time.sleep(0.005)  # were it timed, every rep would take at least this long
+
+    bench = frame.Bench(FakeBenchmark(), "cpu", None)
+    rec = bench.run(lambda: log.append("ours"), op="x", cost=Cost(1, 1), shape={"N": 1}, dtype="float32",
+                    baselines={"ref": lambda: log.append("ref")}, between=between)  # fmt: skip
+    mine = log[: log.index("ref")]
+    assert mine[0] == "ours" and mine[1:] == ["ours", "between"] * rec["reps"], mine
+    assert "between" not in log[log.index("ref") :]
+    assert rec["time_s"] < 0.005, rec["time_s"]
 
 
 def test_our_errors_propagate() -> None:

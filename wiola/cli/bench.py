@@ -26,7 +26,6 @@ from wiola.cli.arguments import add_checkpoint_arguments
 
 FORMS = ("fp32", "bf16", "int8", "int4")
 TG_PROMPT = 16  # the tg rows' prompt (llama-bench's tg has none; ours decodes after one, as bench/)
-READS_BETWEEN = 7  # reads of the floor (each reader) after each timed tg call
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -178,7 +177,7 @@ def _bench(args: argparse.Namespace) -> int:
                     raise RuntimeError(f"{form}: the timed loop's tokens differ from generate's first at {first}")
                 # The floor's reads between the timed calls, so that both see the same moments of a
                 # shared machine; the floor is the best read of them all.
-                times = _timed(tg, args.reps, bar, lambda n=nbytes: speed.read_floor(n, READS_BETWEEN))
+                times = _timed(tg, args.reps, bar, lambda n=nbytes: speed.read_floor(n, speed.READS_BETWEEN))
                 row = _row(model_name, form, nbytes, f"tg{args.new_tokens}", B * args.new_tokens, times)
                 read = speed.read_floor(nbytes, 1)
                 row["read_floor_gbs"] = nbytes / read["s"] / 1e9

@@ -10,7 +10,8 @@
   stored, their scales, the norms and the gate), measured in the same process as the best of plain
   reads of an fp32 matrix of that many bytes (``read_floor``). A step cannot take less time than
   reading its weights once, so (N - 1) read times over a tg call's time is the share of that floor
-  it reaches.
+  it reaches. Both ``wiola bench`` and the benchmark suite read it between the timed calls
+  (``READS_BETWEEN`` reads after each).
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from typing import Any
 import torch
 
 READ_REPEATS = 31  # the best of this many: a shared host's noise can slow a few reads in a row
+# Reads of the floor (each reader) after each timed tg call, so that the floor and the step see the
+# same moments of a shared machine (a floor read only before or after the runs can meet a quieter or
+# a busier cache than the runs did).
+READS_BETWEEN = 7
 READERS: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
     # PyTorch's matrix-vector product over the matrix (MKL's sgemv on x86): the step's own operation.
     "torch.mv": lambda A, x: torch.mv(A, x),
