@@ -7,3 +7,33 @@ The conventions every kernel module follows (launch configs, the interpreter rul
 allocation, input checks) are in ``_utils``; the ahead-of-time builds in ``aot/``. Attention keeps
 its Triton code (``attention_triton``) apart from its launchers and op (``attention``).
 """
+
+if __name__ == "kernels":
+    # This folder is the `wiola_kernels` package (docs/SPEC.md, "Package names"). Imported as
+    # `kernels`, it was found through a checkout's root on sys.path (pytest's `pythonpath`,
+    # `python -m wiola` run from the root) by code that wants Hugging Face's `kernels` (transformers
+    # imports it). A module may replace itself in sys.modules while it is imported: this one hands
+    # over Hugging Face's package where it is installed, and otherwise an empty namespace package,
+    # what Python gives for a folder on sys.path that is not a package (transformers then finds no
+    # `kernels` installed: no file, no version).
+    import importlib.machinery as _machinery
+    import importlib.util as _util
+    import os as _os
+    import sys as _sys
+
+    _here = _os.path.dirname(_os.path.abspath(__file__))
+    _path = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _os.path.dirname(_here)]
+    _spec = None
+    for _finder in _sys.meta_path:  # an editable install's finder, then sys.path without the root
+        _find = getattr(_finder, "find_spec", None)
+        _spec = _find("kernels", _path if _finder is _machinery.PathFinder else None) if _find else None
+        if _spec is not None and _spec.loader is not None and _spec.origin != __spec__.origin:
+            break
+        _spec = None
+    if _spec is None:
+        _spec = _machinery.ModuleSpec("kernels", None, is_package=True)
+        _spec.submodule_search_locations = []
+    _module = _util.module_from_spec(_spec)
+    _sys.modules["kernels"] = _module
+    if _spec.loader is not None:
+        _spec.loader.exec_module(_module)

@@ -5,6 +5,8 @@ imports, a broken kernel module raises, and only a missing triton falls back (wi
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -75,3 +77,59 @@ def test_a_broken_kernel_module_raises(broken, error):
     assert run.returncode != 0, "wiola.fast imported although a kernel module is broken"
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith(error) and "wiola_kernels.gate" in last, run.stderr[-2000:]
+
+
+# ------------------------------------------------------------------ the name `kernels` from a checkout
+# With the checkout's root on sys.path, `import kernels` finds the root's kernels/ folder first (the
+# wiola_kernels package); transformers imports Hugging Face's `kernels` by that name, and newer
+# releases require it. The folder hands that package over, or an empty namespace package where it is
+# not installed (kernels/__init__.py). A stand-in for Hugging Face's package sits in a folder after
+# the root on sys.path; `-S` leaves site-packages out, where the real one may be installed.
+FAKE_HF = "def get_kernel(repo_id):\n    return repo_id\n"
+
+
+def _from_root(code: str, *flags: str, path: Path | None = None) -> subprocess.CompletedProcess:
+    """``python [flags] -c code`` run in the checkout's root (the root first on sys.path), ``path``
+    after it (``PYTHONPATH``)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | ({"PYTHONPATH": str(path)} if path else {})
+    return subprocess.run(
+        [sys.executable, *flags, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("site", [False, True], ids=["no-site", "site"])
+def test_kernels_from_the_checkout_root_is_hugging_faces(tmp_path, site):
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text(FAKE_HF)
+    code = """
+        import json, sys
+        import kernels
+        from kernels import get_kernel
+        out = {"file": kernels.__file__, "same": sys.modules["kernels"] is kernels, "call": get_kernel("x/y")}
+        if not sys.flags.no_site:
+            import wiola_kernels, wiola_kernels.rms_norm
+            out["ours"] = wiola_kernels.rms_norm.__file__
+        print(json.dumps(out))
+    """
+    run = _from_root(code, *([] if site else ["-S"]), path=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["file"] == str(tmp_path / "kernels" / "__init__.py") and got["same"] and got["call"] == "x/y", got
+    if site:  # ours still imports under its own name, from the checkout (the editable install)
+        assert Path(got["ours"]) == ROOT / "kernels" / "rms_norm.py", got
+
+
+def test_kernels_from_the_checkout_root_without_hugging_faces_is_an_empty_namespace():
+    """What Python gives for a folder that is not a package: no file, no version, nothing in it (so
+    transformers' check of an installed ``kernels`` says no, as it would with the folder absent)."""
+    run = _from_root(
+        """
+        import kernels
+        assert kernels.__file__ is None and not hasattr(kernels, "__version__"), kernels.__file__
+        assert list(kernels.__path__) == [], list(kernels.__path__)
+        from kernels import get_kernel
+        """,
+        "-S",
+    )
+    assert run.returncode != 0 and "cannot import name 'get_kernel' from 'kernels'" in run.stderr, run.stderr[-3000:]

@@ -134,8 +134,9 @@ def test_both_kernels_packages_install_import_and_work(tmp_path, editable, hf_fi
     _sh(py, "-m", "pip", "uninstall", "-y", "-q", "kernels", cwd=tmp_path)
     for name in ("wiola", "wiola_kernels"):
         assert Path(got[name]).exists(), f"uninstalling Hugging Face's kernels removed {got[name]}"
-    run = subprocess.run(
-        [str(py), "-c", "import kernels"], cwd=outside, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert run.returncode != 0, "`import kernels` still works after uninstalling Hugging Face's package"
+    # Gone from the virtualenv (the running interpreter's own copy, which transformers may require,
+    # can still be found after it: not this test's business).
+    where = "import importlib.util as u; s = u.find_spec('kernels'); print(s.origin if s and s.origin else '')"
+    left = _sh(py, "-c", where, cwd=outside).strip()
+    assert not left or not Path(left).is_relative_to(site), f"Hugging Face's kernels is still installed: {left}"
     _sh(py, "-c", "import wiola_kernels.attention, wiola_kernels.aot, wiola.fast", cwd=outside)
