@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -195,5 +196,8 @@ def test_in_a_terminal(step_available, checkpoint, tmp_path):
     assert "CPU: " in screen and "| model | weights | size | batch | test | t/s | % of read floor |" in screen, screen
     assert sum(line.startswith(f"| {checkpoint} |") for line in screen.splitlines()) == 8, screen
     written = record.read_text(errors="replace")
-    assert "int4 pp8:" in written and "/32 [" in written, f"no progress bar (8 rows x 4 runs) was drawn:\n{written}"
+    frames = [f for f in re.split(r"[\r\n]", written) if "/32 [" in f]
+    assert frames and "int4 pp8:" in written, f"no progress bar (8 rows x 4 runs) was drawn:\n{written}"
+    unnamed = [f for f in frames if not re.match(r"\s*(fp32|bf16|int8|int4) (pp8|tg4):", f)]
+    assert not unnamed, f"bar frames without the row they time: {unnamed}"
     assert "/32" not in screen, "the bar was left on the screen"

@@ -154,7 +154,8 @@ def _bench(args: argparse.Namespace) -> int:
     pp_ids = torch.randint(0, V, (B, args.prompt_tokens), generator=generator) if args.prompt_tokens else None
     tg_ids = torch.randint(0, V, (B, TG_PROMPT), generator=generator)
     tests = (args.prompt_tokens > 0) + (args.new_tokens > 0)
-    bar = _progress(len(forms) * tests * (args.reps + 1))
+    first = f"{forms[0]} {'pp' + str(args.prompt_tokens) if args.prompt_tokens else 'tg' + str(args.new_tokens)}"
+    bar = _progress(len(forms) * tests * (args.reps + 1), first)
     rows = []
     try:
         for form in forms:
@@ -207,10 +208,10 @@ class _NoBar:
     def close(self) -> None: ...
 
 
-def _progress(total: int) -> Any:
-    """A tqdm bar on stderr where it is a terminal; otherwise nothing is drawn."""
+def _progress(total: int, desc: str) -> Any:
+    """A tqdm bar on stderr where it is a terminal, named for its first row; otherwise nothing is drawn."""
     if not sys.stderr.isatty():
         return _NoBar()
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="run", file=sys.stderr, leave=False)
+    return tqdm(total=total, desc=desc, unit="run", file=sys.stderr, leave=False)
