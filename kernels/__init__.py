@@ -21,13 +21,16 @@ if __name__ == "kernels":
     import os as _os
     import sys as _sys
 
-    _here = _os.path.dirname(_os.path.abspath(__file__))
-    _path = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _os.path.dirname(_here)]
+    # The root and this file by their real paths: the root may be on sys.path twice, once through
+    # a symbolic link, and finding this file again would import it again, without end.
+    _me = _os.path.realpath(__file__)
+    _root = _os.path.dirname(_os.path.dirname(_me))
+    _path = [p for p in _sys.path if _os.path.realpath(p or _os.curdir) != _root]
     _spec = None
     for _finder in _sys.meta_path:  # an editable install's finder, then sys.path without the root
         _find = getattr(_finder, "find_spec", None)
         _spec = _find("kernels", _path if _finder is _machinery.PathFinder else None) if _find else None
-        if _spec is not None and _spec.loader is not None and _spec.origin != __spec__.origin:
+        if _spec is not None and _spec.loader is not None and _os.path.realpath(_spec.origin or "") != _me:
             break
         _spec = None
     if _spec is None:

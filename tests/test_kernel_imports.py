@@ -88,9 +88,9 @@ def test_a_broken_kernel_module_raises(broken, error):
 FAKE_HF = "def get_kernel(repo_id):\n    return repo_id\n"
 
 
-def _from_root(code: str, *flags: str, path: Path | None = None) -> subprocess.CompletedProcess:
+def _from_root(code: str, *flags: str, path: str | Path | None = None) -> subprocess.CompletedProcess:
     """``python [flags] -c code`` run in the checkout's root (the root first on sys.path), ``path``
-    after it (``PYTHONPATH``)."""
+    after it (``PYTHONPATH``: a folder, or several joined by ``os.pathsep``)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | ({"PYTHONPATH": str(path)} if path else {})
     return subprocess.run(
         [sys.executable, *flags, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -133,3 +133,20 @@ def test_kernels_from_the_checkout_root_without_hugging_faces_is_an_empty_namesp
         "-S",
     )
     assert run.returncode != 0 and "cannot import name 'get_kernel' from 'kernels'" in run.stderr, run.stderr[-3000:]
+
+
+def test_kernels_with_the_root_also_on_the_path_through_a_link(tmp_path):
+    """The root twice on sys.path, once through a symbolic link: the hand-over does not find this
+    folder again under the other name (which imported it again, without end), and still reaches
+    Hugging Face's package after both."""
+    link = tmp_path / "checkout"
+    link.symlink_to(ROOT, target_is_directory=True)
+    hf = tmp_path / "hf"
+    (hf / "kernels").mkdir(parents=True)
+    (hf / "kernels" / "__init__.py").write_text(FAKE_HF)
+    code = "import kernels; print(kernels.__file__)"
+    run = _from_root(code, "-S", path=os.pathsep.join(map(str, (link, ROOT, hf))))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == str(hf / "kernels" / "__init__.py"), run.stdout
+    run = _from_root(code, "-S", path=os.pathsep.join(map(str, (link, ROOT))))
+    assert run.returncode == 0 and run.stdout.strip() == "None", run.stderr[-3000:]
