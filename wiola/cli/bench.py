@@ -154,8 +154,8 @@ def _bench(args: argparse.Namespace) -> int:
     pp_ids = torch.randint(0, V, (B, args.prompt_tokens), generator=generator) if args.prompt_tokens else None
     tg_ids = torch.randint(0, V, (B, TG_PROMPT), generator=generator)
     tests = (args.prompt_tokens > 0) + (args.new_tokens > 0)
-    first = f"{forms[0]} {'pp' + str(args.prompt_tokens) if args.prompt_tokens else 'tg' + str(args.new_tokens)}"
-    bar = _progress(len(forms) * tests * (args.reps + 1), first)
+    pp_test, tg_test = f"pp{args.prompt_tokens}", f"tg{args.new_tokens}"
+    bar = _progress(len(forms) * tests * (args.reps + 1), f"{forms[0]} {pp_test if pp_ids is not None else tg_test}")
     rows = []
     try:
         for form in forms:
@@ -166,11 +166,11 @@ def _bench(args: argparse.Namespace) -> int:
             step = tg.step if tg is not None else decode_step_cpu.DecodeStepCPU(model, model.new_cache(B, 1))
             nbytes = speed.step_bytes(step)
             if pp_ids is not None:
-                bar.set_description(f"{form} pp{args.prompt_tokens}")
+                bar.set_description(f"{form} {pp_test}")
                 times = _timed(speed.prompt_run(model, pp_ids), args.reps, bar)
-                rows.append(_row(model_name, form, nbytes, f"pp{args.prompt_tokens}", B * args.prompt_tokens, times))
+                rows.append(_row(model_name, form, nbytes, pp_test, B * args.prompt_tokens, times))
             if tg is not None:
-                bar.set_description(f"{form} tg{args.new_tokens}")
+                bar.set_description(f"{form} {tg_test}")
                 want = model.generate(tg_ids, args.new_tokens, temperature=0)[:, TG_PROMPT:]
                 got = tg().clone()
                 if not torch.equal(got, want):
@@ -179,7 +179,7 @@ def _bench(args: argparse.Namespace) -> int:
                 # The floor's reads between the timed calls, so that both see the same moments of a
                 # shared machine; the floor is the best read of them all.
                 times = _timed(tg, args.reps, bar, lambda n=nbytes: speed.read_floor(n, speed.READS_BETWEEN))
-                row = _row(model_name, form, nbytes, f"tg{args.new_tokens}", B * args.new_tokens, times)
+                row = _row(model_name, form, nbytes, tg_test, B * args.new_tokens, times)
                 read = speed.read_floor(nbytes, 1)
                 row["read_floor_gbs"] = nbytes / read["s"] / 1e9
                 row["read_floor_reader"] = read["reader"]
