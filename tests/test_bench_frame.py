@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -126,22 +125,34 @@ def test_run_smoke_mode_calls_each_once() -> None:
     assert rec["quick"] and "time_s" not in rec and rec["baselines"]["ref"] == {"ran": True}
 
 
-def test_between_runs_after_each_timed_call_of_ours_only_and_is_not_timed() -> None:
+def test_between_runs_after_each_timed_call_of_ours_only_and_is_not_timed(monkeypatch) -> None:
     """``between`` (a floor read at the same moments as the step) runs untimed after each timed call
-    of ours, never around the warm-up or a baseline."""
+    of ours, never around the warm-up or a baseline. On a clock that only the calls advance (ours
+    1 ms, the baseline 2 ms, ``between`` 1 s), every timed rep of ours is exactly 1 ms."""
     log: list[str] = []
+    clock = [0.0]
+    monkeypatch.setattr(frame.time, "perf_counter", lambda: clock[0])
+
+    def ours():
+        log.append("ours")
+        clock[0] += 1e-3
 
     def between():
         log.append("between")
-        time.sleep(0.005)  # were it timed, every rep would take at least this long
+        clock[0] += 1.0
+
+    def ref():
+        log.append("ref")
+        clock[0] += 2e-3
 
     bench = frame.Bench(FakeBenchmark(), "cpu", None)
-    rec = bench.run(lambda: log.append("ours"), op="x", cost=Cost(1, 1), shape={"N": 1}, dtype="float32",
-                    baselines={"ref": lambda: log.append("ref")}, between=between)  # fmt: skip
+    rec = bench.run(ours, op="x", cost=Cost(1, 1), shape={"N": 1}, dtype="float32",
+                    baselines={"ref": ref}, between=between)  # fmt: skip
     mine = log[: log.index("ref")]
     assert mine[0] == "ours" and mine[1:] == ["ours", "between"] * rec["reps"], mine
     assert "between" not in log[log.index("ref") :]
-    assert rec["time_s"] < 0.005, rec["time_s"]
+    assert rec["time_s"] == pytest.approx(1e-3, rel=1e-9), rec["time_s"]
+    assert rec["baselines"]["ref"]["time_s"] == pytest.approx(2e-3, rel=1e-9), rec["baselines"]
 
 
 def test_our_errors_propagate() -> None:
