@@ -237,7 +237,9 @@ def group_table(records: Sequence[dict[str, Any]]) -> tuple[list[str], list[list
 
     Columns: shape, dtype, implementation, our time (and tokens/s), achieved TFLOP/s and GB/s,
     % of the roofline floor, % of the read floor where a record has one (its weight bytes read once
-    a step at the rate the same run read that many bytes: ``bench/test_decode_cpu.py``), then one
+    a step at the rate the same run read that many bytes: ``bench/test_decode_cpu.py``), what bounds
+    the step where a record says (``bound_by``: the read floor or the compute floor, and the % of
+    the larger reached: ``pct_roofline``), then one
     column per baseline: its time and ``ours N×`` (baseline time / our time: above 1 means ours is
     faster).
     """
@@ -247,6 +249,7 @@ def group_table(records: Sequence[dict[str, Any]]) -> tuple[list[str], list[list
             if name not in baselines:
                 baselines.append(name)
     read = any("pct_read_floor" in r for r in records)
+    bound = any("bound_by" in r for r in records)
     header = [
         "shape",
         "dtype",
@@ -256,6 +259,7 @@ def group_table(records: Sequence[dict[str, Any]]) -> tuple[list[str], list[list
         "GB/s",
         "% of floor",
         *(["% of read floor"] * read),
+        *(["bound by (% of it)"] * bound),
         *baselines,
     ]
     rows, notes = [], []
@@ -272,6 +276,13 @@ def group_table(records: Sequence[dict[str, Any]]) -> tuple[list[str], list[list
         ]
         if read:
             row.append(fmt_pct(r["pct_read_floor"]) if timed and "pct_read_floor" in r else "—")
+        if bound:
+            by = r.get("bound_by")
+            row.append(
+                f"{'read' if by == 'reading the weights' else 'compute'} ({fmt_pct(r['pct_roofline'])})"
+                if timed and by
+                else "—"
+            )
         row += [_baseline_cell(r, _baseline(r, name), notes) for name in baselines]
         rows.append(row)
     return header, rows, notes

@@ -23,7 +23,10 @@ a matrix of the step's weight bytes once (the faster of its matrix-vector produc
 sum over the matrix; ``wiola.fast.speed.READERS``), measured in the same run and read between
 the timed calls (``wiola.fast.speed.read_floor``, as ``wiola bench`` does), beside the DRAM
 copy floor of ``bench.frame``; ``pct_read_floor`` is that time x the steps over the measured
-time. The prompt rows (``test_prefill_cpu``) are
+time. The tg rows also say which resource bounds the step (``bound_by``): the read floor or the
+**compute floor** (``wiola.fast.speed.product_floor``: the products' multiply-adds at the rate the
+step's own kernels reach on weights in each core's L1, measured after the timed calls), whichever
+is longer; ``pct_roofline`` is that floor x the steps over the measured time. The prompt rows (``test_prefill_cpu``) are
 llama-bench's pp512: a 512-token prompt at batch 1 through ``wiola.fast`` in each prompt mode
 (``wiola.fast.prefill``: fp32 and bf16 products) and with bf16, int8 and int4 weights (whose
 prompt runs in fp32 on their dequantized values), beside wiola13m's forward of the same prompt.
@@ -54,7 +57,7 @@ import wiola
 from bench import roofline
 from bench.hf_baseline import hf_greedy, wiola13m_like
 from wiola.fast import decode_step_cpu
-from wiola.fast.speed import READS_BETWEEN, decoding_only, prompt_run, read_floor
+from wiola.fast.speed import READS_BETWEEN, decoding_only, product_floor, prompt_run, read_floor
 
 PROMPT, NEW_TOKENS, SMOKE_TOKENS = 16, 128, 8
 PP, SMOKE_PP = 512, 32  # pp512: the prompt rows' length (the smoke run's)
@@ -151,6 +154,31 @@ def _read_floor_pct(rec: dict, config: wiola.WiolaConfig, new: int, scheme: str 
         rec["pct_read_floor"] = 100.0 * (new - 1) * t_read / seconds
 
 
+def _bound(rec: dict, fn: Any, batch: int, new: int) -> str:
+    """Which resource bounds the step, into ``rec``: its compute floor (``product_floor``: the
+    products' multiply-adds at the in-cache rate of the step's own kernels, measured now) beside the
+    read floor (``_read_floor_pct``, already in ``rec``); ``bound_by`` names the longer of the two,
+    ``pct_roofline`` is (new − 1) steps at that floor over the measured time. The clause for the
+    printed line ("" where there is no C++ step or no time)."""
+    step = getattr(fn, "step", None)
+    t_read, seconds = rec.get("read_floor_s_per_step"), rec.get("time_s")
+    if step is None or t_read is None or not seconds:
+        return ""
+    compute = product_floor(step, batch)
+    rec["compute_floor_s_per_step"] = compute["s"]
+    rec["compute_floor_gmacs"] = compute["macs_per_s"] / 1e9
+    rec["bound_by"] = "reading the weights" if t_read >= compute["s"] else "the multiply-adds"
+    rec["pct_roofline"] = 100.0 * (new - 1) * max(t_read, compute["s"]) / seconds
+    return (
+        f"; bound by {rec['bound_by']} (read floor {t_read * 1e6:.0f} us a step, compute floor "
+        f"{compute['s'] * 1e6:.0f} us at {rec['compute_floor_gmacs']:.0f} G multiply-adds/s in cache): "
+        f"{rec['pct_roofline']:.0f}% of the larger"
+    )
+
+
+BOUND_KEYS = ("compute_floor_s_per_step", "compute_floor_gmacs", "bound_by", "pct_roofline")
+
+
 def _record(
     cpu_bench, fn, config: wiola.WiolaConfig, batch: int, new: int, name: str, baselines: dict, notes: list[str],
     cpu: tuple[dict[str, Any], list[str]], scheme: str | None = None,
@@ -174,8 +202,11 @@ def _record(
     rec.update(cpu[0])
     if not cpu_bench.quick and "tokens_per_s" in rec:
         _read_floor_pct(rec, config, new, scheme)
-        for key in ("pct_read_floor", "read_floor_gbs", "read_floor_reader", "read_floor_readers_gbs"):
+        bound = _bound(rec, fn, batch, new)
+        for key in ("pct_read_floor", "read_floor_gbs", "read_floor_reader", "read_floor_readers_gbs", *BOUND_KEYS):
             cpu_bench.benchmark.extra_info[key] = rec.get(key)
+    else:
+        bound = ""
     if not cpu_bench.quick:
         _summary(batch, name, rec)
         if scheme is not None:
@@ -190,6 +221,7 @@ def _record(
                 f"{'' if pct_read is None else f'{pct_read:.0f}% of the read floor ({reader}, same run), '}"
                 f"{'' if pct is None else f'{pct:.0f}% of the DRAM copy floor, '}"
                 f"{'' if pct_l3 is None else f'{pct_l3:.0f}% of its floor from L3, '}beside it (tok/s): {beside}"
+                f"{bound}"
             )
     return rec
 
@@ -424,13 +456,15 @@ def test_tg128_cpu(cpu_bench, model, hf_model, batch: int, scheme: str, monkeypa
     rec.update(cpu[0])
     if not cpu_bench.quick and "tokens_per_s" in rec:
         _read_floor_pct(rec, model.config, new, None if scheme == "fp32" else scheme)
-        for key in ("pct_read_floor", "read_floor_gbs", "read_floor_reader", "read_floor_readers_gbs"):
+        bound = _bound(rec, run, batch, new)
+        for key in ("pct_read_floor", "read_floor_gbs", "read_floor_reader", "read_floor_readers_gbs", *BOUND_KEYS):
             cpu_bench.benchmark.extra_info[key] = rec.get(key)
         beside = ", ".join(f"{k} {v['tokens_per_s']:.0f}" for k, v in rec["baselines"].items() if "tokens_per_s" in v)
         print(
             f"\ntg{new} CPU B{batch}: {scheme} {rec['tokens_per_s']:.0f} tok/s, "
             f"{rec.get('pct_read_floor', float('nan')):.0f}% of the read floor "
             f"({rec['read_floor_gbs']:.1f} GB/s, {rec['read_floor_reader']}, same run); beside it (tok/s): {beside}"
+            f"{bound}"
         )
 
 

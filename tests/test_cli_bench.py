@@ -113,6 +113,51 @@ def test_step_bytes_match_the_roofline_count(step_available, scheme):
     assert speed.step_bytes(step) == want, (scheme, speed.step_bytes(step), want)
 
 
+def test_step_macs_match_the_bound_matrices(step_available):
+    """``speed.step_macs`` (from the config alone) is the batch times every weight of the matrices
+    the step multiplies by, as bound (the head once and each layer's seven projections)."""
+    model = WiolaModel(SMALL).eval().requires_grad_(False)
+    step = decode_step_cpu.DecodeStepCPU(model, model.new_cache(1, 4))
+    weights = sum(step.step_tensors[i].numel() for i in decode_step_cpu.matrix_slots(SMALL.n_layers))
+    assert speed.step_macs(SMALL, 3) == 3 * weights
+
+
+@pytest.mark.parametrize("scheme", ["fp32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_product_floor_times_the_step_kernels(step_available, scheme, batch):
+    """``wiola_product_reps`` computes y = x Wᵀ with the step's kernels over the head's first rows
+    (the dequantized weights' products, within K·ε·Σ|w·x| of float64), each thread into its own y;
+    ``product_floor`` turns its time into the step's multiply-adds at that rate."""
+    from wiola.fast.quantize import dequantize
+
+    torch.manual_seed(0)
+    model = WiolaModel(SMALL).eval().requires_grad_(False)
+    if scheme != "fp32":
+        quantize(model, scheme)
+    step = decode_step_cpu.DecodeStepCPU(model, model.new_cache(batch, 4))
+    head, scale = step.step_tensors[0], step.scales[0]
+    N, K, nth = 8, SMALL.d_model, 2
+    x = torch.randn(batch, K, generator=torch.Generator().manual_seed(1))
+    y = torch.full((nth, batch, N), float("nan"))
+    rc = step.lib.wiola_product_reps(
+        step.dims, head.data_ptr(), None if scale is None else scale.data_ptr(), N, K, x.data_ptr(), batch,
+        y.data_ptr(), 3, nth,
+    )  # fmt: skip
+    assert rc == 0
+    w = (head.float() if scheme in ("fp32", "bf16") else dequantize(head, scale)).double()[:N]
+    want = x.double() @ w.T
+    bound = K * torch.finfo(torch.float32).eps * (x.double().abs() @ w.abs().T)
+    for t in range(nth):
+        err = (y[t].double() - want).abs()
+        where = f"{decode_step_cpu.cpu_info()['name']}, {decode_step_cpu.select_isa()}"
+        assert bool((err <= bound).all()), f"{scheme} B{batch} thread {t} ({where}): {err.max()} > {bound.min()}"
+    got = speed.product_floor(step, batch, repeats=2)
+    assert got["threads"] == torch.get_num_threads() and got["macs_per_s"] > 0
+    assert got["s"] == pytest.approx(speed.step_macs(SMALL, batch) / got["macs_per_s"], rel=1e-12)
+    with pytest.raises(ValueError, match="batch=0 and repeats=1 must be at least 1"):
+        speed.product_floor(step, 0, repeats=1)
+
+
 def test_decoding_only_repeats_generate(step_available):
     """Each tg call starts again from the prefill's cache: the same tokens as ``generate``, every call."""
     torch.manual_seed(0)

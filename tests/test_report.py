@@ -230,6 +230,26 @@ def test_cpu_runs_grouped_by_machine(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    "bound, pct, cell",
+    [("the multiply-adds", 69.6, "compute (70%)"), ("reading the weights", 8.25, "read (8.2%)"), (None, None, "—")],
+)
+def test_bound_column(tmp_path: Path, bound: str | None, pct: float | None, cell: str) -> None:
+    """A tg record that says what bounds its step gets the column: which floor and the % of it reached;
+    a record without it, a dash."""
+    path = _cpu_run(tmp_path / "r", "2000-03-01T00:00:00Z", "AMD EPYC (family 26, model 2)", ZEN4_FLAGS, 4000.0, 31.0)
+    data = json.loads(path.read_text())
+    if bound is not None:
+        data["benchmarks"][0]["extra_info"].update(bound_by=bound, pct_roofline=pct)
+    data["benchmarks"].append(json.loads(json.dumps(data["benchmarks"][0])))  # a second row, always bounded
+    data["benchmarks"][1]["extra_info"].update(bound_by="the multiply-adds", pct_roofline=50.0)
+    path.write_text(json.dumps(data))
+    out = tmp_path / "BENCHMARKS.md"
+    assert report.main([str(path), "--out", str(out), "--charts", str(tmp_path / "c")]) == 0
+    header, rows = _table_rows(out.read_text(), "decode greedy")
+    assert [dict(zip(header, row))["bound by (% of it)"] for row in rows] == [cell, "compute (50%)"], rows
+
+
+@pytest.mark.parametrize(
     "flags, units",
     [
         (ZEN4_FLAGS, "AVX-512 with BF16/VNNI"),

@@ -1485,6 +1485,24 @@ inline void silu_gate_rows(const float* up, const float* bp, float* out, int64_t
   });
 }
 
+// The products' own rate, for the benchmarks' compute floor (wiola.fast.speed.product_floor):
+// `reps` times y = x Wᵀ over all N rows of one (N, K) matrix of weight type n[kWeightType] (scale
+// as the step's: per row for int8, per group for int4, null otherwise; n[kPrefetchRows] ahead),
+// for x (B, K), on each of `nth` threads at once, thread t writing its own y + t·B·N ((B, N)).
+// Every thread reads the whole matrix: small enough, it stays in each core's cache, and the time is
+// that of the kernels' multiply-adds (and widening), not of reading the weights. Returns 0, 1 for
+// an unknown weight type, 2 for an int4 group this build was not compiled for.
+template <typename T>
+void product_reps(const int64_t* n, const void* W, const float* scale, int64_t N, int64_t K, const float* x, int64_t B,
+                  float* y, int64_t reps, int nth) {
+  parallel(nth, [&](int tid, int) {
+    Shares alone;  // one thread's share: all N rows (Shares::run never touches slots then)
+    for (int64_t i = 0; i < reps; ++i)
+      share_product(alone, 0, static_cast<const T*>(W), scale, N, K, x, K, y + tid * B * N, N, B, 0, false,
+                    n[kPrefetchRows]);
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -1521,6 +1539,22 @@ int wiola_decode_rows(const int64_t* n, const void* const* weights, const float*
     case kInt8: return decode_rows<int8_t>(n, weights, scales, state, B, rows, tokens, slots, eps, logits, work);
     case kInt4:  // the group is compiled in; K % group == 0 checked by the caller
       return n[kGroup] == kQ4Group ? decode_rows<q4>(n, weights, scales, state, B, rows, tokens, slots, eps, logits, work) : 2;
+    default: return 1;
+  }
+}
+
+// product_reps (above) of the weight type n[kWeightType].
+int wiola_product_reps(const int64_t* n, const void* W, const float* scale, int64_t N, int64_t K, const float* x,
+                       int64_t B, float* y, int64_t reps, int64_t nth) {
+  const int threads = static_cast<int>(nth);
+  switch (n[kWeightType]) {
+    case kFp32: product_reps<float>(n, W, scale, N, K, x, B, y, reps, threads); return 0;
+    case kBf16: product_reps<bf16>(n, W, scale, N, K, x, B, y, reps, threads); return 0;
+    case kInt8: product_reps<int8_t>(n, W, scale, N, K, x, B, y, reps, threads); return 0;
+    case kInt4:
+      if (n[kGroup] != kQ4Group) return 2;
+      product_reps<q4>(n, W, scale, N, K, x, B, y, reps, threads);
+      return 0;
     default: return 1;
   }
 }

@@ -263,6 +263,8 @@ def _build(compiler: str, isa: str) -> ctypes.CDLL:
     lib.wiola_step_rows.restype = ctypes.c_int
     lib.wiola_generate.argtypes = [P, P, P, P, F, P, I, I, I, I, P, P, I, F, I, P, I, I, P, P, P]
     lib.wiola_generate.restype = I
+    lib.wiola_product_reps.argtypes = [P, P, P, I, I, P, I, P, I, I]
+    lib.wiola_product_reps.restype = ctypes.c_int
     lib.wiola_layout_counts.argtypes = [ctypes.c_void_p]
     lib.wiola_layout_counts.restype = None
     reported = (ctypes.c_int64 * 4)()

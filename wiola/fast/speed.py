@@ -6,6 +6,11 @@
 - **tg<N>**: ``generate``'s greedy decoding of N tokens after a prompt whose prefill is not timed
   (done once; each call puts the cache back as the prefill left it and runs ``generate``'s C++
   loop: N samples, N - 1 steps): ``decoding_only``.
+- **The compute floor**: the time the step's products take when reading the weights costs
+  nothing: its multiply-adds (the matrices' weights times the batch) at the rate its own kernels
+  reach on a part of the head small enough to stay in each core's cache, on the step's threads
+  (``product_floor``). A step cannot beat it either; whichever of the two floors is longer is the
+  resource that bounds the step (``bound_by``).
 - **The read floor**: the time to read the C++ step's bytes once (``step_bytes``: its matrices as
   stored, their scales, the norms and the gate), measured in the same process as the best of plain
   reads of an fp32 matrix of that many bytes (``read_floor``). A step cannot take less time than
@@ -63,6 +68,53 @@ def read_floor(nbytes: int, repeats: int = READ_REPEATS) -> dict[str, Any]:
                 best[name] = min(best[name], time.perf_counter() - t0)
     reader = min(best, key=best.__getitem__)
     return {"s": best[reader], "reader": reader} | {f"{name} GB/s": A.numel() * 4 / t / 1e9 for name, t in best.items()}
+
+
+PRODUCT_BYTES = 16 << 10  # the head's rows product_floor reads: with x, within every core's L1 (32 KiB and up)
+PRODUCT_MACS = 1 << 24  # multiply-adds a timed call, each thread (about 0.1-0.5 ms)
+PRODUCT_REPEATS = 7
+
+
+def step_macs(config: Any, batch: int) -> int:
+    """The multiply-adds of one step's products (``B`` rows): every matrix weight the step's
+    products read (the tied head once, the layers' seven projections) times ``batch``. The gate's
+    small products and the attention are left out: a lower bound."""
+    d, L, f, V = config.d_model, config.n_layers, config.d_ff, config.vocab_size
+    return batch * (V * d + L * (4 * d * d + 4 * d * f))
+
+
+def product_floor(step: Any, batch: int, repeats: int = PRODUCT_REPEATS) -> dict[str, Any]:
+    """The compute floor of one step of ``step`` (a ``decode_step_cpu.DecodeStepCPU``) at
+    ``batch`` rows: ``step_macs`` at the rate of the step's own product kernels over the head's
+    first rows (``PRODUCT_BYTES`` of them, as stored), which every thread of torch's pool reads
+    at once, again and again, so that they come from its core's cache: the best of ``repeats``
+    calls. ``{"s": seconds a step, "macs_per_s": the rate, "threads": n}``. ``ValueError`` for a
+    batch or ``repeats`` under 1."""
+    if batch < 1 or repeats < 1:
+        raise ValueError(f"product_floor: batch={batch} and repeats={repeats} must be at least 1")
+    config = step.config
+    head, scale = step.step_tensors[0], step.scales[0]
+    K = config.d_model
+    row_bytes = head.numel() * head.element_size() // config.vocab_size
+    N = max(4, min(config.vocab_size, PRODUCT_BYTES // row_bytes) // 4 * 4)
+    nth = torch.get_num_threads()
+    reps = max(1, PRODUCT_MACS // (N * K * batch))
+    x = torch.randn(batch, K, generator=torch.Generator().manual_seed(0))
+    y = torch.empty(nth, batch, N)
+    best = float("inf")
+    for i in range(repeats + 1):  # the first call warms the caches and the threads, untimed
+        t0 = time.perf_counter()
+        rc = step.lib.wiola_product_reps(
+            step.dims, head.data_ptr(), None if scale is None else scale.data_ptr(), N, K, x.data_ptr(), batch,
+            y.data_ptr(), reps, nth,
+        )  # fmt: skip
+        t = time.perf_counter() - t0
+        if rc != 0:  # pragma: no cover - the binding passes only its own weight type and group
+            raise RuntimeError(f"wiola_product_reps returned {rc}")
+        if i > 0:
+            best = min(best, t)
+    rate = nth * reps * N * K * batch / best
+    return {"s": step_macs(config, batch) / rate, "macs_per_s": rate, "threads": nth}
 
 
 def step_bytes(step: Any) -> int:
