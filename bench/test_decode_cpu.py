@@ -57,7 +57,7 @@ import wiola
 from bench import roofline
 from bench.hf_baseline import hf_greedy, wiola13m_like
 from wiola.fast import decode_step_cpu
-from wiola.fast.speed import READS_BETWEEN, decoding_only, product_floor, prompt_run, read_floor
+from wiola.fast.speed import READS_BETWEEN, bound, decoding_only, product_floor, prompt_run, read_floor
 
 PROMPT, NEW_TOKENS, SMOKE_TOKENS = 16, 128, 8
 PP, SMOKE_PP = 512, 32  # pp512: the prompt rows' length (the smoke run's)
@@ -167,8 +167,7 @@ def _bound(rec: dict, fn: Any, batch: int, new: int) -> str:
     compute = product_floor(step, batch)
     rec["compute_floor_s_per_step"] = compute["s"]
     rec["compute_floor_gmacs"] = compute["macs_per_s"] / 1e9
-    rec["bound_by"] = "reading the weights" if t_read >= compute["s"] else "the multiply-adds"
-    rec["pct_roofline"] = 100.0 * (new - 1) * max(t_read, compute["s"]) / seconds
+    rec.update(bound(t_read, compute["s"], new - 1, seconds))
     return (
         f"; bound by {rec['bound_by']} (read floor {t_read * 1e6:.0f} us a step, compute floor "
         f"{compute['s'] * 1e6:.0f} us at {rec['compute_floor_gmacs']:.0f} G multiply-adds/s in cache): "

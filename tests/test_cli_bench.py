@@ -80,8 +80,12 @@ def test_json_rows_for_every_form(step_available, checkpoint):
             read_s = r["bytes"] / (r["read_floor_gbs"] * 1e9)
             assert r["pct_read_floor"] == pytest.approx(100 * 4 * read_s / r["seconds"], rel=1e-9), r
             assert r["read_floor_reader"] in speed.READERS
+            # the compute floor: the step's multiply-adds at the measured in-cache rate
+            compute_s = speed.step_macs(SMALL, 1) / (r["compute_floor_gmacs"] * 1e9)
+            assert r["bound_by"] == (speed.BOUND_READ if read_s >= compute_s else speed.BOUND_COMPUTE), r
+            assert r["pct_roofline"] == pytest.approx(100 * 4 * max(read_s, compute_s) / r["seconds"], rel=1e-9), r
         else:
-            assert "pct_read_floor" not in r, r
+            assert "pct_read_floor" not in r and "bound_by" not in r, r
     sizes = {r["weights"]: r["bytes"] for r in rows}
     assert sizes["fp32"] > sizes["bf16"] > sizes["int8"] > sizes["int4"], sizes
     assert f"CPU: {cpu}" in done.stderr
@@ -91,8 +95,9 @@ def test_table_and_batch(step_available):
     done = _run("--preset", "tiny", "--weights", "int8", "-p", "0", "-n", "3", "-b", "2", "-r", "1", "-t", "1")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0] == "| model | weights | size | batch | test | t/s | % of read floor |", lines
-    assert len([line for line in lines if line.startswith("| tiny (random) | int8 |")]) == 1, lines
+    assert lines[0] == "| model | weights | size | batch | test | t/s | % of read floor | bound by (% of it) |", lines
+    row = [line for line in lines if line.startswith("| tiny (random) | int8 |")]
+    assert len(row) == 1 and re.search(r"\| (read|compute) \(\d+%\) \|$", row[0]), lines
     row = next(line for line in lines if line.startswith("| tiny (random)"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[3:5] == ["2", "tg3"] and cells[6].endswith("%"), cells
@@ -156,6 +161,16 @@ def test_product_floor_times_the_step_kernels(step_available, scheme, batch):
     assert got["s"] == pytest.approx(speed.step_macs(SMALL, batch) / got["macs_per_s"], rel=1e-12)
     with pytest.raises(ValueError, match="batch=0 and repeats=1 must be at least 1"):
         speed.product_floor(step, 0, repeats=1)
+
+
+@pytest.mark.parametrize(
+    "read_s, compute_s, by, pct",
+    [(2.0, 1.0, speed.BOUND_READ, 80.0), (1.0, 2.0, speed.BOUND_COMPUTE, 80.0), (1.0, 1.0, speed.BOUND_READ, 40.0)],
+)
+def test_bound_names_the_longer_floor(read_s, compute_s, by, pct):
+    """4 steps in 10 s: the longer floor bounds them (a tie goes to reading), and 4 steps at it
+    over 10 s is the share of it reached."""
+    assert speed.bound(read_s, compute_s, 4, 10.0) == {"bound_by": by, "pct_roofline": pytest.approx(pct)}
 
 
 def test_decoding_only_repeats_generate(step_available):

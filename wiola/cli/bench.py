@@ -2,7 +2,9 @@
 ``llama-bench`` reports it: pp<P> (a P-token prompt, the logits of its last position) and tg<N>
 (N greedy tokens after a 16-token prompt whose prefill is not timed), in tokens a second, each tg
 row beside the read floor of its weights (``wiola.fast.speed``), read between its timed calls so
-that both see the same moments of a machine whose caches other programs share.
+that both see the same moments of a machine whose caches other programs share, and beside the
+compute floor (the products' multiply-adds at the in-cache rate of the step's kernels): the longer
+of the two names what bounds the step.
 
 Every weight form is the same model: fp32, then ``wiola.fast.quantize``'s bf16, int8 and int4 of
 it (a quantized checkpoint runs in its own form only). Before timing, each form's tg tokens are
@@ -106,16 +108,22 @@ def _row(model_name: str, form: str, nbytes: int, test: str, tokens: int, times:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """The rows as a markdown table, llama-bench's columns and the % of the read floor."""
+    """The rows as a markdown table, llama-bench's columns, the % of the read floor and what bounds
+    the step (the read or the compute floor, and the % of it reached)."""
+    from wiola.fast import speed
+
     lines = [
-        "| model | weights | size | batch | test | t/s | % of read floor |",
-        "| --- | --- | ---: | ---: | --- | ---: | ---: |",
+        "| model | weights | size | batch | test | t/s | % of read floor | bound by (% of it) |",
+        "| --- | --- | ---: | ---: | --- | ---: | ---: | --- |",
     ]
     for r in rows:
         pct = f"{r['pct_read_floor']:.0f}%" if "pct_read_floor" in r else "—"
+        by = "—"
+        if "bound_by" in r:
+            by = f"{'read' if r['bound_by'] == speed.BOUND_READ else 'compute'} ({r['pct_roofline']:.0f}%)"
         lines.append(
             f"| {r['model']} | {r['weights']} | {r['bytes'] / 1e6:.1f} MB | {r['batch']} | {r['test']} | "
-            f"{r['tok_s']:,.0f} ± {r['tok_s_stdev']:,.0f} | {pct} |"
+            f"{r['tok_s']:,.0f} ± {r['tok_s_stdev']:,.0f} | {pct} | {by} |"
         )
     return "\n".join(lines)
 
@@ -184,6 +192,9 @@ def _bench(args: argparse.Namespace) -> int:
                 row["read_floor_gbs"] = nbytes / read["s"] / 1e9
                 row["read_floor_reader"] = read["reader"]
                 row["pct_read_floor"] = 100.0 * (args.new_tokens - 1) * read["s"] / row["seconds"]
+                compute = speed.product_floor(step, B)
+                row["compute_floor_gmacs"] = compute["macs_per_s"] / 1e9
+                row.update(speed.bound(read["s"], compute["s"], args.new_tokens - 1, row["seconds"]))
                 rows.append(row)
     finally:
         bar.close()
@@ -197,7 +208,9 @@ def _bench(args: argparse.Namespace) -> int:
         print(
             f"\n{cpu['name']}, {torch.get_num_threads()} threads; t/s: median of {args.reps} ± their standard "
             "deviation; tg after a 16-token prompt, not timed; % of read floor: the tg call's steps each reading "
-            "the weights once at the best rate this process read as many bytes between the timed calls"
+            "the weights once at the best rate this process read as many bytes between the timed calls; bound "
+            "by: the longer of that read floor and the compute floor (the products' multiply-adds at the rate "
+            "the step's own kernels reach on weights in each core's L1), and the % of it reached"
         )
     return 0
 

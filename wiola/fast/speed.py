@@ -117,6 +117,19 @@ def product_floor(step: Any, batch: int, repeats: int = PRODUCT_REPEATS) -> dict
     return {"s": step_macs(config, batch) / rate, "macs_per_s": rate, "threads": nth}
 
 
+BOUND_READ, BOUND_COMPUTE = "reading the weights", "the multiply-adds"
+
+
+def bound(read_s: float, compute_s: float, steps: int, seconds: float) -> dict[str, Any]:
+    """Which floor bounds ``steps`` steps that took ``seconds``: ``bound_by`` (``BOUND_READ`` when the
+    read floor ``read_s`` a step is at least the compute floor ``compute_s``, else
+    ``BOUND_COMPUTE``) and ``pct_roofline``, the steps at the longer floor over ``seconds``."""
+    return {
+        "bound_by": BOUND_READ if read_s >= compute_s else BOUND_COMPUTE,
+        "pct_roofline": 100.0 * steps * max(read_s, compute_s) / seconds,
+    }
+
+
 def step_bytes(step: Any) -> int:
     """The bytes one step of a ``decode_step_cpu.DecodeStepCPU`` binding reads from its weights,
     whatever the batch: every tensor it is bound to (the matrices as stored: fp32, bf16, int8 or
