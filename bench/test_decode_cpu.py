@@ -25,7 +25,7 @@ the timed calls (``wiola.fast.speed.read_floor``, as ``wiola bench`` does), besi
 copy floor of ``bench.frame``; ``pct_read_floor`` is that time x the steps over the measured
 time. The tg rows also say which resource bounds the step (``bound_by``): the read floor or the
 **compute floor** (``wiola.fast.speed.product_floor``: the products' multiply-adds at the rate the
-step's own kernels reach on weights in each core's L1, measured after the timed calls), whichever
+step's own kernels reach on weights in each core's L1, measured between and after the timed calls and kept at its best), whichever
 is longer; ``pct_roofline`` is that floor x the steps over the measured time. The prompt rows (``test_prefill_cpu``) are
 llama-bench's pp512: a 512-token prompt at batch 1 through ``wiola.fast`` in each prompt mode
 (``wiola.fast.prefill``: fp32 and bf16 products) and with bf16, int8 and int4 weights (whose
@@ -57,7 +57,7 @@ import wiola
 from bench import roofline
 from bench.hf_baseline import hf_greedy, wiola13m_like
 from wiola.fast import decode_step_cpu
-from wiola.fast.speed import READS_BETWEEN, bound, decoding_only, product_floor, prompt_run, read_floor
+from wiola.fast.speed import PRODUCT_BETWEEN, READS_BETWEEN, bound, decoding_only, product_floor, prompt_run, read_floor
 
 PROMPT, NEW_TOKENS, SMOKE_TOKENS = 16, 128, 8
 PP, SMOKE_PP = 512, 32  # pp512: the prompt rows' length (the smoke run's)
@@ -131,11 +131,20 @@ def _cpu_notes(isa: str | None, path: str, scheme: str | None = None) -> tuple[d
     return info, [*notes, f"tuning: {tune}"]
 
 
-def _floor_reads(config: wiola.WiolaConfig, scheme: str | None) -> Any:
+def _floor_reads(config: wiola.WiolaConfig, scheme: str | None, run: Any = None, batch: int = 1) -> Any:
     """Reads of the step's weight bytes for ``Bench.run``'s ``between``: ``READS_BETWEEN`` after each
-    timed call, so that the floor is read at the same moments of a shared machine as the step."""
+    timed call, so that the floor is read at the same moments of a shared machine as the step; with
+    a tg call ``run`` (its ``step``), the compute floor's products too (``product_floor``, which
+    keeps its best, as ``read_floor`` does)."""
     nbytes = roofline.weight_bytes(config, scheme)
-    return lambda: read_floor(nbytes, READS_BETWEEN)
+    step = getattr(run, "step", None)
+
+    def between() -> None:
+        read_floor(nbytes, READS_BETWEEN)
+        if step is not None:
+            product_floor(step, batch, PRODUCT_BETWEEN)
+
+    return between
 
 
 def _read_floor_pct(rec: dict, config: wiola.WiolaConfig, new: int, scheme: str | None) -> None:
@@ -449,7 +458,7 @@ def test_tg128_cpu(cpu_bench, model, hf_model, batch: int, scheme: str, monkeypa
             f"after a {PROMPT}-token prompt whose prefill is not timed; tokens identical to generate's",
             *cpu[1],
         ],
-        between=_floor_reads(model.config, None if scheme == "fp32" else scheme),
+        between=_floor_reads(model.config, None if scheme == "fp32" else scheme, run, batch),
     )
     cpu_bench.benchmark.extra_info.update(cpu[0])
     rec.update(cpu[0])

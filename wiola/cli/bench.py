@@ -184,9 +184,14 @@ def _bench(args: argparse.Namespace) -> int:
                 if not torch.equal(got, want):
                     first = (got != want).nonzero()[0].tolist()
                     raise RuntimeError(f"{form}: the timed loop's tokens differ from generate's first at {first}")
-                # The floor's reads between the timed calls, so that both see the same moments of a
-                # shared machine; the floor is the best read of them all.
-                times = _timed(tg, args.reps, bar, lambda n=nbytes: speed.read_floor(n, speed.READS_BETWEEN))
+
+                # The floors' reads and products between the timed calls, so that they see the same
+                # moments of a shared machine as the step; each floor is the best of them all.
+                def between(n: int = nbytes, step: Any = step) -> None:
+                    speed.read_floor(n, speed.READS_BETWEEN)
+                    speed.product_floor(step, B, speed.PRODUCT_BETWEEN)
+
+                times = _timed(tg, args.reps, bar, between)
                 row = _row(model_name, form, nbytes, tg_test, B * args.new_tokens, times)
                 read = speed.read_floor(nbytes, 1)
                 row["read_floor_gbs"] = nbytes / read["s"] / 1e9
