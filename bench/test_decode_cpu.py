@@ -25,9 +25,9 @@ the timed calls (``wiola.fast.speed.read_floor``, as ``wiola bench`` does), besi
 copy floor of ``bench.frame``; ``pct_read_floor`` is that time x the steps over the measured
 time. The tg rows also say which resource bounds the step (``bound_by``): the read floor or the
 **compute floor** (``wiola.fast.speed.product_floor``: the products' multiply-adds at the rate the
-step's own kernels reach on weights in each core's L1, measured between and after the timed calls and kept at its best), whichever
-is longer; ``pct_roofline`` is that floor x the steps over the measured time. The prompt rows (``test_prefill_cpu``) are
-llama-bench's pp512: a 512-token prompt at batch 1 through ``wiola.fast`` in each prompt mode
+step's own kernels reach on weights in each core's L1, measured between and after the timed calls
+and kept at its best), whichever is longer; ``pct_roofline`` is that floor x the steps over the
+measured time. The prompt rows (``test_prefill_cpu``) are llama-bench's pp512: a 512-token prompt at batch 1 through ``wiola.fast`` in each prompt mode
 (``wiola.fast.prefill``: fp32 and bf16 products) and with bf16, int8 and int4 weights (whose
 prompt runs in fp32 on their dequantized values), beside wiola13m's forward of the same prompt.
 Each result records the CPU's model and flags, the ISA variant, the threads and the prompt mode
@@ -210,11 +210,11 @@ def _record(
     rec.update(cpu[0])
     if not cpu_bench.quick and "tokens_per_s" in rec:
         _read_floor_pct(rec, config, new, scheme)
-        bound = _bound(rec, fn, batch, new)
+        bound_note = _bound(rec, fn, batch, new)
         for key in ("pct_read_floor", "read_floor_gbs", "read_floor_reader", "read_floor_readers_gbs", *BOUND_KEYS):
             cpu_bench.benchmark.extra_info[key] = rec.get(key)
     else:
-        bound = ""
+        bound_note = ""
     if not cpu_bench.quick:
         _summary(batch, name, rec)
         if scheme is not None:
@@ -229,7 +229,7 @@ def _record(
                 f"{'' if pct_read is None else f'{pct_read:.0f}% of the read floor ({reader}, same run), '}"
                 f"{'' if pct is None else f'{pct:.0f}% of the DRAM copy floor, '}"
                 f"{'' if pct_l3 is None else f'{pct_l3:.0f}% of its floor from L3, '}beside it (tok/s): {beside}"
-                f"{bound}"
+                f"{bound_note}"
             )
     return rec
 
@@ -464,7 +464,7 @@ def test_tg128_cpu(cpu_bench, model, hf_model, batch: int, scheme: str, monkeypa
     rec.update(cpu[0])
     if not cpu_bench.quick and "tokens_per_s" in rec:
         _read_floor_pct(rec, model.config, new, None if scheme == "fp32" else scheme)
-        bound = _bound(rec, run, batch, new)
+        bound_note = _bound(rec, run, batch, new)
         for key in ("pct_read_floor", "read_floor_gbs", "read_floor_reader", "read_floor_readers_gbs", *BOUND_KEYS):
             cpu_bench.benchmark.extra_info[key] = rec.get(key)
         beside = ", ".join(f"{k} {v['tokens_per_s']:.0f}" for k, v in rec["baselines"].items() if "tokens_per_s" in v)
@@ -472,7 +472,7 @@ def test_tg128_cpu(cpu_bench, model, hf_model, batch: int, scheme: str, monkeypa
             f"\ntg{new} CPU B{batch}: {scheme} {rec['tokens_per_s']:.0f} tok/s, "
             f"{rec.get('pct_read_floor', float('nan')):.0f}% of the read floor "
             f"({rec['read_floor_gbs']:.1f} GB/s, {rec['read_floor_reader']}, same run); beside it (tok/s): {beside}"
-            f"{bound}"
+            f"{bound_note}"
         )
 
 
