@@ -27,7 +27,8 @@ time. The tg rows also say which resource bounds the step (``bound_by``): the re
 **compute floor** (``wiola.fast.speed.product_floor``: the products' multiply-adds at the rate the
 step's own kernels reach on weights in each core's L1, measured between and after the timed calls
 and kept at its best), whichever is longer; ``pct_roofline`` is that floor x the steps over the
-measured time. The prompt rows (``test_prefill_cpu``) are llama-bench's pp512: a 512-token prompt at batch 1 through ``wiola.fast`` in each prompt mode
+measured time. The prompt rows (``test_prefill_cpu``) are llama-bench's pp512: a 512-token
+prompt at batch 1 through ``wiola.fast`` in each prompt mode
 (``wiola.fast.prefill``: fp32 and bf16 products) and with bf16, int8 and int4 weights (whose
 prompt runs in fp32 on their dequantized values), beside wiola13m's forward of the same prompt.
 Each result records the CPU's model and flags, the ISA variant, the threads and the prompt mode
@@ -163,17 +164,15 @@ def _read_floor_pct(rec: dict, config: wiola.WiolaConfig, new: int, scheme: str 
         rec["pct_read_floor"] = 100.0 * (new - 1) * t_read / seconds
 
 
-def _bound(rec: dict, fn: Any, batch: int, new: int) -> str:
-    """Which resource bounds the step, into ``rec``: its compute floor (``product_floor``: the
-    products' multiply-adds at the in-cache rate of the step's own kernels, measured now) beside the
-    read floor (``_read_floor_pct``, already in ``rec``); ``bound_by`` names the longer of the two,
+def _bound(rec: dict, run: Any, batch: int, new: int) -> str:
+    """Which resource bounds the tg call ``run``'s step (``decoding_only``), into ``rec``: its
+    compute floor (``product_floor``: the products' multiply-adds at the in-cache rate of the step's
+    own kernels, the best of this process's measurements) beside the read floor
+    (``_read_floor_pct``, already in ``rec``); ``bound_by`` names the longer of the two,
     ``pct_roofline`` is (new − 1) steps at that floor over the measured time. The clause for the
-    printed line ("" where there is no C++ step or no time)."""
-    step = getattr(fn, "step", None)
-    t_read, seconds = rec.get("read_floor_s_per_step"), rec.get("time_s")
-    if step is None or t_read is None or not seconds:
-        return ""
-    compute = product_floor(step, batch)
+    printed line."""
+    t_read, seconds = rec["read_floor_s_per_step"], rec["time_s"]
+    compute = product_floor(run.step, batch)
     rec["compute_floor_s_per_step"] = compute["s"]
     rec["compute_floor_gmacs"] = compute["macs_per_s"] / 1e9
     rec.update(bound(t_read, compute["s"], new - 1, seconds))
@@ -210,11 +209,8 @@ def _record(
     rec.update(cpu[0])
     if not cpu_bench.quick and "tokens_per_s" in rec:
         _read_floor_pct(rec, config, new, scheme)
-        bound_note = _bound(rec, fn, batch, new)
-        for key in ("pct_read_floor", "read_floor_gbs", "read_floor_reader", "read_floor_readers_gbs", *BOUND_KEYS):
+        for key in ("pct_read_floor", "read_floor_gbs", "read_floor_reader", "read_floor_readers_gbs"):
             cpu_bench.benchmark.extra_info[key] = rec.get(key)
-    else:
-        bound_note = ""
     if not cpu_bench.quick:
         _summary(batch, name, rec)
         if scheme is not None:
@@ -229,7 +225,6 @@ def _record(
                 f"{'' if pct_read is None else f'{pct_read:.0f}% of the read floor ({reader}, same run), '}"
                 f"{'' if pct is None else f'{pct:.0f}% of the DRAM copy floor, '}"
                 f"{'' if pct_l3 is None else f'{pct_l3:.0f}% of its floor from L3, '}beside it (tok/s): {beside}"
-                f"{bound_note}"
             )
     return rec
 

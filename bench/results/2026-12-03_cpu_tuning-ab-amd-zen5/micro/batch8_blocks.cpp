@@ -5,12 +5,12 @@
 // g++ -O3 -fopenmp -ffp-contract=fast -std=c++17 -DWIOLA_ISA_AVX512 -mavx512f -mavx512bw -mavx2 -mfma
 //     -mtune=native -I <checkout root> batch8_blocks.cpp && N=1024 taskset -c 1 ./a.out
 #include "wiola/fast/decode_step_cpu.cpp"
-#include <chrono>
+#include "timing.h"
 #include <cstdio>
 #include <random>
 #include <vector>
 namespace {
-double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+using micro::best;
 template <typename T>
 __attribute__((noinline)) void cur(const T* W, const float* s, int64_t N, int64_t K, const float* x, float* y) {
   for (int64_t r = 0; r + 4 <= N; r += 4) {
@@ -25,12 +25,6 @@ __attribute__((noinline)) void nb8(const T* W, const float* s, int64_t N, int64_
     dot_block<2, 8>(W, s, K, x, K, y, N, r);
     dot_block<2, 8>(W, s, K, x, K, y, N, r + 2);
   }
-}
-template <typename F>
-double best(int reps, const F& f) {
-  double b = 1e9;
-  for (int i = 0; i < reps; ++i) { const double t = now(); f(); b = std::min(b, now() - t); }
-  return b;
 }
 }  // namespace
 int main() {

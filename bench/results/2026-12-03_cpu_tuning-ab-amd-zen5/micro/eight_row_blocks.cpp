@@ -1,11 +1,11 @@
 #include "wiola/fast/decode_step_cpu.cpp"  // g++ ... -I <the checkout root>
-#include <chrono>
+#include "timing.h"
 #include <cstdio>
 #include <vector>
 #include <random>
 #include <cstring>
 namespace {
-double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+using micro::now;
 
 template <typename P, int NR>
 __attribute__((noinline)) void block8(const uint8_t* W, const float* scale, int64_t K, const float* xt, float* y, int64_t r) {

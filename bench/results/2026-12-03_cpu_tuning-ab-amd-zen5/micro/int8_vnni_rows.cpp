@@ -7,23 +7,13 @@
 // g++ -O3 -fopenmp -ffp-contract=fast -std=c++17 -DWIOLA_ISA_AVX512 -mavx512f -mavx512bw -mavx512vl
 //     -mavx512vnni -mavx2 -mfma -mtune=native -I <checkout root> int8_vnni_rows.cpp && K=256 taskset -c 1 ./a.out
 #include "wiola/fast/decode_step_cpu.cpp"
-#include <chrono>
+#include "timing.h"
 #include <cstdio>
 #include <random>
 #include <vector>
 namespace {
-double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
-__attribute__((noinline)) __m512i xread(const void* data, int64_t n) {
-  const char* p = static_cast<const char*>(data);
-  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t i = 0; i < n; i += 256) {
-    a0 = _mm512_xor_si512(a0, _mm512_loadu_si512(p + i));
-    a1 = _mm512_xor_si512(a1, _mm512_loadu_si512(p + i + 64));
-    a2 = _mm512_xor_si512(a2, _mm512_loadu_si512(p + i + 128));
-    a3 = _mm512_xor_si512(a3, _mm512_loadu_si512(p + i + 192));
-  }
-  return _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3));
-}
+using micro::best;
+using micro::xread;
 __attribute__((noinline)) void int8_rows(const int8_t* W, const float* s, int64_t N, int64_t K, const float* x, float* y) {
   for (int64_t r = 0; r + 4 <= N; r += 4) {
     prefetch_block(reinterpret_cast<const char*>(W), K, r, N, false, 32);
@@ -70,12 +60,6 @@ __attribute__((noinline)) void vnni_rows(const int8_t* W, const float* s, int64_
     }
     }
   }
-}
-template <typename F>
-double best(int reps, const F& f) {
-  double b = 1e9;
-  for (int i = 0; i < reps; ++i) { const double t = now(); f(); b = std::min(b, now() - t); }
-  return b;
 }
 }  // namespace
 int main() {

@@ -4,23 +4,13 @@
 // g++ -O3 -fopenmp -ffp-contract=fast -std=c++17 -DWIOLA_ISA_AVX512 -mavx512f -mavx512bw -mavx2
 //     -mfma -mtune=native -I <checkout root> rows_vs_read.cpp && taskset -c 1 ./a.out
 #include "wiola/fast/decode_step_cpu.cpp"
-#include <chrono>
+#include "timing.h"
 #include <cstdio>
 #include <random>
 #include <vector>
 namespace {
-double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
-__attribute__((noinline)) __m512i xread(const void* data, int64_t n) {
-  const char* p = static_cast<const char*>(data);
-  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t i = 0; i < n; i += 256) {
-    a0 = _mm512_xor_si512(a0, _mm512_loadu_si512(p + i));
-    a1 = _mm512_xor_si512(a1, _mm512_loadu_si512(p + i + 64));
-    a2 = _mm512_xor_si512(a2, _mm512_loadu_si512(p + i + 128));
-    a3 = _mm512_xor_si512(a3, _mm512_loadu_si512(p + i + 192));
-  }
-  return _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3));
-}
+using micro::best;
+using micro::xread;
 // Rows in blocks of 4 as stream_rows takes them, the block `ahead` rows on prefetched (none if < 0).
 __attribute__((noinline)) void int8_rows(const int8_t* W, const float* s, int64_t N, int64_t K, const float* x, float* y,
                                          int64_t ahead) {
@@ -36,16 +26,6 @@ __attribute__((noinline)) void packed(const uint8_t* W, const float* s, int64_t 
     prefetch_block(reinterpret_cast<const char*>(W), rb, r, N, false, 8);
     packed_rows<P, 4>(W, s, K, xt, y, 0, 1, r);
   }
-}
-template <typename F>
-double best(int reps, const F& f) {
-  double b = 1e9;
-  for (int i = 0; i < reps; ++i) {
-    const double t = now();
-    f();
-    b = std::min(b, now() - t);
-  }
-  return b;
 }
 }  // namespace
 int main() {

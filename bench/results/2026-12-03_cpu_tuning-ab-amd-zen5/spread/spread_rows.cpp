@@ -6,13 +6,13 @@
 // g++ -O3 -fopenmp -ffp-contract=fast -std=c++17 -DWIOLA_ISA_AVX512 -mavx512f -mavx512bw -mavx2 -mfma
 //     -mtune=native -I <checkout root> spread_rows.cpp && N=32000 AHEAD=8 taskset -c 1 ./a.out
 #include "wiola/fast/decode_step_cpu.cpp"
-#include <chrono>
+#include "../micro/timing.h"
 #include <cstdio>
 #include <random>
 #include <vector>
 namespace {
+using micro::best;
 bool g_nt; int64_t g_ahead;
-double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 template <int NR, int NB, typename T>
 inline void dot_block_pf(const T* W, const float* scale, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy,
                       int64_t r, const char* pf) {
@@ -51,12 +51,6 @@ __attribute__((noinline)) vec fmapeak(int64_t n, vec a) {
   vec acc[12] = {};
   for (int64_t i = 0; i < n; ++i) for (int j = 0; j < 12; ++j) { acc[j] = acc[j] * a + a; WIOLA_PIN(acc[j]); }
   vec s = {}; for (int j = 0; j < 12; ++j) s += acc[j]; return s;
-}
-template <typename F>
-double best(int reps, const F& f) {
-  double b = 1e9;
-  for (int i = 0; i < reps; ++i) { const double t = now(); f(); b = std::min(b, now() - t); }
-  return b;
 }
 }  // namespace
 int main() {
