@@ -1,6 +1,7 @@
 """Two builds of the C++ step in one process, interleaved: the checkout's source against a patched
 copy (python ab_two_builds.py PATCHED.cpp int4 1 40, from the checkout root). Logits asserted
-bitwise equal first; then `rounds` rounds of 10 steps each, the order reversed every round, both
+bitwise equal first (with a fifth argument `close`, for a patch that changes the order of a sum:
+their largest difference printed instead); then `rounds` rounds of 10 steps each, the order reversed every round, both
 bindings over the same cache slots; medians printed."""
 
 import copy
@@ -17,6 +18,7 @@ from wiola.fast import decode_step_cpu as dsc
 from wiola.fast.quantize import quantize
 
 patched, scheme, batch, rounds = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+close = sys.argv[5:] == ["close"]
 dsc.load()
 dsc.SOURCE = patched
 lib_b = dsc._build(dsc._compiler(), dsc.select_isa())
@@ -33,7 +35,11 @@ with torch.no_grad():
     b = dsc.DecodeStepCPU(model, copy.deepcopy(cache))
     b.lib = lib_b
     tok = ids[:, -1].contiguous()
-    assert torch.equal(a(tok, 16), b(tok, 16)), "logits differ"
+    la, lb = a(tok, 16), b(tok, 16)
+    if close:
+        print(f"largest |difference| {(la - lb).abs().max().item():.3g}, largest |logit| {la.abs().max().item():.3g}")
+    else:
+        assert torch.equal(la, lb), "logits differ"
     times = {"old": [], "new": []}
     slot = 17
     for r in range(rounds):
