@@ -236,8 +236,8 @@ def group_table(records: Sequence[dict[str, Any]]) -> tuple[list[str], list[list
     """Header, rows and footnotes of the table of one op group.
 
     Columns: shape, dtype, implementation, our time (and tokens/s), achieved TFLOP/s and GB/s,
-    % of the roofline floor, % of the read floor where a record has one (its weight bytes read once
-    a step at the rate the same run read that many bytes: ``bench/test_decode_cpu.py``), what bounds
+    % of the roofline floor, % of the read floor where a record has one (a step's bytes read once a
+    step at the rate the same run read that many bytes: ``bench/test_decode_cpu.py``), what bounds
     the step where a record says (``bound_by``: the read floor or the compute floor, and the % of
     the larger reached: ``pct_roofline``), then one
     column per baseline: its time and ``ours N×`` (baseline time / our time: above 1 means ours is
@@ -508,8 +508,9 @@ def build_markdown(runs: Sequence[Run], out_path: str | Path, charts: dict[str, 
         "below was measured by `pytest bench/` (see `bench/README.md` for how each is timed and counted).",
         "`ours N×` = baseline time / our time (above 1: ours is faster). `% of floor` = the roofline time",
         "(from the matmul and copy ceilings measured in the same run) / the measured time; `% of read",
-        "floor` = the time to read the step's weight bytes once a token, at the rate the same run read",
-        "as many bytes, / the measured time (CPU decoding).",
+        "floor` = the time to read the step's bytes once a token (its weights, and from the records that",
+        "carry `read_floor_bytes` on, also the cache's keys and values its attention reads), at the rate",
+        "the same run read as many bytes, / the measured time (CPU decoding).",
         "",
     ]
     if all(group[0].device == "cpu" for group in groups.values()):

@@ -19,7 +19,8 @@ and in its notes).
 int4 (group-wise scales, ``wiola.fast.quantize``) joins int8 and bf16 in the quantized rows, with
 the int8 step timed beside it (goal at batch 1: int4 >= 1.6x int8 in the same run). Every
 quantized row and the fp32 row also report the **read floor**: the time PyTorch takes to read
-a matrix of the step's weight bytes once (the faster of its matrix-vector product and a plain
+a matrix of a step's bytes once (its weights, and the keys and values its attention reads from
+the cache, on average over the call: ``wiola.fast.speed.cache_bytes``; the faster of its matrix-vector product and a plain
 sum over the matrix; ``wiola.fast.speed.READERS``), measured in the same run and read between
 the timed calls (``wiola.fast.speed.read_floor``, as ``wiola bench`` does), beside the DRAM
 copy floor of ``bench.frame``; ``pct_read_floor`` is that time x the steps over the measured
@@ -58,7 +59,16 @@ import wiola
 from bench import roofline
 from bench.hf_baseline import hf_greedy, wiola13m_like
 from wiola.fast import decode_step_cpu
-from wiola.fast.speed import PRODUCT_BETWEEN, READS_BETWEEN, bound, decoding_only, product_floor, prompt_run, read_floor
+from wiola.fast.speed import (
+    PRODUCT_BETWEEN,
+    READS_BETWEEN,
+    bound,
+    cache_bytes,
+    decoding_only,
+    product_floor,
+    prompt_run,
+    read_floor,
+)
 
 PROMPT, NEW_TOKENS, SMOKE_TOKENS = 16, 128, 8
 PP, SMOKE_PP = 512, 32  # pp512: the prompt rows' length (the smoke run's)
@@ -132,12 +142,19 @@ def _cpu_notes(isa: str | None, path: str, scheme: str | None = None) -> tuple[d
     return info, [*notes, f"tuning: {tune}"]
 
 
-def _floor_reads(config: wiola.WiolaConfig, scheme: str | None, run: Any = None, batch: int = 1) -> Any:
-    """Reads of the step's weight bytes for ``Bench.run``'s ``between``: ``READS_BETWEEN`` after each
-    timed call, so that the floor is read at the same moments of a shared machine as the step; with
-    a tg call ``run`` (its ``step``), the compute floor's products too (``product_floor``, which
-    keeps its best, as ``read_floor`` does)."""
-    nbytes = roofline.weight_bytes(config, scheme)
+def _read_bytes(config: wiola.WiolaConfig, scheme: str | None, batch: int, new: int) -> int:
+    """The bytes a step of a ``new``-token call after the ``PROMPT``-token prompt reads: its weights
+    (``roofline.weight_bytes``) and, on average over the call's steps, the cache's keys and values
+    (``speed.cache_bytes``)."""
+    return roofline.weight_bytes(config, scheme) + cache_bytes(config, batch, PROMPT, new)
+
+
+def _floor_reads(config: wiola.WiolaConfig, scheme: str | None, batch: int, new: int, run: Any = None) -> Any:
+    """Reads of a step's bytes (``_read_bytes``) for ``Bench.run``'s ``between``: ``READS_BETWEEN``
+    after each timed call, so that the floor is read at the same moments of a shared machine as the
+    step; with a tg call ``run`` (its ``step``), the compute floor's products too
+    (``product_floor``, which keeps its best, as ``read_floor`` does)."""
+    nbytes = _read_bytes(config, scheme, batch, new)
     step = getattr(run, "step", None)
 
     def between() -> None:
@@ -148,13 +165,15 @@ def _floor_reads(config: wiola.WiolaConfig, scheme: str | None, run: Any = None,
     return between
 
 
-def _read_floor_pct(rec: dict, config: wiola.WiolaConfig, new: int, scheme: str | None) -> None:
-    """``rec['pct_read_floor']``: (new − 1) steps each reading the step's weight bytes once at the
-    measured read rate (the best of this process's reads of that size, those between the timed calls
-    included), over the measured time (the prompt's cost left in the time: a lower bound)."""
-    nbytes = roofline.weight_bytes(config, scheme)
+def _read_floor_pct(rec: dict, config: wiola.WiolaConfig, batch: int, new: int, scheme: str | None) -> None:
+    """``rec['pct_read_floor']``: (new − 1) steps each reading a step's bytes (``_read_bytes``: the
+    weights and the cache's keys and values) once at the measured read rate (the best of this
+    process's reads of that size, those between the timed calls included), over the measured time
+    (the prompt's cost left in the time: a lower bound)."""
+    nbytes = _read_bytes(config, scheme, batch, new)
     read = read_floor(nbytes)
     t_read = read["s"]
+    rec["read_floor_bytes"] = nbytes
     rec["read_floor_s_per_step"] = t_read
     rec["read_floor_gbs"] = nbytes / t_read / 1e9
     rec["read_floor_reader"] = read["reader"]
@@ -183,6 +202,7 @@ def _bound(rec: dict, run: Any, batch: int, new: int) -> str:
     )
 
 
+READ_KEYS = ("pct_read_floor", "read_floor_bytes", "read_floor_gbs", "read_floor_reader", "read_floor_readers_gbs")
 BOUND_KEYS = ("compute_floor_s_per_step", "compute_floor_gmacs", "bound_by", "pct_roofline")
 
 
@@ -203,13 +223,13 @@ def _record(
         tokens=batch * new,
         baselines=baselines,
         notes=notes + cpu[1],
-        between=_floor_reads(config, scheme),
+        between=_floor_reads(config, scheme, batch, new),
     )
     cpu_bench.benchmark.extra_info.update(cpu[0])
     rec.update(cpu[0])
     if not cpu_bench.quick and "tokens_per_s" in rec:
-        _read_floor_pct(rec, config, new, scheme)
-        for key in ("pct_read_floor", "read_floor_gbs", "read_floor_reader", "read_floor_readers_gbs"):
+        _read_floor_pct(rec, config, batch, new, scheme)
+        for key in READ_KEYS:
             cpu_bench.benchmark.extra_info[key] = rec.get(key)
     if not cpu_bench.quick:
         _summary(batch, name, rec)
@@ -449,18 +469,19 @@ def test_tg128_cpu(cpu_bench, model, hf_model, batch: int, scheme: str, monkeypa
         tokens=batch * new,
         baselines=baselines,
         notes=[
-            f"tg{new}: 13m preset, random weights, {scheme} weights ({weights / 1e6:.1f} MB read a step), "
+            f"tg{new}: 13m preset, random weights, {scheme} weights ({weights / 1e6:.1f} MB read a step, and "
+            f"{cache_bytes(model.config, batch, PROMPT, new) / 1e6:.1f} MB of the cache's keys and values on average), "
             f"after a {PROMPT}-token prompt whose prefill is not timed; tokens identical to generate's",
             *cpu[1],
         ],
-        between=_floor_reads(model.config, None if scheme == "fp32" else scheme, run, batch),
+        between=_floor_reads(model.config, None if scheme == "fp32" else scheme, batch, new, run),
     )
     cpu_bench.benchmark.extra_info.update(cpu[0])
     rec.update(cpu[0])
     if not cpu_bench.quick and "tokens_per_s" in rec:
-        _read_floor_pct(rec, model.config, new, None if scheme == "fp32" else scheme)
+        _read_floor_pct(rec, model.config, batch, new, None if scheme == "fp32" else scheme)
         bound_note = _bound(rec, run, batch, new)
-        for key in ("pct_read_floor", "read_floor_gbs", "read_floor_reader", "read_floor_readers_gbs", *BOUND_KEYS):
+        for key in (*READ_KEYS, *BOUND_KEYS):
             cpu_bench.benchmark.extra_info[key] = rec.get(key)
         beside = ", ".join(f"{k} {v['tokens_per_s']:.0f}" for k, v in rec["baselines"].items() if "tokens_per_s" in v)
         print(

@@ -20,6 +20,7 @@ import torch
 
 from wiola import WiolaConfig
 from wiola.cli import main
+from wiola.cli.bench import TG_PROMPT
 from wiola.fast import WiolaModel, decode_step_cpu, speed
 from wiola.fast.quantize import quantize
 
@@ -76,8 +77,9 @@ def test_json_rows_for_every_form(step_available, checkpoint):
         assert r["tok_s"] > 0 and r["seconds"] > 0, r
         # of an odd count of reps, the median rate is the median time's
         assert r["tok_s"] == pytest.approx(r["tokens"] / r["seconds"], rel=1e-12), r
-        if r["test"] == "tg5":  # 4 steps each reading the weights once at the measured rate
-            read_s = r["bytes"] / (r["read_floor_gbs"] * 1e9)
+        if r["test"] == "tg5":  # 4 steps each reading the weights and the cache once at the measured rate
+            assert r["read_bytes"] == r["bytes"] + speed.cache_bytes(SMALL, 1, TG_PROMPT, 5), r
+            read_s = r["read_bytes"] / (r["read_floor_gbs"] * 1e9)
             assert r["pct_read_floor"] == pytest.approx(100 * 4 * read_s / r["seconds"], rel=1e-9), r
             assert r["read_floor_reader"] in speed.READERS
             # the compute floor: the step's multiply-adds at the measured in-cache rate
@@ -171,6 +173,32 @@ def test_bound_names_the_longer_floor(read_s, compute_s, by, pct):
     """4 steps in 10 s: the longer floor bounds them (a tie goes to reading), and 4 steps at it
     over 10 s is the share of it reached."""
     assert speed.bound(read_s, compute_s, 4, 10.0) == {"bound_by": by, "pct_roofline": pytest.approx(pct)}
+
+
+@pytest.mark.parametrize(("batch", "prompt", "new"), [(1, 16, 5), (3, 6, 9), (2, 1, 2)])
+def test_cache_bytes_count_the_slots_the_steps_attend(step_available, batch, prompt, new):
+    """``speed.cache_bytes`` is the mean, over a real tg call's steps, of the keys' and values'
+    bytes each step's attention reads: counted here from the cache after the call (each row's real
+    slots, from ``n_real``) and the bound buffers' own shapes and widths, a step at a time."""
+    model = WiolaModel(SMALL).eval().requires_grad_(False)
+    ids = torch.randint(0, SMALL.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(5))
+    run = speed.decoding_only(model, ids, new)
+    run()
+    state = {name: t for (name, _, _), t in zip(decode_step_cpu.layout.STATE, run.step.state, strict=True)}
+    k, v = state["k"], state["v"]
+    L, R, H, S, D = k.shape
+    slot_bytes = L * H * D * (k.element_size() + v.element_size())  # one slot of one row, every layer
+    end = state["n_real"].tolist()  # each row's slots after the call: the prompt and new - 1 steps
+    assert end == [prompt + new - 1] * batch
+    read = [sum(slots for _ in range(batch)) * slot_bytes for slots in range(prompt + 1, end[0] + 1)]
+    assert len(read) == new - 1
+    assert speed.cache_bytes(SMALL, batch, prompt, new) == sum(read) // len(read)
+
+
+def test_cache_bytes_refuses_bad_sizes():
+    assert speed.cache_bytes(SMALL, 2, 16, 1) == 0  # one token: no step
+    with pytest.raises(ValueError, match="batch=0 must be at least 1"):
+        speed.cache_bytes(SMALL, 0, 16, 5)
 
 
 def test_decoding_only_repeats_generate(step_available):

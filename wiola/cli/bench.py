@@ -1,7 +1,7 @@
 """``wiola bench``: how fast a model decodes on this CPU in each weight form, as llama.cpp's
 ``llama-bench`` reports it: pp<P> (a P-token prompt, the logits of its last position) and tg<N>
 (N greedy tokens after a 16-token prompt whose prefill is not timed), in tokens a second, each tg
-row beside the read floor of its weights (``wiola.fast.speed``), read between its timed calls so
+row beside the read floor of its weights and cache (``wiola.fast.speed``), read between its timed calls so
 that both see the same moments of a machine whose caches other programs share, and beside the
 compute floor (the products' multiply-adds at the in-cache rate of the step's kernels): the longer
 of the two names what bounds the step.
@@ -173,6 +173,8 @@ def _bench(args: argparse.Namespace) -> int:
                 raise RuntimeError(f"the C++ step does not run this model's {form} weights: {path}")
             step = tg.step if tg is not None else decode_step_cpu.DecodeStepCPU(model, model.new_cache(B, 1))
             nbytes = speed.step_bytes(step)
+            # A tg step reads its weights and the cache's keys and values (the mean over the call).
+            read_bytes = nbytes + speed.cache_bytes(base.config, B, TG_PROMPT, args.new_tokens)
             if pp_ids is not None:
                 bar.set_description(f"{form} {pp_test}")
                 times = _timed(speed.prompt_run(model, pp_ids), args.reps, bar)
@@ -187,14 +189,15 @@ def _bench(args: argparse.Namespace) -> int:
 
                 # The floors' reads and products between the timed calls, so that they see the same
                 # moments of a shared machine as the step; each floor is the best of them all.
-                def between(n: int = nbytes, step: Any = step) -> None:
+                def between(n: int = read_bytes, step: Any = step) -> None:
                     speed.read_floor(n, speed.READS_BETWEEN)
                     speed.product_floor(step, B, speed.PRODUCT_BETWEEN)
 
                 times = _timed(tg, args.reps, bar, between)
                 row = _row(model_name, form, nbytes, tg_test, B * args.new_tokens, times)
-                read = speed.read_floor(nbytes, 1)
-                row["read_floor_gbs"] = nbytes / read["s"] / 1e9
+                read = speed.read_floor(read_bytes, 1)
+                row["read_bytes"] = read_bytes
+                row["read_floor_gbs"] = read_bytes / read["s"] / 1e9
                 row["read_floor_reader"] = read["reader"]
                 row["pct_read_floor"] = 100.0 * (args.new_tokens - 1) * read["s"] / row["seconds"]
                 compute = speed.product_floor(step, B)
@@ -213,7 +216,8 @@ def _bench(args: argparse.Namespace) -> int:
         print(
             f"\n{cpu['name']}, {torch.get_num_threads()} threads; t/s: median of {args.reps} ± their standard "
             "deviation; tg after a 16-token prompt, not timed; % of read floor: the tg call's steps each reading "
-            "the weights once at the best rate this process read as many bytes between the timed calls; bound "
+            "the weights and the cache's keys and values once at the best rate this process read as many bytes "
+            "between the timed calls; bound "
             "by: the longer of that read floor and the compute floor (the products' multiply-adds at the rate "
             "the step's own kernels reach on weights in each core's L1), and the % of it reached"
         )
