@@ -20,8 +20,8 @@ int4 (group-wise scales, ``wiola.fast.quantize``) joins int8 and bf16 in the qua
 the int8 step timed beside it (goal at batch 1: int4 >= 1.6x int8 in the same run). Every
 quantized row and the fp32 row also report the **read floor**: the time PyTorch takes to read
 a matrix of a step's bytes once (its weights, and the keys and values its attention reads from
-the cache, on average over the call: ``wiola.fast.speed.cache_bytes``; the faster of its matrix-vector product and a plain
-sum over the matrix; ``wiola.fast.speed.READERS``), measured in the same run and read between
+the cache, on average over the call: ``wiola.fast.speed.cache_bytes``; the faster of its
+matrix-vector product and a plain sum over the matrix; ``wiola.fast.speed.READERS``), measured in the same run and read between
 the timed calls (``wiola.fast.speed.read_floor``, as ``wiola bench`` does), beside the DRAM
 copy floor of ``bench.frame``; ``pct_read_floor`` is that time x the steps over the measured
 time. The tg rows also say which resource bounds the step (``bound_by``): the read floor or the

@@ -190,7 +190,7 @@ def test_cache_bytes_count_the_slots_the_steps_attend(step_available, batch, pro
     slot_bytes = L * H * D * (k.element_size() + v.element_size())  # one slot of one row, every layer
     end = state["n_real"].tolist()  # each row's slots after the call: the prompt and new - 1 steps
     assert end == [prompt + new - 1] * batch
-    read = [sum(slots for _ in range(batch)) * slot_bytes for slots in range(prompt + 1, end[0] + 1)]
+    read = [batch * slots * slot_bytes for slots in range(prompt + 1, end[0] + 1)]  # step j: slots 0 … prompt + j
     assert len(read) == new - 1
     assert speed.cache_bytes(SMALL, batch, prompt, new) == sum(read) // len(read)
 

@@ -1,8 +1,8 @@
 """``wiola bench``: how fast a model decodes on this CPU in each weight form, as llama.cpp's
 ``llama-bench`` reports it: pp<P> (a P-token prompt, the logits of its last position) and tg<N>
 (N greedy tokens after a 16-token prompt whose prefill is not timed), in tokens a second, each tg
-row beside the read floor of its weights and cache (``wiola.fast.speed``), read between its timed calls so
-that both see the same moments of a machine whose caches other programs share, and beside the
+row beside the read floor of its weights and cache (``wiola.fast.speed``), read between its timed
+calls so that both see the same moments of a machine whose caches other programs share, and beside the
 compute floor (the products' multiply-adds at the in-cache rate of the step's kernels): the longer
 of the two names what bounds the step.
 

@@ -16,8 +16,8 @@
   attention reads from the decoding cache, on average over the call's steps), measured in the same
   process as the best of plain reads of an fp32 matrix of that many bytes (``read_floor``). A step
   cannot take less time than reading those bytes once, so (N - 1) read times over a tg call's time
-  is the share of that floor it reaches. Both ``wiola bench`` and the benchmark suite read it between the timed calls
-  (``READS_BETWEEN`` reads after each).
+  is the share of that floor it reaches. Both ``wiola bench`` and the benchmark suite read it
+  between the timed calls (``READS_BETWEEN`` reads after each).
 """
 
 from __future__ import annotations
