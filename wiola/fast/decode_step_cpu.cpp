@@ -641,7 +641,10 @@ inline void packed_fma_rows(const uvec* lanes, const float* xt, int64_t ldx, vec
 template <typename P, int NR, int NB>
 constexpr bool kShareX = NR * NB * (Packed<P>::kScaled ? 2 : 1) + NR + NB + 1 <= (kLanes >= 16 ? 32 : 16);
 
-// Rows [r, r + NR) of NB batch rows; xt: transpose's x (stride ldx).
+// Rows [r, r + NR) of NB batch rows; xt: transpose's x (stride ldx). Each chunk's lanes are loaded
+// once into a register (pinned): left to itself GCC folds the load into each part's operation, so
+// the bf16 mask and shift read every chunk twice, and the bf16 step at batch 1 ran 1.04-1.06x
+// faster pinned (1.04x at batch 8; AMD EPYC Zen 5, interleaved, logits bitwise the same).
 template <typename P, int NR, int NB>
 inline void packed_block(const uint8_t* W, const float* scale, int64_t K, const float* xt, int64_t ldx, float* y,
                          int64_t ldy, int64_t r) {
@@ -651,8 +654,10 @@ inline void packed_block(const uint8_t* W, const float* scale, int64_t K, const 
   for (int64_t c = 0; c < full; c += chunk) {
     if constexpr (kShareX<P, NR, NB>) {
       uvec lanes[NR];
-      for (int i = 0; i < NR; ++i)
+      for (int i = 0; i < NR; ++i) {
         std::memcpy(&lanes[i], W + (r + i) * row_bytes + Packed<P>::row_bytes(c), sizeof(lanes[i]));
+        WIOLA_PIN(lanes[i]);
+      }
       if constexpr (Packed<P>::kScaled) {
         vec sum[NR][NB] = {};
         packed_fma_rows<P, 0, NR, NB>(lanes, xt + c, ldx, sum);
@@ -668,6 +673,7 @@ inline void packed_block(const uint8_t* W, const float* scale, int64_t K, const 
     for (int i = 0; i < NR; ++i) {
       uvec lanes;
       std::memcpy(&lanes, W + (r + i) * row_bytes + Packed<P>::row_bytes(c), sizeof(lanes));
+      WIOLA_PIN(lanes);
       if constexpr (Packed<P>::kScaled) {
         vec sum[NB] = {};
         packed_fma<P, 0, NB>(lanes, xt + c, ldx, sum);
