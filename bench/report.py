@@ -250,6 +250,8 @@ def group_table(records: Sequence[dict[str, Any]]) -> tuple[list[str], list[list
                 baselines.append(name)
     read = any("pct_read_floor" in r for r in records)
     bound = any("bound_by" in r for r in records)
+    if bound:  # torch comes with it: imported only for the tables that need it
+        from wiola.fast.speed import bound_label
     header = [
         "shape",
         "dtype",
@@ -278,11 +280,7 @@ def group_table(records: Sequence[dict[str, Any]]) -> tuple[list[str], list[list
             row.append(fmt_pct(r["pct_read_floor"]) if timed and "pct_read_floor" in r else "—")
         if bound:
             by = r.get("bound_by")
-            row.append(
-                f"{'read' if by == 'reading the weights' else 'compute'} ({fmt_pct(r['pct_roofline'])})"
-                if timed and by
-                else "—"
-            )
+            row.append(f"{bound_label(by)} ({fmt_pct(r['pct_roofline'])})" if timed and by else "—")
         row += [_baseline_cell(r, _baseline(r, name), notes) for name in baselines]
         rows.append(row)
     return header, rows, notes

@@ -201,6 +201,12 @@ def test_cache_bytes_refuses_bad_sizes():
         speed.cache_bytes(SMALL, 0, 16, 5)
 
 
+def test_bound_label_names_only_the_two_bounds():
+    assert [speed.bound_label(b) for b in (speed.BOUND_READ, speed.BOUND_COMPUTE)] == ["read", "compute"]
+    with pytest.raises(ValueError, match="bound_by='the cache'"):
+        speed.bound_label("the cache")
+
+
 def test_decoding_only_repeats_generate(step_available):
     """Each tg call starts again from the prefill's cache: the same tokens as ``generate``, every call."""
     torch.manual_seed(0)

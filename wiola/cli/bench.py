@@ -120,7 +120,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         pct = f"{r['pct_read_floor']:.0f}%" if "pct_read_floor" in r else "—"
         by = "—"
         if "bound_by" in r:
-            by = f"{'read' if r['bound_by'] == speed.BOUND_READ else 'compute'} ({r['pct_roofline']:.0f}%)"
+            by = f"{speed.bound_label(r['bound_by'])} ({r['pct_roofline']:.0f}%)"
         lines.append(
             f"| {r['model']} | {r['weights']} | {r['bytes'] / 1e6:.1f} MB | {r['batch']} | {r['test']} | "
             f"{r['tok_s']:,.0f} ± {r['tok_s_stdev']:,.0f} | {pct} | {by} |"

@@ -126,7 +126,18 @@ def product_floor(step: Any, batch: int, repeats: int = PRODUCT_REPEATS) -> dict
     return {"s": step_macs(config, batch) / rate, "macs_per_s": rate, "threads": nth}
 
 
+# What bounds a step (``bound``). The read floor counts the cache's keys and values too (records with
+# ``read_floor_bytes``); the name stays as recorded since the first results, so that they compare.
 BOUND_READ, BOUND_COMPUTE = "reading the weights", "the multiply-adds"
+_BOUND_LABELS = {BOUND_READ: "read", BOUND_COMPUTE: "compute"}
+
+
+def bound_label(bound_by: str) -> str:
+    """A ``bound_by`` as a table cell names it: ``"read"`` or ``"compute"``; ``ValueError`` for any
+    other value."""
+    if bound_by not in _BOUND_LABELS:
+        raise ValueError(f"bound_by={bound_by!r} is neither {BOUND_READ!r} nor {BOUND_COMPUTE!r}")
+    return _BOUND_LABELS[bound_by]
 
 
 def bound(read_s: float, compute_s: float, steps: int, seconds: float) -> dict[str, Any]:
