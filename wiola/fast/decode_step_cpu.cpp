@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <thread>
 #include <type_traits>
 #if defined(WIOLA_ISA_AVX512) || defined(WIOLA_ISA_AVX2)
 #include <immintrin.h>
@@ -416,7 +417,9 @@ inline int64_t blocks_end(uint64_t v) { return static_cast<int64_t>(v & 0xffffff
 struct Shares {
   Share* slots = nullptr;
   int nth = 1;
-  static constexpr int64_t kChunkBytes = 16 << 10;  // the least claimed at a time, and stolen whole
+  // The least claimed at a time, and stolen whole. (64 KB, which splits the 13m preset's small
+  // int8 and bf16 products statically, was level with 16 on the Zen 5 VM: 0.98-1.02x.)
+  static constexpr int64_t kChunkBytes = 16 << 10;
 
   void init(int64_t p, int64_t N) {
     const int64_t blocks = (N + 3) / 4;
@@ -473,6 +476,56 @@ struct Shares {
       while (claim(mine, chunk, first, end, share_end))
         body(first * 4, std::min(end * 4, N), std::min(share_end * 4, N));
     } while (steal(p, tid, chunk, mine));
+  }
+};
+
+// ---- the step's barrier ------------------------------------------------------------------------
+// Thread t of the step's region counts the barriers it has reached in arrivals[t], a cache line
+// of its own, and waits until every other thread's count has reached its own: one line each way
+// between two threads. In a loop of barriers alone on two cores of the Zen 5 VM it took 37-230 ns
+// a barrier, libgomp's `omp barrier` 190-420 ns in the same runs (the range is where the host
+// placed the two vCPUs); the step passes 9 a layer. Each thread reads every other's line, so above kFlagThreads threads (more than
+// were measured) the step keeps `omp barrier`. A thread that has looked kSpins times yields its
+// core at each further look, so that a thread it waits on that shares its core (more threads
+// than cores: other processes, or a test's thread counts) gets to run. In the 13m step, against
+// `omp barrier` on the Zen 5 VM: 1.02-1.08x at batch 1 (int8, bf16, int4; fp32 1.01x), batch 8
+// 0.97-1.04x; 4 threads on its 2 cores 0.61-0.82 ms a step against 0.99-1.02 ms.
+struct alignas(64) Arrival {
+  std::atomic<int64_t> reached{0};
+};
+constexpr int kFlagThreads = 8;
+constexpr int kSpins = 256;
+
+inline void spin_pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// One thread's view of a region's barrier: arrivals (nth of them, 0 when the region starts).
+struct Barrier {
+  Arrival* arrivals;
+  int tid, nth;
+  int64_t reached = 0;
+
+  void wait() {
+    if (nth > kFlagThreads) {
+#pragma omp barrier
+      return;
+    }
+    ++reached;
+    arrivals[tid].reached.store(reached, std::memory_order_release);
+    for (int u = 0; u < nth; ++u) {
+      if (u == tid) continue;
+      for (int looks = 0; arrivals[u].reached.load(std::memory_order_acquire) < reached; ++looks) {
+        if (looks < kSpins)
+          spin_pause();
+        else
+          std::this_thread::yield();
+      }
+    }
   }
 };
 
@@ -887,6 +940,7 @@ struct Step {
   Workspace ws;
   float* logits;
   Shares shares;
+  Arrival* arrivals = nullptr;
 
   Step(const int64_t* n, const void* const* w, const float* const* sc, void* const* state, int64_t b,
        const int64_t* rows_, const int64_t* tokens_, const int64_t* slots_, float eps_, float* logits_, float* work)
@@ -922,18 +976,28 @@ struct Step {
     share_product(shares, p, mat(slot), scales[slot], product_rows(p), K, x, ldx, y, ldy, B, tid, stream, ahead);
   }
 
-  // Every product's shares for nth threads, in this thread's buffer (grown, never shrunk).
-  void init_shares(int nth) {
+  // Every product's shares for nth threads, in this thread's buffer (grown, never shrunk), and the
+  // barrier's arrivals, at 0. (Each thread storing its own shares at the start of the region
+  // instead, so that its claims find their lines in its own cache, ran 0.98-0.99x on the Zen 5 VM.)
+  void init_region(int nth) {
     static thread_local std::unique_ptr<Share[]> buffer;
     static thread_local int64_t size = 0;
+    static thread_local std::unique_ptr<Arrival[]> arrived;
+    static thread_local int size_arrived = 0;
     const int64_t need = (kProducts * L + 1) * nth;
     if (size < need) {
       buffer.reset(new Share[need]);
       size = need;
     }
+    if (size_arrived < nth) {
+      arrived.reset(new Arrival[nth]);
+      size_arrived = nth;
+    }
     shares.slots = buffer.get();
     shares.nth = nth;
     for (int64_t p = 0; p <= kProducts * L; ++p) shares.init(p, product_rows(p));
+    arrivals = arrived.get();
+    for (int t = 0; t < nth; ++t) arrivals[t].reached.store(0, std::memory_order_relaxed);
   }
 
   // The residual stream from the embedding, the rotation tables at the row's position (fp32
@@ -1094,33 +1158,37 @@ struct Step {
   }
 
   // One layer in the threads of the parallel region: products split by output rows, per-row
-  // work split by rows, a barrier wherever the next part reads what other threads wrote.
-  void layer(int64_t l, int tid, int nth) {
+  // work split by rows, a barrier (Barrier) wherever the next part reads what other threads
+  // wrote. Six would do, with every thread computing each row's norms into its own h and x and
+  // the gate beside each (row, head) pair's attention: with libgomp's barriers that ran the 13m
+  // step 1.00-1.06x faster on the Zen 5 VM, with these it was level (0.99-1.01x at batch 1 and 8).
+  void layer(int64_t l, Barrier& bar) {
+    const int tid = bar.tid, nth = bar.nth;
     const int64_t first = l * kProducts;  // this layer's first product
     for (int j = 0; j < 3; ++j) product(first + j, at(l, kWq + j), d, ws.x, d, ws.qkv + j * d, 3 * d, tid);
-#pragma omp barrier
+    bar.wait();
     for (int64_t i = tid; i < B; i += nth) {
       gate_row(l, i);
       cache_write_row(l, i);
     }
-#pragma omp barrier
+    bar.wait();
     for (int64_t p = tid; p < B * H; p += nth) attention_row(l, p, p + nth < B * H ? p + nth : -1);
-#pragma omp barrier
+    bar.wait();
     product(first + 3, at(l, kWo), d, ws.o, d, ws.qkv, 3 * d, tid);
-#pragma omp barrier
+    bar.wait();
     for (int64_t i = tid; i < B; i += nth) residual_norm_row(i, ws.qkv, 3 * d, vec(at(l, kFfnNorm)));
-#pragma omp barrier
+    bar.wait();
     product(first + 4, at(l, kWUp), d, ws.x, d, ws.up, 2 * F, tid);
     product(first + 5, at(l, kWBp), d, ws.x, d, ws.bp, F, tid);
-#pragma omp barrier
+    bar.wait();
     butterfly_share(tid, nth);
-#pragma omp barrier
+    bar.wait();
     product(first + 6, at(l, kWDown), F, ws.up, 2 * F, ws.qkv, 3 * d, tid);
-#pragma omp barrier
+    bar.wait();
     // h'' = h' + y; x = RMSNorm(h'') with the next layer's γ (the final norm after the last).
     const float* next_gamma = l + 1 < L ? vec(at(l + 1, kAttnNorm)) : vec(kFinalNorm);
     for (int64_t i = tid; i < B; i += nth) residual_norm_row(i, ws.qkv, 3 * d, next_gamma);
-#pragma omp barrier
+    bar.wait();
   }
 
   // The tied head, logits = x Eᵀ, streamed past the last-level cache where chosen (see prefetch_block).
@@ -1132,14 +1200,15 @@ struct Step {
   }
 
   void layers_and_head(int tid, int nth) {
-    for (int64_t l = 0; l < L; ++l) layer(l, tid, nth);
+    Barrier bar{arrivals, tid, nth};
+    for (int64_t l = 0; l < L; ++l) layer(l, bar);
     head(tid);
   }
 
   void run() {
     for (int64_t i = 0; i < B; ++i) begin_row(i);
     const int nth = threads_for(matrix_bytes(), bytes_per_thread);
-    init_shares(nth);
+    init_region(nth);
     parallel(nth, [this](int tid, int nth) { layers_and_head(tid, nth); });
     for (int64_t i = 0; i < B; ++i) n_real[rows[i]] += 1;
   }
