@@ -34,6 +34,7 @@ with torch.no_grad():
     a = dsc.DecodeStepCPU(model, copy.deepcopy(cache))
     b = dsc.DecodeStepCPU(model, copy.deepcopy(cache))
     b.lib = lib_b
+    b.work = torch.empty(lib_b.wiola_workspace_floats(b.dims), dtype=torch.float32)  # a patch may change its size
     tok = ids[:, -1].contiguous()
     la, lb = a(tok, 16), b(tok, 16)
     if close:
