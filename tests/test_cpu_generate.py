@@ -113,11 +113,12 @@ def test_loop_is_one_call_per_chunk(monkeypatch):
     assert out[0, 3:].tolist() == [first] + [1] * 29 and calls == [(0, 30)]
 
 
-@pytest.mark.parametrize("V", [5, 16, 203, 32000])
+@pytest.mark.parametrize("V", [5, 16, 70, 203, 32000])
 def test_greedy_choice_equals_torch_argmax(V, isa):
     """Greedy rows take torch.argmax's token: the first NaN where there is one (in the vector part
-    or the last V % lanes elements), else the first maximum, -0.0 and 0.0 counted equal, a row of
-    -inf giving 0; rows narrower than a vector and a vocabulary's width included."""
+    or the last V % (4 · lanes) elements), else the first maximum (also where a later set of lanes
+    holds it at a lower index than the first set), -0.0 and 0.0 counted equal, a row of -inf giving
+    0; rows narrower than a vector and a vocabulary's width included."""
     lib = decode_step_cpu.load(isa)
     gen = torch.Generator().manual_seed(V)
     rows = [torch.randn(V, generator=gen) for _ in range(4)]
@@ -129,7 +130,7 @@ def test_greedy_choice_equals_torch_argmax(V, isa):
     for at in sorted({0, V // 3, V - 1}):
         r = torch.randn(V, generator=gen)
         r[at] = float("nan")
-        for later in (at + 2, at + 16):  # another lane; the same lane of every ISA variant
+        for later in (at + 2, at + 16, at + 64):  # another lane; the same lane of every ISA variant, and of its next set
             if later < V:
                 r[later] = float("nan")
         rows.append(r)
@@ -138,6 +139,9 @@ def test_greedy_choice_equals_torch_argmax(V, isa):
     late = torch.randn(V, generator=gen)
     late[-1] = 100.0
     rows.append(late)
+    two = torch.zeros(V)  # the maximum at 50 (the fourth set of 16 lanes) and at 64 (the next pass's first)
+    two[[min(V - 1, 64), min(V - 1, 50)]] = 1.0
+    rows.append(two)
     logits = torch.stack(rows).contiguous()
     samplers = decode_step_cpu.Samplers(len(rows), V, 1)
     samplers.mode.fill_(decode_step_cpu.MODE["greedy"])

@@ -1393,35 +1393,48 @@ struct PromptAttention {
 enum SampleMode { kGreedy, kSample, kModeCaller };
 
 // torch.argmax's choice: the first NaN if there is one, else the first maximum. One vector pass
-// keeps each lane's maximum with the first index holding it and the lane's first NaN; the lanes
-// are merged after (the smallest index among those holding the maximum), the last n % kLanes
-// elements taken one by one, so the result is the scalar loop's, without its chain from one
-// element to the next. Vocabularies of 2^31 or more go through the scalar loop.
+// in kArgmaxSets interleaved sets of lanes keeps each lane's maximum with the first index holding
+// it and the lane's first NaN; the lanes are merged after (the smallest index among those holding
+// the maximum), the last n % (kArgmaxSets·kLanes) elements taken one by one, so the result is the
+// scalar loop's, without its chain from one element to the next. (One set chained each vector's
+// compare on the last: about 4.6 us a greedy step over the 13m preset's 32,000 logits on the
+// Zen 5 VM.) Vocabularies of 2^31 or more go through the scalar loop.
+constexpr int kArgmaxSets = 4;
+
 inline int64_t argmax_first(const float* x, int64_t n) {
   typedef int32_t ivec __attribute__((vector_size(4 * kLanes)));
+  constexpr int64_t kStride = kArgmaxSets * kLanes;
+  constexpr int32_t none = INT32_MAX;
   int64_t best = 0, j = 0;
-  if (n >= kLanes && n < (int64_t{1} << 31)) {
-    vec mx = load(x);
-    ivec at, lane, nan_at;
-    for (int u = 0; u < kLanes; ++u) lane[u] = at[u] = u;
-    const int32_t none = INT32_MAX;
-    nan_at = ivec{} + none;
-    nan_at = mx != mx ? at : nan_at;
-    for (j = kLanes; j + kLanes <= n; j += kLanes) {
-      const vec v = load(x + j);
-      const ivec here = lane + static_cast<int32_t>(j);
-      nan_at = (v != v) & (nan_at == none) ? here : nan_at;
-      at = v > mx ? here : at;
-      mx = v > mx ? v : mx;
+  if (n >= kStride && n < (int64_t{1} << 31)) {
+    vec mx[kArgmaxSets];
+    ivec at[kArgmaxSets], nan_at[kArgmaxSets], lane;
+    for (int u = 0; u < kLanes; ++u) lane[u] = u;
+    for (int s = 0; s < kArgmaxSets; ++s) {
+      mx[s] = load(x + s * kLanes);
+      at[s] = lane + s * kLanes;
+      nan_at[s] = mx[s] != mx[s] ? at[s] : ivec{} + none;
+    }
+    for (j = kStride; j + kStride <= n; j += kStride) {
+      for (int s = 0; s < kArgmaxSets; ++s) {
+        const vec v = load(x + j + s * kLanes);
+        const ivec here = lane + static_cast<int32_t>(j + s * kLanes);
+        nan_at[s] = (v != v) & (nan_at[s] == none) ? here : nan_at[s];
+        at[s] = v > mx[s] ? here : at[s];
+        mx[s] = v > mx[s] ? v : mx[s];
+      }
     }
     int32_t first_nan = none;
-    for (int u = 0; u < kLanes; ++u) first_nan = nan_at[u] < first_nan ? nan_at[u] : first_nan;
+    for (int s = 0; s < kArgmaxSets; ++s)
+      for (int u = 0; u < kLanes; ++u) first_nan = nan_at[s][u] < first_nan ? nan_at[s][u] : first_nan;
     if (first_nan != none) return first_nan;
-    float m = mx[0];
-    for (int u = 1; u < kLanes; ++u) m = mx[u] > m ? mx[u] : m;
+    float m = mx[0][0];
+    for (int s = 0; s < kArgmaxSets; ++s)
+      for (int u = 0; u < kLanes; ++u) m = mx[s][u] > m ? mx[s][u] : m;
     best = n;
-    for (int u = 0; u < kLanes; ++u)
-      if (mx[u] == m && at[u] < best) best = at[u];
+    for (int s = 0; s < kArgmaxSets; ++s)
+      for (int u = 0; u < kLanes; ++u)
+        if (mx[s][u] == m && at[s][u] < best) best = at[s][u];
   }
   for (; j < n; ++j) {
     if (std::isnan(x[j])) return j;
