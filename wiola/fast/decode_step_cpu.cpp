@@ -265,6 +265,33 @@ struct Weight<bf16> {
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
+// SiLU(x) = x·σ(x) lane by lane, σ from e = e^-|x| (exp_nonpositive, never overflowing):
+// σ(x) = 1/(1 + e) for x >= 0, e/(1 + e) below. Within 3 ulp of x·σ(x) in exact arithmetic
+// (exp's 7.9e-8, a division and a product); NaN for NaN.
+inline vec silu_vec(vec x) {
+  const vec zero = vec{}, one = zero + 1.0f;
+  const vec e = exp_nonpositive(x < zero ? x : -x);
+  return x * ((x < zero ? e : one) / (one + e));
+}
+
+// The butterfly's middle over n elements: o = SiLU(a) ⊙ b + c, silu_vec in every lane, the last
+// n % kLanes elements through a padded vector, so that an element's value depends on nothing but
+// its inputs (not on where a span starts). o may be a: each vector is read before it is written.
+// The prompt's rows (silu_gate_rows) and the step's shares (Step::butterfly_share) both run it, so
+// a prompt's butterfly is the step's, bitwise, for the same inputs.
+inline void silu_gate_span(const float* a, const float* b, const float* c, float* o, int64_t n) {
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) store(o + j, silu_vec(load(a + j)) * load(b + j) + load(c + j));
+  if (j < n) {
+    float ta[kLanes] = {}, tb[kLanes] = {}, tc[kLanes] = {};
+    const size_t bytes = (n - j) * sizeof(float);
+    std::memcpy(ta, a + j, bytes), std::memcpy(tb, b + j, bytes), std::memcpy(tc, c + j, bytes);
+    const vec t = silu_vec(load(ta)) * load(tb) + load(tc);
+    std::memcpy(o + j, &t, bytes);
+  }
+}
+
+
 // The sums of a block of NR rows x NB batch rows of accumulators, each in hsum's order:
 // sums[b][i] = hsum(acc[i][b]), four rows at a time where there are four.
 template <int NR, int NB>
@@ -1151,8 +1178,7 @@ struct Step {
     for (int64_t e = e0; e < e1;) {
       const int64_t i = e / F, j0 = e % F, j1 = std::min(F, j0 + (e1 - e));
       float* a = ws.up + i * 2 * F;
-      const float* bp = ws.bp + i * F;
-      for (int64_t j = j0; j < j1; ++j) a[j] = silu(a[j]) * a[F + j] + bp[j];
+      silu_gate_span(a + j0, a + F + j0, ws.bp + i * F + j0, a + j0, j1 - j0);
       e += j1 - j0;
     }
   }
@@ -1528,15 +1554,6 @@ inline int threads_for_rows(int64_t rows, int64_t width) {
   return rows * width >= kRowsWorkPerThread * most && rows >= most ? most : 1;
 }
 
-// SiLU(x) = x·σ(x) lane by lane, σ from e = e^-|x| (exp_nonpositive, never overflowing):
-// σ(x) = 1/(1 + e) for x >= 0, e/(1 + e) below. Within 3 ulp of x·σ(x) in exact arithmetic
-// (exp's 7.9e-8, a division and a product); NaN for NaN.
-inline vec silu_vec(vec x) {
-  const vec zero = vec{}, one = zero + 1.0f;
-  const vec e = exp_nonpositive(x < zero ? x : -x);
-  return x * ((x < zero ? e : one) / (one + e));
-}
-
 // h = x (+ residual), out = rms_norm(h) row by row: the step's rms_norm, so a prompt's norms equal
 // the step's for the same h.
 inline void rms_norm_rows(const float* x, const float* residual, const float* gamma, float eps, float* out,
@@ -1558,17 +1575,8 @@ inline void rms_norm_rows(const float* x, const float* residual, const float* ga
 inline void silu_gate_rows(const float* up, const float* bp, float* out, int64_t rows, int64_t F) {
   parallel(threads_for_rows(rows, F), [&](int tid, int nth) {
     for (int64_t r = rows * tid / nth; r < rows * (tid + 1) / nth; ++r) {
-      const float *a = up + r * 2 * F, *b = a + F, *c = bp + r * F;
-      float* o = out + r * F;
-      int64_t j = 0;
-      for (; j + kLanes <= F; j += kLanes) store(o + j, silu_vec(load(a + j)) * load(b + j) + load(c + j));
-      if (j < F) {  // the tail through a padded vector: the same function for every element
-        float ta[kLanes] = {}, tb[kLanes] = {}, tc[kLanes] = {};
-        const size_t n = (F - j) * sizeof(float);
-        std::memcpy(ta, a + j, n), std::memcpy(tb, b + j, n), std::memcpy(tc, c + j, n);
-        const vec t = silu_vec(load(ta)) * load(tb) + load(tc);
-        std::memcpy(o + j, &t, n);
-      }
+      const float* a = up + r * 2 * F;
+      silu_gate_span(a, a + F, bp + r * F, out + r * F, F);
     }
   });
 }
