@@ -511,12 +511,13 @@ struct Shares {
 // of its own, and waits until every other thread's count has reached its own: one line each way
 // between two threads. In a loop of barriers alone on two cores of the Zen 5 VM it took 37-230 ns
 // a barrier, libgomp's `omp barrier` 190-420 ns in the same runs (the range is where the host
-// placed the two vCPUs); the step passes 9 a layer. Each thread reads every other's line, so above kFlagThreads threads (more than
-// were measured) the step keeps `omp barrier`. A thread that has looked kSpins times yields its
-// core at each further look, so that a thread it waits on that shares its core (more threads
-// than cores: other processes, or a test's thread counts) gets to run. In the 13m step, against
-// `omp barrier` on the Zen 5 VM: 1.02-1.08x at batch 1 (int8, bf16, int4; fp32 1.01x), batch 8
-// 0.97-1.04x; 4 threads on its 2 cores 0.61-0.82 ms a step against 0.99-1.02 ms.
+// placed the two vCPUs); the step passes 9 a layer. Each thread reads every other's line, so
+// above kFlagThreads threads (more than were measured) the step keeps `omp barrier`. A thread
+// that has looked kSpins times yields its core at each further look, so that a thread it waits
+// on that shares its core (more threads than cores: other processes, or a test's thread counts)
+// gets to run. In the 13m step, against `omp barrier` on the Zen 5 VM: 1.02-1.08x at batch 1
+// (int8, bf16, int4; fp32 1.01x), batch 8 0.97-1.04x; 4 threads on its 2 cores 0.61-0.82 ms a
+// step against 0.99-1.02 ms.
 struct alignas(64) Arrival {
   std::atomic<int64_t> reached{0};
 };
