@@ -130,7 +130,8 @@ def test_greedy_choice_equals_torch_argmax(V, isa):
     for at in sorted({0, V // 3, V - 1}):
         r = torch.randn(V, generator=gen)
         r[at] = float("nan")
-        for later in (at + 2, at + 16, at + 64):  # another lane; the same lane of every ISA variant, and of its next set
+        # another lane; the same lane of every ISA variant; the same lane of its next set
+        for later in (at + 2, at + 16, at + 64):
             if later < V:
                 r[later] = float("nan")
         rows.append(r)
