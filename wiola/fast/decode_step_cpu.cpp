@@ -291,7 +291,6 @@ inline void silu_gate_span(const float* a, const float* b, const float* c, float
   }
 }
 
-
 // The sums of a block of NR rows x NB batch rows of accumulators, each in hsum's order:
 // sums[b][i] = hsum(acc[i][b]), four rows at a time where there are four.
 template <int NR, int NB>

@@ -11,27 +11,19 @@ from pathlib import Path
 
 import torch
 
-import wiola
-from wiola.fast import WiolaModel as FastModel
-from wiola.fast import decode_step_cpu as dsc
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the checkout root, for bench
+from bench.two_builds import build, model_13m, rebind
 from wiola.fast import speed
-from wiola.fast.quantize import quantize
 
 patched, scheme, batch, rounds = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-dsc.load()
-dsc.SOURCE = patched
-lib_b = dsc._build(dsc._compiler(), dsc.select_isa())
-torch.manual_seed(0)
-cfg = wiola.WiolaConfig.preset("13m")
+lib_b = build(patched)
 with torch.no_grad():
-    model = FastModel(cfg).eval().requires_grad_(False)
-    if scheme != "fp32":
-        model = quantize(model, scheme)
+    model = model_13m(scheme)
+    cfg = model.config
     ids = torch.randint(0, cfg.vocab_size, (batch, 16))
     a = speed.decoding_only(model, ids, 128)
     b = speed.decoding_only(model, ids, 128)
-    b.step.lib = lib_b
-    b.step.work = torch.empty(lib_b.wiola_workspace_floats(b.step.dims), dtype=torch.float32)
+    rebind(b.step, lib_b)
     assert torch.equal(a().clone(), b().clone()), "tokens differ"
     times = {"checkout": [], "patched": []}
     for r in range(rounds):

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the checkout root, for bench
+from bench.two_builds import build
 from wiola.fast import decode_step_cpu as dsc
 
 lib_a = dsc.load()
-dsc.SOURCE = Path(sys.argv[1])
-lib_b = dsc._build(dsc._compiler(), dsc.select_isa())
+lib_b = build(Path(sys.argv[1]))
 for B in (1, 8):
     logits = torch.randn(B, 32000, generator=torch.Generator().manual_seed(B))
     best = {}

@@ -9,30 +9,21 @@ from pathlib import Path
 
 import torch
 
-import wiola
-from wiola.fast import WiolaModel as FastModel
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the checkout root, for bench
+from bench.two_builds import build, model_13m, rebind
 from wiola.fast import decode_step_cpu as dsc
-from wiola.fast.quantize import quantize
 
 src, scheme, batch, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 if len(sys.argv) > 5:
     torch.set_num_threads(int(sys.argv[5]))
-dsc.load()
-if src != "-":
-    dsc.SOURCE = Path(src)
-lib = dsc._build(dsc._compiler(), dsc.select_isa())
-torch.manual_seed(0)
-cfg = wiola.WiolaConfig.preset("13m")
+lib = build(dsc.SOURCE if src == "-" else Path(src))
 with torch.no_grad():
-    model = FastModel(cfg).eval().requires_grad_(False)
-    if scheme != "fp32":
-        model = quantize(model, scheme)
+    model = model_13m(scheme)
+    cfg = model.config
     ids = torch.randint(0, cfg.vocab_size, (batch, 16))
     cache = model.new_cache(batch, 1024)
     model(ids, cache=cache)
-    a = dsc.DecodeStepCPU(model, cache)
-    a.lib = lib
-    a.work = torch.empty(lib.wiola_workspace_floats(a.dims), dtype=torch.float32)  # a patch may change its size
+    a = rebind(dsc.DecodeStepCPU(model, cache), lib)
     tok = ids[:, -1].contiguous()
     t0 = time.perf_counter()
     for i in range(n):

@@ -12,29 +12,21 @@ from pathlib import Path
 
 import torch
 
-import wiola
-from wiola.fast import WiolaModel as FastModel
+sys.path.insert(0, str(Path(__file__).resolve().parents[4]))  # the checkout root, for bench
+from bench.two_builds import build, model_13m, rebind
 from wiola.fast import decode_step_cpu as dsc
-from wiola.fast.quantize import quantize
 
 patched, scheme, batch, rounds = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 close = sys.argv[5:] == ["close"]
-dsc.load()
-dsc.SOURCE = patched
-lib_b = dsc._build(dsc._compiler(), dsc.select_isa())
-torch.manual_seed(0)
-cfg = wiola.WiolaConfig.preset("13m")
+lib_b = build(patched)
 with torch.no_grad():
-    model = FastModel(cfg).eval().requires_grad_(False)
-    if scheme != "fp32":
-        model = quantize(model, scheme)
+    model = model_13m(scheme)
+    cfg = model.config
     ids = torch.randint(0, cfg.vocab_size, (batch, 16))
     cache = model.new_cache(batch, 1024)
     model(ids, cache=cache)
     a = dsc.DecodeStepCPU(model, copy.deepcopy(cache))
-    b = dsc.DecodeStepCPU(model, copy.deepcopy(cache))
-    b.lib = lib_b
-    b.work = torch.empty(lib_b.wiola_workspace_floats(b.dims), dtype=torch.float32)  # a patch may change its size
+    b = rebind(dsc.DecodeStepCPU(model, copy.deepcopy(cache)), lib_b)
     tok = ids[:, -1].contiguous()
     la, lb = a(tok, 16), b(tok, 16)
     if close:
