@@ -33,7 +33,8 @@ prompt at batch 1 through ``wiola.fast`` in each prompt mode
 (``wiola.fast.prefill``: fp32 and bf16 products) and with bf16, int8 and int4 weights (whose
 prompt runs in fp32 on their dequantized values), beside wiola13m's forward of the same prompt.
 Each result records the CPU's model and flags, the ISA variant, the threads and the prompt mode
-chosen (``tuning``).
+chosen (``tuning``); each tg row also the threads' parts of the step's rows as its timed calls
+left them (``balance``: learned from each thread's rate, ``decode_step_cpu.balance``).
 
 The tg rows (``test_tg128_cpu``) are llama-bench's tg128: the same 128 greedy tokens after the
 same 16-token prompt, with the prompt's prefill left out of the time (it is done once, and each
@@ -478,6 +479,9 @@ def test_tg128_cpu(cpu_bench, model, hf_model, batch: int, scheme: str, monkeypa
     )
     cpu_bench.benchmark.extra_info.update(cpu[0])
     rec.update(cpu[0])
+    # the threads' parts of the rows as the timed calls left them (learned from their rates)
+    balance = decode_step_cpu.balance()
+    cpu_bench.benchmark.extra_info["balance"] = rec["balance"] = balance
     if not cpu_bench.quick and "tokens_per_s" in rec:
         _read_floor_pct(rec, model.config, batch, new, None if scheme == "fp32" else scheme)
         bound_note = _bound(rec, run, batch, new)
@@ -488,7 +492,7 @@ def test_tg128_cpu(cpu_bench, model, hf_model, batch: int, scheme: str, monkeypa
             f"\ntg{new} CPU B{batch}: {scheme} {rec['tokens_per_s']:.0f} tok/s, "
             f"{rec.get('pct_read_floor', float('nan')):.0f}% of the read floor "
             f"({rec['read_floor_gbs']:.1f} GB/s, {rec['read_floor_reader']}, same run); beside it (tok/s): {beside}"
-            f"{bound_note}"
+            f"{bound_note}; the threads' parts of the rows: {balance}"
         )
 
 

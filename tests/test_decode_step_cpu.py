@@ -12,6 +12,7 @@ row functions (RMSNorm with the residual add, the butterfly's SiLU gate)."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import platform
@@ -150,39 +151,138 @@ def test_step_matches_float64_oracle(isa):
     assert_within("logits vs float64", want, got.double(), allowed, isa)
 
 
+class _ThreadedSteps:
+    """The 13m-shaped model (quantized to ``scheme`` unless fp32) with one thread per byte streamed
+    (so that every thread count asked for is used): ``run(n)`` prefills 3 left-padded rows on the
+    PyTorch path and returns the step's logits over 3 steps on ``n`` threads, with ``parts`` (a
+    ``decode_step_cpu.balance`` setting) set before each step."""
+
+    def __init__(self, scheme: str, isa: str, monkeypatch) -> None:
+        model = wiola.fast.WiolaModel(VARIANTS["13m-shape"]).eval().requires_grad_(False)
+        model.load_state_dict(_model(VARIANTS["13m-shape"]).state_dict())
+        if scheme != "fp32":
+            quantize(model, scheme)
+        chosen = decode_step_cpu.choose_tuning
+        monkeypatch.setattr(decode_step_cpu, "choose_tuning", lambda *a, **k: chosen(*a, **k) | {"bytes_per_thread": 1})
+        self.model, self.scheme, self.isa = model, scheme, isa
+        self.prefill = reference_on(model)  # the PyTorch path on the (dequantized) weights, no kernels
+        self.ids, self.mask = left_padded_prompt(model.config.vocab_size, 3, 20, 5)
+
+    def run(self, n: int, parts: dict[str, list[float]] | None = None) -> torch.Tensor:
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(n)
+            cache = self.model.new_cache(3, 24)
+            self.prefill(self.ids, attention_mask=self.mask, cache=cache)
+            step = decode_step_cpu.DecodeStepCPU(self.model, cache, isa=self.isa)
+            assert step.quantization == (None if self.scheme == "fp32" else self.scheme)
+            out = []
+            for t in range(3):
+                if parts:
+                    now = decode_step_cpu.balance(n, self.isa, parts)
+                    assert all(now[k] == pytest.approx(v, rel=1e-6) for k, v in parts.items()), now
+                out.append(step(self.ids[:, t], cache.length + t))
+            return torch.stack(out)
+        finally:
+            torch.set_num_threads(threads)
+
+
 @torch.inference_mode()
 @pytest.mark.parametrize("scheme", ["fp32", "int8", "int4", "bf16"])
 def test_thread_count_does_not_change_results(scheme, isa, monkeypatch):
-    """Each output is one dot product whatever the split between threads (a static share each,
-    then taken over chunk by chunk by whichever thread is free): the logits of 3 rows over 3 steps
-    are bitwise equal on 1 to 4 threads and on 9 (4 on fewer cores: threads are descheduled
-    mid-share and the others take their rows, and wait at the step's own barrier, yielding; 9:
-    above the 8 it serves, where the step passes ``omp barrier``). One thread per byte, so that
-    every count is used."""
-    model = wiola.fast.WiolaModel(VARIANTS["13m-shape"]).eval().requires_grad_(False)
-    model.load_state_dict(_model(VARIANTS["13m-shape"]).state_dict())
-    if scheme != "fp32":
-        quantize(model, scheme)
-    chosen = decode_step_cpu.choose_tuning
-    monkeypatch.setattr(decode_step_cpu, "choose_tuning", lambda *a, **k: chosen(*a, **k) | {"bytes_per_thread": 1})
-    prefill = reference_on(model)  # the PyTorch path on the (dequantized) weights, no kernels
-    ids, mask = left_padded_prompt(model.config.vocab_size, 3, 20, 5)
-    results = []
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 2, 3, 4, 9):
-            torch.set_num_threads(n)
-            cache = model.new_cache(3, 24)
-            prefill(ids, attention_mask=mask, cache=cache)
-            step = decode_step_cpu.DecodeStepCPU(model, cache, isa=isa)
-            assert step.quantization == (None if scheme == "fp32" else scheme)
-            results.append(torch.stack([step(ids[:, t], cache.length + t) for t in range(3)]))
-    finally:
-        torch.set_num_threads(threads)
-    for n, got in zip((2, 3, 4, 9), results[1:]):
-        assert torch.equal(results[0], got), (
+    """Each output is one dot product whatever the split between threads: the logits of 3 rows
+    over 3 steps are bitwise equal on 1 to 4 threads and on 9 (4 on fewer cores: threads are
+    descheduled mid-share and wait at the step's own barrier, yielding; 9: above the 8 it serves,
+    where the step passes ``omp barrier`` and cuts evenly)."""
+    steps = _ThreadedSteps(scheme, isa, monkeypatch)
+    want = steps.run(1)
+    for n in (2, 3, 4, 9):
+        assert torch.equal(want, steps.run(n)), (
             f"{scheme}: logits on {n} threads differ from 1 thread's; {platform_line(isa)}"
         )
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("scheme", ["fp32", "int8", "int4", "bf16"])
+def test_balance_does_not_change_results(scheme, isa, monkeypatch):
+    """The threads' parts of each product's rows (``decode_step_cpu.balance``, learned from their
+    rates) move rows between threads, never a sum: with parts far from even, set before each step
+    (2 threads at 9:1 and 1:7, 3 at 6:1:3 and 1:1:8; layers and head apart), the logits of 3 rows
+    over 3 steps are bitwise the same as on 1 thread, and the parts the steps leave are
+    fractions that sum to 1."""
+    steps = _ThreadedSteps(scheme, isa, monkeypatch)
+    cases = [
+        (2, {"layers": [0.9, 0.1], "head": [0.125, 0.875]}),
+        (3, {"layers": [0.6, 0.1, 0.3], "head": [0.1, 0.1, 0.8]}),
+    ]
+    try:
+        want = steps.run(1)
+        for n, parts in cases:
+            assert torch.equal(want, steps.run(n, parts)), (
+                f"{scheme}: logits with parts {parts} on {n} threads differ from 1 thread's; {platform_line(isa)}"
+            )
+            left = decode_step_cpu.balance(n, isa)
+            assert all(len(v) == n and abs(sum(v) - 1) < 1e-5 for v in left.values()), left
+    finally:
+        for n, _ in cases:
+            decode_step_cpu.balance(n, isa, {"layers": [], "head": []})
+
+
+def _balance_next(isa: str, was: list[float], cut: list[float], ticks: list[int]) -> list[float] | None:
+    """Balance's rule (``wiola_balance_next``): the next parts, or None when the step is not counted."""
+    lib = decode_step_cpu.load(isa)
+    n = len(was)
+    out = (ctypes.c_float * n)()
+    counted = lib.wiola_balance_next(
+        n, (ctypes.c_float * n)(*was), (ctypes.c_double * (n + 1))(*cut), (ctypes.c_uint64 * n)(*ticks), out
+    )
+    return [float(v) for v in out] if counted else None
+
+
+def test_balance_rule(isa):
+    """Each step moves a thread's part an eighth of the way to its share of the threads' rates
+    (rows a tick), from even before any measure; repeated, the parts settle where every thread
+    takes the same time; a step with a thread 4x slower than another, or without ticks, is not
+    counted; a part stays at least a quarter of an even one."""
+    even = [0.5, 0.5]
+    assert _balance_next(isa, [0.0, 0.0], [0, 0.5, 1], [100, 100]) == pytest.approx(even)
+    # thread 1 half as fast: its rate share is 1/3, so 0.5 + (1/3 - 0.5)/8
+    got = _balance_next(isa, [0.0, 0.0], [0, 0.5, 1], [100, 200])
+    assert got == pytest.approx([0.5 + (2 / 3 - 0.5) / 8, 0.5 + (1 / 3 - 0.5) / 8], rel=1e-6)
+    parts = even
+    for _ in range(200):  # thread 1 half as fast on every row: ticks in proportion to its rows x 2
+        cut = [0.0, parts[0], 1.0]
+        parts = _balance_next(isa, parts, cut, [round(1e6 * parts[0]), round(2e6 * parts[1])])
+    assert parts == pytest.approx([2 / 3, 1 / 3], abs=1e-3)
+    three = _balance_next(isa, [0.2, 0.3, 0.5], [0, 0.2, 0.5, 1], [300, 300, 300])  # equal times: settled
+    assert three == pytest.approx([0.2, 0.3, 0.5], rel=1e-6)
+    three = _balance_next(isa, [0.2, 0.3, 0.5], [0, 0.2, 0.5, 1], [200, 300, 500])  # equal rates: toward even
+    assert three == pytest.approx([0.2 + (1 / 3 - 0.2) / 8, 0.3 + (1 / 3 - 0.3) / 8, 0.5 + (1 / 3 - 0.5) / 8], rel=1e-6)
+    assert _balance_next(isa, even, [0, 0.5, 1], [100, 401]) is None  # an outlier: not counted
+    assert _balance_next(isa, even, [0, 0.5, 1], [100, 399]) is not None
+    assert _balance_next(isa, even, [0, 0.5, 1], [100, 0]) is None  # no time measured
+    # a part far below a quarter of even (0.01 of 2, equal rates): moved to 0.07125 it would still be
+    # under 0.125, so it is raised to 0.125 before the parts are scaled to sum to 1
+    low = _balance_next(isa, [0.01, 0.99], [0, 0.01, 1], [1, 99])
+    high = 0.99 + (0.5 - 0.99) / 8
+    assert low == pytest.approx([0.125 / (0.125 + high), high / (0.125 + high)], rel=1e-6)
+
+
+def test_balance_refuses_bad_parts(isa):
+    """Parts of the wrong length, or not positive and finite, are refused, naming them, before any
+    is set; 2 to 8 threads are kept."""
+    decode_step_cpu.balance(2, isa, {"layers": [], "head": []})  # forget what earlier steps learned
+    for bad in ([1.0, 0.0], [1.0], [1.0, float("inf")], [float("nan"), 1.0]):
+        with pytest.raises(ValueError, match="must be 2 positive finite numbers"):
+            decode_step_cpu.balance(2, isa, {"head": bad})
+        with pytest.raises(ValueError, match="positive finite"):  # the valid kind is not set either
+            decode_step_cpu.balance(2, isa, {"layers": [0.5, 0.5], "head": bad})
+    assert decode_step_cpu.balance(2, isa) == {"layers": [], "head": []}  # nothing was set
+    with pytest.raises(ValueError, match="not one of"):
+        decode_step_cpu.balance(2, isa, {"attention": [0.5, 0.5]})
+    with pytest.raises(ValueError, match="not kept"):
+        decode_step_cpu.balance(9, isa, {"layers": [1.0] * 9})
+    assert decode_step_cpu.balance(1, isa) == {"layers": [], "head": []}
 
 
 @pytest.mark.parametrize("knob,values", [("stream_head", (0, 1)), ("prefetch_rows", (0, 8, 32))])

@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -405,103 +406,135 @@ inline void prefetch_block(const char* W, int64_t row_bytes, int64_t r, int64_t 
 
 // Rows [r0, r1) (r0 a multiple of 4; r1 too unless it is N) of a matrix of row_bytes-byte rows at
 // W, in blocks of 4 (rows(r, 4)) and then one at a time (rows(r, 1)), the row count a compile-time
-// constant; before each block, the block `ahead` rows on is prefetched, up to row `limit` (the end
-// of the rows this thread expects to take next: past r1 when it goes on there). A function of its
-// own for each weight type, as the product loop always was: inlined into the sharing loop, the fp32
-// step at batch 1 ran about a tenth slower on the Zen 4 VM (interleaved A/B, both slot orders).
+// constant; before each block, the block `ahead` rows on is prefetched, up to row r1. A function of
+// its own for each weight type, as the product loop always was: inlined into the sharing loop, the
+// fp32 step at batch 1 ran about a tenth slower on the Zen 4 VM (interleaved A/B, both slot orders).
 template <typename Rows>
-__attribute__((noinline)) void stream_rows(const void* W, int64_t row_bytes, int64_t r0, int64_t r1, int64_t limit, bool stream,
-                        int64_t ahead, const Rows& rows) {
+__attribute__((noinline)) void stream_rows(const void* W, int64_t row_bytes, int64_t r0, int64_t r1, bool stream,
+                                           int64_t ahead, const Rows& rows) {
   const char* bytes = static_cast<const char*>(W);
   int64_t r = r0;
   for (; r + 4 <= r1; r += 4) {
-    prefetch_block(bytes, row_bytes, r, limit, stream, ahead);
+    prefetch_block(bytes, row_bytes, r, r1, stream, ahead);
     rows(r, std::integral_constant<int, 4>{});
   }
   for (; r < r1; ++r) rows(r, std::integral_constant<int, 1>{});
 }
 
 // ---- sharing a product's rows among the threads ----------------------------------------------
-// A product's rows go in blocks of 4. Each thread starts on a static share (contiguous, split by
-// thread index) and takes it from the front a part at a time (see claim); a thread done with its own share
-// moves half of what is left of another's into its own and goes on there. Where cores are shared
-// (a VM's neighbours, a laptop's other programs) one core often runs slower than the other for a
-// while: with a fixed split every barrier waits for the slowest share (measured on the AMD EPYC
-// VM: one thread's products 1.2-1.6x slower than the other's for whole runs). A row is computed
-// the same way whichever thread computes it, so no result depends on the split.
-struct alignas(64) Share {
-  std::atomic<uint64_t> blocks;  // the blocks still unclaimed: first << 32 | end
-};
-inline uint64_t pack_blocks(int64_t first, int64_t end) {
-  return static_cast<uint64_t>(first) << 32 | static_cast<uint64_t>(end);
-}
-inline int64_t blocks_first(uint64_t v) { return static_cast<int64_t>(v >> 32); }
-inline int64_t blocks_end(uint64_t v) { return static_cast<int64_t>(v & 0xffffffffu); }
+// A product's rows go in blocks of 4, each thread a contiguous share: thread t the blocks from
+// blocks·cut[t] to blocks·cut[t + 1]. No thread touches another's rows, or any line another thread
+// writes, until the next barrier. A row is computed the same way whichever thread computes it, so
+// no result depends on the cuts. They follow each thread's measured rate (Balance): where cores
+// are shared (a VM's neighbours, a laptop's other programs) one core can run slower than the other
+// for whole runs (on the Zen 4 EPYC VM every product of one run took 1.4-1.6x as long on one thread
+// as on the other), and even cuts would wait for it at every barrier. (The threads once claimed
+// their shares a part at a time through an atomic range each and took over half of what was left
+// of a slower thread's: on the Zen 5 EPYC VM even cuts without that ran the 13m step at batch 1
+// 1.02-1.15x faster in bf16, 1.05-1.10x in int8, 1.05x in int4 and fp32 in its slower hours, and
+// as fast with 4 threads on the 2 cores or a busy process on one of them;
+// bench/results/2026-12-04_cpu_product-overhead-amd-zen5/.)
+constexpr int kBalanced = 8;  // thread counts whose cuts follow the measured rates; above, even cuts
 
-// One step's shares: thread t's share of product p at p * nth + t, filled before the parallel
-// region (its start orders these stores before every thread's loads).
-struct Shares {
-  Share* slots = nullptr;
+struct Split {
+  double cut[kBalanced + 1] = {0.0, 1.0};
   int nth = 1;
-  // The least claimed at a time, and stolen whole. (64 KB, which splits the 13m preset's small
-  // int8 and bf16 products statically, was level with 16 on the Zen 5 VM: 0.98-1.02x.)
-  static constexpr int64_t kChunkBytes = 16 << 10;
 
-  void init(int64_t p, int64_t N) {
+  // Rows [r0, r1) of thread t's share of N rows when the region has `n` threads (even cuts when n
+  // is not the count the cuts were made for).
+  void rows(int64_t N, int t, int n, int64_t& r0, int64_t& r1) const {
     const int64_t blocks = (N + 3) / 4;
-    for (int t = 0; t < nth; ++t)
-      slots[p * nth + t].blocks.store(pack_blocks(blocks * t / nth, blocks * (t + 1) / nth), std::memory_order_relaxed);
+    int64_t b0, b1;
+    if (n == nth && n <= kBalanced) {
+      b0 = t == 0 ? 0 : static_cast<int64_t>(static_cast<double>(blocks) * cut[t]);
+      b1 = t + 1 == n ? blocks : static_cast<int64_t>(static_cast<double>(blocks) * cut[t + 1]);
+    } else {
+      b0 = blocks * t / n, b1 = blocks * (t + 1) / n;
+    }
+    r0 = std::min(4 * b0, N), r1 = std::min(4 * std::max(b0, b1), N);
+  }
+};
+
+// A cheap clock for Balance, in ticks of its own (only ratios between threads are used): the time
+// stamp counter on x86 (invariant across cores on the CPUs this runs on), the virtual counter on
+// ARM64, else steady_clock's nanoseconds.
+inline uint64_t tick() {
+#if defined(__x86_64__) || defined(__i386__)
+  return __builtin_ia32_rdtsc();
+#elif defined(__aarch64__)
+  uint64_t t;
+  asm volatile("mrs %0, cntvct_el0" : "=r"(t));
+  return t;
+#else
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+#endif
+}
+
+// Each thread's part of the rows, per kind of product (the layers' products; the head) and thread
+// count, for the whole process (a property of the cores and of where the weights are cached, not of
+// one binding): 0 until a step has measured them. After each step, thread t's part of a kind moves
+// kGain of the way to its share of the threads' rates on that kind (its part over its time), and
+// stays at least kLeast of an even part. The head has parts of its own because its rates also
+// depend on where its rows are cached: with one set learned from the head, the 13m fp32 step on the
+// Zen 5 VM (whose L3 the 32 MB head outgrows) settled at 3:5 and split every layer's products 3:5
+// as well, where the layers' own rates settle within 2% of even. A step in which one thread's rate
+// was under 1/kOutlier of another's is not counted: a thread that lost its core for a scheduler
+// tick says nothing of its speed. Relaxed atomics: the parts are hints that no result depends on,
+// and two bindings may step at once.
+struct Balance {
+  static constexpr int kKinds = 2;  // 0: the layers' products, 1: the head
+  static constexpr double kGain = 0.125, kLeast = 0.25, kOutlier = 4.0;
+  std::atomic<float> part[kKinds][kBalanced + 1][kBalanced] = {};
+
+  static Balance& process() {
+    static Balance balance;
+    return balance;
   }
 
-  // Blocks from the front of a share: a quarter of what is left, at least `most` (a chunk), so
-  // that a share takes a few claims and its last ones are short. [first, end), and the share's
-  // end when claimed (how far to prefetch); false when it is empty.
-  static bool claim(Share& s, int64_t most, int64_t& first, int64_t& end, int64_t& share_end) {
-    uint64_t v = s.blocks.load(std::memory_order_relaxed);
-    for (;;) {
-      const int64_t lo = blocks_first(v), hi = blocks_end(v);
-      if (lo >= hi) return false;
-      const int64_t n = std::min(hi - lo, std::max(most, (hi - lo) / 4));
-      if (s.blocks.compare_exchange_weak(v, pack_blocks(lo + n, hi), std::memory_order_acq_rel)) {
-        first = lo, end = lo + n, share_end = hi;
-        return true;
-      }
-    }
+  // The cuts of kind k for n threads from the parts (even for n > kBalanced or before a measure).
+  Split split(int k, int n) const {
+    Split s;
+    s.nth = n;
+    if (n > kBalanced) return s;
+    double sum = 0.0, p[kBalanced];
+    for (int t = 0; t < n; ++t) sum += p[t] = part[k][n][t].load(std::memory_order_relaxed);
+    for (int t = 0; t < n; ++t) s.cut[t + 1] = sum > 0.0 ? s.cut[t] + p[t] / sum : static_cast<double>(t + 1) / n;
+    s.cut[n] = 1.0;
+    return s;
   }
 
-  // Half of what is left of another thread's share of product p (all of it when at most a
-  // chunk is left) moved into `mine`, which is empty; false when every other share is empty.
-  bool steal(int64_t p, int tid, int64_t chunk, Share& mine) const {
-    for (int k = 1; k < nth; ++k) {
-      Share& s = slots[p * nth + (tid + k) % nth];
-      uint64_t v = s.blocks.load(std::memory_order_relaxed);
-      for (;;) {
-        const int64_t lo = blocks_first(v), hi = blocks_end(v);
-        if (lo >= hi) break;
-        const int64_t n = hi - lo <= chunk ? hi - lo : (hi - lo) / 2;
-        if (s.blocks.compare_exchange_weak(v, pack_blocks(lo, hi - n), std::memory_order_acq_rel)) {
-          mine.blocks.store(pack_blocks(hi - n, hi), std::memory_order_release);
-          return true;
-        }
-      }
+  // Thread t's next part of n threads (into `next`) from its part `was` (0: not yet measured) and
+  // its time ticks[t] on the rows cuts.cut[t] to cuts.cut[t + 1] of one step; false (next
+  // untouched) when the step does not count: a thread without rows or time, or an outlier.
+  static bool next_parts(int n, const float* was, const Split& cuts, const uint64_t* ticks, float* next) {
+    if (n < 2 || n > kBalanced || n != cuts.nth) return false;
+    double rate[kBalanced], sum = 0.0, lo = INFINITY, hi = 0.0;
+    for (int t = 0; t < n; ++t) {
+      const double rows = cuts.cut[t + 1] - cuts.cut[t];
+      if (ticks[t] == 0 || !(rows > 0.0)) return false;
+      rate[t] = rows / static_cast<double>(ticks[t]);
+      sum += rate[t], lo = std::min(lo, rate[t]), hi = std::max(hi, rate[t]);
     }
-    return false;
+    if (hi > kOutlier * lo) return false;
+    double moved[kBalanced], total = 0.0;
+    for (int t = 0; t < n; ++t) {
+      const double from = was[t] > 0.0f ? was[t] : 1.0 / n;
+      moved[t] = std::max(kLeast / n, from + kGain * (rate[t] / sum - from));
+      total += moved[t];
+    }
+    for (int t = 0; t < n; ++t) next[t] = static_cast<float>(moved[t] / total);
+    return true;
   }
 
-  // body(r0, r1, limit) over rows of product p (N rows of row_bytes) until every share is done.
-  template <typename Body>
-  void run(int64_t p, int64_t N, int64_t row_bytes, int tid, const Body& body) const {
-    if (nth <= 1) {
-      body(0, N, N);
-      return;
-    }
-    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (4 * row_bytes));
-    Share& mine = slots[p * nth + tid];
-    int64_t first, end, share_end;
-    do {
-      while (claim(mine, chunk, first, end, share_end))
-        body(first * 4, std::min(end * 4, N), std::min(share_end * 4, N));
-    } while (steal(p, tid, chunk, mine));
+  // The parts of kind k moved by one step of n threads (next_parts).
+  void update(int k, const Split& cuts, int n, const uint64_t* ticks) {
+    if (n < 2 || n > kBalanced) return;
+    float was[kBalanced], next[kBalanced];
+    for (int t = 0; t < n; ++t) was[t] = part[k][n][t].load(std::memory_order_relaxed);
+    if (!next_parts(n, was, cuts, ticks, next)) return;
+    for (int t = 0; t < n; ++t) part[k][n][t].store(next[t], std::memory_order_relaxed);
   }
 };
 
@@ -813,20 +846,20 @@ inline void packed_rows(const uint8_t* W, const float* scale, int64_t K, const f
   for (; b < B; ++b) packed_block<P, NR, 1>(W, scale, K, xt + b * K, K, y + b * ldy, ldy, r);
 }
 
-// This thread's part of an (N, K) product, its rows shared as Shares::run shares them and read
-// by stream_rows (prefetch, non-temporal head). fp32 and int8 rows are read as they are; int4 and
-// bf16 rows are packed for x rearranged (transpose), which each thread does into its own buffer
-// first (B·K floats, far fewer than the N·K weights).
+// Thread tid's share (split, of a region of nth threads) of an (N, K) product, read by stream_rows
+// (prefetch, non-temporal head). fp32 and int8 rows are read as they are; int4 and bf16 rows are
+// packed for x rearranged (transpose), which each thread does into its own buffer first (B·K
+// floats, far fewer than the N·K weights).
 template <typename T>
-inline void share_product(const Shares& shares, int64_t p, const T* W, const float* scale, int64_t N, int64_t K,
-                          const float* x, int64_t ldx, float* y, int64_t ldy, int64_t B, int tid, bool stream,
-                          int64_t ahead) {
+inline void share_product(const Split& split, const T* W, const float* scale, int64_t N, int64_t K, const float* x,
+                          int64_t ldx, float* y, int64_t ldy, int64_t B, int tid, int nth, bool stream, int64_t ahead) {
+  int64_t r0, r1;
+  split.rows(N, tid, nth, r0, r1);
+  if (r0 >= r1) return;
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, int8_t>) {
     const int64_t row_bytes = K * static_cast<int64_t>(sizeof(T));
     const auto rows = [&](int64_t r, auto nr) { dot_rows<decltype(nr)::value>(W, scale, K, x, ldx, y, ldy, B, r); };
-    shares.run(p, N, row_bytes, tid, [&](int64_t r0, int64_t r1, int64_t limit) {
-      stream_rows(W, row_bytes, r0, r1, limit, stream, ahead, rows);
-    });
+    stream_rows(W, row_bytes, r0, r1, stream, ahead, rows);
   } else {
     static thread_local float* buffer = nullptr;
     static thread_local int64_t size = 0;
@@ -840,9 +873,7 @@ inline void share_product(const Shares& shares, int64_t p, const T* W, const flo
     const uint8_t* bytes = reinterpret_cast<const uint8_t*>(W);
     const int64_t row_bytes = Packed<T>::row_bytes(K);
     const auto rows = [&](int64_t r, auto nr) { packed_rows<T, decltype(nr)::value>(bytes, scale, K, xt, y, ldy, B, r); };
-    shares.run(p, N, row_bytes, tid, [&](int64_t r0, int64_t r1, int64_t limit) {
-      stream_rows(W, row_bytes, r0, r1, limit, stream, ahead, rows);
-    });
+    stream_rows(W, row_bytes, r0, r1, stream, ahead, rows);
   }
 }
 
@@ -966,8 +997,11 @@ struct Step {
   const float eps, sqrt_d;
   Workspace ws;
   float* logits;
-  Shares shares;
+  Split split[Balance::kKinds];  // the cuts of the layers' products and of the head
   Arrival* arrivals = nullptr;
+  struct alignas(64) Busy {  // a line a thread: no thread writes another's
+    uint64_t ticks[Balance::kKinds] = {};
+  } busy[kBalanced];  // each thread's ticks in each kind of product
 
   Step(const int64_t* n, const void* const* w, const float* const* sc, void* const* state, int64_t b,
        const int64_t* rows_, const int64_t* tokens_, const int64_t* slots_, float eps_, float* logits_, float* work)
@@ -996,33 +1030,26 @@ struct Step {
     return j == 4 ? 2 * F : j == 5 ? F : d;
   }
 
-  // This thread's part of y = x Wᵀ for every active row: product p (product_rows(p) x K), the
-  // matrix of slot `slot`.
+  // Thread tid's part (of nth) of y = x Wᵀ for every active row: product p (product_rows(p) x K),
+  // the matrix of slot `slot`; its ticks counted for Balance.
   void product(int64_t p, int64_t slot, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int tid,
-               bool stream = false) const {
-    share_product(shares, p, mat(slot), scales[slot], product_rows(p), K, x, ldx, y, ldy, B, tid, stream, ahead);
+               int nth, bool stream = false) {
+    const int k = p == kProducts * L ? 1 : 0;
+    const uint64_t start = tick();
+    share_product(split[k], mat(slot), scales[slot], product_rows(p), K, x, ldx, y, ldy, B, tid, nth, stream, ahead);
+    if (tid < kBalanced) busy[tid].ticks[k] += tick() - start;
   }
 
-  // Every product's shares for nth threads, in this thread's buffer (grown, never shrunk), and the
-  // barrier's arrivals, at 0. (Each thread storing its own shares at the start of the region
-  // instead, so that its claims find their lines in its own cache, ran 0.98-0.99x on the Zen 5 VM.)
+  // The cuts of nth threads (Balance), and the barrier's arrivals, at 0, in this thread's buffer
+  // (grown, never shrunk).
   void init_region(int nth) {
-    static thread_local std::unique_ptr<Share[]> buffer;
-    static thread_local int64_t size = 0;
     static thread_local std::unique_ptr<Arrival[]> arrived;
     static thread_local int size_arrived = 0;
-    const int64_t need = (kProducts * L + 1) * nth;
-    if (size < need) {
-      buffer.reset(new Share[need]);
-      size = need;
-    }
     if (size_arrived < nth) {
       arrived.reset(new Arrival[nth]);
       size_arrived = nth;
     }
-    shares.slots = buffer.get();
-    shares.nth = nth;
-    for (int64_t p = 0; p <= kProducts * L; ++p) shares.init(p, product_rows(p));
+    for (int k = 0; k < Balance::kKinds; ++k) split[k] = Balance::process().split(k, nth);
     arrivals = arrived.get();
     for (int t = 0; t < nth; ++t) arrivals[t].reached.store(0, std::memory_order_relaxed);
   }
@@ -1191,7 +1218,7 @@ struct Step {
   void layer(int64_t l, Barrier& bar) {
     const int tid = bar.tid, nth = bar.nth;
     const int64_t first = l * kProducts;  // this layer's first product
-    for (int j = 0; j < 3; ++j) product(first + j, at(l, kWq + j), d, ws.x, d, ws.qkv + j * d, 3 * d, tid);
+    for (int j = 0; j < 3; ++j) product(first + j, at(l, kWq + j), d, ws.x, d, ws.qkv + j * d, 3 * d, tid, nth);
     bar.wait();
     for (int64_t i = tid; i < B; i += nth) {
       gate_row(l, i);
@@ -1200,16 +1227,16 @@ struct Step {
     bar.wait();
     for (int64_t p = tid; p < B * H; p += nth) attention_row(l, p, p + nth < B * H ? p + nth : -1);
     bar.wait();
-    product(first + 3, at(l, kWo), d, ws.o, d, ws.qkv, 3 * d, tid);
+    product(first + 3, at(l, kWo), d, ws.o, d, ws.qkv, 3 * d, tid, nth);
     bar.wait();
     for (int64_t i = tid; i < B; i += nth) residual_norm_row(i, ws.qkv, 3 * d, vec(at(l, kFfnNorm)));
     bar.wait();
-    product(first + 4, at(l, kWUp), d, ws.x, d, ws.up, 2 * F, tid);
-    product(first + 5, at(l, kWBp), d, ws.x, d, ws.bp, F, tid);
+    product(first + 4, at(l, kWUp), d, ws.x, d, ws.up, 2 * F, tid, nth);
+    product(first + 5, at(l, kWBp), d, ws.x, d, ws.bp, F, tid, nth);
     bar.wait();
     butterfly_share(tid, nth);
     bar.wait();
-    product(first + 6, at(l, kWDown), F, ws.up, 2 * F, ws.qkv, 3 * d, tid);
+    product(first + 6, at(l, kWDown), F, ws.up, 2 * F, ws.qkv, 3 * d, tid, nth);
     bar.wait();
     // h'' = h' + y; x = RMSNorm(h'') with the next layer's γ (the final norm after the last).
     const float* next_gamma = l + 1 < L ? vec(at(l + 1, kAttnNorm)) : vec(kFinalNorm);
@@ -1218,7 +1245,7 @@ struct Step {
   }
 
   // The tied head, logits = x Eᵀ, streamed past the last-level cache where chosen (see prefetch_block).
-  void head(int tid) { product(kProducts * L, kEmbed, d, ws.x, d, logits, V, tid, stream_head); }
+  void head(int tid, int nth) { product(kProducts * L, kEmbed, d, ws.x, d, logits, V, tid, nth, stream_head); }
 
   // The bytes of the matrices one step streams (each read once, whatever B).
   int64_t matrix_bytes() const {
@@ -1228,14 +1255,23 @@ struct Step {
   void layers_and_head(int tid, int nth) {
     Barrier bar{arrivals, tid, nth};
     for (int64_t l = 0; l < L; ++l) layer(l, bar);
-    head(tid);
+    head(tid, nth);
   }
 
   void run() {
     for (int64_t i = 0; i < B; ++i) begin_row(i);
     const int nth = threads_for(matrix_bytes(), bytes_per_thread);
     init_region(nth);
-    parallel(nth, [this](int tid, int nth) { layers_and_head(tid, nth); });
+    int ran = 1;  // the region's thread count (OpenMP may give fewer than asked)
+    parallel(nth, [this, &ran](int tid, int n) {
+      if (tid == 0) ran = n;
+      layers_and_head(tid, n);
+    });
+    for (int k = 0; k < Balance::kKinds; ++k) {
+      uint64_t ticks[kBalanced] = {};
+      for (int t = 0; t < ran && t < kBalanced; ++t) ticks[t] = busy[t].ticks[k];
+      Balance::process().update(k, split[k], ran, ticks);
+    }
     for (int64_t i = 0; i < B; ++i) n_real[rows[i]] += 1;
   }
 };
@@ -1592,9 +1628,9 @@ template <typename T>
 void product_reps(const int64_t* n, const void* W, const float* scale, int64_t N, int64_t K, const float* x, int64_t B,
                   float* y, int64_t reps, int nth) {
   parallel(nth, [&](int tid, int) {
-    Shares alone;  // one thread's share: all N rows (Shares::run never touches slots then)
+    const Split alone;  // one thread's share: all N rows
     for (int64_t i = 0; i < reps; ++i)
-      share_product(alone, 0, static_cast<const T*>(W), scale, N, K, x, K, y + tid * B * N, N, B, 0, false,
+      share_product(alone, static_cast<const T*>(W), scale, N, K, x, K, y + tid * B * N, N, B, 0, 1, false,
                     n[kPrefetchRows]);
   });
 }
@@ -1606,6 +1642,33 @@ extern "C" {
 int64_t wiola_workspace_floats(const int64_t* n) { return Workspace::floats(n); }
 
 int64_t wiola_q4_group() { return kQ4Group; }
+
+// Balance (the threads' parts of each product's rows): the parts of kind `kind` (0: the layers'
+// products, 1: the head) for n threads, read into parts[0..n) or, with `set`, written from them
+// (0 everywhere: not yet measured, even cuts). Returns 0, or 1 for a kind or count it does not
+// keep (n outside 2..kBalanced).
+int wiola_balance_parts(int64_t kind, int64_t n, float* parts, int64_t set) {
+  if (kind < 0 || kind >= Balance::kKinds || n < 2 || n > kBalanced) return 1;
+  Balance& b = Balance::process();
+  for (int64_t t = 0; t < n; ++t) {
+    if (set)
+      b.part[kind][n][t].store(parts[t], std::memory_order_relaxed);
+    else
+      parts[t] = b.part[kind][n][t].load(std::memory_order_relaxed);
+  }
+  return 0;
+}
+
+// Balance's rule on its own: n threads' next parts (into next) from their parts `was` (0: not yet
+// measured) and the ticks each spent on its rows between cut[t] and cut[t + 1] (n + 1 fractions,
+// 0 to 1) in one step. Returns 1 when the step counts, else 0 (next untouched).
+int wiola_balance_next(int64_t n, const float* was, const double* cut, const uint64_t* ticks, float* next) {
+  if (n < 2 || n > kBalanced) return 0;
+  Split cuts;
+  cuts.nth = static_cast<int>(n);
+  for (int64_t t = 0; t <= n; ++t) cuts.cut[t] = cut[t];
+  return Balance::next_parts(static_cast<int>(n), was, cuts, ticks, next) ? 1 : 0;
+}
 
 // The lengths of the argument arrays, for the Python table to be checked against: dims, global
 // weight slots, weight slots per layer, cache buffers.

@@ -44,6 +44,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -280,6 +281,11 @@ def _build(compiler: str, isa: str) -> ctypes.CDLL:
     lib.wiola_rms_norm_rows.restype = None
     lib.wiola_silu_gate_rows.argtypes = [P, P, P, I, I]
     lib.wiola_silu_gate_rows.restype = None
+    if hasattr(lib, "wiola_balance_parts"):  # absent from a copy of an older source (bench/two_builds.py)
+        lib.wiola_balance_parts.argtypes = [I, I, P, I]
+        lib.wiola_balance_parts.restype = ctypes.c_int
+        lib.wiola_balance_next.argtypes = [I, P, P, P, P]
+        lib.wiola_balance_next.restype = ctypes.c_int
     return lib
 
 
@@ -417,6 +423,45 @@ def tuning(config: WiolaConfig | None = None, weight_bytes: int = 4) -> dict[str
 
     out = choose_tuning(config or Config.preset("13m"), weight_bytes)
     out["isa"] = select_isa()
+    return out
+
+
+BALANCE_KINDS = ("layers", "head")  # the step's kinds of product, each with its own parts
+
+
+def balance(
+    threads: int | None = None, isa: str | None = None, parts: dict[str, list[float]] | None = None
+) -> dict[str, list[float]]:
+    """How the step splits each product's rows between ``threads`` threads (torch's count unless
+    given) in this process, per kind of product (``BALANCE_KINDS``): each thread's part, learned
+    from its measured rate over the steps run so far (``Balance`` in the source; even, ``[]``,
+    before any step of that many threads, for one thread, and above 8 threads). With ``parts``,
+    those are set first (a kind's list of ``threads`` positive numbers; ``[]`` forgets it): no
+    result depends on them, only the time. Each ISA variant (``isa``) keeps its own.
+    ``ValueError`` for parts of another length, or not positive and finite."""
+    lib = load(isa)
+    if lib is None:
+        raise RuntimeError(f"the CPU decode step is not available: {BUILD_ERROR}")
+    n = torch.get_num_threads() if threads is None else int(threads)
+    setting = {kind: list(values) for kind, values in (parts or {}).items()}
+    for kind, values in setting.items():
+        if kind not in BALANCE_KINDS:
+            raise ValueError(f"balance: kind {kind!r} is not one of {BALANCE_KINDS}")
+        if values and (len(values) != n or not all(math.isfinite(v) and v > 0 for v in values)):
+            raise ValueError(
+                f"balance: {kind} parts {values} must be {n} positive finite numbers (or [] to forget them)"
+            )
+    if setting and not 2 <= n <= 8:
+        raise ValueError(f"balance: {n} threads' parts are not kept (2 to 8 are)")
+    for kind, values in setting.items():
+        buf = (ctypes.c_float * n)(*(values or [0.0] * n))
+        lib.wiola_balance_parts(BALANCE_KINDS.index(kind), n, buf, 1)
+    out: dict[str, list[float]] = {}
+    for k, kind in enumerate(BALANCE_KINDS):
+        buf = (ctypes.c_float * max(n, 1))()
+        kept = lib.wiola_balance_parts(k, n, buf, 0) == 0
+        values = [float(v) for v in buf[:n]] if kept else []
+        out[kind] = values if any(values) else []
     return out
 
 
