@@ -430,9 +430,9 @@ __attribute__((noinline)) void stream_rows(const void* W, int64_t row_bytes, int
 // for whole runs (on the Zen 4 EPYC VM every product of one run took 1.4-1.6x as long on one thread
 // as on the other), and even cuts would wait for it at every barrier. (The threads once claimed
 // their shares a part at a time through an atomic range each and took over half of what was left
-// of a slower thread's: on the Zen 5 EPYC VM even cuts without that ran the 13m step at batch 1
-// 1.02-1.15x faster in bf16, 1.05-1.10x in int8, 1.05x in int4 and fp32 in its slower hours, and
-// as fast with 4 threads on the 2 cores or a busy process on one of them;
+// of a slower thread's. On the Zen 5 EPYC VM these cuts ran the 13m step at batch 1 1.05-1.14x
+// faster than that in bf16, 0.99-1.06x in int8, 1.00-1.07x in int4, 1.04-1.08x in fp32, batch 8
+// level, as fast with 4 threads on its 2 cores and 1.01-1.18x with a busy process on one core;
 // bench/results/2026-12-04_cpu_product-overhead-amd-zen5/.)
 constexpr int kBalanced = 8;  // thread counts whose cuts follow the measured rates; above, even cuts
 
