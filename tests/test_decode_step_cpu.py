@@ -258,6 +258,8 @@ def test_balance_rule(isa):
     assert three == pytest.approx([0.2, 0.3, 0.5], rel=1e-6)
     three = _balance_next(isa, [0.2, 0.3, 0.5], [0, 0.2, 0.5, 1], [200, 300, 500])  # equal rates: toward even
     assert three == pytest.approx([0.2 + (1 / 3 - 0.2) / 8, 0.3 + (1 / 3 - 0.3) / 8, 0.5 + (1 / 3 - 0.5) / 8], rel=1e-6)
+    # parts as set through balance() need not sum to 1: 2:3:5 moves as 0.2, 0.3, 0.5 do
+    assert _balance_next(isa, [2.0, 3.0, 5.0], [0, 0.2, 0.5, 1], [200, 300, 500]) == pytest.approx(three, rel=1e-6)
     assert _balance_next(isa, even, [0, 0.5, 1], [100, 401]) is None  # an outlier: not counted
     assert _balance_next(isa, even, [0, 0.5, 1], [100, 399]) is not None
     assert _balance_next(isa, even, [0, 0.5, 1], [100, 0]) is None  # no time measured

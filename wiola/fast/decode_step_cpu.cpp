@@ -505,9 +505,10 @@ struct Balance {
     return s;
   }
 
-  // Thread t's next part of n threads (into `next`) from its part `was` (0: not yet measured) and
-  // its time ticks[t] on the rows cuts.cut[t] to cuts.cut[t + 1] of one step; false (next
-  // untouched) when the step does not count: a thread without rows or time, or an outlier.
+  // Thread t's next part of n threads (into `next`) from the parts `was` (as set: any positive
+  // numbers, taken as fractions of their sum; all 0: not yet measured, even) and its time ticks[t]
+  // on the rows cuts.cut[t] to cuts.cut[t + 1] of one step; false (next untouched) when the step
+  // does not count: a thread without rows or time, or an outlier.
   static bool next_parts(int n, const float* was, const Split& cuts, const uint64_t* ticks, float* next) {
     if (n < 2 || n > kBalanced || n != cuts.nth) return false;
     double rate[kBalanced], sum = 0.0, lo = INFINITY, hi = 0.0;
@@ -518,9 +519,11 @@ struct Balance {
       sum += rate[t], lo = std::min(lo, rate[t]), hi = std::max(hi, rate[t]);
     }
     if (hi > kOutlier * lo) return false;
+    double had = 0.0;
+    for (int t = 0; t < n; ++t) had += was[t] > 0.0f ? was[t] : 0.0f;
     double moved[kBalanced], total = 0.0;
     for (int t = 0; t < n; ++t) {
-      const double from = was[t] > 0.0f ? was[t] : 1.0 / n;
+      const double from = had > 0.0 && was[t] > 0.0f ? was[t] / had : 1.0 / n;
       moved[t] = std::max(kLeast / n, from + kGain * (rate[t] / sum - from));
       total += moved[t];
     }

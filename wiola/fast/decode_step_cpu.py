@@ -436,8 +436,9 @@ def balance(
     given) in this process, per kind of product (``BALANCE_KINDS``): each thread's part, learned
     from its measured rate over the steps run so far (``Balance`` in the source; even, ``[]``,
     before any step of that many threads, for one thread, and above 8 threads). With ``parts``,
-    those are set first (a kind's list of ``threads`` positive numbers; ``[]`` forgets it): no
-    result depends on them, only the time. Each ISA variant (``isa``) keeps its own.
+    those are set first (a kind's list of ``threads`` positive numbers, taken as fractions of their
+    sum; ``[]`` forgets it): no result depends on them, only the time. Each ISA variant (``isa``)
+    keeps its own.
     ``ValueError`` for parts of another length, or not positive and finite."""
     lib = load(isa)
     if lib is None:
