@@ -134,6 +134,13 @@ def headline_lines(results: Path) -> list[str]:
             f"{report.fmt_rate(r['tokens_per_s']) if 'tokens_per_s' in r else '—':>11} "
             f"{report.fmt_pct(r['mfu_pct']) if 'mfu_pct' in r else '—':>6}  " + ", ".join(report.speedup_cells(r))
         )
+        host = r.get("host")
+        if timed and host and "host_median_s" in host:
+            warm = ", ".join(report.fmt_time(w) for w in host.get("warmup_s", []))
+            lines.append(
+                f"{'':<22} host: {report.fmt_time(host['host_median_s'])} a timed call (GPU {report.fmt_time(r['time_s'])}), "
+                f"warm-up calls {warm or '—'}"
+            )
         agree = (r.get("info") or {}).get("greedy_vs_reference")
         if agree:
             first = agree.get("first_divergence")
@@ -213,6 +220,7 @@ def sanitize_target() -> None:
 
     import wiola
     from wiola.fast import WiolaModel as Fast
+    from wiola.fast.generation import step_generate
 
     if not torch.cuda.is_available():
         raise SystemExit("sanitize-target needs a CUDA device")
@@ -226,7 +234,9 @@ def sanitize_target() -> None:
     loss.backward()
     opt.step()
     model = model.to(torch.bfloat16).eval()
-    out = model.generate(ids, 8, temperature=0)
+    # The graph-mode step's kernels, run eagerly: under memcheck PyTorch's caching allocator is
+    # off, and a capturing stream refuses the plain cudaMalloc calls that leaves.
+    out = step_generate(model, ids, 8, temperature=0, capture=False)
     torch.cuda.synchronize()
     print(f"sanitize-target: train step loss {loss.item():.4f}, generated {tuple(out.shape)}")
 

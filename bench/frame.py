@@ -123,9 +123,12 @@ def time_cuda(
     token, still includes those waits).
     """
     n = len(input_sets)
+    warm = []
     for i in range(3):  # warm-up: compile, autotune, the allocator's caches
+        w = time.perf_counter()
         fn(*input_sets[i % n])
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        warm.append(time.perf_counter() - w)
     probe = 3
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     host = time.perf_counter()
@@ -140,14 +143,27 @@ def time_cuda(
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ahead = 1.5 * host if host < 0.05 else 0.0
+    queued = []
     for i in range(reps):
         args = input_sets[i % n]
         _gpu_sleep(ahead)
         starts[i].record()
+        q = time.perf_counter()
         fn(*args)
+        queued.append(time.perf_counter() - q)
         ends[i].record()
     torch.cuda.synchronize()
-    return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
+    times = [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
+    # What the host did, for reading a result that is slower than its kernels: the warm-up calls'
+    # wall times (compilation, autotuning) and the host's time to return from each timed call.
+    # A median host time near the GPU time means the call waited on the host (a sync inside,
+    # or launches slower than the kernels), not on the device.
+    LAST_CUDA_HOST.clear()
+    LAST_CUDA_HOST.update(warmup_s=[round(w, 6) for w in warm], host_median_s=_median(queued), gpu_sleep_s=ahead)
+    return times
+
+
+LAST_CUDA_HOST: dict[str, Any] = {}  # time_cuda's host-side times of its last measurement
 
 
 def time_cpu(
@@ -575,6 +591,8 @@ class Bench:
         rec.update(self._metrics(t, cost, tokens))
         rec["time_iqr_s"] = _iqr(times)
         rec["reps"] = len(times)
+        if self.device == "cuda":
+            rec["host"] = dict(LAST_CUDA_HOST)
         mem = self._peak_mem(fn, sets[0])
         if mem is not None:
             rec["peak_mem_bytes"] = mem

@@ -8,6 +8,10 @@ bf16 and fp16 against an fp32 oracle.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import weakref
 
 import pytest
@@ -257,6 +261,8 @@ def test_bad_inputs():
         linear_cross_entropy(h, w, labels[:16])
     with pytest.raises(ValueError, match="expected h"):
         linear_cross_entropy(h[None], w, labels)
+    if DEVICE == "cuda":
+        return  # bad label values on CUDA: test_bad_labels_on_cuda_assert_on_the_device
     bad = labels.clone()
     bad[4] = -1
     with pytest.raises(ValueError, match=r"outside \[0, 1000\).*labels\[4\] = -1"):
@@ -264,6 +270,32 @@ def test_bad_inputs():
     bad[4] = 1000
     with pytest.raises(ValueError, match=r"labels\[4\] = 1000"):
         linear_cross_entropy(h, w, bad)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("label", [-1, 1000])
+def test_bad_labels_on_cuda_assert_on_the_device(label):
+    """On CUDA a label outside [0, V) is caught by a device-side assert (checking on the host
+    would synchronise, and CUDA graphs could not capture the op). The assert leaves the process's
+    CUDA context unusable, so it runs in a child process, which must fail with the op's message."""
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from wiola_kernels.cross_entropy import linear_cross_entropy
+        h = torch.randn(17, 64, device="cuda")
+        w = torch.randn(1000, 64, device="cuda")
+        labels = torch.randint(0, 1000, (17,), device="cuda")
+        labels[4] = {label}
+        loss = linear_cross_entropy(h, w, labels)
+        torch.cuda.synchronize()
+        print("no error, loss", float(loss))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0, f"label {label} outside [0, 1000) was not caught: {run.stdout[-500:]}"
+    said = run.stdout + run.stderr  # the device's assert message is printed by the GPU, on either stream
+    assert "a label is outside [0, 1000)" in said, f"label {label}: another failure:\n{said[-3000:]}"
 
 
 # --------------------------------------------------------------------------------------------

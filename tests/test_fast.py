@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 import torch
-from numerics import DEVICE, TOL, assert_close
+from numerics import DEVICE, TOL, assert_close, rel_err
 
 from wiola import WiolaConfig
 from wiola import WiolaModel as Reference
@@ -323,11 +323,36 @@ def test_graph_mode_sampling_equals_reference_sampling():
 
 
 # ------------------------------------------------------------------ CUDA only
+# Under bf16 autocast both models round to bf16 at different places (the kernels keep fp32 where
+# the reference rounds), so each differs from the exact function by its own rounding error, and
+# the two can differ by the sum of both: the reference's own error on a gradient that is a
+# reduction with cancellation (a gate bias's, say) reaches 5-7 unit roundoffs. The fast model is
+# therefore held against the float64 oracle, to within twice the reference's own bf16 error there
+# (and never less than the bf16 tolerance, for values the reference happens to get almost exact).
+BF16_ERROR_RATIO = 2.0
+
+
+def _within_reference_error(name: str, exact: torch.Tensor, ref: torch.Tensor, fast: torch.Tensor) -> None:
+    exact = exact.double()
+    ref_err, fast_err = rel_err(exact, ref.double()), rel_err(exact, fast.double())
+    allowed = max(BF16_ERROR_RATIO * ref_err, TOL[torch.bfloat16])
+    assert not torch.isnan(fast).any(), f"{name}: NaN in the fast model's output"
+    assert fast_err <= allowed, (
+        f"{name}: the fast model's error against the float64 oracle {fast_err:.3e} > {allowed:.3e} "
+        f"({BF16_ERROR_RATIO:g}x the reference's own bf16 error {ref_err:.3e}, at least {TOL[torch.bfloat16]:.0e}) "
+        f"on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}"
+    )
+
+
 @cuda
 @pytest.mark.parametrize("B,T", [(3, 17), (2, 130)], ids=["B3-T17", "B2-T130"])
 def test_cuda_bf16_autocast_matches_reference(B, T):
     ref, fast = _models()
+    exact = Reference(ref.config).to(DEVICE, torch.float64)
+    exact.load_state_dict(ref.state_dict())
     ids, mask = _batch(B, T, "left")
+    e = exact(ids, attention_mask=mask, labels=ids)
+    e.loss.backward()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         r = ref(ids, attention_mask=mask, labels=ids)
         f = fast(ids, attention_mask=mask, labels=ids)
@@ -335,10 +360,29 @@ def test_cuda_bf16_autocast_matches_reference(B, T):
             f_logits = fast(ids, attention_mask=mask).logits
     r.loss.backward()
     f.loss.backward()
-    tol = TOL[torch.bfloat16]
-    assert_close("loss[bf16]", r.loss.detach(), f.loss.detach(), tol)
-    assert_close("logits[bf16]", r.logits.detach(), f_logits, tol)
-    _assert_grads_equal(ref, fast, tol)
+    _within_reference_error("loss[bf16]", e.loss.detach(), r.loss.detach(), f.loss.detach())
+    _within_reference_error("logits[bf16]", e.logits.detach(), r.logits.detach(), f_logits)
+    fast_params, ref_params = dict(fast.named_parameters()), dict(ref.named_parameters())
+    for name, p in exact.named_parameters():
+        assert ref_params[name].grad is not None and fast_params[name].grad is not None, f"grad[{name}] missing"
+        _within_reference_error(f"grad[{name}]", p.grad, ref_params[name].grad, fast_params[name].grad)
+
+
+@cuda
+@torch.no_grad()
+def test_no_graphs_without_the_caching_allocator(monkeypatch):
+    """With PyTorch's caching allocator off (as under compute-sanitizer) a capture would fail on
+    its first allocation, so generation takes the eager loop, with the same tokens."""
+    from wiola.fast.generation import graphs_usable
+
+    ref, fast = _models()
+    ids, mask = _batch(3, 9, "left")
+    assert graphs_usable(fast, ids), "graphs unusable to begin with: the test could not fail"
+    monkeypatch.setenv("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
+    assert not graphs_usable(fast, ids), "CUDA graphs chosen with the caching allocator off"
+    want = ref.generate(ids, 12, attention_mask=mask, temperature=0)
+    got = fast.generate(ids, 12, attention_mask=mask, temperature=0)
+    assert torch.equal(want, got), f"greedy tokens differ:\n{want}\n{got}"
 
 
 @cuda

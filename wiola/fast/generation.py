@@ -18,6 +18,7 @@ finished emit the pad token meanwhile, so the result is the same as the referenc
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -96,9 +97,12 @@ class GraphSteps:
 
 
 def graphs_usable(model: WiolaModel, input_ids: torch.Tensor) -> bool:
-    """CUDA graphs need CUDA tensors and the decode kernel (not the PyTorch path)."""
+    """CUDA graphs need CUDA tensors, the decode kernel (not the PyTorch path) and PyTorch's
+    caching allocator (``PYTORCH_NO_CUDA_MEMORY_CACHING=1``, as under compute-sanitizer, makes
+    every allocation a ``cudaMalloc``, which a capturing stream refuses): else the eager loop."""
     return (
-        isinstance(input_ids, torch.Tensor)
+        os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") != "1"
+        and isinstance(input_ids, torch.Tensor)
         and input_ids.is_cuda
         and model.kernels_enabled
         and "decode_attention" in ops.KERNELS
