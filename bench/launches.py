@@ -10,8 +10,9 @@ name, and every ATen op by a ``TorchDispatchMode``, except the ops that launch n
 autocast inserts into ``linear`` are seen (as ``to``). What is left
 is what a captured CUDA graph would replay, one kernel per count (a few ATen ops launch more than
 one; none in the decode step). ``_local_scalar_dense`` (``.item()``, ``int(t)``) is a host sync:
-it is reported as ``syncs``. Custom ops (``wiola::…``) are not counted: their Triton launches are, but the ATen ops their
-Python bodies run (a wrapper's ``.float()`` or ``.contiguous()`` copy) are not seen.
+it is reported as ``syncs``. Custom ops (``wiola::…``) are not counted themselves: their Python bodies run under the
+counter, so their Triton launches and the ATen ops they run (a ``.float()`` or ``.contiguous()``
+copy) are.
 
 The command counts one decoding step of ``wiola.fast.generation.step_generate`` (the step the
 CUDA graph captures, run eagerly with ``capture=False``) on the CPU under the Triton interpreter:
@@ -53,6 +54,12 @@ class _AtenCounter(TorchDispatchMode):
         self.counter = counter
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        body = _custom_op_body(func) if not self.counter.in_triton else None
+        if body is not None:
+            # A custom op (``wiola::…``): the ATen ops of its Python body launch kernels too, and
+            # this mode is off while its handler runs, so the body runs under a fresh one.
+            with _AtenCounter(self.counter):
+                return body(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         if not self.counter.in_triton:
             name = func.overloadpacket.__name__
@@ -61,6 +68,16 @@ class _AtenCounter(TorchDispatchMode):
             elif func.namespace == "aten" and name not in _NO_LAUNCH and not (func.is_view and _aliases(out, args)):
                 self.counter.aten[name] += 1
         return out
+
+
+def _custom_op_body(func: Any) -> Any:
+    """The Python function behind a ``torch.library.custom_op`` (None for any other op)."""
+    if func.namespace == "aten":
+        return None
+    from torch._library.custom_ops import OPDEFS
+
+    opdef = OPDEFS.get(f"{func.namespace}::{func._opname}")
+    return None if opdef is None else opdef._init_fn
 
 
 def _aliases(out: Any, args: tuple) -> bool:

@@ -428,11 +428,19 @@ def _gate_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``g, sum, count`` and, for the backward, each span's starting sum and count."""
     B, T, H, D = q.shape
+    total = empty(B, D, device=q.device, dtype=torch.float32)
+    count = empty(B, device=q.device, dtype=torch.int64)
+    return _gate_fwd_into(q, w1, w2, b2, cos, sin, mask, carry_sum, carry_count, span, total, count)
+
+
+def _gate_fwd_into(q, w1, w2, b2, cos, sin, mask, carry_sum, carry_count, span, total, count):
+    """``_gate_fwd``'s body, the new running sum and count written into ``total`` and ``count``
+    (which may be the carry's own tensors when there is one span: its one program a row reads
+    the carry's row before it writes it)."""
+    B, T, H, D = q.shape
     ns = triton.cdiv(T, span)
     dev = q.device
     g = empty(B, T, H, device=dev, dtype=torch.float32)
-    total = empty(B, D, device=dev, dtype=torch.float32)
-    count = empty(B, device=dev, dtype=torch.int64)
     prefix_sum = empty(B, ns, D, device=dev, dtype=torch.float32)
     prefix_count = empty(B, ns, device=dev, dtype=torch.int32)
     if B == 0:
@@ -574,6 +582,30 @@ def _backward(ctx, dg, dsum, dcount, dprefix_sum, dprefix_count):
 _gate_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("wiola::gate_fwd_update_carry", mutates_args=("carry_sum", "carry_count"))
+def _gate_fwd_update_carry(
+    q: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    carry_sum: torch.Tensor,
+    carry_count: torch.Tensor,
+    span: int,
+) -> torch.Tensor:
+    """``g``, the carry advanced in place (one span a row, no gradient): a decoding step's gate
+    without the two copies of a new running state into the cache."""
+    return _gate_fwd_into(q, w1, w2, b2, cos, sin, mask, carry_sum, carry_count, span, carry_sum, carry_count)[0]
+
+
+@_gate_fwd_update_carry.register_fake
+def _(q, w1, w2, b2, cos, sin, mask, carry_sum, carry_count, span):
+    B, T, H, _ = q.shape
+    return q.new_empty(B, T, H, dtype=torch.float32)
+
+
 # --------------------------------------------------------------------------------------------
 # Public function
 # --------------------------------------------------------------------------------------------
@@ -640,6 +672,7 @@ def gate(
     sin: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
     carry: tuple[torch.Tensor, torch.Tensor] | None = None,
+    update_carry: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-query, per-head gate ``g_t = sigmoid(W2 · SiLU(W1 · c_t) + b2)``, fused (Triton).
 
@@ -655,6 +688,10 @@ def gate(
         attention_mask: ``(B, T)`` bool or integer, nonzero for real tokens; padding (left or
             right) is left out of the running mean and gets no gradient.
         carry: ``(sum (B, D) float32, count (B,) integer)`` from earlier chunks of the same rows.
+        update_carry: write the new running sum and count into ``carry``'s tensors (a cache's
+            state) and return those. Where no gradient is needed, ``carry`` is contiguous
+            float32 and int64 and each row is one program's span (a decoding step), the kernel
+            writes them in place (no copies); else they are copied in.
 
     Returns:
         ``g`` ``(B, T, H)`` float32, and the new carry ``(sum (B, D) float32, count (B,) int64)``.
@@ -668,5 +705,27 @@ def gate(
     B, T, H, D = q.shape
     span = _span_tokens(B, T, _configs(H, D, q.dtype)["fwd"]["BLOCK_T"], q.device)
     carry_sum, carry_count = (None, None) if carry is None else carry
+    if update_carry and carry is None:
+        fail("gate", "update_carry needs a carry")
+    if update_carry and _updatable_in_place(q, w1, w2, b2, carry_sum, carry_count, span):
+        g = _gate_fwd_update_carry(q, w1, w2, b2, cos, sin, attention_mask, carry_sum, carry_count, span)
+        return g, carry_sum, carry_count
     g, total, count, _, _ = _gate_fwd(q, w1, w2, b2, cos, sin, attention_mask, carry_sum, carry_count, span)
+    if update_carry:
+        carry_sum.copy_(total)
+        carry_count.copy_(count)
+        return g, carry_sum, carry_count
     return g, total, count
+
+
+def _updatable_in_place(q, w1, w2, b2, carry_sum, carry_count, span) -> bool:
+    """The kernel can write the carry itself: one span a row, no gradient, the kernel's layouts."""
+    grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, w1, w2, b2, carry_sum))
+    return (
+        not grads
+        and q.shape[1] <= span
+        and carry_sum.dtype == torch.float32
+        and carry_sum.is_contiguous()
+        and carry_count.dtype == torch.int64
+        and carry_count.is_contiguous()
+    )

@@ -177,6 +177,32 @@ def test_prefill_in_chunks_equals_one(rotate):
     assert torch.equal(count_one, carry[1]), f"count: {carry[1].tolist()} != {count_one.tolist()}"
 
 
+@pytest.mark.parametrize("fn", [kgate.gate, ref_gate], ids=["kernel", "reference"])
+@pytest.mark.parametrize("T,grad", [(1, False), (1, True), (40, False)], ids=["step", "step-grad", "chunk"])
+def test_update_carry_writes_the_cache_state(fn, T, grad):
+    """``update_carry=True`` gives the out-of-place result bitwise, in the carry's own tensors: the
+    kernel writes them itself for a step without gradients (no copy launched), else copies."""
+    from bench.launches import LaunchCounter
+
+    qkv, weights, mask, rope, state = make_inputs(3, T, 4, 16, pad="left" if T > 1 else "none", rotate=True, carry=True)
+    q = qkv.unbind(2)[0]
+    with torch.set_grad_enabled(grad):
+        g_want, sum_want, count_want = fn(q, *weights, attention_mask=mask, carry=state, **rope)
+        carry = (state[0].detach().clone(), state[1].clone())
+        with LaunchCounter() as counter:
+            g, total, count = fn(q, *weights, attention_mask=mask, carry=carry, update_carry=True, **rope)
+    assert total is carry[0] and count is carry[1], "the returned state is not the carry's own tensors"
+    assert torch.equal(g, g_want), "g differs from the call without update_carry"
+    assert torch.equal(total, sum_want.detach()) and torch.equal(count, count_want), "carry written wrongly"
+    # One program's span a row (always for a step; for the chunk, on the interpreter's 4 programs
+    # never, on a GPU by its SM count), no gradient: written in place.
+    span = kgate._span_tokens(3, T, kgate._configs(4, 16, q.dtype)["fwd"]["BLOCK_T"], q.device)
+    in_place = fn is kgate.gate and T <= span and not grad
+    assert (counter.aten["copy_"] == 0) == in_place, f"in place {in_place}: {counter.report()}"
+    with pytest.raises(ValueError, match="update_carry needs a carry"):
+        fn(q, *weights, attention_mask=mask, update_carry=True, **rope)
+
+
 def test_strided_and_transposed_q():
     """q in a (B, H, T, D) layout seen as (B, T, H, D), and fp32 tables broadcast over the batch."""
     B, T, H, D = 2, 33, 4, 32

@@ -131,12 +131,20 @@ def test_unpadded_prefill_runs_the_unmasked_variant():
 def test_decode_step_launches_no_per_step_weight_work(autocast):
     """One graph-mode decoding step: per layer two norms, the gate, the cache write and the two
     flash-decoding kernels, the butterfly's two, plus the final norm (Triton); no ``cat`` of the
-    QKV weights and no weight cast (ATen) — under autocast only activations are cast."""
+    QKV weights and no weight cast (ATen) — under autocast only activations are cast. The gate
+    advances each layer's carry in place and the slot is the layers' start as it is, so the one
+    copy is the sampled token into the step's buffer (also the next step's input) and nothing is
+    cloned."""
     model = _fast()
     counter = count_decode_step(model, batch=1, prompt=5, autocast=autocast)
     L = CONFIG["n_layers"]
     assert sum(counter.triton.values()) == 8 * L + 1, counter.report()
     assert "cat" not in counter.aten and counter.syncs == 0, counter.report()
+    assert counter.aten["copy_"] == 1 and "clone" not in counter.aten, counter.report()
+    # positions and rotation tables: one gather from the cache's table (_rope), no per-step trig
+    assert counter.aten["index_select"] == 1 and not {"arange", "cos", "sin", "mul"} & set(counter.aten), (
+        counter.report()
+    )
     # Casts under autocast beyond the fp32 step: activations only — each layer's QKV-GEMM and
     # butterfly inputs, the head's input and the logits' upcast. (Before this change also the
     # QKV, O, butterfly and head weights and the norms' fp32 copies of the bf16 branch.)
@@ -145,3 +153,26 @@ def test_decode_step_launches_no_per_step_weight_work(autocast):
     assert extra == (2 * L + 2 if autocast else 0), (
         f"{extra} casts under autocast beyond the fp32 step: {counter.report()}"
     )
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_graph_step_rotation_tables_are_rope_tables(B):
+    """The CUDA-graph step's cos and sin, gathered from the cache's table at each row's count of
+    real tokens, equal ``rope_tables`` at those positions bitwise, contiguous, as the kernels read
+    them; the table is built once."""
+    from wiola.fast.generation import GraphCache
+    from wiola.ops.rope import rope_tables
+
+    model = _fast()
+    cache = GraphCache(model.config, B, 40, device=DEVICE)
+    cache.n_real.copy_(torch.tensor([0, 17, 39][:B]))
+    cache.device_slot = True
+    cos, sin = model._rope(None, B, 1, cache, torch.device(DEVICE))
+    want_cos, want_sin = rope_tables(cache.n_real.view(B, 1), model.rope_freqs)
+    assert cos.shape == (B, 1, model.config.head_dim // 2) and cos.is_contiguous() and sin.is_contiguous()
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin), "the table's values differ from rope_tables"
+    table = cache.rope_table(model.rope_freqs)
+    assert cache.rope_table(model.rope_freqs) is table, "the table was rebuilt"
+    cache.device_slot = False  # any other call computes them as the reference does
+    again = model._rope(None, B, 1, cache, torch.device(DEVICE))
+    assert torch.equal(again[0], want_cos) and torch.equal(again[1], want_sin)

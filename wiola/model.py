@@ -222,10 +222,9 @@ class Gate(nn.Module):
         """``g`` ``(B, T, H)`` from the unrotated queries ``q`` ``(B, T, H, D)``; ``carry`` (one
         layer's running sum and count in a cache) is read and updated in place."""
         rope = {} if self.pre_rope else {"cos": cos, "sin": sin}
-        g, running, count = self.ops.gate(q, w1, w2, b2, attention_mask=attention_mask, carry=carry, **rope)
-        if carry is not None:
-            carry[0].copy_(running)
-            carry[1].copy_(count)
+        g, _, _ = self.ops.gate(
+            q, w1, w2, b2, attention_mask=attention_mask, carry=carry, update_carry=carry is not None, **rope
+        )
         return g
 
 
@@ -596,13 +595,8 @@ class WiolaModel(nn.Module):
         """The final norm's output ``(B, T, d)``: the blocks over the embedded ids (the new tokens
         appended to ``cache``); ``attention_mask`` ``(B, T)`` bool or None, inputs checked."""
         B, T = input_ids.shape
-        start = 0
-        if cache is not None:
-            positions = positions_from_mask(attention_mask, B, T, offset=cache.n_real, device=input_ids.device)
-            start = self._cache_start(cache, T, attention_mask)
-        else:
-            positions = positions_from_mask(attention_mask, B, T, device=input_ids.device)
-        cos, sin = rope_tables(positions, self.rope_freqs)  # (B, T, D/2) fp32
+        cos, sin = self._rope(attention_mask, B, T, cache, input_ids.device)  # (B, T, D/2) fp32
+        start = 0 if cache is None else self._cache_start(cache, T, attention_mask)
 
         hidden, residual = self.embed(input_ids), None  # (B, T, d); the residual stream starts at hidden
         checkpointed = self.activation_checkpointing and cache is None and torch.is_grad_enabled()
@@ -614,8 +608,7 @@ class WiolaModel(nn.Module):
         x, _ = self.norm(hidden, residual)  # the last residual add, fused into the final norm
 
         if cache is not None:
-            cache.length += T
-            cache.n_real += T if attention_mask is None else attention_mask.sum(dim=1)
+            self._cache_advance(cache, T, attention_mask)
         return x
 
     def _decoding_step(self, input_ids: torch.Tensor, cache: Cache) -> ModelOutput | None:
@@ -662,6 +655,20 @@ class WiolaModel(nn.Module):
 
     def _default_return_logits(self, labels: torch.Tensor | None) -> bool:
         return True
+
+    def _rope(
+        self, attention_mask: torch.Tensor | None, B: int, T: int, cache: Cache | None, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` ``(B, T, D/2)`` at the new tokens' positions (after ``cache.n_real`` real
+        tokens a row). ``wiola.fast`` reads a CUDA-graph step's from a table."""
+        offset = 0 if cache is None else cache.n_real
+        positions = positions_from_mask(attention_mask, B, T, offset=offset, device=device)
+        return rope_tables(positions, self.rope_freqs)
+
+    def _cache_advance(self, cache: Cache, T: int, attention_mask: torch.Tensor | None) -> None:
+        """After the layers: ``T`` more slots used, and each row's count of real tokens."""
+        cache.length += T
+        cache.n_real += T if attention_mask is None else attention_mask.sum(dim=1)
 
     def _cache_start(self, cache: Cache, T: int, attention_mask: torch.Tensor | None) -> int | torch.Tensor:
         """Mark the ``T`` new slots in ``cache.key_mask``; return the first one (``decode_attention``'s

@@ -135,14 +135,29 @@ class WiolaModel(ReferenceModel):
                 slot.fill_(start + T)
             return start
         # CUDA-graph step: the slot lives on the device, so one captured graph serves every step.
-        start = slot.clone()
-        index = start + torch.arange(T, device=slot.device)
+        # It is the layers' start as it is (no copy) and moves on after them (_cache_advance).
+        index = slot.view(1) if T == 1 else slot + torch.arange(T, device=slot.device)
         if attention_mask is None:
             cache.key_mask.index_fill_(1, index, True)
         else:
             cache.key_mask.index_copy_(1, index, attention_mask.to(torch.bool))
-        slot += T
-        return start
+        return slot
+
+    def _rope(
+        self, attention_mask: torch.Tensor | None, B: int, T: int, cache: Cache | None, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if T == 1 and attention_mask is None and getattr(cache, "device_slot", False):
+            # CUDA-graph step: each row's position is its count of real tokens, and its cos and
+            # sin one gather from the cache's table of every slot's (rope_tables of each position:
+            # the same values), instead of a position, a cast, a product, a cos and a sin a step.
+            both = cache.rope_table(self.rope_freqs).index_select(1, cache.n_real)  # (2, B, D/2)
+            return both[0].unsqueeze(1), both[1].unsqueeze(1)
+        return super()._rope(attention_mask, B, T, cache, device)
+
+    def _cache_advance(self, cache: Cache, T: int, attention_mask: torch.Tensor | None) -> None:
+        super()._cache_advance(cache, T, attention_mask)
+        if getattr(cache, "slot", None) is not None and getattr(cache, "device_slot", False):
+            cache.slot += T
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
         """Prompt followed by up to ``max_new_tokens`` new tokens, ``(B, T + N)``; the arguments of

@@ -28,6 +28,7 @@ from wiola.cache import Cache
 from wiola.config import WiolaConfig
 from wiola.fast import ops
 from wiola.generation import LOOP_KEYWORDS, GenerateArgs, decode_loop, next_tokens
+from wiola.ops.rope import rope_tables
 
 if TYPE_CHECKING:
     from wiola.model import WiolaModel  # a wiola.fast.WiolaModel (its kernels_enabled, cuda_graphs)
@@ -46,6 +47,17 @@ class GraphCache(Cache):
         super().__init__(config, batch_size, max_len, **kwargs)
         self.slot = torch.zeros((), dtype=torch.int64, device=self.device)
         self.device_slot = False
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rope_table(self, freqs: torch.Tensor) -> torch.Tensor:
+        """``(2, max_len, D/2)`` float32: ``rope_tables``' cos and sin at every position a row of
+        this cache can reach (its real tokens never outnumber its slots), built once per
+        ``freqs`` tensor (the model's, on its device)."""
+        if self._rope_table is None or self._rope_table[0] is not freqs:
+            positions = torch.arange(self.max_len, device=self.device).unsqueeze(0)
+            cos, sin = rope_tables(positions, freqs)  # (1, max_len, D/2) each
+            self._rope_table = (freqs, torch.cat((cos, sin)))
+        return self._rope_table[1]
 
     def reset(self) -> None:
         super().reset()
@@ -66,8 +78,8 @@ class _Mode:
 @dataclass
 class _Captured:
     cache: GraphCache
-    ids: torch.Tensor  # (B, 1) int64: the step's input, written by the step itself
     token: torch.Tensor  # (B,) int64: the step's output
+    ids: torch.Tensor  # (B, 1) int64 view of ``token``: the next step's input
     finished: torch.Tensor  # (B,) bool
     noise: torch.Tensor | None  # (B, V) float32 Exp(1) draws, refilled before each replay
     temperature: torch.Tensor  # () float32
@@ -127,8 +139,7 @@ def _advance(step: _Captured, logits: torch.Tensor, mode: _Mode) -> torch.Tensor
         temperature=0.0 if mode.greedy else step.temperature, top_k=mode.top_k,
         top_p=step.top_p if mode.top_p else None, noise=step.noise,
     )  # fmt: skip
-    step.token.copy_(token)
-    step.ids.copy_(token.unsqueeze(1))
+    step.token.copy_(token)  # also the next step's input: ``ids`` is a view of ``token``
     return token
 
 
@@ -175,10 +186,11 @@ def _get_step(model: WiolaModel, mode: _Mode) -> _Captured:
             cache = GraphCache(model.config, mode.batch, model.config.max_seq_len, device=w.device, dtype=w.dtype)
             store.caches[mode.batch] = cache
         B, V = mode.batch, model.config.vocab_size
+        token = torch.zeros(B, dtype=torch.int64, device=w.device)
         step = _Captured(
             cache=cache,
-            ids=torch.zeros(B, 1, dtype=torch.int64, device=w.device),
-            token=torch.zeros(B, dtype=torch.int64, device=w.device),
+            token=token,
+            ids=token.unsqueeze(1),
             finished=torch.zeros(B, dtype=torch.bool, device=w.device),
             noise=None if mode.greedy else torch.ones(B, V, dtype=torch.float32, device=w.device),
             temperature=torch.ones((), dtype=torch.float32, device=w.device),

@@ -182,6 +182,7 @@ class _Ops:
         sin: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         carry: tuple[torch.Tensor, torch.Tensor] | None = None,
+        update_carry: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``wiola.ops.gate``: the gate kernel (head mean, carried prefix sum, MLP) where usable,
         else the reference (one new token after a carried sum: ``_gate_step``).
@@ -191,10 +192,19 @@ class _Ops:
         """
         kernel = self._kernel("gate", q)
         if kernel is not None:
-            return kernel(q, w1, w2, b2, cos=cos, sin=sin, attention_mask=attention_mask, carry=carry)
+            return kernel(
+                q, w1, w2, b2, cos=cos, sin=sin, attention_mask=attention_mask, carry=carry, update_carry=update_carry
+            )
         if q.shape[1] == 1 and carry is not None and cos is None and not torch.is_autocast_enabled(q.device.type):
-            return _gate_step(q, w1, w2, b2, attention_mask, carry)
-        return reference.gate(q, w1, w2, b2, cos=cos, sin=sin, attention_mask=attention_mask, carry=carry)
+            g, running, count = _gate_step(q, w1, w2, b2, attention_mask, carry)
+            if update_carry:
+                carry[0].copy_(running)
+                carry[1].copy_(count)
+                return g, carry[0], carry[1]
+            return g, running, count
+        return reference.gate(
+            q, w1, w2, b2, cos=cos, sin=sin, attention_mask=attention_mask, carry=carry, update_carry=update_carry
+        )
 
     def attention(
         self,

@@ -18,6 +18,7 @@ def gate(
     sin: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
     carry: tuple[torch.Tensor, torch.Tensor] | None = None,
+    update_carry: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-query, per-head gate ``g_t = sigmoid(W2 · SiLU(W1 · c_t) + b2)``.
 
@@ -30,6 +31,8 @@ def gate(
         attention_mask: ``(B, T)``, 1 for real tokens, 0 for padding; padding is left out of
             the running mean.
         carry: ``(sum (B, D) float32, count (B,) int64)`` from earlier chunks of the same rows.
+        update_carry: write the new carry into ``carry``'s tensors (a cache's running state)
+            and return those tensors.
 
     Returns:
         ``g`` ``(B, T, H)`` float32, and the new carry ``(sum (B, D) float32, count (B,) int64)``.
@@ -52,4 +55,11 @@ def gate(
     c = running / count.clamp(min=1.0).unsqueeze(-1)
     hidden = F.silu(c @ upcast(w1).t())  # (B, T, H)
     g = torch.sigmoid(hidden @ upcast(w2).t() + upcast(b2))
-    return g, running[:, -1], count[:, -1].to(torch.int64)
+    total, n = running[:, -1], count[:, -1].to(torch.int64)
+    if update_carry:
+        if carry is None:
+            raise ValueError("gate: update_carry needs a carry")
+        carry[0].copy_(total)
+        carry[1].copy_(n)
+        return g, carry[0], carry[1]
+    return g, total, n
