@@ -137,9 +137,12 @@ def headline_lines(results: Path) -> list[str]:
         host = r.get("host")
         if timed and host and "host_median_s" in host:
             warm = ", ".join(report.fmt_time(w) for w in host.get("warmup_s", []))
+            slept = host.get("gpu_slept_median_s")
             lines.append(
-                f"{'':<22} host: {report.fmt_time(host['host_median_s'])} a timed call (GPU {report.fmt_time(r['time_s'])}), "
-                f"warm-up calls {warm or '—'}"
+                f"{'':<22} host: {report.fmt_time(host['host_median_s'])} a timed call (GPU {report.fmt_time(r['time_s'])}"
+                + (f", spun {report.fmt_time(slept)} ahead" if slept else "")
+                + (", spin rate recalibrated" if host.get("sleep_recalibrated") else "")
+                + f"), warm-up calls {warm or '—'}"
             )
         agree = (r.get("info") or {}).get("greedy_vs_reference")
         if agree:

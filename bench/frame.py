@@ -140,27 +140,55 @@ def time_cuda(
     torch.cuda.synchronize()
     estimate = start.elapsed_time(end) / 1e3 / probe
     reps = _reps(estimate, target_s, min_reps, max_reps)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ahead = 1.5 * host if host < 0.05 else 0.0
+    times, slept, queued = _timed_reps(fn, input_sets, reps, ahead)
+    wanted = min(ahead, 0.05)
+    recalibrated = False
+    if wanted > 0 and _median(slept) < 0.8 * wanted and _SLEEP_CYCLES_PER_S:
+        # The spin ran short: its rate was calibrated while the GPU's clock was lower (a cold
+        # GPU ramps up over the first work), so the host may not have queued a call before its
+        # start event fired. Scale the rate by what the spin did and time the loop again.
+        _SLEEP_CYCLES_PER_S[0] *= wanted / max(_median(slept), 1e-6)
+        times, slept, queued = _timed_reps(fn, input_sets, reps, ahead)
+        recalibrated = True
+    # What the host did, for reading a result that is slower than its kernels: the warm-up calls'
+    # wall times (compilation, autotuning), the host's time to return from each timed call and
+    # how long the GPU spun ahead of it. A median host time near the GPU time, longer than the
+    # spin, means the call waited on the host (a sync inside, or launches slower than the
+    # kernels), not on the device.
+    LAST_CUDA_HOST.clear()
+    LAST_CUDA_HOST.update(
+        warmup_s=[round(w, 6) for w in warm],
+        host_median_s=_median(queued),
+        gpu_sleep_s=ahead,
+        gpu_slept_median_s=_median(slept),
+        sleep_recalibrated=recalibrated,
+    )
+    return times
+
+
+def _timed_reps(
+    fn: Callable[..., Any], input_sets: Sequence[tuple], reps: int, ahead: float
+) -> tuple[list[float], list[float], list[float]]:
+    """``reps`` calls, each after a GPU spin of about ``ahead`` seconds: per call the GPU time
+    (events around the call), the spin's own GPU time and the host's time to return."""
+    n = len(input_sets)
+    events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(reps)]
     queued = []
     for i in range(reps):
         args = input_sets[i % n]
+        before, start, end = events[i]
+        before.record()
         _gpu_sleep(ahead)
-        starts[i].record()
+        start.record()
         q = time.perf_counter()
         fn(*args)
         queued.append(time.perf_counter() - q)
-        ends[i].record()
+        end.record()
     torch.cuda.synchronize()
-    times = [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
-    # What the host did, for reading a result that is slower than its kernels: the warm-up calls'
-    # wall times (compilation, autotuning) and the host's time to return from each timed call.
-    # A median host time near the GPU time means the call waited on the host (a sync inside,
-    # or launches slower than the kernels), not on the device.
-    LAST_CUDA_HOST.clear()
-    LAST_CUDA_HOST.update(warmup_s=[round(w, 6) for w in warm], host_median_s=_median(queued), gpu_sleep_s=ahead)
-    return times
+    times = [start.elapsed_time(end) / 1e3 for _, start, end in events]
+    slept = [before.elapsed_time(start) / 1e3 for before, start, _ in events]
+    return times, slept, queued
 
 
 LAST_CUDA_HOST: dict[str, Any] = {}  # time_cuda's host-side times of its last measurement

@@ -254,3 +254,66 @@ def test_compile_heavy_switch(monkeypatch) -> None:
     assert built == [], "a switched-off baseline must not be built"
     monkeypatch.delenv("WIOLA_BENCH_COMPILED")
     assert frame.compile_heavy(factories) == ({"torch.compile": "compiled"}, []) and built == [1]
+
+
+class FakeGPU:
+    """A stream on a simulated clock, for ``time_cuda`` without CUDA: the host queues work (its
+    own clock moves by what each call costs it), the device runs the queue in order and cannot
+    finish a call's kernels before the host has queued them; ``_sleep`` spins at ``rate`` cycles
+    a second; events complete when the queue reaches them."""
+
+    def __init__(self, rate: float, queue_s: float, gpu_s: float) -> None:
+        self.host = self.device = 0.0
+        self.rate, self.queue_s, self.gpu_s = rate, queue_s, gpu_s
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                self.t = 0.0
+
+            def record(self) -> None:
+                gpu.device = self.t = max(gpu.device, gpu.host)
+
+            def elapsed_time(self, other: Event) -> float:
+                return (other.t - self.t) * 1e3
+
+        self.Event = Event
+
+    def perf_counter(self) -> float:
+        return self.host
+
+    def sleep(self, cycles: int) -> None:
+        self.device = max(self.device, self.host) + cycles / self.rate
+
+    def synchronize(self) -> None:
+        self.host = max(self.host, self.device)
+
+    def call(self) -> None:  # the measured function
+        begin = max(self.device, self.host)
+        self.host += self.queue_s
+        self.device = max(begin + self.gpu_s, self.host)
+
+
+@pytest.mark.parametrize("calibrated_at", [1.0, 0.2], ids=["right-rate", "cold-clock-rate"])
+def test_time_cuda_times_the_device_when_the_host_is_slower(monkeypatch, calibrated_at) -> None:
+    """A call whose host side (20 ms) is slower than its kernels (8 ms): the spin ahead of each
+    call lets the host queue it all, so the events time the kernels. A spin rate calibrated at a
+    lower clock than the GPU later runs at (a cold GPU) makes the spin short; the timer sees it
+    from the spin's own events, rescales the rate and times again."""
+    from types import SimpleNamespace
+
+    gpu = FakeGPU(rate=1e9, queue_s=0.020, gpu_s=0.008)
+    monkeypatch.setattr(torch.cuda, "Event", gpu.Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", gpu.sleep, raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", gpu.synchronize)
+    monkeypatch.setattr(frame, "time", SimpleNamespace(perf_counter=gpu.perf_counter))
+    monkeypatch.setattr(frame, "_SLEEP_CYCLES_PER_S", [gpu.rate * calibrated_at])
+    times = frame.time_cuda(lambda: gpu.call(), [()], min_reps=10)
+    host = frame.LAST_CUDA_HOST
+    assert all(abs(t - 0.008) < 1e-9 for t in times), f"not the device's 8 ms: {times}"
+    assert host["host_median_s"] == pytest.approx(0.020)
+    assert host["sleep_recalibrated"] == (calibrated_at != 1.0), host
+    assert host["gpu_slept_median_s"] == pytest.approx(0.030), host  # 1.5x the host's 20 ms
+    # without the spin the same loop times the host: the test can tell the two apart
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    assert frame._median(frame._timed_reps(lambda: gpu.call(), [()], 5, 0.03)[0]) == pytest.approx(0.020)

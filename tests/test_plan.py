@@ -273,10 +273,14 @@ def test_headline_table_reads_only_the_headline_stage(tmp_path: Path) -> None:
     )
     assert "first divergence new token 14 (row 0)" in lines[2] and "top-2 gap there 0.0625" in lines[2]
     # time_cuda's host-side times, where recorded, get a line of their own under the result
-    rec["host"] = {"warmup_s": [2.5, 0.25, 0.125], "host_median_s": 0.375, "gpu_sleep_s": 0.0}
+    rec["host"] = {"warmup_s": [2.5, 0.25, 0.125], "host_median_s": 0.375, "gpu_sleep_s": 0.0,
+                   "gpu_slept_median_s": 0.03, "sleep_recalibrated": True}  # fmt: skip
     (tmp_path / "bench.jsonl").write_text(json.dumps({"extra_info": rec}) + "\n")
     lines = headline_lines(tmp_path / "bench.jsonl")
-    assert len(lines) == 4 and "host: 375 ms a timed call (GPU 500 ms)" in lines[2], lines
+    assert (
+        len(lines) == 4
+        and "host: 375 ms a timed call (GPU 500 ms, spun 30 ms ahead, spin rate recalibrated)" in lines[2]
+    ), lines
     assert "warm-up calls 2.5 s, 250 ms, 125 ms" in lines[2], lines[2]
     assert headline_lines(tmp_path / "missing.jsonl") == ["headline: no results recorded"]
     (tmp_path / "stages.tsv").write_text("setup\t0\t3\t30\tCUDA device found\nextra\t-\t0\t0\tno CUDA device\n")

@@ -19,7 +19,9 @@ cfg = wiola.WiolaConfig.preset("13m")
 torch.manual_seed(0)
 model = WiolaModel(cfg).to("cuda", torch.bfloat16).eval()
 for batch in (1, 8):
-    ids = torch.randint(0, cfg.vocab_size, (batch, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    ids = torch.randint(
+        0, cfg.vocab_size, (batch, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(1)
+    )
     out = None
     for _ in range(3):  # compile, autotune, capture
         out = model.generate(ids, 256, temperature=0)
@@ -35,7 +37,19 @@ for batch in (1, 8):
         times.append((a.elapsed_time(b) / 1e3, time.perf_counter() - h))
     gpu = sorted(t[0] for t in times)[len(times) // 2]
     host = sorted(t[1] for t in times)[len(times) // 2]
-    print(json.dumps({"label": label, "batch": batch, "median_s": gpu, "host_median_s": host,
-                      "tok_per_s": batch * 256 / gpu, "all_s": [round(t[0], 6) for t in times],
-                      "tokens_sha": hash(tuple(out.flatten().tolist())) % 10**12,
-                      "wiola": wiola.__file__, "torch": torch.__version__}), flush=True)
+    print(
+        json.dumps(
+            {
+                "label": label,
+                "batch": batch,
+                "median_s": gpu,
+                "host_median_s": host,
+                "tok_per_s": batch * 256 / gpu,
+                "all_s": [round(t[0], 6) for t in times],
+                "tokens_sha": hash(tuple(out.flatten().tolist())) % 10**12,
+                "wiola": wiola.__file__,
+                "torch": torch.__version__,
+            }
+        ),
+        flush=True,
+    )
