@@ -251,6 +251,27 @@ def test_torch_compile_fullgraph_forward_backward():
         assert_close(name, r, k, 1e-5)
 
 
+@torch.no_grad()
+def test_torch_compile_fullgraph_step_updates_the_carry_in_place():
+    """A compiled decoding step's gate (``update_carry``, no gradient): the custom op declares the
+    carry as mutated, so the compiled call leaves in the carry exactly what the eager one does."""
+    B, H, D = 3, 4, 16
+    qkv, weights, _, rope, state = make_inputs(B, 1, H, D, rotate=True, carry=True, seed=11)
+    q = qkv.detach().unbind(2)[0]
+    weights = [w.detach() for w in weights]
+
+    def step(q, w1, w2, b2, carry_sum, carry_count):
+        return kgate.gate(q, w1, w2, b2, carry=(carry_sum, carry_count), update_carry=True, **rope)[0]
+
+    eager = (state[0].detach().clone(), state[1].clone())
+    compiled = (state[0].detach().clone(), state[1].clone())
+    g_eager = step(q, *weights, *eager)
+    g_compiled = torch.compile(step, fullgraph=True)(q, *weights, *compiled)
+    assert not torch.equal(eager[0], state[0].detach()), "the carry did not move: the test could not fail"
+    assert torch.equal(g_compiled, g_eager), "g differs under torch.compile"
+    assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1]), "carry not written when compiled"
+
+
 def _bad(**change):
     B, T, H, D = 2, 5, 2, 8
     args = {

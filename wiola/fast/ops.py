@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 import wiola.ops as reference
 from wiola.model import Ops, has_adapters
+from wiola.ops.gate import write_carry
 from wiola.ops.linear import DecodeLayout, autocast_dtype, linear
 from wiola.ops.rope import apply_rope
 
@@ -196,12 +197,8 @@ class _Ops:
                 q, w1, w2, b2, cos=cos, sin=sin, attention_mask=attention_mask, carry=carry, update_carry=update_carry
             )
         if q.shape[1] == 1 and carry is not None and cos is None and not torch.is_autocast_enabled(q.device.type):
-            g, running, count = _gate_step(q, w1, w2, b2, attention_mask, carry)
-            if update_carry:
-                carry[0].copy_(running)
-                carry[1].copy_(count)
-                return g, carry[0], carry[1]
-            return g, running, count
+            out = _gate_step(q, w1, w2, b2, attention_mask, carry)
+            return write_carry(carry, *out) if update_carry else out
         return reference.gate(
             q, w1, w2, b2, cos=cos, sin=sin, attention_mask=attention_mask, carry=carry, update_carry=update_carry
         )

@@ -56,10 +56,16 @@ def gate(
     hidden = F.silu(c @ upcast(w1).t())  # (B, T, H)
     g = torch.sigmoid(hidden @ upcast(w2).t() + upcast(b2))
     total, n = running[:, -1], count[:, -1].to(torch.int64)
-    if update_carry:
-        if carry is None:
-            raise ValueError("gate: update_carry needs a carry")
-        carry[0].copy_(total)
-        carry[1].copy_(n)
-        return g, carry[0], carry[1]
-    return g, total, n
+    return write_carry(carry, g, total, n) if update_carry else (g, total, n)
+
+
+def write_carry(
+    carry: tuple[torch.Tensor, torch.Tensor] | None, g: torch.Tensor, total: torch.Tensor, count: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``update_carry``'s end for a gate that computed the new state aside: ``total`` and
+    ``count`` copied into ``carry``'s tensors; returns ``g`` and those tensors."""
+    if carry is None:
+        raise ValueError("gate: update_carry needs a carry")
+    carry[0].copy_(total)
+    carry[1].copy_(count)
+    return g, carry[0], carry[1]
