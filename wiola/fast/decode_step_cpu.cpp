@@ -49,6 +49,7 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef float vec __attribute__((vector_size(64)));
 constexpr int kLanes = 16;
 constexpr int kBatchBlock = 4;  // 16 accumulators + 4 x + 1 w of 32 registers
+constexpr int kRowBlock = 8;    // weight rows a block at one batch row: 8 FMA chains
 #define WIOLA_PIN(x) asm("" : "+v"(x))
 #elif defined(WIOLA_ISA_AVX2)
 #if !defined(__AVX2__) || !defined(__FMA__)
@@ -58,11 +59,13 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef v8 vec;
 constexpr int kLanes = 8;
 constexpr int kBatchBlock = 2;  // 8 accumulators + 2 x + 1 w of 16 registers
+constexpr int kRowBlock = 4;
 #define WIOLA_PIN(x) asm("" : "+x"(x))
 #else
 typedef v4 vec;
 constexpr int kLanes = 4;
 constexpr int kBatchBlock = 2;
+constexpr int kRowBlock = 4;
 #define WIOLA_PIN(x) ((void)0)
 #endif
 
@@ -298,36 +301,42 @@ template <int NR, int NB>
 __attribute__((always_inline)) inline void block_sums(const vec (&acc)[NR][NB], float (&sums)[NB][NR]) {
 #pragma GCC unroll 4
   for (int b = 0; b < NB; ++b) {
-    if constexpr (NR == 4) {
-      hsum4(acc[0][b], acc[1][b], acc[2][b], acc[3][b], sums[b]);
+    if constexpr (NR % 4 == 0) {
+#pragma GCC unroll 2
+      for (int g = 0; g < NR; g += 4) hsum4(acc[g][b], acc[g + 1][b], acc[g + 2][b], acc[g + 3][b], sums[b] + g);
     } else {
       for (int i = 0; i < NR; ++i) sums[b][i] = hsum(acc[i][b]);
     }
   }
 }
 
-// y[b·ldy + i] = hsum(acc[i][b]) (times scale[i] when kScaled) for four rows i, as one vector
-// store a batch row: the same values as block_sums, past the per-output loop.
-template <bool kScaled, int NB>
-__attribute__((always_inline)) inline void store_sums4(const vec (&acc)[4][NB], const float* scale, float* y,
+// y[b·ldy + i] = hsum(acc[i][b]) (times scale[i] when kScaled) for NR rows i (a multiple of 4), as
+// one vector store a batch row and four rows: the same values as block_sums, past the per-output loop.
+template <bool kScaled, int NR, int NB>
+__attribute__((always_inline)) inline void store_sums4(const vec (&acc)[NR][NB], const float* scale, float* y,
                                                        int64_t ldy) {
+  static_assert(NR % 4 == 0, "store_sums4 stores four rows at a time");
+#pragma GCC unroll 2
+  for (int g = 0; g < NR; g += 4) {
 #pragma GCC unroll 4
-  for (int b = 0; b < NB; ++b) {
-    if constexpr (kScaled) {
-      v4 four;
-      hsum4(acc[0][b], acc[1][b], acc[2][b], acc[3][b], reinterpret_cast<float*>(&four));
-      four *= load4(scale);
-      std::memcpy(y + b * ldy, &four, sizeof(four));
-    } else {
-      hsum4(acc[0][b], acc[1][b], acc[2][b], acc[3][b], y + b * ldy);
+    for (int b = 0; b < NB; ++b) {
+      if constexpr (kScaled) {
+        v4 four;
+        hsum4(acc[g][b], acc[g + 1][b], acc[g + 2][b], acc[g + 3][b], reinterpret_cast<float*>(&four));
+        four *= load4(scale + g);
+        std::memcpy(y + b * ldy + g, &four, sizeof(four));
+      } else {
+        hsum4(acc[g][b], acc[g + 1][b], acc[g + 2][b], acc[g + 3][b], y + b * ldy + g);
+      }
     }
   }
 }
 
 // y[b, r] = <W[r, :], x[b, :]> for rows r in [r0, r1) and every b < B: W (N, K) row-major as
 // nn.Linear stores it, so each thread streams one contiguous slice of the matrix exactly once.
-// Four rows at a time (independent FMA chains), the batch in groups of up to kBatchBlock rows of x,
-// which stay in L1 while a group of W rows is reused from L1 for every group of x.
+// NR rows at a time (independent FMA chains: 4, or 8 at one batch row, dot_blocks), the batch in
+// groups of up to kBatchBlock rows of x, which stay in L1 while a group of W rows is reused from L1
+// for every group of x.
 template <int NR, int NB, typename T>
 inline void dot_block(const T* W, const float* scale, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy,
                       int64_t r) {
@@ -339,14 +348,15 @@ inline void dot_block(const T* W, const float* scale, int64_t K, const float* x,
       xv[b] = load(x + b * ldx + k);
       WIOLA_PIN(xv[b]);  // keep it in a register: GCC would reload it for every FMA
     }
+#pragma GCC unroll 8
     for (int i = 0; i < NR; ++i) {
       vec w = Weight<T>::load(W + (r + i) * K + k);
       WIOLA_PIN(w);
       for (int b = 0; b < NB; ++b) acc[i][b] += w * xv[b];
     }
   }
-  if constexpr (NR == 4) {
-    if (k == K) {  // no tail: each batch row's four sums (times the rows' scales) stored at once
+  if constexpr (NR % 4 == 0) {
+    if (k == K) {  // no tail: each batch row's sums (times the rows' scales) stored four at once
       store_sums4<Weight<T>::kScaled>(acc, scale + r, y + r, ldy);
       return;
     }
@@ -364,6 +374,18 @@ inline void dot_block(const T* W, const float* scale, int64_t K, const float* x,
   }
 }
 
+// Rows [r, r + NR) of NB batch rows: one block where NB is 1, else blocks of 4 rows (NR·NB
+// accumulators must fit the registers). Each row's sums are its own, so the numbers are the same.
+template <int NR, int NB, typename T>
+inline void dot_blocks(const T* W, const float* scale, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy,
+                       int64_t r) {
+  if constexpr (NR > 4 && NB > 1) {
+    for (int g = 0; g < NR; g += 4) dot_block<4, NB>(W, scale, K, x, ldx, y, ldy, r + g);
+  } else {
+    dot_block<NR, NB>(W, scale, K, x, ldx, y, ldy, r);
+  }
+}
+
 template <int NR, typename T>
 inline void dot_rows(const T* W, const float* scale, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t B,
                      int64_t r) {
@@ -371,12 +393,12 @@ inline void dot_rows(const T* W, const float* scale, int64_t K, const float* x, 
     const float* xb = x + b * ldx;
     float* yb = y + b * ldy;
     switch (B - b < kBatchBlock ? B - b : kBatchBlock) {
-      case 1: dot_block<NR, 1>(W, scale, K, xb, ldx, yb, ldy, r); break;
+      case 1: dot_blocks<NR, 1>(W, scale, K, xb, ldx, yb, ldy, r); break;
 #if defined(WIOLA_ISA_AVX512)
-      case 2: dot_block<NR, 2>(W, scale, K, xb, ldx, yb, ldy, r); break;
-      case 3: dot_block<NR, 3>(W, scale, K, xb, ldx, yb, ldy, r); break;
+      case 2: dot_blocks<NR, 2>(W, scale, K, xb, ldx, yb, ldy, r); break;
+      case 3: dot_blocks<NR, 3>(W, scale, K, xb, ldx, yb, ldy, r); break;
 #endif
-      default: dot_block<NR, kBatchBlock>(W, scale, K, xb, ldx, yb, ldy, r); break;
+      default: dot_blocks<NR, kBatchBlock>(W, scale, K, xb, ldx, yb, ldy, r); break;
     }
   }
 }
@@ -405,15 +427,30 @@ inline void prefetch_block(const char* W, int64_t row_bytes, int64_t r, int64_t 
 }
 
 // Rows [r0, r1) (r0 a multiple of 4; r1 too unless it is N) of a matrix of row_bytes-byte rows at
-// W, in blocks of 4 (rows(r, 4)) and then one at a time (rows(r, 1)), the row count a compile-time
-// constant; before each block, the block `ahead` rows on is prefetched, up to row r1. A function of
-// its own for each weight type, as the product loop always was: inlined into the sharing loop, the
-// fp32 step at batch 1 ran about a tenth slower on the Zen 4 VM (interleaved A/B, both slot orders).
-template <typename Rows>
+// W, in blocks of kBlock (rows(r, 8) where kBlock is 8), then of 4 (rows(r, 4)), then one at a time
+// (rows(r, 1)), the row count a compile-time constant; before each block, the rows `ahead` rows on
+// are prefetched, up to row r1. A function of its own for each weight type, as the product loop
+// always was: inlined into the sharing loop, the fp32 step at batch 1 ran about a tenth slower on
+// the Zen 4 VM (interleaved A/B, both slot orders).
+// Blocks of 8 (kRowBlock, AVX-512) are for int8 and int4, whose products issue more instructions a
+// weight than the others: at one batch row a block of 4 rows is 4 FMA chains, and the FMA's latency
+// (4 cycles on the Zen 5 EPYC) held them to one FMA a cycle of the core's two. With 8 rows the 13m
+// step at batch 1 ran 1.09-1.13x faster in int8 and 1.12-1.15x in int4 (batch 8 level: its blocks
+// stay 4 rows of 4 batch rows); bf16 and fp32, bound by reading their rows, were level and 0.82x
+// (fp32: 8 rows' streams at once), so they keep 4 (AMD EPYC Zen 5, tg128 interleaved, tokens equal;
+// bench/results/2026-12-04_cpu_row-blocks-amd-zen5/).
+template <int kBlock, typename Rows>
 __attribute__((noinline)) void stream_rows(const void* W, int64_t row_bytes, int64_t r0, int64_t r1, bool stream,
                                            int64_t ahead, const Rows& rows) {
   const char* bytes = static_cast<const char*>(W);
   int64_t r = r0;
+  if constexpr (kBlock == 8) {
+    for (; r + 8 <= r1; r += 8) {
+      prefetch_block(bytes, row_bytes, r, r1, stream, ahead);
+      prefetch_block(bytes, row_bytes, r + 4, r1, stream, ahead);
+      rows(r, std::integral_constant<int, 8>{});
+    }
+  }
   for (; r + 4 <= r1; r += 4) {
     prefetch_block(bytes, row_bytes, r, r1, stream, ahead);
     rows(r, std::integral_constant<int, 4>{});
@@ -742,6 +779,7 @@ inline void packed_fma_rows(const uvec* lanes, const float* xt, int64_t ldx, vec
     xv[b] = load(xt + b * ldx + J * kLanes);
     WIOLA_PIN(xv[b]);
   }
+#pragma GCC unroll 8
   for (int i = 0; i < NR; ++i) {
     vec w = Packed<P>::template part<J>(lanes[i]);
     WIOLA_PIN(w);
@@ -770,6 +808,7 @@ inline void packed_block(const uint8_t* W, const float* scale, int64_t K, const 
   for (int64_t c = 0; c < full; c += chunk) {
     if constexpr (kShareX<P, NR, NB>) {
       uvec lanes[NR];
+#pragma GCC unroll 8
       for (int i = 0; i < NR; ++i) {
         std::memcpy(&lanes[i], W + (r + i) * row_bytes + Packed<P>::row_bytes(c), sizeof(lanes[i]));
         WIOLA_PIN(lanes[i]);
@@ -777,6 +816,7 @@ inline void packed_block(const uint8_t* W, const float* scale, int64_t K, const 
       if constexpr (Packed<P>::kScaled) {
         vec sum[NR][NB] = {};
         packed_fma_rows<P, 0, NR, NB>(lanes, xt + c, ldx, sum);
+#pragma GCC unroll 8
         for (int i = 0; i < NR; ++i) {
           vec s = Packed<P>::lane_scales(scale, r + i, K, c);
           for (int b = 0; b < NB; ++b) acc[i][b] += sum[i][b] * s;
@@ -807,8 +847,8 @@ inline void packed_block(const uint8_t* W, const float* scale, int64_t K, const 
       for (int b = 0; b < NB; ++b) acc[i][b] += w * load(xt + b * ldx + k);
     }
   }
-  if constexpr (NR == 4) {
-    if (k == K) {  // no tail: each batch row's four sums stored at once
+  if constexpr (NR % 4 == 0) {
+    if (k == K) {  // no tail: each batch row's sums stored four at once
       store_sums4<false>(acc, nullptr, y + r, ldy);
       return;
     }
@@ -844,8 +884,13 @@ template <typename P, int NR>
 inline void packed_rows(const uint8_t* W, const float* scale, int64_t K, const float* xt, float* y, int64_t ldy,
                         int64_t B, int64_t r) {
   int64_t b = 0;
-  for (; b + kPackedBatch <= B; b += kPackedBatch)
-    packed_block<P, NR, kPackedBatch>(W, scale, K, xt + b * K, K, y + b * ldy, ldy, r);
+  for (; b + kPackedBatch <= B; b += kPackedBatch) {
+    if constexpr (NR > 4 && kPackedBatch > 1) {  // as dot_blocks: 4 rows a block past one batch row
+      for (int g = 0; g < NR; g += 4) packed_block<P, 4, kPackedBatch>(W, scale, K, xt + b * K, K, y + b * ldy, ldy, r + g);
+    } else {
+      packed_block<P, NR, kPackedBatch>(W, scale, K, xt + b * K, K, y + b * ldy, ldy, r);
+    }
+  }
   for (; b < B; ++b) packed_block<P, NR, 1>(W, scale, K, xt + b * K, K, y + b * ldy, ldy, r);
 }
 
@@ -862,7 +907,7 @@ inline void share_product(const Split& split, const T* W, const float* scale, in
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, int8_t>) {
     const int64_t row_bytes = K * static_cast<int64_t>(sizeof(T));
     const auto rows = [&](int64_t r, auto nr) { dot_rows<decltype(nr)::value>(W, scale, K, x, ldx, y, ldy, B, r); };
-    stream_rows(W, row_bytes, r0, r1, stream, ahead, rows);
+    stream_rows<std::is_same_v<T, int8_t> ? kRowBlock : 4>(W, row_bytes, r0, r1, stream, ahead, rows);
   } else {
     static thread_local float* buffer = nullptr;
     static thread_local int64_t size = 0;
@@ -876,7 +921,7 @@ inline void share_product(const Split& split, const T* W, const float* scale, in
     const uint8_t* bytes = reinterpret_cast<const uint8_t*>(W);
     const int64_t row_bytes = Packed<T>::row_bytes(K);
     const auto rows = [&](int64_t r, auto nr) { packed_rows<T, decltype(nr)::value>(bytes, scale, K, xt, y, ldy, B, r); };
-    stream_rows(W, row_bytes, r0, r1, stream, ahead, rows);
+    stream_rows<std::is_same_v<T, bf16> ? 4 : kRowBlock>(W, row_bytes, r0, r1, stream, ahead, rows);
   }
 }
 
