@@ -104,19 +104,32 @@ inline float hsum(v8 a) { return hsum(fold<v4>(a)); }
 inline float hsum(vec v) { return hsum(fold<v8>(v)); }
 #endif
 
+#if defined(WIOLA_ISA_AVX512)
+// [lanes 0-7 of a + lanes 8-15 of a | the same of b]: hsum's first fold of two vectors at once.
+__attribute__((always_inline)) inline __m512 fold_halves(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+// hsum's second fold of the four vectors that two fold_halves hold: block j = vector j's partial
+// sums t0..t3.
+__attribute__((always_inline)) inline __m512 fold_quads(__m512 s01, __m512 s23) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+// Four vectors folded as hsum4 folds them: block j = vector j's partial sums t0..t3.
+__attribute__((always_inline)) inline __m512 quads4(vec a0, vec a1, vec a2, vec a3) {
+  return fold_quads(fold_halves((__m512)a0, (__m512)a1), fold_halves((__m512)a2, (__m512)a3));
+}
+#endif
+
 // out[i] = hsum(a[i]) for four vectors, each sum in hsum's order (lane l + lane l + width/2, halving
 // down to four partial sums t, then (t0 + t2) + (t1 + t3)), so bitwise the same; the four folded
 // together, two vectors a shuffle, instead of one extract-and-add chain each.
 __attribute__((always_inline)) inline void hsum4(vec a0_, vec a1_, vec a2_, vec a3_, float* out) {
   const vec a[4] = {a0_, a1_, a2_, a3_};
 #if defined(WIOLA_ISA_AVX512)
-  const __m512 a0 = (__m512)a[0], a1 = (__m512)a[1], a2 = (__m512)a[2], a3 = (__m512)a[3];
-  // [lo8(a0) | lo8(a1)] + [hi8(a0) | hi8(a1)]: lanes 0-7 a0's halves summed, 8-15 a1's.
-  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
-  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
-  // 128-bit blocks 0 and 2 of each plus blocks 1 and 3: four partial sums of each vector, a block each.
+  // Lanes l and l + 8 of two vectors in one add, then lanes l and l + 4: four partial sums of
+  // each vector, a 128-bit block each.
   __m128 t[4];
-  const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+  const __m512 q = quads4(a[0], a[1], a[2], a[3]);
   t[0] = _mm512_castps512_ps128(q);
   t[1] = _mm512_extractf32x4_ps(q, 1);
   t[2] = _mm512_extractf32x4_ps(q, 2);
@@ -141,14 +154,6 @@ __attribute__((always_inline)) inline void hsum4(vec a0_, vec a1_, vec a2_, vec 
 }
 
 #if defined(WIOLA_ISA_AVX512)
-// Four vectors folded as hsum4 folds them (lanes l and l + 8 of two vectors in one add, then lanes
-// l and l + 4 of four): block j = vector j's partial sums t0..t3.
-__attribute__((always_inline)) inline __m512 quads4(vec a0_, vec a1_, vec a2_, vec a3_) {
-  const __m512 a0 = (__m512)a0_, a1 = (__m512)a1_, a2 = (__m512)a2_, a3 = (__m512)a3_;
-  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
-  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
-}
 // Within each block b, lane m of R_k = t_k of row m; then (t0 + t2) + (t1 + t3).
 __attribute__((always_inline)) inline __m512 hsum16_quads(__m512 q0, __m512 q1, __m512 q2, __m512 q3) {
   const __m512 t0 = _mm512_unpacklo_ps(q0, q1), t1 = _mm512_unpackhi_ps(q0, q1);
@@ -183,17 +188,8 @@ __attribute__((always_inline)) inline __m512 hsum8_rows(const vec (&a)[8][1]) {
 // batch row b; a copy with its halves swapped lines each row's quads up with the others' for the
 // transpose.
 __attribute__((always_inline)) inline __m512 hsum8(const vec (&a)[4][2]) {
-  __m512 s[4];
-  s[0] = _mm512_add_ps(_mm512_shuffle_f32x4((__m512)a[0][0], (__m512)a[0][1], 0x44),
-                       _mm512_shuffle_f32x4((__m512)a[0][0], (__m512)a[0][1], 0xEE));
-  s[1] = _mm512_add_ps(_mm512_shuffle_f32x4((__m512)a[1][0], (__m512)a[1][1], 0x44),
-                       _mm512_shuffle_f32x4((__m512)a[1][0], (__m512)a[1][1], 0xEE));
-  s[2] = _mm512_add_ps(_mm512_shuffle_f32x4((__m512)a[2][0], (__m512)a[2][1], 0x44),
-                       _mm512_shuffle_f32x4((__m512)a[2][0], (__m512)a[2][1], 0xEE));
-  s[3] = _mm512_add_ps(_mm512_shuffle_f32x4((__m512)a[3][0], (__m512)a[3][1], 0x44),
-                       _mm512_shuffle_f32x4((__m512)a[3][0], (__m512)a[3][1], 0xEE));
-  const __m512 q01 = _mm512_add_ps(_mm512_shuffle_f32x4(s[0], s[1], 0x88), _mm512_shuffle_f32x4(s[0], s[1], 0xDD));
-  const __m512 q23 = _mm512_add_ps(_mm512_shuffle_f32x4(s[2], s[3], 0x88), _mm512_shuffle_f32x4(s[2], s[3], 0xDD));
+  const __m512 q01 = fold_quads(fold_halves((__m512)a[0][0], (__m512)a[0][1]), fold_halves((__m512)a[1][0], (__m512)a[1][1]));
+  const __m512 q23 = fold_quads(fold_halves((__m512)a[2][0], (__m512)a[2][1]), fold_halves((__m512)a[3][0], (__m512)a[3][1]));
   return hsum16_quads(q01, _mm512_shuffle_f32x4(q01, q01, 0x4E), q23, _mm512_shuffle_f32x4(q23, q23, 0x4E));
 }
 #endif
@@ -521,9 +517,9 @@ inline void prefetch_block(const char* W, int64_t row_bytes, int64_t r, int64_t 
 // Blocks of 8 (kRowBlock, AVX-512) are for int8 and int4, whose products issue more instructions a
 // weight than the others: at one batch row a block of 4 rows is 4 FMA chains, and the FMA's latency
 // (4 cycles on the Zen 5 EPYC) held them to one FMA a cycle of the core's two. With 8 rows the 13m
-// step at batch 1 ran 1.09-1.13x faster in int8 and 1.12-1.15x in int4 (batch 8 level: its blocks
-// stay 4 rows of 4 batch rows); bf16 and fp32, bound by reading their rows, were level and 0.82x
-// (fp32: 8 rows' streams at once), so they keep 4 (AMD EPYC Zen 5, tg128 interleaved, tokens equal;
+// step at batch 1 ran 1.09-1.13x faster in int8 and 1.11-1.15x in int4 (batch 8 level: its blocks
+// stay 4 rows of 4 batch rows); bf16 and fp32, bound by reading their rows, ran 0.97x and
+// 0.79-0.88x (fp32: 8 rows' streams at once), so they keep 4 (AMD EPYC Zen 5, tg128 interleaved, tokens equal;
 // bench/results/2026-12-04_cpu_row-blocks-amd-zen5/).
 template <int kBlock, typename Rows>
 __attribute__((noinline)) void stream_rows(const void* W, int64_t row_bytes, int64_t r0, int64_t r1, bool stream,
