@@ -162,24 +162,33 @@ def _copy_row(dst: wiola.Cache, r: int, src: wiola.Cache, s: int) -> None:
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", (*SCHEMES, "int4"))
 def test_row_alone_equals_row_3_of_8_bitwise(scheme, isa, plain_cpu):
     """The per-row C++ entry: a row's logits and cache writes are bitwise the same stepped alone
-    (a 1-row cache), as row 3 of 8 rows at other slots and prompts, and as the middle of a
-    permuted subset of rows (6, 3, 0), over 6 steps."""
+    (a 1-row cache), as row 3 of 8 rows at other slots and prompts, as the middle of a permuted
+    subset of rows (6, 3, 0), and as the second of a pair (5, 3), over 6 steps. The batch sizes
+    reach each block shape of the products: 1 (8-row blocks for int8 and int4), 8 (4 x 4 for fp32
+    and int8, 4 x 2 for bf16 and int4), 3 (4 x 3 for fp32 and int8; a pair and a single row for bf16
+    and int4) and 2 (4 x 2 for every type)."""
     model = _model(SMALL, scheme)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, SMALL.vocab_size, (1, T), generator=gen) for T in (5, 9, 1, 13, 2, 7, 11, 4)]
     caches = {"all 8": model.new_cache(8, 40), "alone": model.new_cache(1, 40), "subset": model.new_cache(8, 40)}
+    caches["pair"] = model.new_cache(8, 40)
     for r, ids in enumerate(prompts):
         tmp = model.new_cache(1, 40)
         model(ids, cache=tmp, logits_to_keep=1)
-        _copy_row(caches["all 8"], r, tmp, 0)
-        _copy_row(caches["subset"], r, tmp, 0)
+        for name in ("all 8", "subset", "pair"):
+            _copy_row(caches[name], r, tmp, 0)
         if r == 3:
             _copy_row(caches["alone"], 0, tmp, 0)
     steps = {name: decode_step_cpu.DecodeStepCPU(model, c, isa=isa) for name, c in caches.items()}
-    picks = {"all 8": (torch.arange(8), 3), "alone": (torch.tensor([3]), 0), "subset": (torch.tensor([6, 3, 0]), 1)}
+    picks = {
+        "all 8": (torch.arange(8), 3),
+        "alone": (torch.tensor([3]), 0),
+        "subset": (torch.tensor([6, 3, 0]), 1),
+        "pair": (torch.tensor([5, 3]), 1),
+    }
     slots0 = torch.tensor([p.shape[1] for p in prompts])
     tokens = torch.randint(0, SMALL.vocab_size, (6, 8), generator=gen)
     for i in range(6):
@@ -190,10 +199,11 @@ def test_row_alone_equals_row_3_of_8_bitwise(scheme, isa, plain_cpu):
             got[name] = logits[at]
         assert torch.equal(got["all 8"], got["alone"]), f"{isa} {scheme}: row 3 of 8 != the row alone at step {i}"
         assert torch.equal(got["subset"], got["alone"]), f"{isa} {scheme}: row 3 in (6, 3, 0) != alone at step {i}"
+        assert torch.equal(got["pair"], got["alone"]), f"{isa} {scheme}: row 3 in (5, 3) != alone at step {i}"
     n = int(slots0[3]) + 6
     for name in ("k", "v", "gate_sum", "gate_count"):
         one = getattr(caches["alone"], name)[:, 0]
-        for other in ("all 8", "subset"):
+        for other in ("all 8", "subset", "pair"):
             row = getattr(caches[other], name)[:, 3]
             if name in ("k", "v"):
                 row, one_ = row[:, :, :n], one[:, :, :n]

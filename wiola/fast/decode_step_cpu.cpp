@@ -976,6 +976,11 @@ inline void packed_rows(const uint8_t* W, const float* scale, int64_t K, const f
   for (; b < B; ++b) packed_block<P, NR, 1>(W, scale, K, xt + b * K, K, y + b * ldy, ldy, r);
 }
 
+// Weight rows a block at one batch row for weight type T (stream_rows): kRowBlock for int8 and int4,
+// whose products are bound by issuing instructions, 4 for fp32 and bf16, bound by reading.
+template <typename T>
+constexpr int kBlockRows = std::is_same_v<T, int8_t> || std::is_same_v<T, q4> ? kRowBlock : 4;
+
 // Thread tid's share (split, of a region of nth threads) of an (N, K) product, read by stream_rows
 // (prefetch, non-temporal head). fp32 and int8 rows are read as they are; int4 and bf16 rows are
 // packed for x rearranged (transpose), which each thread does into its own buffer first (B·K
@@ -989,7 +994,7 @@ inline void share_product(const Split& split, const T* W, const float* scale, in
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, int8_t>) {
     const int64_t row_bytes = K * static_cast<int64_t>(sizeof(T));
     const auto rows = [&](int64_t r, auto nr) { dot_rows<decltype(nr)::value>(W, scale, K, x, ldx, y, ldy, B, r); };
-    stream_rows<std::is_same_v<T, int8_t> ? kRowBlock : 4>(W, row_bytes, r0, r1, stream, ahead, rows);
+    stream_rows<kBlockRows<T>>(W, row_bytes, r0, r1, stream, ahead, rows);
   } else {
     static thread_local float* buffer = nullptr;
     static thread_local int64_t size = 0;
@@ -1003,7 +1008,7 @@ inline void share_product(const Split& split, const T* W, const float* scale, in
     const uint8_t* bytes = reinterpret_cast<const uint8_t*>(W);
     const int64_t row_bytes = Packed<T>::row_bytes(K);
     const auto rows = [&](int64_t r, auto nr) { packed_rows<T, decltype(nr)::value>(bytes, scale, K, xt, y, ldy, B, r); };
-    stream_rows<std::is_same_v<T, bf16> ? 4 : kRowBlock>(W, row_bytes, r0, r1, stream, ahead, rows);
+    stream_rows<kBlockRows<T>>(W, row_bytes, r0, r1, stream, ahead, rows);
   }
 }
 
