@@ -50,9 +50,15 @@ def _masked_mean_block(
     Q, COS, SIN, MASK, b, s, i, SPAN, t_end, offs_d, d_ok, H, HALF,
     stride_qb, stride_qt, stride_qh, stride_cb, stride_ct, stride_mb, stride_mt,
     ROTATE: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HEADS_AT_ONCE: tl.constexpr,
 ):  # fmt: skip
     """Head mean of block ``i`` of span ``s`` of row ``b`` (tokens before ``t_end``), rotated if
     ROTATE, zero at padding.
+
+    The heads are added in order 0..H-1, ``HEADS_AT_ONCE`` of them (a divisor of ``H``) per
+    iteration with their loads issued together: one head per iteration made each load wait for
+    the one before, and at one token a row (a decoding step) the gate was a chain of ``H``
+    memory latencies.
 
     Returns the block's tokens ``offs_t`` and ``t_ok`` (inside the span), the two halves ``m1, m2``
     ``(BLOCK_T, BLOCK_HALF)`` fp32 and ``real`` ``(BLOCK_T,)`` int32 (1 for a real token inside the
@@ -64,9 +70,10 @@ def _masked_mean_block(
     ptr = Q + b.to(tl.int64) * stride_qb + offs_t[:, None] * stride_qt + offs_d[None, :]
     m1 = tl.zeros([BLOCK_T, BLOCK_HALF], dtype=tl.float32)
     m2 = tl.zeros([BLOCK_T, BLOCK_HALF], dtype=tl.float32)
-    for h in range(H):
-        m1 += tl.load(ptr + h * stride_qh, mask=ok, other=0.0).to(tl.float32)
-        m2 += tl.load(ptr + h * stride_qh + HALF, mask=ok, other=0.0).to(tl.float32)
+    for h0 in range(0, H, HEADS_AT_ONCE):
+        for j in tl.static_range(HEADS_AT_ONCE):
+            m1 += tl.load(ptr + (h0 + j) * stride_qh, mask=ok, other=0.0).to(tl.float32)
+            m2 += tl.load(ptr + (h0 + j) * stride_qh + HALF, mask=ok, other=0.0).to(tl.float32)
     m1 = m1 / H
     m2 = m2 / H
     if ROTATE:
@@ -119,6 +126,7 @@ def _gate_span_sums_kernel(
     T, H, HALF, SPAN, NS,
     stride_qb, stride_qt, stride_qh, stride_cb, stride_ct, stride_mb, stride_mt,
     ROTATE: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HEADS_AT_ONCE: tl.constexpr,
 ):  # fmt: skip
     """Pre-pass of the two-level scan: Σ m_s and the real-token count of span ``s`` of row ``b``."""
     s, b, offs_d, d_ok = _span_program(HALF, BLOCK_HALF)
@@ -130,7 +138,7 @@ def _gate_span_sums_kernel(
         _, _, m1, m2, real = _masked_mean_block(
             Q, COS, SIN, MASK, b, s, i, SPAN, t_end, offs_d, d_ok, H, HALF,
             stride_qb, stride_qt, stride_qh, stride_cb, stride_ct, stride_mb, stride_mt,
-            ROTATE, HAS_MASK, BLOCK_T, BLOCK_HALF,
+            ROTATE, HAS_MASK, BLOCK_T, BLOCK_HALF, HEADS_AT_ONCE,
         )  # fmt: skip
         acc1 += tl.sum(m1, 0)
         acc2 += tl.sum(m2, 0)
@@ -170,7 +178,7 @@ def _gate_fwd_kernel(
     T, H, HALF, SPAN, NS,
     stride_qb, stride_qt, stride_qh, stride_cb, stride_ct, stride_mb, stride_mt,
     ROTATE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_CARRY: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, HEADS_AT_ONCE: tl.constexpr,
 ):  # fmt: skip
     """g for span ``s`` of row ``b``; the last span also writes the final running sum and count."""
     s, b, offs_d, d_ok = _span_program(HALF, BLOCK_HALF)
@@ -192,7 +200,7 @@ def _gate_fwd_kernel(
         offs_t, t_ok, m1, m2, real = _masked_mean_block(
             Q, COS, SIN, MASK, b, s, i, SPAN, t_end, offs_d, d_ok, H, HALF,
             stride_qb, stride_qt, stride_qh, stride_cb, stride_ct, stride_mb, stride_mt,
-            ROTATE, HAS_MASK, BLOCK_T, BLOCK_HALF,
+            ROTATE, HAS_MASK, BLOCK_T, BLOCK_HALF, HEADS_AT_ONCE,
         )  # fmt: skip
         count, c1, c2 = _running_mean(m1, m2, real, run1, run2, n)
         a = tl.dot(c1, tl.trans(w1a), input_precision="ieee")  # (BLOCK_T, BLOCK_H) = c W_1^T
@@ -221,7 +229,7 @@ def _gate_bwd_kernel(
     stride_qb, stride_qt, stride_qh, stride_cb, stride_ct, stride_mb, stride_mt,
     stride_gb, stride_gt, stride_gh,
     ROTATE: tl.constexpr, HAS_MASK: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, HEADS_AT_ONCE: tl.constexpr,
 ):  # fmt: skip
     """Recompute span ``s`` of row ``b``: writes c_t, da_t (for dW_1), e_t = dc_t / max(n_t, 1) and
     the span's partial dW_2, db_2 (dW_1 = Σ da ⊗ c is one matmul afterwards: holding it here spills)."""
@@ -243,7 +251,7 @@ def _gate_bwd_kernel(
         offs_t, t_ok, m1, m2, real = _masked_mean_block(
             Q, COS, SIN, MASK, b, s, i, SPAN, t_end, offs_d, d_ok, H, HALF,
             stride_qb, stride_qt, stride_qh, stride_cb, stride_ct, stride_mb, stride_mt,
-            ROTATE, HAS_MASK, BLOCK_T, BLOCK_HALF,
+            ROTATE, HAS_MASK, BLOCK_T, BLOCK_HALF, HEADS_AT_ONCE,
         )  # fmt: skip
         # Weights reloaded per block (L1-resident) rather than held live across the loop.
         w1a, w1b, w2, b2 = _gate_weights(W1, W2, B2, H, HALF, offs_h, h_ok, offs_d, d_ok)
@@ -349,9 +357,9 @@ NUM_STAGES = 2
 
 
 def _configs(H: int, D: int, dtype: torch.dtype) -> dict[str, LaunchConfig]:
-    """The launches for one ``(H, D)`` and dtype: ``"scan"`` (the forward pre-pass and the backward's
-    reverse scan), ``"fwd"`` and ``"bwd"`` (the recomputing backward: 16-token blocks, more live
-    tensors). Chosen so that every build compiles without spills for sm_80 and sm_90
+    """The launches for one ``(H, D)`` and dtype: ``"scan"`` (the backward's reverse scan),
+    ``"sums"`` (the forward pre-pass: the scan's blocks and ``HEADS_AT_ONCE``), ``"fwd"`` and
+    ``"bwd"`` (the recomputing backward: 16-token blocks, more live tensors). Chosen so that every build compiles without spills for sm_80 and sm_90
     (tests/test_compile.py builds each of them).
 
     tl.dot needs every dimension >= 16; the fp32 ``ieee`` dots run on FMA units and hold whole
@@ -365,13 +373,34 @@ def _configs(H: int, D: int, dtype: torch.dtype) -> dict[str, LaunchConfig]:
         warps_bwd = 16  # with 8, sm_80 reserves 8 bytes of stack at 128 registers
     block_t = 16 if dtype == torch.float32 and block_h * block_half <= 256 else 32  # fp32: else 8 B of stack
     scan = LaunchConfig({"BLOCK_T": block_t, "BLOCK_HALF": block_half}, num_warps=warps, num_stages=NUM_STAGES)
+    heads = _heads_at_once(H, block_half)
     return {
         "scan": scan,
-        "fwd": LaunchConfig({**scan.blocks, "BLOCK_H": block_h}, num_warps=warps, num_stages=NUM_STAGES),
+        "sums": LaunchConfig({**scan.blocks, "HEADS_AT_ONCE": heads}, num_warps=warps, num_stages=NUM_STAGES),
+        "fwd": LaunchConfig(
+            {**scan.blocks, "BLOCK_H": block_h, "HEADS_AT_ONCE": heads}, num_warps=warps, num_stages=NUM_STAGES
+        ),
         "bwd": LaunchConfig(
-            {"BLOCK_T": 16, "BLOCK_H": block_h, "BLOCK_HALF": block_half}, num_warps=warps_bwd, num_stages=NUM_STAGES
+            # One head at a time: the backward holds more live tensors, and its blocks are full
+            # (training), where the loads' latency is spread over BLOCK_T tokens.
+            {"BLOCK_T": 16, "BLOCK_H": block_h, "BLOCK_HALF": block_half, "HEADS_AT_ONCE": 1},
+            num_warps=warps_bwd,
+            num_stages=NUM_STAGES,
         ),
     }
+
+
+def _heads_at_once(H: int, block_half: int) -> int:
+    """How many heads' loads the forward's head mean issues together: for half-rows of at most
+    16 values (D <= 32, the 13m preset's 32), the largest power of two that divides ``H``, at
+    most 8; else 1. The wider tiles spilled registers in the sm_90 ahead-of-time builds with 2
+    or 4 heads at once (triton 3.6, the version the builds are held spill-free for)."""
+    if block_half > 16:
+        return 1
+    heads = 1
+    while heads < 8 and H % (heads * 2) == 0:
+        heads *= 2
+    return heads
 
 
 def _span_tokens(B: int, T: int, block_t: int, device: torch.device) -> int:
@@ -461,7 +490,7 @@ def _gate_fwd_into(q, w1, w2, b2, cos, sin, mask, carry_sum, carry_count, span, 
         span_sum = empty(B, ns, D, device=dev, dtype=torch.float32)
         span_count = empty(B, ns, device=dev, dtype=torch.int32)
         _gate_span_sums_kernel[(ns, B)](
-            q, cos, sin, mask, span_sum, span_count, T, H, D // 2, span, ns, *strides, **flags, **cfg["scan"].kwargs()
+            q, cos, sin, mask, span_sum, span_count, T, H, D // 2, span, ns, *strides, **flags, **cfg["sums"].kwargs()
         )
     _gate_fwd_kernel[(ns, B)](
         q, cos, sin, mask, w1, w2, b2, carry_sum, carry_count, span_sum, span_count,

@@ -35,17 +35,19 @@ def specs() -> list[AotSpec]:
     dtypes = {name: dtype for dtype, name in TRITON_DTYPE.items()}
     for dt, H, D in builds:
         configs = _configs(H, D, dtypes[dt])
-        scan, fwd, bwd = configs["scan"], configs["fwd"], configs["bwd"]
+        scan, sums, fwd, bwd = configs["scan"], configs["sums"], configs["fwd"], configs["bwd"]
         block_t, block_h, block_half = fwd["BLOCK_T"], fwd["BLOCK_H"], fwd["BLOCK_HALF"]
         q, feats = {"Q": f"*{dt}"}, {"ROTATE": True, "HAS_MASK": True}
         blocks = dict(scan.blocks)
         scalars = {**_SIZES, **_Q_STRIDES, **_RC_STRIDES}
         tag = f"{dt},H{block_h},D{2 * block_half}"
-        if H == 8:  # the pre-pass and the reverse scan do not depend on H
+        name = f"gate_span_sums[{dt},BT{block_t},D{2 * block_half},U{sums['HEADS_AT_ONCE']}]"
+        if name not in {spec.name for spec in specs}:  # the pre-pass depends on H only through U
             specs.append(
-                _spec(f"gate_span_sums[{dt},BT{block_t},D{2 * block_half}]", _gate_span_sums_kernel,
-                      {**q, **_ROT, "SPAN_SUM": "*fp32", "SPAN_COUNT": "*i32"}, scalars, {**feats, **blocks}, fwd.num_warps)
+                _spec(name, _gate_span_sums_kernel, {**q, **_ROT, "SPAN_SUM": "*fp32", "SPAN_COUNT": "*i32"},
+                      scalars, {**feats, **sums.blocks}, sums.num_warps)
             )  # fmt: skip
+        if H == 8:  # the reverse scan does not depend on H
             specs.append(
                 _spec(f"gate_bwd_scan[{dt},BT{block_t},D{2 * block_half}]", _gate_bwd_scan_kernel,
                       {**_ROT, "E": "*fp32", "E_SPAN": "*fp32", "DSUM": "*fp32", "DQ": f"*{dt}", "DCARRY": "*fp32"},
@@ -53,9 +55,9 @@ def specs() -> list[AotSpec]:
             )  # fmt: skip
         weights = {"W1": "*fp32", "W2": "*fp32", "B2": "*fp32"}
         for on in (True, False) if (dt, H, D) == ("bf16", 8, 32) else (True,):
-            fwd_flags = {"ROTATE": on, "HAS_MASK": on, "HAS_CARRY": on, **blocks, "BLOCK_H": block_h}
+            fwd_flags = {"ROTATE": on, "HAS_MASK": on, "HAS_CARRY": on, **fwd.blocks}
             specs.append(
-                _spec(f"gate_fwd[{tag},BT{block_t}{'' if on else ',plain'}]", _gate_fwd_kernel,
+                _spec(f"gate_fwd[{tag},BT{block_t},U{fwd['HEADS_AT_ONCE']}{'' if on else ',plain'}]", _gate_fwd_kernel,
                       {**q, **_ROT, **weights, "CARRY_SUM": "*fp32", "CARRY_COUNT": "*i64", "SPAN_SUM": "*fp32",
                        "SPAN_COUNT": "*i32", "G": "*fp32", "SUM_OUT": "*fp32", "COUNT_OUT": "*i64",
                        "PREFIX_SUM": "*fp32", "PREFIX_COUNT": "*i32"},
@@ -63,7 +65,7 @@ def specs() -> list[AotSpec]:
             )  # fmt: skip
         bwd_flags = {**feats, **bwd.blocks}
         specs.append(
-            _spec(f"gate_bwd[{tag},BT{bwd['BLOCK_T']}]", _gate_bwd_kernel,
+            _spec(f"gate_bwd[{tag},BT{bwd['BLOCK_T']},U{bwd['HEADS_AT_ONCE']}]", _gate_bwd_kernel,
                   {**q, **_ROT, **weights, "PREFIX_SUM": "*fp32", "PREFIX_COUNT": "*i32", "DG": "*fp32",
                    "E": "*fp32", "E_SPAN": "*fp32", "C": "*fp32", "DA": "*fp32", "DW2_PART": "*fp32", "DB2_PART": "*fp32"},
                   {**scalars, "stride_gb": "i32", "stride_gt": "i32", "stride_gh": "i32"}, bwd_flags, bwd.num_warps)
