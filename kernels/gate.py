@@ -359,8 +359,9 @@ NUM_STAGES = 2
 def _configs(H: int, D: int, dtype: torch.dtype) -> dict[str, LaunchConfig]:
     """The launches for one ``(H, D)`` and dtype: ``"scan"`` (the backward's reverse scan),
     ``"sums"`` (the forward pre-pass: the scan's blocks and ``HEADS_AT_ONCE``), ``"fwd"`` and
-    ``"bwd"`` (the recomputing backward: 16-token blocks, more live tensors). Chosen so that every build compiles without spills for sm_80 and sm_90
-    (tests/test_compile.py builds each of them).
+    ``"bwd"`` (the recomputing backward: 16-token blocks, more live tensors). Chosen so that
+    every build compiles without spills for sm_80 and sm_90 (tests/test_compile.py builds each
+    of them).
 
     tl.dot needs every dimension >= 16; the fp32 ``ieee`` dots run on FMA units and hold whole
     operand rows per thread, so wide H x D tiles get 8 warps.

@@ -18,6 +18,9 @@ cfg = wiola.WiolaConfig.preset("13m")
 torch.manual_seed(0)
 model = WiolaModel(cfg).to("cuda", torch.bfloat16).eval()
 N = 256
+# generate makes the cache's tensors under inference_mode: resetting them needs it too.
+inference = torch.inference_mode()  # held: the guard ends when the object is collected
+inference.__enter__()
 for batch in (1, 8):
     ids = torch.randint(
         0, cfg.vocab_size, (batch, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(1)
