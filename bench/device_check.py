@@ -62,12 +62,14 @@ def write_env(path: str | Path) -> dict:
         except Exception:
             commit = None
     info["commit"] = commit or "unknown (no .git on this machine; pass WIOLA_COMMIT)"
-    try:
-        import pytest_benchmark
+    from importlib import metadata
 
-        info["pytest_benchmark"] = pytest_benchmark.__version__
-    except ImportError:
-        info["pytest_benchmark"] = None
+    # The baselines' packages: which transformers the wiola13m baseline ran under (or why not).
+    for name in ("pytest-benchmark", "transformers", "wiola13m"):
+        try:
+            info[name.replace("-", "_")] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            info[name.replace("-", "_")] = None
     Path(path).write_text(json.dumps(info, indent=2) + "\n")
     return info
 

@@ -3,12 +3,39 @@ loaded with exactly the weights of one of our models."""
 
 from __future__ import annotations
 
+from importlib import metadata
 from typing import Any
 
 import torch
+from packaging.requirements import Requirement
 
 from wiola import WiolaModel
 from wiola.checkpoint import to_wiola13m_state
+
+
+def check_wiola13m_requirements() -> None:
+    """Raise ``ImportError`` naming both versions when the installed ``transformers`` is outside
+    the range ``wiola13m`` declares (1.0.1: >=4.40,<4.46). Under transformers 5 its model fails
+    deep inside ``post_init`` (``'list' object has no attribute 'keys'``: its tied-weight keys are
+    a list, transformers 5 expects a dict); this says why instead. Installed without its
+    metadata (or not at all), nothing is checked here and the import decides."""
+    try:
+        declared = metadata.requires("wiola13m") or []
+    except metadata.PackageNotFoundError:
+        return
+    for line in declared:
+        req = Requirement(line)
+        if req.name != "transformers" or req.marker is not None:
+            continue
+        try:
+            have = metadata.version("transformers")
+        except metadata.PackageNotFoundError:
+            raise ImportError(f"wiola13m needs transformers{req.specifier}; transformers is not installed") from None
+        if not req.specifier.contains(have, prereleases=True):
+            raise ImportError(
+                f"wiola13m {metadata.version('wiola13m')} needs transformers{req.specifier}; this environment has "
+                f"transformers {have}"
+            )
 
 
 def wiola13m_like(model: WiolaModel) -> Any:
@@ -17,6 +44,7 @@ def wiola13m_like(model: WiolaModel) -> Any:
     Raises ``ImportError`` when ``wiola13m`` (or a ``transformers`` it works with) is missing,
     and ``ValueError`` when the weights do not load exactly.
     """
+    check_wiola13m_requirements()
     import wiola13m
 
     c = model.config
