@@ -5,8 +5,11 @@
 
 For each batch size, after two warm-up calls (compilation, autotuning, capture):
 
-- ``generate_s``: one whole greedy ``generate`` call (CUDA events);
-- ``prefill_s``: the prompt's forward alone on a fresh cache, eager as ``generate`` runs it (median of 5);
+- ``generate_s``: one whole greedy ``generate`` call (CUDA events), and ``generate_host_s`` the
+  host's time to return from it (a call that never waits for the GPU returns before it is done);
+- ``prefill_s``: the prompt's forward alone on a fresh cache, eager as ``generate`` runs it
+  (median of 5), and ``prefill_host_s`` the host's time to issue it: where it is as long as
+  ``prefill_s``, the GPU waited for Python;
 - ``replay_s_per_step``: the captured one-token step replayed back to back (CUDA events);
 - ``kernel_busy_s_per_step``, ``kernels_per_step``, ``top_kernels_us_per_step``: the kernels' own
   time in 20 replays (``torch.profiler``, CUDA activity);
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -46,12 +50,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _events_s(fn: Callable[[], object]) -> float:
+    return _timed(fn)[0]
+
+
+def _timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """``fn``'s GPU time (CUDA events) and the host's time to return from it (before syncing)."""
+    torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
+    start = time.perf_counter()
     fn()
+    host = time.perf_counter() - start
     b.record()
     torch.cuda.synchronize()
-    return a.elapsed_time(b) / 1e3
+    return a.elapsed_time(b) / 1e3, host
 
 
 def _kernels(fn: Callable[[], object]) -> list:
@@ -71,7 +83,7 @@ def split(model: torch.nn.Module, batch: int, prompt: int, new: int) -> dict:
     for _ in range(2):
         model.generate(ids, new, temperature=0)
     torch.cuda.synchronize()
-    generate_s = _events_s(lambda: model.generate(ids, new, temperature=0))
+    generate_s, generate_host_s = _timed(lambda: model.generate(ids, new, temperature=0))
     cache = model.new_cache(batch, prompt + new)
 
     def prefill() -> None:
@@ -79,7 +91,7 @@ def split(model: torch.nn.Module, batch: int, prompt: int, new: int) -> dict:
         model(ids, cache=cache, logits_to_keep=1)
 
     prefill()
-    prefill_s = sorted(_events_s(prefill) for _ in range(5))[2]
+    prefill_s, prefill_host_s = sorted(_timed(prefill) for _ in range(5))[2]
     in_call = _kernels(lambda: model.generate(ids, new, temperature=0))
 
     step = next(s for m, s in model.cuda_graphs.steps.items() if m.batch == batch)
@@ -109,7 +121,9 @@ def split(model: torch.nn.Module, batch: int, prompt: int, new: int) -> dict:
         "prompt": prompt,
         "new": new,
         "generate_s": generate_s,
+        "generate_host_s": generate_host_s,
         "prefill_s": prefill_s,
+        "prefill_host_s": prefill_host_s,
         "generate_kernel_busy_s": sum(e.time_range.elapsed_us() for e in in_call) / 1e6,
         "generate_kernels": len(in_call),
         "replay_s_per_step": replay_s,
