@@ -218,6 +218,26 @@ def test_strided_and_transposed_q():
         assert_close(name, r, k, 1e-5)
 
 
+def test_heads_at_once_keeps_the_order_of_additions(monkeypatch):
+    """The head mean's loads issued several heads at a time (``HEADS_AT_ONCE``) add the heads in
+    the same order as one at a time: g and the running sum are bitwise the same. Decoding (T 1,
+    carry, rotation) and a prompt split into spans (the pre-pass), H 8 (8 at once) and 6 (2)."""
+    assert kgate._configs(8, 32, torch.bfloat16)["fwd"]["HEADS_AT_ONCE"] == 8  # the 13m preset's shape
+    assert kgate._configs(6, 32, torch.float32)["fwd"]["HEADS_AT_ONCE"] == 2
+    assert kgate._configs(8, 64, torch.bfloat16)["fwd"]["HEADS_AT_ONCE"] == 1  # wider tiles: one at a time
+    for B, T, H, pad, carry in ((3, 1, 8, "none", True), (2, 300, 8, "left", True), (2, 40, 6, "right", False)):
+        qkv, weights, mask, rope, state = make_inputs(B, T, H, 32, pad=pad, rotate=True, carry=carry, seed=5)
+        q = qkv.detach().unbind(2)[0]
+        weights = [w.detach() for w in weights]
+        state = None if state is None else (state[0].detach(), state[1])
+        together = kgate.gate(q, *weights, attention_mask=mask, carry=state, **rope)
+        with monkeypatch.context() as m:
+            m.setattr(kgate, "_heads_at_once", lambda H, block_half: 1)
+            one_by_one = kgate.gate(q, *weights, attention_mask=mask, carry=state, **rope)
+        for name, a, b in zip(("g", "sum", "count"), together, one_by_one):
+            assert torch.equal(a, b), f"{name} differs with heads loaded together (B{B} T{T} H{H})"
+
+
 def test_weights_in_half_precision_get_gradients_in_their_dtype():
     B, T, H, D = 2, 17, 4, 16
     qkv, weights, mask, _, _ = make_inputs(B, T, H, D, pad="left", seed=2)
