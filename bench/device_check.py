@@ -186,6 +186,7 @@ def summary(out_dir: str | Path) -> int:
         print(f"{s['name']:<10} {s['seconds']:>4}s of {s['budget']:>4}s  {_verdict(s['rc'], s['note'])}{tail}")
     print()
     print("\n".join(headline_lines(out / "bench.jsonl")))
+    print("\n".join(split_lines(out / "split.jsonl")))
     results = out / "bench.jsonl"
     if results.is_file() and results.stat().st_size > 0:
         try:
@@ -200,9 +201,37 @@ def summary(out_dir: str | Path) -> int:
     return exit_code(stages)
 
 
+def split_lines(path: str | Path) -> list[str]:
+    """One line per batch size of ``bench.decode_split``'s output (``split.jsonl``): the call, its
+    prefill (GPU and host), the replayed steps, and the time the GPU had nothing to run. Lines
+    that are not complete records are skipped; no file, no lines."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    keys = ("batch", "new", "generate_s", "prefill_s", "prefill_host_s", "replay_s_per_step", "generate_kernel_busy_s")
+    lines = []
+    for text in path.read_text(errors="replace").splitlines():
+        try:
+            r = json.loads(text)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(r, dict) or any(k not in r for k in keys):
+            continue
+        steps = r["new"] * r["replay_s_per_step"]
+        idle = r["generate_s"] - r["generate_kernel_busy_s"]
+        lines.append(
+            f"decode split B{r['batch']}: generate {r['generate_s'] * 1e3:.1f} ms = prefill {r['prefill_s'] * 1e3:.2f} ms "
+            f"(host {r['prefill_host_s'] * 1e3:.2f} ms to issue it) + {r['new']} steps × "
+            f"{r['replay_s_per_step'] * 1e6:.0f} µs replayed ({steps * 1e3:.1f} ms) + the rest "
+            f"{(r['generate_s'] - r['prefill_s'] - steps) * 1e3:.1f} ms; GPU idle {idle * 1e3:.1f} ms of the call"
+        )
+    return lines
+
+
 def exit_code(stages: list[dict[str, Any]]) -> int:
     """1: a parity test failed, or the parity stage did not finish (or never ran); 2: a headline
-    benchmark failed; 3: memcheck found errors; 4: another benchmark failed; else 0. A stage
+    benchmark failed; 3: memcheck found errors; 4: another benchmark (or the decode split) failed;
+    else 0. A stage
     skipped (no CUDA, switched off, no time) or an optional one cut by its time limit is no failure."""
     rc = {s["name"]: s["rc"] for s in stages}
     if "parity" not in rc or rc["parity"] != 0 or rc.get("parity-compile") not in (0, 5, 124, None):
@@ -211,7 +240,7 @@ def exit_code(stages: list[dict[str, Any]]) -> int:
         return 2
     if rc.get("sanitizer") == SANITIZER_ERRORS:
         return 3
-    if rc.get("extra") not in (0, 5, 124, None):
+    if rc.get("extra") not in (0, 5, 124, None) or rc.get("split") not in (0, 124, None):
         return 4
     return 0
 

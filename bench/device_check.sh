@@ -13,6 +13,8 @@
 #              torch.compile tests), 8 xdist workers sharing one TRITON_CACHE_DIR, one autotune
 #              config per key (bench/parity_plugin.py; WIOLA_PARITY_ONE_CONFIG=0: all); without
 #              CUDA a small selection under the Triton interpreter (PARITY_TESTS_CPU)
+#   split      (WIOLA_CHECK_SPLIT=0: off) python -m bench.decode_split: a CUDA-graph
+#              generate call split into the prompt's prefill, the replayed steps and idle time
 #   extra      (WIOLA_CHECK_EXTRA=0: off) every benchmark with torch.compile / FlexAttention
 #              baselines, then the torch.compile parity tests, in the time left
 #   sanitizer  (WIOLA_CHECK_SANITIZER=0: off) compute-sanitizer memcheck on one train step and a
@@ -20,7 +22,7 @@
 #   report     BENCHMARKS.md + charts.png from bench.jsonl
 # Without CUDA (CI's dry run) the CUDA stages skip with their reasons and the exit code is 0.
 #
-# Files in OUT_DIR: env.json plan.txt stages.tsv setup.log headline.log parity.log extra.log
+# Files in OUT_DIR: env.json plan.txt stages.tsv setup.log headline.log parity.log split.log split.jsonl extra.log
 # sanitizer.log report.log bench.jsonl BENCHMARKS.md charts.png. Exit code (summary):
 # 1 a parity test failed or parity could not finish, 2 a headline benchmark failed, 3 memcheck
 # found errors, 4 another benchmark failed, else 0. Safe to run twice.
@@ -34,7 +36,7 @@ ROOT=$PWD
 OUT_DIR=${1:-${OUT:-$ROOT/device_check_out}}
 mkdir -p "$OUT_DIR" || exit 3
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
-rm -f "$OUT_DIR"/{env.json,plan.txt,stages.tsv,setup.log,headline.log,parity.log,extra.log,sanitizer.log,report.log,bench.jsonl,BENCHMARKS.md,charts.png}
+rm -f "$OUT_DIR"/{env.json,plan.txt,stages.tsv,setup.log,headline.log,parity.log,split.log,split.jsonl,extra.log,sanitizer.log,report.log,bench.jsonl,BENCHMARKS.md,charts.png}
 
 START=$(date +%s)
 TOTAL=${WIOLA_CHECK_SECONDS:-420}
@@ -74,7 +76,7 @@ t0=$(now)
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 "$PY" -m bench.device_check env "$OUT_DIR/env.json" >>"$OUT_DIR/setup.log" 2>&1
 SETUP_RC=$?
-eval "$("$PY" -m bench.device_check budgets)"  # setup= headline= parity= sanitizer= report= parity_workers=
+eval "$("$PY" -m bench.device_check budgets)"  # setup= headline= parity= split= sanitizer= report= parity_workers=
 HAVE_CUDA=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>>"$OUT_DIR/setup.log" || echo 0)
 timeout 60 "$PY" -m bench.device_check plan --budget "$TOTAL" >"$OUT_DIR/plan.txt" 2>&1 \
   || echo "plan: exit $? (see plan.txt)" >>"$OUT_DIR/setup.log"
@@ -128,6 +130,22 @@ if [ "$HAVE_CUDA" = 1 ] && [ "${WIOLA_CHECK_SANITIZER:-1}" != 0 ]; then
   SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1 || true)
 fi
 reserve=$report; [ -n "$SANITIZER" ] && reserve=$((report + sanitizer))
+
+# -- split: where a CUDA-graph generate call's time goes (bench/decode_split.py: the prompt's
+#    prefill and the host's time to issue it, the replayed steps, the kernels' own time)
+t0=$(now)
+budget=$(min "$split" $(( $(left) - reserve )))
+if [ "$HAVE_CUDA" != 1 ]; then
+  stage_done split - "$t0" 0 "no CUDA device"
+elif [ "${WIOLA_CHECK_SPLIT:-1}" = 0 ]; then
+  stage_done split - "$t0" 0 "switched off (WIOLA_CHECK_SPLIT=0)"
+elif [ "$budget" -lt 30 ]; then
+  stage_done split - "$t0" "$budget" "no time left"
+else
+  echo "== split: python -m bench.decode_split (limit ${budget}s)" | tee "$OUT_DIR/split.log"
+  timeout -s INT -k 10 "$budget" "$PY" -m bench.decode_split >"$OUT_DIR/split.jsonl" 2>>"$OUT_DIR/split.log"
+  stage_done split $? "$t0" "$budget"
+fi
 
 # -- extra: compile-heavy baselines and the rest of bench/, then the torch.compile parity tests
 t0=$(now)

@@ -37,6 +37,7 @@ BUDGETS: dict[str, int] = {
     "setup": 30,
     "headline": 160,
     "parity": 110,
+    "split": 60,
     "sanitizer": 60,
     "report": 20,
     "parity_workers": 8,
@@ -495,7 +496,7 @@ def sanitizer_launches() -> list[Launch]:
 def default_stages(budget: float = 420.0) -> list[Stage]:
     """The stages of ``bench/device_check.sh`` in the order they run, with its default budgets."""
     b = BUDGETS
-    extra = max(0.0, budget - b["setup"] - b["headline"] - b["parity"] - b["sanitizer"] - b["report"])
+    extra = max(0.0, budget - sum(b[k] for k in ("setup", "headline", "parity", "split", "sanitizer", "report")))
     return [
         Stage("setup", "editable install, env.json", b["setup"], [], 15, "pip install -e ., one python start"),
         Stage(
@@ -509,6 +510,11 @@ def default_stages(budget: float = 420.0) -> list[Stage]:
             "parity", "kernel, fast-model tests on CUDA (bench.device_check.PARITY_TESTS)", b["parity"],
             parity_launches(), 40, "test bodies, f64 oracles, python starts", processes=b["parity_workers"],
             one_config=True,
+        ),
+        Stage(
+            "split", "where a CUDA-graph generate call's time goes (python -m bench.decode_split)", b["split"], [],
+            30, "a model build, 3 generate calls and 2 profiles per batch size; kernels built by the headline",
+            optional=True,
         ),
         Stage(
             "extra", "compile-heavy baselines and the rest of bench/", extra, extra_launches(), 120,

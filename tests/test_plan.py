@@ -248,6 +248,24 @@ def test_device_check_exit_codes() -> None:
     assert exit_code(_stages(headline=0, parity=0, parity_compile=124, extra=124, sanitizer=124)) == 0
     assert exit_code(_stages(headline=0, parity=0, sanitizer=SANITIZER_ERRORS)) == 3
     assert exit_code(_stages(headline=0, parity=0, extra=1)) == 4
+    assert exit_code(_stages(headline=0, parity=0, split=1)) == 4
+    assert exit_code(_stages(headline=0, parity=0, split=124, extra=None)) == 0, "split cut by its limit"
+
+
+def test_decode_split_lines(tmp_path: Path) -> None:
+    from bench.device_check import split_lines
+
+    assert split_lines(tmp_path / "split.jsonl") == []  # the stage did not run
+    row = {"batch": 1, "new": 256, "generate_s": 0.060, "prefill_s": 0.004, "prefill_host_s": 0.0038,
+           "replay_s_per_step": 188e-6, "generate_kernel_busy_s": 0.050}  # fmt: skip
+    (tmp_path / "split.jsonl").write_text(
+        json.dumps(row) + "\nTraceback (most recent call last):\n" + json.dumps({"batch": 8})
+    )
+    (line,) = split_lines(tmp_path / "split.jsonl")  # the partial record and the traceback are skipped
+    assert line == (
+        "decode split B1: generate 60.0 ms = prefill 4.00 ms (host 3.80 ms to issue it) + 256 steps × 188 µs "
+        "replayed (48.1 ms) + the rest 7.9 ms; GPU idle 10.0 ms of the call"
+    ), line
 
 
 def test_headline_table_reads_only_the_headline_stage(tmp_path: Path) -> None:
