@@ -49,10 +49,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _events_s(fn: Callable[[], object]) -> float:
-    return _timed(fn)[0]
-
-
 def _timed(fn: Callable[[], object]) -> tuple[float, float]:
     """``fn``'s GPU time (CUDA events) and the host's time to return from it (before syncing)."""
     torch.cuda.synchronize()
@@ -108,7 +104,7 @@ def split(model: torch.nn.Module, batch: int, prompt: int, new: int) -> dict:
         for _ in range(replays):
             step.graph.replay()
 
-    replay_s = _events_s(replay) / replays
+    replay_s = _timed(replay)[0] / replays
     step.cache.reset()
     profiled = min(20, replays)
     kernels = _kernels(lambda: [step.graph.replay() for _ in range(profiled)])

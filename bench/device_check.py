@@ -231,8 +231,8 @@ def split_lines(path: str | Path) -> list[str]:
 def exit_code(stages: list[dict[str, Any]]) -> int:
     """1: a parity test failed, or the parity stage did not finish (or never ran); 2: a headline
     benchmark failed; 3: memcheck found errors; 4: another benchmark (or the decode split) failed;
-    else 0. A stage
-    skipped (no CUDA, switched off, no time) or an optional one cut by its time limit is no failure."""
+    else 0. A stage skipped (no CUDA, switched off, no time) or an optional one cut by its time
+    limit is no failure."""
     rc = {s["name"]: s["rc"] for s in stages}
     if "parity" not in rc or rc["parity"] != 0 or rc.get("parity-compile") not in (0, 5, 124, None):
         return 1

@@ -47,6 +47,17 @@ mkdir -p "$TRITON_CACHE_DIR"
 now() { date +%s; }
 left() { echo $((START + TOTAL - $(now))); }
 min() { echo $(($1 < $2 ? $1 : $2)); }
+# skipped NAME SWITCH MIN_SECONDS [MISSING]: when an optional CUDA stage does not run (no CUDA, $SWITCH=0,
+# MISSING says what it lacks, or $budget under MIN_SECONDS), record why and succeed; else fail
+skipped() {
+  local why="" budget_noted=0
+  if [ "$HAVE_CUDA" != 1 ]; then why="no CUDA device"
+  elif [ "${!2:-1}" = 0 ]; then why="switched off ($2=0)"
+  elif [ -n "${4:-}" ]; then why=$4
+  elif [ "$budget" -lt "$3" ]; then why="no time left"; budget_noted=$budget
+  fi
+  [ -n "$why" ] && stage_done "$1" - "$t0" "$budget_noted" "$why"
+}
 # stage_done NAME RC(or -) STARTED BUDGET NOTE: one line of stages.tsv, one line on the terminal
 stage_done() {
   printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$(($(now) - $3))" "$4" "${5:-}" >>"$OUT_DIR/stages.tsv"
@@ -135,13 +146,7 @@ reserve=$report; [ -n "$SANITIZER" ] && reserve=$((report + sanitizer))
 #    prefill and the host's time to issue it, the replayed steps, the kernels' own time)
 t0=$(now)
 budget=$(min "$split" $(( $(left) - reserve )))
-if [ "$HAVE_CUDA" != 1 ]; then
-  stage_done split - "$t0" 0 "no CUDA device"
-elif [ "${WIOLA_CHECK_SPLIT:-1}" = 0 ]; then
-  stage_done split - "$t0" 0 "switched off (WIOLA_CHECK_SPLIT=0)"
-elif [ "$budget" -lt 30 ]; then
-  stage_done split - "$t0" "$budget" "no time left"
-else
+if ! skipped split WIOLA_CHECK_SPLIT 30; then
   echo "== split: python -m bench.decode_split (limit ${budget}s)" | tee "$OUT_DIR/split.log"
   timeout -s INT -k 10 "$budget" "$PY" -m bench.decode_split >"$OUT_DIR/split.jsonl" 2>>"$OUT_DIR/split.log"
   stage_done split $? "$t0" "$budget"
@@ -150,13 +155,7 @@ fi
 # -- extra: compile-heavy baselines and the rest of bench/, then the torch.compile parity tests
 t0=$(now)
 budget=$(( $(left) - reserve ))
-if [ "$HAVE_CUDA" != 1 ]; then
-  stage_done extra - "$t0" 0 "no CUDA device"
-elif [ "${WIOLA_CHECK_EXTRA:-1}" = 0 ]; then
-  stage_done extra - "$t0" 0 "switched off (WIOLA_CHECK_EXTRA=0)"
-elif [ "$budget" -lt 30 ]; then
-  stage_done extra - "$t0" "$budget" "no time left"
-else
+if ! skipped extra WIOLA_CHECK_EXTRA 30; then
   read -r -a FILES <<<"$("$PY" -m bench.device_check tests bench)"
   echo "== extra: pytest ${FILES[*]} with compile-heavy baselines (limit ${budget}s)" | tee "$OUT_DIR/extra.log"
   WIOLA_BENCH_STAGE=extra WIOLA_BENCH_COMPILED=1 TRITON_CACHE_AUTOTUNING=${WIOLA_AUTOTUNE_CACHE:-1} \
@@ -182,15 +181,8 @@ fi
 #    off, so each tensor is its own allocation and an overrun is seen)
 t0=$(now)
 budget=$(min "$sanitizer" $(( $(left) - report )))
-if [ "$HAVE_CUDA" != 1 ]; then
-  stage_done sanitizer - "$t0" 0 "no CUDA device"
-elif [ "${WIOLA_CHECK_SANITIZER:-1}" = 0 ]; then
-  stage_done sanitizer - "$t0" 0 "switched off (WIOLA_CHECK_SANITIZER=0)"
-elif [ -z "$SANITIZER" ]; then
-  stage_done sanitizer - "$t0" 0 "compute-sanitizer not found (PATH, /usr/local/cuda*/bin)"
-elif [ "$budget" -lt 20 ]; then
-  stage_done sanitizer - "$t0" "$budget" "no time left"
-else
+missing=""; [ -z "$SANITIZER" ] && missing="compute-sanitizer not found (PATH, /usr/local/cuda*/bin)"
+if ! skipped sanitizer WIOLA_CHECK_SANITIZER 20 "$missing"; then
   echo "== sanitizer: $SANITIZER --tool memcheck (limit ${budget}s)" | tee "$OUT_DIR/sanitizer.log"
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 TRITON_CACHE_AUTOTUNING=${WIOLA_AUTOTUNE_CACHE:-1} timeout -s INT -k 10 "$budget" \
     "$SANITIZER" --tool memcheck --error-exitcode 86 "$PY" -m bench.device_check sanitize-target \

@@ -56,9 +56,9 @@ def _masked_mean_block(
     ROTATE, zero at padding.
 
     The heads are added in order 0..H-1, ``HEADS_AT_ONCE`` of them (a divisor of ``H``) per
-    iteration with their loads issued together: one head per iteration made each load wait for
-    the one before, and at one token a row (a decoding step) the gate was a chain of ``H``
-    memory latencies.
+    iteration with their loads issued together, so that at one token a row (a decoding step)
+    the loads overlap instead of each waiting for the one before (a chain of ``H`` memory
+    latencies).
 
     Returns the block's tokens ``offs_t`` and ``t_ok`` (inside the span), the two halves ``m1, m2``
     ``(BLOCK_T, BLOCK_HALF)`` fp32 and ``real`` ``(BLOCK_T,)`` int32 (1 for a real token inside the
