@@ -2,6 +2,7 @@
 
     python -m bench.decode_split                     # 13m, bf16, 512-token prompt, 256 greedy tokens, batch 1 and 8
     python -m bench.decode_split --batch 1 --prompt 128 --new 64
+    python -m bench.decode_split --out split.jsonl   # the records to a file, nothing else in it
 
 For each batch size, after two warm-up calls (compilation, autotuning, capture):
 
@@ -46,6 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", type=_positive, default=512, help="prompt tokens, default 512")
     p.add_argument("--new", type=_positive, default=256, help="greedy tokens generated, default 256")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument(
+        "--out",
+        help="write the JSON lines to this file (default: stdout, where Triton's autotuning messages "
+        "also go when TRITON_PRINT_AUTOTUNING is set)",
+    )
     return p.parse_args(argv)
 
 
@@ -152,12 +158,15 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(0)
     model = WiolaModel(cfg).to("cuda", getattr(torch, args.dtype)).eval()
-    with torch.inference_mode():  # generate makes the cache's tensors here; resetting them needs it too
-        for batch in args.batch:
-            print(
-                json.dumps({"preset": args.preset, "dtype": args.dtype, **split(model, batch, args.prompt, args.new)})
-            )
-            sys.stdout.flush()
+    out = open(args.out, "w") if args.out else sys.stdout  # stdout is not closed below
+    try:
+        with torch.inference_mode():  # generate makes the cache's tensors here; resetting them needs it too
+            for batch in args.batch:
+                record = {"preset": args.preset, "dtype": args.dtype, **split(model, batch, args.prompt, args.new)}
+                print(json.dumps(record), file=out, flush=True)
+    finally:
+        if out is not sys.stdout:
+            out.close()
     return 0
 
 

@@ -148,7 +148,7 @@ t0=$(now)
 budget=$(min "$split" $(( $(left) - reserve )))
 if ! skipped split WIOLA_CHECK_SPLIT 30; then
   echo "== split: python -m bench.decode_split (limit ${budget}s)" | tee "$OUT_DIR/split.log"
-  timeout -s INT -k 10 "$budget" "$PY" -m bench.decode_split >"$OUT_DIR/split.jsonl" 2>>"$OUT_DIR/split.log"
+  timeout -s INT -k 10 "$budget" "$PY" -m bench.decode_split --out "$OUT_DIR/split.jsonl" >>"$OUT_DIR/split.log" 2>&1
   stage_done split $? "$t0" "$budget"
 fi
 

@@ -37,9 +37,13 @@ def test_without_cuda_exits_2(capsys):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="times CUDA-graph decoding")
-def test_split_parts_fit_inside_the_call(capsys):
-    assert decode_split.main(["--preset", "micro", "--batch", "1", "2", "--prompt", "8", "--new", "6"]) == 0
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+def test_split_parts_fit_inside_the_call(tmp_path, monkeypatch):
+    """The records alone in --out (the device check parses it), also with autotuning messages on."""
+    monkeypatch.setenv("TRITON_PRINT_AUTOTUNING", "1")
+    out = tmp_path / "split.jsonl"
+    argv = ["--preset", "micro", "--batch", "1", "2", "--prompt", "8", "--new", "6", "--out", str(out)]
+    assert decode_split.main(argv) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["batch"] for r in rows] == [1, 2]
     for r in rows:
         assert 0 < r["prefill_s"] < r["generate_s"], r
