@@ -74,7 +74,8 @@ class Launch:
     the autotuner tunes once per process (``None``: a fixed-config launch, one build, never
     tuned); ``binary`` is what a compiled variant depends on besides the config (dtype,
     specialisations of integer arguments, constexprs); ``D`` is the head width the autotuner
-    prunes its configs by, with ``dtype`` (``None``: no head width).
+    prunes its configs by, with ``dtype`` (``None``: no head width), and ``rows`` the N bucket
+    (butterfly: its few-row tiles; ``None``: not pruned by rows).
     """
 
     kernel: str
@@ -82,6 +83,7 @@ class Launch:
     binary: tuple
     key: tuple | None = None
     D: int | None = None
+    rows: int | None = None
 
 
 def _spec(n: int) -> str:
@@ -119,8 +121,10 @@ def butterfly(dtype: str, D: int, F: int, N: int, residual: str | None, backward
         return out + ([Launch("butterfly_up_bwd", dtype, (_spec(N),))] if backward else [])
     key = (_n_bucket(N), D, F)
     out = [
-        Launch("butterfly_up", dtype, (_spec(N),), (*key, dtype)),
-        Launch("butterfly_down", dtype, (_spec(N), residual), (*key, residual is not None, dtype, residual)),
+        Launch("butterfly_up", dtype, (_spec(N),), (*key, dtype), rows=key[0]),
+        Launch(
+            "butterfly_down", dtype, (_spec(N), residual), (*key, residual is not None, dtype, residual), rows=key[0]
+        ),
     ]
     return out + ([Launch("butterfly_up_bwd", dtype, (_spec(N),), (*key, dtype))] if backward else [])
 
@@ -172,8 +176,9 @@ class StagePlan:
         return self.wall_s <= self.stage.budget_s
 
 
-# tuner(dtype, D): the configs a launch of that dtype and head width tries (None, None: every config)
-Tuner = Callable[[str | None, int | None], list[dict[str, Any]]]
+# tuner(dtype, D[, rows]): the configs a launch of that dtype, head width (and N bucket, for the
+# autotuners that prune by rows) tries; (None, None): every config
+Tuner = Callable[..., list[dict[str, Any]]]
 Tuners = Mapping[str, Tuner]
 Seconds = Callable[[str, str, dict[str, Any]], tuple[float, str]]
 
@@ -216,7 +221,12 @@ def plan_stage(
         if ln.key is None or ln.kernel not in tuners:
             configs: list[dict[str, Any]] = [{}]
         else:
-            configs = tuners[ln.kernel](None, None) if is_forced else tuners[ln.kernel](ln.dtype, ln.D)
+            if is_forced:
+                configs = tuners[ln.kernel](None, None)
+            elif ln.rows is None:
+                configs = tuners[ln.kernel](ln.dtype, ln.D)
+            else:
+                configs = tuners[ln.kernel](ln.dtype, ln.D, ln.rows)
             if not configs:
                 raise ValueError(f"{stage.name}: no autotune config of {ln.kernel} for {ln.dtype} D={ln.D}")
         tuned = ln.key is not None and not is_forced and len(configs) > 1
@@ -279,8 +289,9 @@ def kernel_tuners() -> dict[str, Tuner]:
     ``wiola_kernels.aot.AOT_OPS`` names; each is named after the specs of ``aot_specs(op)`` built
     from the same ``@triton.jit`` function. The returned ``tuner(dtype, D)`` gives the configs
     after the autotuner's own ``early_config_prune``, called as Triton calls it at launch: the
-    positional arguments (here ``Q``: an empty tensor of the launch's dtype) and the constexpr
-    keywords (here ``D``). ``tuner(None, None)``: every config.
+    positional arguments (here ``Q``: an empty tensor of the launch's dtype, and ``N_BUCKET`` when
+    ``tuner(dtype, D, rows)`` is given the rows) and the constexpr keywords (here ``D``).
+    ``tuner(None, None)``: every config.
     """
     import importlib
 
@@ -303,13 +314,17 @@ def kernel_tuners() -> dict[str, Tuner]:
                     f"wiola_kernels.{op}.{attr}: no single AOT family for its @triton.jit function: {names}"
                 )
 
-            def configs(dtype: str | None, D: int | None, tuner: Autotuner = obj) -> list[dict[str, Any]]:
+            def configs(
+                dtype: str | None, D: int | None, rows: int | None = None, tuner: Autotuner = obj
+            ) -> list[dict[str, Any]]:
                 cfgs = list(tuner.configs)
                 if dtype is not None and tuner.early_config_prune is not None:
                     if dtype not in torch_dtype:
                         raise ValueError(f"unknown dtype {dtype!r}: expected one of {sorted(torch_dtype)}")
-                    q = torch.empty(0, dtype=torch_dtype[dtype])
-                    cfgs = tuner.early_config_prune(cfgs, {"Q": q}, D=D)
+                    named = {"Q": torch.empty(0, dtype=torch_dtype[dtype])}
+                    if rows is not None:
+                        named["N_BUCKET"] = rows
+                    cfgs = tuner.early_config_prune(cfgs, named, D=D)
                 return [_config_dict(c) for c in cfgs]
 
             tuners[names.pop()] = configs

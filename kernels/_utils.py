@@ -114,9 +114,10 @@ def autotuned(
 ) -> Any:
     """``fn`` under ``triton.autotune`` over ``configs``, keyed on ``key``.
 
-    ``configs`` is a list, or lists by class (e.g. ``"half"``/``"fp32"``) with ``classify(named_args,
-    constexprs) -> (class, head_dim)``: a launch then tries only its class's configs that list its
-    head width. Raises ``ValueError`` for a config listed twice in a class.
+    ``configs`` is a list, or lists by class (e.g. ``"half"``/``"fp32"``, or by row count) with
+    ``classify(named_args, constexprs) -> (class, head_dim)``: a launch then tries only its class's
+    configs that list its head width (a config with no ``head_dims`` serves every width). Raises
+    ``ValueError`` for a config listed twice in a class.
     """
     import triton
 
@@ -138,7 +139,12 @@ def autotuned(
     def prune(candidates: list[triton.Config], named_args: dict[str, Any], **constexprs: Any) -> list[triton.Config]:
         cls, d = classify(named_args, constexprs)
         ckey = lambda c: (*(c.kwargs[n] for n in names), c.num_warps, c.num_stages)
-        return [c for c in candidates if d in allowed.get((cls, ckey(c)), ())]
+        kept = []
+        for c in candidates:
+            dims = allowed.get((cls, ckey(c)))  # None: not listed for this class
+            if dims is not None and (not dims or d in dims):  # empty: every width
+                kept.append(c)
+        return kept
 
     return triton.autotune(
         configs=[c.triton() for c in union.values()], key=key, prune_configs_by={"early_config_prune": prune}

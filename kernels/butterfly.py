@@ -39,11 +39,15 @@ one plain GEMM with K = 3·d_ff (one rounding instead of the reference's two par
 Tiles: bf16/fp16 on CUDA are autotuned over a few configs (keyed on d, d_ff and N rounded up to
 a power of two, so a decode step's batch does not fix the training tiles) when every width and
 address is a multiple of 16 — the case Triton's JIT specializes into vectorised, pipelined loads;
-each config is built ahead of time for sm_90 (wgmma) and sm_80 without spills. Anything else (fp32, the CPU interpreter, a width such as
-d = 100) takes one small 32×32×32 tile, also built spill-free. fp32 uses
+each config is built ahead of time for sm_90 (wgmma) and sm_80 without spills. Launches of at most
+``FEW_ROWS`` rows (decoding steps) also try narrow 16-row tiles that give the GPU more programs
+and fewer K steps each. Anything else (fp32, the CPU interpreter, a width such as d = 100) takes
+one small 32×32×32 tile, also built spill-free. fp32 uses
 ``tl.dot(..., input_precision="ieee")``, so fp32 results match the reference to ~1e-6 relative.
 Frozen weights (``requires_grad=False``) skip their gradient GEMMs.
 """
+
+from typing import Any
 
 import torch
 import triton
@@ -226,6 +230,14 @@ def _tile(m: int, n: int, k: int, warps: int, stages: int) -> LaunchConfig:
 _UP_CONFIGS = [_tile(64, 64, 64, 4, 3), _tile(128, 64, 64, 8, 3), _tile(128, 64, 32, 8, 4), _tile(64, 128, 32, 8, 3)]
 _UP_BWD_CONFIGS = [_tile(64, 64, 32, 4, 4), _tile(128, 64, 32, 8, 4), _tile(64, 128, 32, 8, 3)]
 _DOWN_CONFIGS = [_tile(64, 64, 64, 4, 4), _tile(128, 64, 64, 4, 4), _tile(64, 128, 64, 4, 4), _tile(128, 128, 64, 8, 3)]
+# Few rows (a decoding step: N = batch): the tiles above give a 13m layer (d 256, d_ff 512) 4-8
+# programs for the whole GPU, each walking K in 4-8 dependent steps of loads, so the step's
+# time is a chain of memory latencies, not bandwidth. These cut the columns finer (16-64 wide:
+# up to 32 programs) and take K in 1-4 longer steps; BLOCK_M 16 is tl.dot's least. Tried beside
+# the tiles above for N up to FEW_ROWS (the autotuner keeps the faster); larger N never sees them.
+FEW_ROWS = 64
+_UP_FEW_ROW_CONFIGS = [_tile(16, 16, 256, 2, 2), _tile(16, 32, 128, 4, 2), _tile(16, 64, 64, 4, 3)]
+_DOWN_FEW_ROW_CONFIGS = [_tile(16, 16, 256, 4, 2), _tile(16, 16, 128, 2, 3), _tile(16, 32, 128, 4, 3)]
 # One small fixed tile for everything else: fp32 (ieee, no tensor cores), the CPU interpreter,
 # and inputs whose widths or addresses are not multiples of 16 (the compiler then cannot
 # vectorise loads, and the large tiles above would spill).
@@ -243,9 +255,16 @@ def _n_bucket(N: int) -> int:
     return min(N_BUCKET_CAP, max(16, triton.next_power_of_2(N)))
 
 
-_up_tuned = autotuned(_up_kernel, _UP_CONFIGS, key=["N_BUCKET", "D", "F"])
+def _rows_class(named_args: dict[str, Any], constexprs: dict[str, Any]) -> tuple[str, int]:
+    """The autotune class of a launch: ``"few"`` rows (N bucket ≤ FEW_ROWS) or ``"many"``."""
+    return ("few" if named_args["N_BUCKET"] <= FEW_ROWS else "many"), 0
+
+
+UP_CONFIGS = {"few": _UP_FEW_ROW_CONFIGS + _UP_CONFIGS, "many": _UP_CONFIGS}
+DOWN_CONFIGS = {"few": _DOWN_FEW_ROW_CONFIGS + _DOWN_CONFIGS, "many": _DOWN_CONFIGS}
+_up_tuned = autotuned(_up_kernel, UP_CONFIGS, ["N_BUCKET", "D", "F"], _rows_class)
 _up_bwd_tuned = autotuned(_up_bwd_kernel, _UP_BWD_CONFIGS, key=["N_BUCKET", "D", "F"])
-_down_tuned = autotuned(_down_kernel, _DOWN_CONFIGS, key=["N_BUCKET", "D", "F", "HAS_RESIDUAL"])
+_down_tuned = autotuned(_down_kernel, DOWN_CONFIGS, ["N_BUCKET", "D", "F", "HAS_RESIDUAL"], _rows_class)
 
 
 def _aligned(D: int, F: int, *tensors: torch.Tensor) -> bool:
@@ -254,9 +273,12 @@ def _aligned(D: int, F: int, *tensors: torch.Tensor) -> bool:
     return D % 16 == 0 and F % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def _launch(kernel, tuned, grid_cols: int, N: int, D: int, F: int, *args, **constexprs) -> None:
-    """Launch ``kernel`` over (rows of N) × (columns of ``grid_cols``): autotuned for aligned
-    bf16/fp16 on CUDA, the small fixed tile otherwise (and under the interpreter)."""
+def _launch(
+    kernel, tuned, grid_cols: int, N: int, D: int, F: int, *args, config: LaunchConfig | None = None, **constexprs
+) -> None:
+    """Launch ``kernel`` over (rows of N) × (columns of ``grid_cols``): ``config`` if given (tests
+    force each tile with it); else autotuned for aligned bf16/fp16 on CUDA, the small fixed tile
+    otherwise (and under the interpreter)."""
     if N == 0:
         return
     tensors = [t for t in args if isinstance(t, torch.Tensor)]
@@ -266,19 +288,28 @@ def _launch(kernel, tuned, grid_cols: int, N: int, D: int, F: int, *args, **cons
         lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(grid_cols, meta["BLOCK_N"])),
         args,
         {**constexprs, "PRECISION": "ieee"},
+        config=config,
         tuned=tuned if tune else None,
         interpret=_SMALL_CONFIG,
         default=_SMALL_CONFIG,
     )
 
 
-def _up(x: torch.Tensor, w_up: torch.Tensor, w_bp: torch.Tensor, r: torch.Tensor) -> None:
+def _up(
+    x: torch.Tensor, w_up: torch.Tensor, w_bp: torch.Tensor, r: torch.Tensor, config: LaunchConfig | None = None
+) -> None:
     """``r`` (N, F) ← SiLU(a) ⊙ b + c for contiguous ``x`` (N, D) and weights."""
     (N, D), F = x.shape, w_bp.shape[0]
-    _launch(_up_kernel, _up_tuned, F, N, D, F, x, w_up, w_bp, r, N, D, F, _n_bucket(N))
+    _launch(_up_kernel, _up_tuned, F, N, D, F, x, w_up, w_bp, r, N, D, F, _n_bucket(N), config=config)
 
 
-def _down(r: torch.Tensor, w_down: torch.Tensor, residual: torch.Tensor | None, y: torch.Tensor) -> None:
+def _down(
+    r: torch.Tensor,
+    w_down: torch.Tensor,
+    residual: torch.Tensor | None,
+    y: torch.Tensor,
+    config: LaunchConfig | None = None,
+) -> None:
     """``y`` (N, D) ← r W_downᵀ (+ residual) for contiguous ``r`` (N, F), ``w_down`` (D, F)."""
     (N, F), D = r.shape, w_down.shape[0]
     res = y if residual is None else residual  # y: a placeholder never read
@@ -297,6 +328,7 @@ def _down(r: torch.Tensor, w_down: torch.Tensor, residual: torch.Tensor | None, 
         D,
         F,
         _n_bucket(N),
+        config=config,
         HAS_RESIDUAL=residual is not None,
     )
 

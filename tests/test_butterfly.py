@@ -102,6 +102,48 @@ def test_kernels_write_every_element(N, d, d_ff):
     assert_close("dc", dr, dabc[:, 2 * d_ff :], TOL[torch.float32])
 
 
+def _tile_cases() -> list[tuple[str, object]]:
+    """Every autotune tile of the forward's two kernels, both row classes, once each."""
+    return [(name, c) for name, lists in (("up", kb.UP_CONFIGS), ("down", kb.DOWN_CONFIGS))
+            for c in dict.fromkeys(c for listed in lists.values() for c in listed)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kernel", "config"), _tile_cases(), ids=lambda v: v if isinstance(v, str) else v.tag())
+def test_every_autotune_tile(kernel, config):
+    """Each tile the autotuner may pick (forced, not autotuned), at a decoding step's 5 rows and at
+    40 (ragged in every BLOCK_M), d 256, d_ff 512 (several K steps), against the float64 oracle;
+    outputs start as NaN. bf16 on CUDA (the tiles' dtype there), fp32 under the interpreter."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    for N in (5, 40):
+        x, w, res = _inputs((N,), 256, 512, dtype, "fp32", seed=N)
+        x, res = x.detach(), res.detach()
+        w_up, w_bp, w_down = (t.detach() for t in w)
+        a, b = (x.double() @ w_up.double().t()).chunk(2, dim=-1)
+        r_ref = torch.nn.functional.silu(a) * b + x.double() @ w_bp.double().t()
+        r = poisoned(N, 512, dtype=dtype)
+        if kernel == "up":
+            kb._up(x, w_up, w_bp, r, config=config)
+            assert_close(f"r, N {N}, {config.tag()}", r_ref, r.double(), TOL[dtype])
+        else:
+            r_in = r_ref.to(dtype)  # the down kernel's own error, on rounded inputs
+            y = poisoned(N, 256)
+            kb._down(r_in, w_down, res, y, config=config)
+            y_ref = r_in.double() @ w_down.double().t() + res.double()
+            assert_close(f"y, N {N}, {config.tag()}", y_ref, y.double(), TOL[dtype])
+
+
+def test_few_rows_try_their_own_tiles():
+    """A launch of at most FEW_ROWS rows tries the few-row tiles and the others; more rows never
+    the few-row tiles (their 16-row blocks would waste a large N's tensor cores)."""
+    for tuned, lists in ((kb._up_tuned, kb.UP_CONFIGS), (kb._down_tuned, kb.DOWN_CONFIGS)):
+        for n, cls in ((1, "few"), (kb.FEW_ROWS, "few"), (kb.FEW_ROWS + 1, "many"), (4096, "many")):
+            kept = tuned.early_config_prune(tuned.configs, {"N_BUCKET": kb._n_bucket(n)})
+            got = {(*c.kwargs.values(), c.num_warps, c.num_stages) for c in kept}
+            want = {c.key() for c in lists[cls]}
+            assert got == want, f"{tuned.fn.__name__} N={n}: tries {sorted(got)}, listed {sorted(want)}"
+    assert not set(kb._UP_FEW_ROW_CONFIGS) & set(kb.UP_CONFIGS["many"])
+
+
 def test_mixed_residual_dtype_promotes_like_torch():
     """An fp32 branch plus a bf16 residual gives fp32 (torch's promotion); the residual's
     gradient comes back in bf16. Only loads/stores touch bf16, so this also runs on CPU."""

@@ -170,7 +170,13 @@ def test_real_autotuners_as_the_planner_reads_them() -> None:
             for D in attention.SUPPORTED_HEAD_DIMS:
                 got = {(c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"]) for c in t[kernel](dtype, D)}
                 assert got == {c.key() for c in lists[cls] if D in c.head_dims}, (kernel, dtype, D)
-    assert len(t["butterfly_down"]("bf16", None)) == len(butterfly._DOWN_CONFIGS)
+    for rows, cls in ((16, "few"), (butterfly.FEW_ROWS, "few"), (2 * butterfly.FEW_ROWS, "many")):
+        for name, lists in (("butterfly_up", butterfly.UP_CONFIGS), ("butterfly_down", butterfly.DOWN_CONFIGS)):
+            got = {
+                (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"])
+                for c in t[name]("bf16", None, rows)
+            }
+            assert got == {c.key() for c in lists[cls]}, (name, rows)
     assert len(t["butterfly_up_bwd"](None, None)) == len(butterfly._UP_BWD_CONFIGS)
 
 
@@ -187,12 +193,12 @@ def test_stage_counts_what_the_real_autotuners_compile() -> None:
     assert rows == {
         **{k: (n, 1) for k, n in at64.items()},
         "attention_bwd_preprocess": (1, 0),
-        "butterfly_up": (len(butterfly._UP_CONFIGS) + 1, 1),
-        "butterfly_down": (len(butterfly._DOWN_CONFIGS) + 1, 1),
+        "butterfly_up": (len(butterfly.UP_CONFIGS["few"]) + 1, 1),  # N 17: few rows
+        "butterfly_down": (len(butterfly.DOWN_CONFIGS["few"]) + 1, 1),
         "butterfly_up_bwd": (len(butterfly._UP_BWD_CONFIGS) + 1, 1),
     }
     assert p.tune_s == pytest.approx(
-        (sum(at64.values()) + len(butterfly._UP_CONFIGS) + len(butterfly._DOWN_CONFIGS)
+        (sum(at64.values()) + len(butterfly.UP_CONFIGS["few"]) + len(butterfly.DOWN_CONFIGS["few"])
          + len(butterfly._UP_BWD_CONFIGS)) * plan.BENCH_SECONDS_PER_CONFIG
     )  # fmt: skip
 

@@ -7,10 +7,10 @@ import torch
 from wiola_kernels._utils import TRITON_DTYPE
 from wiola_kernels.aot import AotSpec
 from wiola_kernels.butterfly import (
-    _DOWN_CONFIGS,
     _SMALL_CONFIG,
     _UP_BWD_CONFIGS,
-    _UP_CONFIGS,
+    DOWN_CONFIGS,
+    UP_CONFIGS,
     _down_kernel,
     _up_bwd_kernel,
     _up_kernel,
@@ -18,7 +18,7 @@ from wiola_kernels.butterfly import (
 
 
 def specs() -> list[AotSpec]:
-    """Every autotune config, bf16 and fp16, built as the JIT specializes aligned inputs; the small
+    """Every autotune config (both row classes), bf16 and fp16, built as the JIT specializes aligned inputs; the small
     fixed tile for fp32 (aligned and not), and for unaligned bf16/fp16 inputs."""
     specs: list[AotSpec] = []
     blocks = {"BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PRECISION": "constexpr"}
@@ -45,7 +45,8 @@ def specs() -> list[AotSpec]:
         t, p = TRITON_DTYPE[dtype], f"*{TRITON_DTYPE[dtype]}"
         small = [_SMALL_CONFIG]
         tables = [(True, small, small, small)] if dtype == torch.float32 else []
-        tables += [(True, _UP_CONFIGS, _UP_BWD_CONFIGS, _DOWN_CONFIGS)] if dtype != torch.float32 else []
+        # "few" lists every config of both row classes ("many" is its tail)
+        tables += [(True, UP_CONFIGS["few"], _UP_BWD_CONFIGS, DOWN_CONFIGS["few"])] if dtype != torch.float32 else []
         tables += [(False, small, small, small)]
         for aligned, up_table, bwd_table, down_table in tables:
             add(f"up[{t}", _up_kernel, {"X": p, "W_UP": p, "W_BP": p, "R": p}, up_table, aligned)
