@@ -232,11 +232,11 @@ _UP_BWD_CONFIGS = [_tile(64, 64, 32, 4, 4), _tile(128, 64, 32, 8, 4), _tile(64, 
 _DOWN_CONFIGS = [_tile(64, 64, 64, 4, 4), _tile(128, 64, 64, 4, 4), _tile(64, 128, 64, 4, 4), _tile(128, 128, 64, 8, 3)]
 # Few rows (a decoding step: N = batch): the tiles above give a 13m layer (d 256, d_ff 512) 4-8
 # programs for the whole GPU, each walking K in 4-8 dependent steps of loads, so the step's
-# time is a chain of memory latencies, not bandwidth. These cut the columns finer (16-64 wide:
+# time is a chain of memory latencies, not bandwidth. These cut the columns finer (16-32 wide:
 # up to 32 programs) and take K in 1-4 longer steps; BLOCK_M 16 is tl.dot's least. Tried beside
 # the tiles above for N up to FEW_ROWS (the autotuner keeps the faster); larger N never sees them.
 FEW_ROWS = 64
-_UP_FEW_ROW_CONFIGS = [_tile(16, 16, 256, 2, 2), _tile(16, 32, 128, 4, 2), _tile(16, 64, 64, 4, 3)]
+_UP_FEW_ROW_CONFIGS = [_tile(16, 16, 256, 2, 2), _tile(16, 32, 64, 4, 3), _tile(16, 32, 128, 4, 2)]
 _DOWN_FEW_ROW_CONFIGS = [_tile(16, 16, 256, 4, 2), _tile(16, 16, 128, 2, 3), _tile(16, 32, 128, 4, 3)]
 # One small fixed tile for everything else: fp32 (ieee, no tensor cores), the CPU interpreter,
 # and inputs whose widths or addresses are not multiples of 16 (the compiler then cannot
