@@ -85,6 +85,10 @@ def _reps(estimate: float, target_s: float, min_reps: int, max_reps: int, max_to
 
 
 _SLEEP_CYCLES_PER_S: list[float] = []
+# The longest spin ahead of a call: long enough for a host that needs tens of ms to queue one
+# call (an eager 13m training step at B 64 needs ~43 ms on the H200 machine's host), short
+# enough that the timed loop of a slow call stays within seconds.
+MAX_AHEAD_S = 0.25
 
 
 def _gpu_sleep(seconds: float) -> None:
@@ -101,7 +105,7 @@ def _gpu_sleep(seconds: float) -> None:
         end.record()
         torch.cuda.synchronize()
         _SLEEP_CYCLES_PER_S.append(2_000_000 / max(start.elapsed_time(end) / 1e3, 1e-9))
-    sleep(int(min(seconds, 0.05) * _SLEEP_CYCLES_PER_S[0]))
+    sleep(int(min(seconds, MAX_AHEAD_S) * _SLEEP_CYCLES_PER_S[0]))
 
 
 def time_cuda(
@@ -117,8 +121,9 @@ def time_cuda(
     Three warm-up calls and three probe calls come first. The number of repetitions is chosen so
     that the timed loop lasts about ``target_s`` (at least ``min_reps``, at most ``max_reps``;
     calls slower than 0.5 s get fewer, at least 3). Before each repetition the GPU spins for
-    about as long as the host takes to queue one call (at most 50 ms), so every kernel of the
-    call is queued before the start event fires: the time is the device's execution time, not
+    about 1.5 times as long as the host takes to queue one call (at most ``MAX_AHEAD_S``; a host
+    slower than that gets no spin), so every kernel of the call is queued before the start
+    event fires: the time is the device's execution time, not
     the launch rate (a call that waits on the host inside, like ``generate`` with a sync per
     token, still includes those waits).
     """
@@ -140,9 +145,9 @@ def time_cuda(
     torch.cuda.synchronize()
     estimate = start.elapsed_time(end) / 1e3 / probe
     reps = _reps(estimate, target_s, min_reps, max_reps)
-    ahead = 1.5 * host if host < 0.05 else 0.0
+    ahead = 1.5 * host if host < MAX_AHEAD_S else 0.0
     times, slept, queued = _timed_reps(fn, input_sets, reps, ahead)
-    wanted = min(ahead, 0.05)
+    wanted = min(ahead, MAX_AHEAD_S)
     recalibrated = False
     if wanted > 0 and _median(slept) < 0.8 * wanted and _SLEEP_CYCLES_PER_S:
         # The spin ran short: its rate was calibrated while the GPU's clock was lower (a cold
