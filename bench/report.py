@@ -341,6 +341,23 @@ def _short_note(note: str, cpu: str) -> str | None:
     return "CPU vector flags: " + (" ".join(keep) or "none")
 
 
+def host_paced_note(r: dict[str, Any]) -> str | None:
+    """A note for a CUDA record whose GPU was not spun ahead of the host (``host.gpu_sleep_s`` 0:
+    the timer's probe found the host slower than its spin cap, ``bench/frame.py``) and whose host
+    took at least 80% of the measured time a call: that time is the host's pace, not the GPU's.
+    None for every other record."""
+    host = r.get("host") or {}
+    time_s, host_s = r.get("time_s"), host.get("host_median_s")
+    if r.get("device") != "cuda" or host.get("gpu_sleep_s", 1) != 0 or not time_s or not host_s:
+        return None
+    if host_s < 0.8 * time_s:
+        return None
+    return (
+        f"{r.get('shape_id', '?')} ({r.get('impl', 'ours')}): the GPU was not spun ahead of the host, which took "
+        f"{fmt_time(host_s)} a call: {fmt_time(time_s)} is the host's pace, not the GPU's time"
+    )
+
+
 def run_section(
     run: Run, level: int = 3, chart_links: dict[str, str] | None = None, only: Sequence[str] | None = None
 ) -> str:
@@ -364,7 +381,8 @@ def run_section(
             load = f", 1-minute load average {min(loads)}–{max(loads)} on the machine" if loads else ""
             threads = sorted({r["threads"] for r in cpu})
             out.append(f"\nCPU: {'/'.join(map(str, threads))} torch thread(s){load}.")
-        shown = (_short_note(note, run.cpu) for r in recs for note in r.get("notes", []))
+        shown = [_short_note(note, run.cpu) for r in recs for note in r.get("notes", [])]
+        shown += [host_paced_note(r) for r in recs]
         extra = sorted({note for note in shown if note})
         for n in extra:
             out.append(f"\nNote: {n}")

@@ -263,3 +263,31 @@ def test_bound_column(tmp_path: Path, bound: str | None, pct: float | None, cell
 )
 def test_vector_units(flags: str, units: str) -> None:
     assert report.vector_units(flags) == units
+
+
+@pytest.mark.parametrize(
+    "host, flagged",
+    [
+        ({"gpu_sleep_s": 0.0, "host_median_s": 0.0485}, True),  # unspun, the host as slow as the call
+        ({"gpu_sleep_s": 0.0494, "host_median_s": 0.0569}, False),  # spun ahead: the GPU's time
+        ({"gpu_sleep_s": 0.0, "host_median_s": 0.001}, False),  # unspun, but the host far faster
+        (None, False),  # no host record
+    ],
+)
+def test_host_paced_cuda_time_is_flagged(tmp_path: Path, host: dict | None, flagged: bool) -> None:
+    """A CUDA time taken without the spin ahead, with the host as slow as the call, gets a note
+    saying it is the host's pace; other records get none."""
+    data = json.loads(FIXTURE.read_text())
+    rec = data["benchmarks"][1]["extra_info"]  # the decode record
+    rec["time_s"] = 0.0485
+    if host is not None:
+        rec["host"] = host
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(data))
+    out = tmp_path / "BENCHMARKS.md"
+    assert report.main([str(path), "--out", str(out)]) == 0
+    text = out.read_text()
+    note = "B1-P512-N256 (wiola.fast): the GPU was not spun ahead of the host"
+    assert (note in text) == flagged, text
+    if flagged:
+        assert "48.5 ms is the host's pace, not the GPU's time" in text, text
