@@ -123,9 +123,9 @@ def time_cuda(
     calls slower than 0.5 s get fewer, at least 3). Before each repetition the GPU spins for
     about 1.5 times as long as the host takes to queue one call (at most ``MAX_AHEAD_S``; a host
     slower than that gets no spin), so every kernel of the call is queued before the start
-    event fires: the time is the device's execution time, not
-    the launch rate (a call that waits on the host inside, like ``generate`` with a sync per
-    token, still includes those waits).
+    event fires: the time is the device's execution time, not the launch rate (a call that
+    waits on the host inside, like ``generate`` with a sync per token, still includes those
+    waits).
     """
     n = len(input_sets)
     warm = []

@@ -18,8 +18,9 @@ from wiola_kernels.butterfly import (
 
 
 def specs() -> list[AotSpec]:
-    """Every autotune config (both row classes), bf16 and fp16, built as the JIT specializes aligned inputs; the small
-    fixed tile for fp32 (aligned and not), and for unaligned bf16/fp16 inputs."""
+    """Every autotune config (both row classes), bf16 and fp16, built as the JIT specializes
+    aligned inputs; the small fixed tile for fp32 (aligned and not), and for unaligned bf16/fp16
+    inputs."""
     specs: list[AotSpec] = []
     blocks = {"BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PRECISION": "constexpr"}
     sizes = {"N": "i32", "D": "i32", "F": "i32", "N_BUCKET": "i32"}
