@@ -199,6 +199,29 @@ def _timed_reps(
 LAST_CUDA_HOST: dict[str, Any] = {}  # time_cuda's host-side times of its last measurement
 
 
+def loop_time(fn: Callable[..., Any], args: tuple, *, steps: int = 10, rounds: int = 3) -> float:
+    """Seconds a call of ``fn(*args)`` takes in a loop, as a training loop runs it: ``steps`` calls
+    back to back and one synchronisation at the end (on CUDA), wall clock, the median of
+    ``rounds`` loops after two warm-up calls.
+
+    Unlike ``time_cuda``'s repetitions nothing runs ahead of the host, so where the host issues a
+    call more slowly than the device runs it, this is the host's pace: the rate a loop of these
+    calls gets, beside the device time of one."""
+    cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(2):
+        fn(*args)
+    sync()
+    per_call = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(steps):
+            fn(*args)
+        sync()
+        per_call.append((time.perf_counter() - start) / steps)
+    return _median(per_call)
+
+
 def time_cpu(
     fn: Callable[..., Any],
     input_sets: Sequence[tuple],

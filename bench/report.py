@@ -358,6 +358,20 @@ def host_paced_note(r: dict[str, Any]) -> str | None:
     )
 
 
+def loop_line(r: dict[str, Any]) -> str | None:
+    """``"in a loop: ..."`` for a record with ``info["loop_s_per_step"]`` (``frame.loop_time``: calls
+    back to back, one sync at the end, nothing spun ahead), beside its device time; else None."""
+    loop = (r.get("info") or {}).get("loop_s_per_step")
+    if not loop or "time_s" not in r:
+        return None
+    rate = (r.get("info") or {}).get("loop_tokens_per_s")
+    return (
+        f"in a loop (10 calls back to back, one sync): {fmt_time(loop)} a call"
+        + (f", {fmt_rate(rate)} tok/s" if rate else "")
+        + f", {loop / r['time_s']:.2f}× the device time"
+    )
+
+
 def run_section(
     run: Run, level: int = 3, chart_links: dict[str, str] | None = None, only: Sequence[str] | None = None
 ) -> str:
@@ -383,6 +397,7 @@ def run_section(
             out.append(f"\nCPU: {'/'.join(map(str, threads))} torch thread(s){load}.")
         shown = [_short_note(note, run.cpu) for r in recs for note in r.get("notes", [])]
         shown += [host_paced_note(r) for r in recs]
+        shown += [f"{r.get('shape_id', '?')} ({r.get('impl', 'ours')}) {line}" for r in recs if (line := loop_line(r))]
         extra = sorted({note for note in shown if note})
         for n in extra:
             out.append(f"\nNote: {n}")

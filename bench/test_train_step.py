@@ -19,7 +19,7 @@ import torch
 
 import wiola
 from bench import roofline
-from bench.frame import compile_heavy
+from bench.frame import compile_heavy, loop_time
 
 CUDA_SHAPES = [dict(B=32, T=512), dict(B=64, T=512)]
 # The device check's headline stage (``-m headline``): the 13m training step at both batch sizes.
@@ -67,10 +67,18 @@ def _run_train_step(
     dtype: torch.dtype,
     baselines: dict | None = None,
     notes: list[str],
+    loop: bool = False,
 ) -> None:
     """Time ``step`` and ``baselines`` as one ``train_step`` of ``preset`` on fresh random ids
-    ``(B, T)`` on the bench's device: the cost of a step in ``dtype`` and ``B·T`` tokens a call."""
+    ``(B, T)`` on the bench's device: the cost of a step in ``dtype`` and ``B·T`` tokens a call.
+    With ``loop`` (CUDA), also ``step``'s time a step in a loop of 10 with one sync
+    (``frame.loop_time``: the host's pace where it issues a step more slowly than the GPU runs it),
+    recorded as ``info["loop_s_per_step"]`` and ``info["loop_tokens_per_s"]``."""
     cfg = wiola.WiolaConfig.preset(preset)
+    info = None
+    if loop and not bench.quick:
+        per_step = loop_time(step, (_random_ids(B, T, cfg.vocab_size, bench.device)(),))
+        info = {"loop_s_per_step": per_step, "loop_tokens_per_s": B * T / per_step}
     bench.run(
         step,
         op="train_step",
@@ -83,6 +91,7 @@ def _run_train_step(
         tokens=B * T,
         baselines=baselines,
         notes=notes,
+        info=info,
     )
 
 
@@ -136,6 +145,7 @@ def test_train_step_cuda(cuda_bench, shape: dict[str, int]) -> None:
         dtype=torch.bfloat16,
         baselines=baselines,
         notes=["bf16 autocast, fp32 master weights, fused AdamW", *notes],
+        loop=True,
     )
 
 
@@ -205,6 +215,7 @@ def test_train_step_cuda_graph_fast(cuda_bench, shape: dict[str, int]) -> None:
         dtype=torch.bfloat16,
         baselines={"wiola.fast eager": make_step(fresh(fast_cls), "cuda"), **compiled},
         notes=["bf16 autocast (cache off), fp32 master weights, fused capturable AdamW, one graph per step", *notes],
+        loop=True,
     )
 
 

@@ -317,3 +317,19 @@ def test_time_cuda_times_the_device_when_the_host_is_slower(monkeypatch, calibra
     # without the spin the same loop times the host: the test can tell the two apart
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
     assert frame._median(frame._timed_reps(lambda: gpu.call(), [()], 5, 0.03)[0]) == pytest.approx(0.020)
+
+
+def test_loop_time_is_a_call_in_a_loop(monkeypatch) -> None:
+    """Two warm-up calls, then ``rounds`` loops of ``steps`` calls timed as wholes: the median
+    loop over its steps (a fake clock that each call moves on by its own cost)."""
+    clock = [0.0]
+    costs = iter([9.0, 9.0] + [0.5] * 4 + [0.25] * 4 + [2.0] * 4)  # warm-ups, then 3 loops of 4
+    calls = []
+
+    def fn(x):
+        calls.append(x)
+        clock[0] += next(costs)
+
+    monkeypatch.setattr(frame.time, "perf_counter", lambda: clock[0])
+    assert frame.loop_time(fn, (7,), steps=4, rounds=3) == 0.5  # median of 0.5, 0.25, 2.0 a call
+    assert calls == [7] * 14

@@ -306,6 +306,11 @@ def test_headline_table_reads_only_the_headline_stage(tmp_path: Path) -> None:
         and "host: 375 ms a timed call (GPU 500 ms, spun 30 ms ahead, spin rate recalibrated)" in lines[2]
     ), lines
     assert "warm-up calls 2.5 s, 250 ms, 125 ms" in lines[2], lines[2]
+    # frame.loop_time's pace in a loop, where recorded, gets its line too
+    rec["info"] = {**rec["info"], "loop_s_per_step": 1.5, "loop_tokens_per_s": 341.0}
+    (tmp_path / "bench.jsonl").write_text(json.dumps({"extra_info": rec}) + "\n")
+    lines = headline_lines(tmp_path / "bench.jsonl")
+    assert "in a loop (10 calls back to back, one sync): 1.5 s a call, 341 tok/s, 3.00× the device time" in lines[3]
     assert headline_lines(tmp_path / "missing.jsonl") == ["headline: no results recorded"]
     (tmp_path / "stages.tsv").write_text("setup\t0\t3\t30\tCUDA device found\nextra\t-\t0\t0\tno CUDA device\n")
     assert [(s["name"], s["rc"], s["note"]) for s in read_stages(tmp_path)] == [

@@ -291,3 +291,17 @@ def test_host_paced_cuda_time_is_flagged(tmp_path: Path, host: dict | None, flag
     assert (note in text) == flagged, text
     if flagged:
         assert "48.5 ms is the host's pace, not the GPU's time" in text, text
+
+
+def test_loop_time_gets_a_note(tmp_path: Path) -> None:
+    """A record with frame.loop_time's pace gets a note beside its device time."""
+    data = json.loads(FIXTURE.read_text())
+    rec = data["benchmarks"][1]["extra_info"]  # the decode record
+    rec["time_s"] = 0.01
+    rec["info"] = {**rec.get("info", {}), "loop_s_per_step": 0.037, "loop_tokens_per_s": 442_811.0}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(data))
+    out = tmp_path / "BENCHMARKS.md"
+    assert report.main([str(path), "--out", str(out)]) == 0
+    note = "B1-P512-N256 (wiola.fast) in a loop (10 calls back to back, one sync): 37 ms a call, 442,811 tok/s, 3.70×"
+    assert note in out.read_text()
