@@ -101,7 +101,8 @@ def cpu_bench(benchmark: Any) -> Iterator[Bench]:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "headline: the device check's headline stage (train step, decode B1/B8, attention vs SDPA)"
+        "markers",
+        "headline: the device check's headline stage (train step eager and as a CUDA graph, decode B1/B8, attention vs SDPA)",
     )
 
 

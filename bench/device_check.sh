@@ -6,7 +6,7 @@
 #
 # Stages, in order:
 #   setup      editable install (WIOLA_SKIP_INSTALL=1: none), env.json, plan.txt (the CPU plan)
-#   headline   pytest -m headline: train step (MFU), decode B1/B8, attention vs SDPA; compile-heavy
+#   headline   pytest -m headline: train step (MFU; eager, and a CUDA graph at B 32), decode B1/B8, attention vs SDPA; compile-heavy
 #              baselines off; every result appended to bench.jsonl before its baselines run;
 #              the headline table is printed as soon as the stage ends
 #   parity     the kernel and fast-model tests on CUDA (bench.device_check.PARITY_TESTS, no

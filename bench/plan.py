@@ -469,7 +469,8 @@ def parity_launches() -> list[Launch]:
 
 
 def headline_launches() -> list[Launch]:
-    """``-m headline``: the 13m train step (B 32/64 × T 512, bf16 autocast: fp32 residual stream),
+    """``-m headline``: the 13m train step (B 32/64 × T 512, bf16 autocast: fp32 residual stream;
+    the captured B 32 step runs the same kernels),
     decoding at batch 1 and 8 (bf16 model, 512-token prompt), attention B32 T512 H8 D32 fwd+bwd."""
     out: list[Launch] = []
     for B in (32, 64):  # train step
@@ -515,10 +516,10 @@ def default_stages(budget: float = 420.0) -> list[Stage]:
     return [
         Stage("setup", "editable install, env.json", b["setup"], [], 15, "pip install -e ., one python start"),
         Stage(
-            "headline", "train step, decode B1/B8, attention vs SDPA (-m headline)", b["headline"],
-            headline_launches(), 75,
-            "ceilings ~5 s; 2 train steps ~10 s each, 2 decodes ~20 s each (reference generate is the slow "
-            "baseline), attention ~5 s; model builds",
+            "headline", "train step (eager, and a CUDA graph at B 32), decode B1/B8, attention vs SDPA (-m headline)",
+            b["headline"], headline_launches(), 85,
+            "ceilings ~5 s; 3 train steps ~10 s each (one captured as a CUDA graph), 2 decodes ~20 s each "
+            "(reference generate is the slow baseline), attention ~5 s; model builds",
             autotune_cache=True,
         ),
         Stage(
