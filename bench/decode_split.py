@@ -25,6 +25,7 @@ the output). Without CUDA it exits with code 2 and says so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -158,15 +159,12 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(0)
     model = WiolaModel(cfg).to("cuda", getattr(torch, args.dtype)).eval()
-    out = open(args.out, "w") if args.out else sys.stdout  # stdout is not closed below
-    try:
-        with torch.inference_mode():  # generate makes the cache's tensors here; resetting them needs it too
-            for batch in args.batch:
-                record = {"preset": args.preset, "dtype": args.dtype, **split(model, batch, args.prompt, args.new)}
-                print(json.dumps(record), file=out, flush=True)
-    finally:
-        if out is not sys.stdout:
-            out.close()
+    out = open(args.out, "w") if args.out else contextlib.nullcontext(sys.stdout)
+    # generate makes the cache's tensors under inference mode; resetting them needs it too
+    with out as stream, torch.inference_mode():
+        for batch in args.batch:
+            record = {"preset": args.preset, "dtype": args.dtype, **split(model, batch, args.prompt, args.new)}
+            print(json.dumps(record), file=stream, flush=True)
     return 0
 
 

@@ -146,9 +146,9 @@ def headline_lines(results: Path) -> list[str]:
                 + (", spin rate recalibrated" if host.get("sleep_recalibrated") else "")
                 + f"), warm-up calls {warm or '—'}"
             )
-        loop = (r.get("info") or {}).get("loop_s_per_step")
-        if timed and loop:
-            lines.append(f"{'':<22} {report.loop_line(r)}")
+        loop = report.loop_line(r)
+        if loop:
+            lines.append(f"{'':<22} {loop}")
         agree = (r.get("info") or {}).get("greedy_vs_reference")
         if agree:
             first = agree.get("first_divergence")

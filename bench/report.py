@@ -359,14 +359,16 @@ def host_paced_note(r: dict[str, Any]) -> str | None:
 
 
 def loop_line(r: dict[str, Any]) -> str | None:
-    """``"in a loop: ..."`` for a record with ``info["loop_s_per_step"]`` (``frame.loop_time``: calls
-    back to back, one sync at the end, nothing spun ahead), beside its device time; else None."""
-    loop = (r.get("info") or {}).get("loop_s_per_step")
-    if not loop or "time_s" not in r:
+    """``"in a loop ..."`` for a timed record with ``info["loop_s_per_step"]`` (``frame.loop_time``:
+    ``info["loop_steps"]`` calls back to back, one sync at the end, nothing spun ahead), beside its
+    device time; else None."""
+    info = r.get("info") or {}
+    loop = info.get("loop_s_per_step")
+    if not loop or "time_s" not in r or r.get("quick"):
         return None
-    rate = (r.get("info") or {}).get("loop_tokens_per_s")
+    rate, steps = info.get("loop_tokens_per_s"), info.get("loop_steps")
     return (
-        f"in a loop (10 calls back to back, one sync): {fmt_time(loop)} a call"
+        f"in a loop ({f'{steps} calls' if steps else 'calls'} back to back, one sync): {fmt_time(loop)} a call"
         + (f", {fmt_rate(rate)} tok/s" if rate else "")
         + f", {loop / r['time_s']:.2f}× the device time"
     )

@@ -26,6 +26,7 @@ CUDA_SHAPES = [dict(B=32, T=512), dict(B=64, T=512)]
 # The device check's headline stage (``-m headline``): the 13m training step at both batch sizes,
 # and the step captured as one CUDA graph at B 32 (its pace in a loop beside the eager step's).
 HEADLINE_SHAPES = [pytest.param(s, marks=pytest.mark.headline) for s in CUDA_SHAPES]
+LOOP_STEPS = 10  # training steps a loop_time loop runs back to back before its one sync
 GRAPH_SHAPES = [pytest.param(s, marks=pytest.mark.headline) if s["B"] == 32 else s for s in CUDA_SHAPES]
 
 
@@ -74,14 +75,15 @@ def _run_train_step(
 ) -> None:
     """Time ``step`` and ``baselines`` as one ``train_step`` of ``preset`` on fresh random ids
     ``(B, T)`` on the bench's device: the cost of a step in ``dtype`` and ``B·T`` tokens a call.
-    With ``loop`` (CUDA), also ``step``'s time a step in a loop of 10 with one sync
+    With ``loop``, also ``step``'s time a step in a loop of ``LOOP_STEPS`` with one sync
     (``frame.loop_time``: the host's pace where it issues a step more slowly than the GPU runs it),
-    recorded as ``info["loop_s_per_step"]`` and ``info["loop_tokens_per_s"]``."""
+    recorded as ``info["loop_s_per_step"]``, ``info["loop_tokens_per_s"]`` and ``info["loop_steps"]``."""
     cfg = wiola.WiolaConfig.preset(preset)
     info = None
     if loop and not bench.quick:
-        per_step = loop_time(step, (_random_ids(B, T, cfg.vocab_size, bench.device)(),))
-        info = {"loop_s_per_step": per_step, "loop_tokens_per_s": B * T / per_step}
+        ids = _random_ids(B, T, cfg.vocab_size, bench.device)()
+        per_step = loop_time(step, (ids,), steps=LOOP_STEPS)
+        info = {"loop_s_per_step": per_step, "loop_tokens_per_s": B * T / per_step, "loop_steps": LOOP_STEPS}
     bench.run(
         step,
         op="train_step",

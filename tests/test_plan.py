@@ -307,7 +307,7 @@ def test_headline_table_reads_only_the_headline_stage(tmp_path: Path) -> None:
     ), lines
     assert "warm-up calls 2.5 s, 250 ms, 125 ms" in lines[2], lines[2]
     # frame.loop_time's pace in a loop, where recorded, gets its line too
-    rec["info"] = {**rec["info"], "loop_s_per_step": 1.5, "loop_tokens_per_s": 341.0}
+    rec["info"] = {**rec["info"], "loop_s_per_step": 1.5, "loop_tokens_per_s": 341.0, "loop_steps": 10}
     (tmp_path / "bench.jsonl").write_text(json.dumps({"extra_info": rec}) + "\n")
     lines = headline_lines(tmp_path / "bench.jsonl")
     assert "in a loop (10 calls back to back, one sync): 1.5 s a call, 341 tok/s, 3.00× the device time" in lines[3]

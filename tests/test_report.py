@@ -298,7 +298,7 @@ def test_loop_time_gets_a_note(tmp_path: Path) -> None:
     data = json.loads(FIXTURE.read_text())
     rec = data["benchmarks"][1]["extra_info"]  # the decode record
     rec["time_s"] = 0.01
-    rec["info"] = {**rec.get("info", {}), "loop_s_per_step": 0.037, "loop_tokens_per_s": 442_811.0}
+    rec["info"] = {**rec.get("info", {}), "loop_s_per_step": 0.037, "loop_tokens_per_s": 442_811.0, "loop_steps": 10}
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(data))
     out = tmp_path / "BENCHMARKS.md"
