@@ -62,9 +62,9 @@ def _instances(kind: str, args: list[tuple]) -> list[Instance]:
     return [Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
 
 
-@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
 def test_loglikelihood_equals_the_reference_model(checkpoint, quantize):
-    """Batched, left-padded scores equal each pair scored alone by the reference model (for int8:
+    """Batched, left-padded scores equal each pair scored alone by the reference model (int8, int4:
     the reference on the dequantized weights). Bound: log-softmax moves by at most 2·max|Δlogit|
     per token, and the logits agree to fp32's table tolerance of max|logit|."""
     lm = WiolaLM(str(checkpoint), batch_size=3, device="cpu", quantize=quantize)

@@ -172,6 +172,32 @@ def test_served_text_equals_wiola_generate(server, checkpoint, solo, capsys):
         assert r.json()["choices"][0]["text"] == cli["text"], extra
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4", "bf16"])
+def test_quantized_server_equals_generate_on_the_same_weights(checkpoint, tmp_path, monkeypatch, scheme):
+    """``wiola serve --quantize``: the server says which form it serves, and its greedy text equals
+    ``generate`` of the fast model quantized the same way (the C++ step on the packed weights)."""
+    from wiola.checkpoint import load_checkpoint_tokenizer
+    from wiola.fast.quantize import quantize
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model = quantize(wiola.fast.WiolaModel.from_pretrained(checkpoint).eval().requires_grad_(False), scheme)
+    tok = load_checkpoint_tokenizer(checkpoint)
+    served = Served(checkpoint, tmp_path / "serve.log", "--quantize", scheme)
+    try:
+        for prompt in PROMPTS[:2]:
+            ids = torch.tensor([tok.encode(prompt)])
+            new = model.generate(ids, 16, temperature=0, eos_token_id=tok.eos_token_id)[0, ids.shape[1] :].tolist()
+            if tok.eos_token_id in new:
+                new = new[: new.index(tok.eos_token_id)]
+            body = {"prompt": prompt, "max_tokens": 16, "temperature": 0}
+            r = httpx.post(served.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == tok.decode(new), (scheme, prompt)
+    finally:
+        assert served.stop() == 0, served.log.read_text()
+    assert f"({scheme}) on http://127.0.0.1:{served.port}" in served.log.read_text()
+
+
 def test_seeded_sampling_equals_generate_with_that_seed(server, solo):
     client = _client(server)
     _, text, _ = solo(PROMPTS[0], 30, 0.9, 0.95, 11)

@@ -19,7 +19,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--include-path", help="a folder of extra task YAML files")
     g.add_argument("--num-fewshot", type=int)
     g.add_argument("--limit", type=float, help="documents per task (a fraction when < 1)")
-    g.add_argument("--quantize", choices=["int8", "bf16"], help="weight-only int8/bf16 (the C++ CPU step's forms)")
+    g.add_argument(
+        "--quantize", choices=["int8", "int4", "bf16"], help="weight-only int8/int4/bf16 (the C++ CPU step's forms)"
+    )
     g.add_argument("--output", help="write lm-eval's results JSON here")
     p.set_defaults(func=run_eval)
 

@@ -15,7 +15,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a checkpoint over HTTP (OpenAI-compatible, continuous batching)")
     add_checkpoint_arguments(p, help="model folder, a training run folder, or a Hub id (org/name)", required=True)
     p.add_argument("--tokenizer", help="gpt2, gpt2-32k or a tokenizer.json path (default: the checkpoint's)")
-    p.add_argument("--quantize", choices=("int8", "bf16"), help="weight-only int8 or bf16 matrices for the C++ step")
+    p.add_argument(
+        "--quantize", choices=("int8", "int4", "bf16"), help="weight-only int8, int4 or bf16 matrices for the C++ step"
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=8, help="rows decoding at once (continuous batching)")

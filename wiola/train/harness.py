@@ -8,7 +8,7 @@ Importing this module registers the model under the name ``wiola``; ``wiola eval
 
 ``pretrained`` is one of our checkpoint folders, a run folder (its latest checkpoint), a
 ``wiola13m`` folder or a Hugging Face Hub id; the model is ``wiola.fast.WiolaModel`` in fp32
-(``quantize=int8|bf16`` runs the C++ CPU step's weight-only forms; the prompt passes run on the
+(``quantize=int8|int4|bf16`` runs the C++ CPU step's weight-only forms; the prompt passes run on the
 dequantized weights). The harness's ``TemplateLM`` does the text work (the context/continuation
 split at whitespace, an empty context scored after ``<|endoftext|>``); here:
 
