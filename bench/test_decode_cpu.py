@@ -496,7 +496,7 @@ def test_tg128_cpu(cpu_bench, model, hf_model, batch: int, scheme: str, monkeypa
         )
 
 
-ONNX_MODES = ["fp32", "int8", "int8-matmul"]
+ONNX_MODES = ["fp32", "int8", "int8-matmul", "int4", "int4-matmul"]
 
 
 @pytest.fixture(scope="module")
@@ -504,6 +504,11 @@ def onnx_exports() -> dict:
     """Filled by ``_onnx_export``: mode -> (the wiola.fast model, its ONNX Runtime export folder),
     or the reason the export is unavailable; each mode exported once per module."""
     return {}
+
+
+def _onnx_scheme(mode: str) -> str | None:
+    """The weights' quantization scheme of an ONNX mode (``int8-matmul`` -> ``int8``; fp32: None)."""
+    return None if mode == "fp32" else mode.removesuffix("-matmul")
 
 
 def _onnx_export(cache: dict, model: wiola.WiolaModel, mode: str, folder) -> Any:
@@ -516,8 +521,8 @@ def _onnx_export(cache: dict, model: wiola.WiolaModel, mode: str, folder) -> Any
             fast = FastModel(model.config).eval().requires_grad_(False)
             fast.load_state_dict(model.state_dict())
             if mode != "fp32":
-                quantize(fast, "int8")
-            export_onnx(fast, folder, int8_matmul=mode == "int8-matmul")
+                quantize(fast, _onnx_scheme(mode))
+            export_onnx(fast, folder, int8_matmul=mode.endswith("-matmul"))
             cache[mode] = (fast, folder)
         except ImportError as exc:
             cache[mode] = f"export unavailable: {exc}"
@@ -529,10 +534,10 @@ def _onnx_export(cache: dict, model: wiola.WiolaModel, mode: str, folder) -> Any
 def test_decode_cpu_onnx(cpu_bench, model, onnx_exports, tmp_path_factory, batch: int, mode: str) -> None:
     """The exported runtime (issue 15): ``wiola export --format onnx`` run by ONNX Runtime's Python
     API (``wiola.export.runner.OnnxModel``; the prompt fed one token a step), beside our C++ step
-    on the same weights (``wiola.fast``, fp32 or int8) and wiola13m. fp32 and int8 (stored int8,
-    dequantized when ONNX Runtime loads it): greedy tokens asserted identical to the oracle's.
-    int8-matmul (MatMulNBits with int8 activations): not the oracle's function; the tokens that
-    agree with it are recorded."""
+    on the same weights (``wiola.fast``, fp32, int8 or int4) and wiola13m. fp32, int8 and int4
+    (stored packed, dequantized in the graph: exact): greedy tokens asserted identical to the
+    oracle's. int8-matmul and int4-matmul (MatMulNBits with int8 activations): not the oracle's
+    function; the tokens that agree with it are recorded."""
     pytest.importorskip("onnxruntime")
     got_export = _onnx_export(onnx_exports, model, mode, tmp_path_factory.mktemp(f"onnx-{mode}"))
     if isinstance(got_export, str):
@@ -548,7 +553,7 @@ def test_decode_cpu_onnx(cpu_bench, model, onnx_exports, tmp_path_factory, batch
     want = oracle.generate(ids, new, temperature=0)
     got = torch.from_numpy(runtime.generate(ids.numpy(), new, eos_token_id=None))
     agree = (got[:, PROMPT:] == want[:, PROMPT:]).cumprod(dim=1).sum(dim=1)  # tokens before the first difference
-    if mode != "int8-matmul":
+    if not mode.endswith("-matmul"):
         mismatch = (got != want).nonzero()
         assert mismatch.numel() == 0, f"ONNX {mode} greedy tokens differ from the oracle's at {mismatch[0].tolist()}"
     ids_np = ids.numpy()
@@ -558,12 +563,14 @@ def test_decode_cpu_onnx(cpu_bench, model, onnx_exports, tmp_path_factory, batch
         baselines["wiola13m"] = lambda: hf_greedy(hf_model, ids, new)
     except Exception as exc:
         baselines["wiola13m"] = f"wiola13m unavailable: {type(exc).__name__}: {exc}"
-    scheme = None if mode == "fp32" else "int8"
-    read = roofline.weight_bytes(model.config, "int8" if mode == "int8-matmul" else None)
+    scheme = _onnx_scheme(mode)
+    read = roofline.weight_bytes(model.config, scheme if mode.endswith("-matmul") else None)
     held = {
         "fp32": "fp32",
         "int8": "stored int8, dequantized at load (fp32 products)",
         "int8-matmul": "int8 in MatMulNBits, activations rounded to int8 per block",
+        "int4": "stored int4 nibbles, unpacked in the graph (fp32 products)",
+        "int4-matmul": "int4 in MatMulNBits, activations rounded to int8 per block",
     }[mode]
     notes = [
         f"13m preset, random weights; ONNX Runtime {runtime.session.get_providers()[0]}, "
