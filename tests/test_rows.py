@@ -167,9 +167,10 @@ def test_row_alone_equals_row_3_of_8_bitwise(scheme, isa, plain_cpu):
     """The per-row C++ entry: a row's logits and cache writes are bitwise the same stepped alone
     (a 1-row cache), as row 3 of 8 rows at other slots and prompts, as the middle of a permuted
     subset of rows (6, 3, 0), and as the second of a pair (5, 3), over 6 steps. The batch sizes
-    reach each block shape of the products: 1 (8-row blocks for int8 and int4), 8 (4 x 4 for fp32
-    and int8, 4 x 2 for bf16 and int4), 3 (4 x 3 for fp32 and int8; a pair and a single row for bf16
-    and int4) and 2 (4 x 2 for every type)."""
+    reach each block shape of the products: 1 (8-row blocks for int8 and int4), 8 (4 x 4 for fp32,
+    int8 and, on AVX-512, bf16; 4 x 2 for int4 and bf16 elsewhere), 3 (4 x 3 for fp32 and int8; a
+    pair and a single row for int4 and bf16 on AVX2; single rows for bf16 on AVX-512) and 2 (4 x 2
+    for every type but AVX-512's bf16, single rows there)."""
     model = _model(SMALL, scheme)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, SMALL.vocab_size, (1, T), generator=gen) for T in (5, 9, 1, 13, 2, 7, 11, 4)]

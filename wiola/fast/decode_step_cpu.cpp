@@ -775,7 +775,6 @@ inline vec q4_load(const uint8_t* p) {
 //   product w·x fused into the sum as the other types do (two operations per 2·kLanes weights
 //   against a widening shuffle and a shift per kLanes).
 // A row's tail of K mod kPer·kLanes takes the element-wise path.
-constexpr int kPackedBatch = kLanes >= 8 ? 2 : 1;  // batch rows per pass: 4 rows x (acc + sum) per batch row
 typedef uint32_t uvec __attribute__((vector_size(4 * kLanes)));
 
 inline vec as_vec(uvec u) {
@@ -869,6 +868,17 @@ inline void packed_fma_rows(const uvec* lanes, const float* xt, int64_t ldx, vec
   }
   if constexpr (J + 1 < Packed<P>::kPer) packed_fma_rows<P, J + 1, NR, NB>(lanes, xt, ldx, sum);
 }
+
+// Batch rows a pass of packed_rows takes through each block of 4 weight rows: every chunk's lanes
+// are loaded and split into parts once a pass, so more batch rows a pass split each weight fewer
+// times. bf16 takes 4 on AVX-512 (16 sums, 4 lanes and 4 parts of x fit its 32 registers): the 13m
+// bf16 step ran 1.12-1.16x faster at batch 8 and 1.11x at batch 4 than with 2, batch 1 level
+// (AMD EPYC Zen 5, tg128 interleaved, tokens equal; each sum takes the same operations in the same
+// order either way, so the numbers are bitwise the same). int4 keeps 2: with 4 its sums and scaled
+// sums outgrow the registers (kShareX below), and it ran 1.43x slower loading x per row, 1.53x
+// slower in blocks of 2 weight rows (same CPU and A/B).
+template <typename P>
+constexpr int kPackedBatch = kLanes >= 16 && !Packed<P>::kScaled ? 4 : kLanes >= 8 ? 2 : 1;
 
 // Whether a chunk's x parts are shared by the NR rows (packed_fma_rows) or loaded per row
 // (packed_fma): sharing holds NR lanes, NR·NB sums (and as many accumulators when scaled) in
@@ -966,11 +976,11 @@ template <typename P, int NR>
 inline void packed_rows(const uint8_t* W, const float* scale, int64_t K, const float* xt, float* y, int64_t ldy,
                         int64_t B, int64_t r) {
   int64_t b = 0;
-  for (; b + kPackedBatch <= B; b += kPackedBatch) {
-    if constexpr (NR > 4 && kPackedBatch > 1) {  // as dot_blocks: 4 rows a block past one batch row
-      for (int g = 0; g < NR; g += 4) packed_block<P, 4, kPackedBatch>(W, scale, K, xt + b * K, K, y + b * ldy, ldy, r + g);
+  for (; b + kPackedBatch<P> <= B; b += kPackedBatch<P>) {
+    if constexpr (NR > 4 && kPackedBatch<P> > 1) {  // as dot_blocks: 4 rows a block past one batch row
+      for (int g = 0; g < NR; g += 4) packed_block<P, 4, kPackedBatch<P>>(W, scale, K, xt + b * K, K, y + b * ldy, ldy, r + g);
     } else {
-      packed_block<P, NR, kPackedBatch>(W, scale, K, xt + b * K, K, y + b * ldy, ldy, r);
+      packed_block<P, NR, kPackedBatch<P>>(W, scale, K, xt + b * K, K, y + b * ldy, ldy, r);
     }
   }
   for (; b < B; ++b) packed_block<P, NR, 1>(W, scale, K, xt + b * K, K, y + b * ldy, ldy, r);
