@@ -872,11 +872,11 @@ inline void packed_fma_rows(const uvec* lanes, const float* xt, int64_t ldx, vec
 // Batch rows a pass of packed_rows takes through each block of 4 weight rows: every chunk's lanes
 // are loaded and split into parts once a pass, so more batch rows a pass split each weight fewer
 // times. bf16 takes 4 on AVX-512 (16 sums, 4 lanes and 4 parts of x fit its 32 registers): the 13m
-// bf16 step ran 1.12-1.16x faster at batch 8 and 1.11x at batch 4 than with 2, batch 1 level
-// (AMD EPYC Zen 5, tg128 interleaved, tokens equal; each sum takes the same operations in the same
-// order either way, so the numbers are bitwise the same). int4 keeps 2: with 4 its sums and scaled
-// sums outgrow the registers (kShareX below), and it ran 1.43x slower loading x per row, 1.53x
-// slower in blocks of 2 weight rows (same CPU and A/B).
+// bf16 step ran 1.09-1.17x faster at batches 4, 5 and 8 than with 2, batch 1 level (AMD EPYC Zen 5,
+// tg128 interleaved, tokens equal; bench/results/2026-12-04_cpu_bf16-batch-pass-amd-zen5/). Each
+// sum takes the same operations in the same order either way, so the numbers are bitwise the same.
+// int4 keeps 2: with 4 its sums and scaled sums outgrow the registers (kShareX below), and it ran
+// 1.43x slower loading x per row, 1.53x slower in blocks of 2 weight rows (same CPU and A/B).
 template <typename P>
 constexpr int kPackedBatch = kLanes >= 16 && !Packed<P>::kScaled ? 4 : kLanes >= 8 ? 2 : 1;
 
