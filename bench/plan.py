@@ -176,9 +176,9 @@ class StagePlan:
         return self.wall_s <= self.stage.budget_s
 
 
-# tuner(dtype, D[, rows]): the configs a launch of that dtype, head width (and N bucket, for the
-# autotuners that prune by rows) tries; (None, None): every config
-Tuner = Callable[..., list[dict[str, Any]]]
+# tuner(dtype, D, rows): the configs a launch of that dtype, head width and N bucket tries (rows
+# None: a launch not pruned by rows); tuner(None, None, None): every config
+Tuner = Callable[[str | None, int | None, int | None], list[dict[str, Any]]]
 Tuners = Mapping[str, Tuner]
 Seconds = Callable[[str, str, dict[str, Any]], tuple[float, str]]
 
@@ -193,8 +193,8 @@ def plan_stage(
 ) -> StagePlan:
     """Count the builds and tunings of ``stage`` and estimate its wall time.
 
-    ``tuners[kernel](dtype, D)`` gives the configs the autotuner of ``kernel`` tries for a launch
-    of that dtype and head width (dicts of ``BLOCK_*``, ``num_warps``, ``num_stages``); a launch
+    ``tuners[kernel](dtype, D, rows)`` gives the configs the autotuner of ``kernel`` tries for a
+    launch of that dtype, head width and N bucket (``Launch.rows``; dicts of ``BLOCK_*``, ``num_warps``, ``num_stages``); a launch
     without a key, or of a kernel not in ``tuners``, is one fixed-config build (config ``{}``).
     ``seconds(kernel, dtype, config)`` gives one build's seconds and where the number comes
     from. ``built`` holds the builds of earlier stages (updated in place); a
@@ -221,12 +221,7 @@ def plan_stage(
         if ln.key is None or ln.kernel not in tuners:
             configs: list[dict[str, Any]] = [{}]
         else:
-            if is_forced:
-                configs = tuners[ln.kernel](None, None)
-            elif ln.rows is None:
-                configs = tuners[ln.kernel](ln.dtype, ln.D)
-            else:
-                configs = tuners[ln.kernel](ln.dtype, ln.D, ln.rows)
+            configs = tuners[ln.kernel](None, None, None) if is_forced else tuners[ln.kernel](ln.dtype, ln.D, ln.rows)
             if not configs:
                 raise ValueError(f"{stage.name}: no autotune config of {ln.kernel} for {ln.dtype} D={ln.D}")
         tuned = ln.key is not None and not is_forced and len(configs) > 1
@@ -287,11 +282,11 @@ def kernel_tuners() -> dict[str, Tuner]:
 
     Found as the ``triton.autotune`` objects among the attributes of the modules that
     ``wiola_kernels.aot.AOT_OPS`` names; each is named after the specs of ``aot_specs(op)`` built
-    from the same ``@triton.jit`` function. The returned ``tuner(dtype, D)`` gives the configs
-    after the autotuner's own ``early_config_prune``, called as Triton calls it at launch: the
-    positional arguments (here ``Q``: an empty tensor of the launch's dtype, and ``N_BUCKET`` when
-    ``tuner(dtype, D, rows)`` is given the rows) and the constexpr keywords (here ``D``).
-    ``tuner(None, None)``: every config.
+    from the same ``@triton.jit`` function. The returned ``tuner(dtype, D, rows=None)`` gives the
+    configs after the autotuner's own ``early_config_prune``, called as Triton calls it at launch:
+    the positional arguments (here ``Q``: an empty tensor of the launch's dtype, and ``N_BUCKET``
+    when rows are given) and the constexpr keywords (here ``D``). ``tuner(None, None)``: every
+    config.
     """
     import importlib
 

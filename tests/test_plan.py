@@ -29,7 +29,7 @@ C = {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}  # in no rec
 F1 = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3}
 
 
-def tuners(dtype, D):  # k_attn keeps A and B at head width 32 (and unpruned), only A elsewhere
+def tuners(dtype, D, rows):  # k_attn keeps A and B at head width 32 (and unpruned), only A elsewhere
     return [A, B] if D in (32, None) else [A]
 
 
