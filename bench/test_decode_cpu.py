@@ -30,7 +30,8 @@ step's own kernels reach on weights in each core's L1, measured between and afte
 and kept at its best), whichever is longer; ``pct_roofline`` is that floor x the steps over the
 measured time. The prompt rows (``test_prefill_cpu``) are llama-bench's pp512: a 512-token
 prompt at batch 1 through ``wiola.fast`` in each prompt mode
-(``wiola.fast.prefill``: fp32 and bf16 products) and with bf16, int8 and int4 weights (whose
+(``wiola.fast.prefill``: fp32 and bf16 products), fp32 also on the GEMM this CPU's table does not
+pick (``WIOLA_CPU_GEMM``: ATen's or oneDNN's), and with bf16, int8 and int4 weights (whose
 prompt runs in fp32 on their dequantized values), beside wiola13m's forward of the same prompt.
 Each result records the CPU's model and flags, the ISA variant, the threads and the prompt mode
 chosen (``tuning``); each tg row also the threads' parts of the step's rows as its timed calls
@@ -605,25 +606,45 @@ def test_decode_cpu_onnx(cpu_bench, model, onnx_exports, tmp_path_factory, batch
         )
 
 
-PP_ROWS = [("fp32", "fp32"), ("bf16", "fp32"), ("fp32", "bf16"), ("fp32", "int8"), ("fp32", "int4")]
+# (prompt mode, weights, GEMM): "auto" is the fp32 GEMM this CPU's table picks, "other" the one it does not.
+PP_ROWS = [
+    ("fp32", "fp32", "auto"),
+    ("fp32", "fp32", "other"),
+    ("bf16", "fp32", "auto"),
+    ("fp32", "bf16", "auto"),
+    ("fp32", "int8", "auto"),
+    ("fp32", "int4", "auto"),
+]
 
 
-@pytest.mark.parametrize("prefill_mode,weights", PP_ROWS, ids=[f"{m}-products-{w}-weights" for m, w in PP_ROWS])
-def test_prefill_cpu(cpu_bench, model, hf_model, prefill_mode: str, weights: str, monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "prefill_mode,weights,gemm",
+    PP_ROWS,
+    ids=[f"{m}-products-{w}-weights" + ("-other-gemm" if g == "other" else "") for m, w, g in PP_ROWS],
+)
+def test_prefill_cpu(cpu_bench, model, hf_model, prefill_mode: str, weights: str, gemm: str, monkeypatch) -> None:
     """pp512: a 512-token prompt at batch 1 through ``wiola.fast`` (with a cache, the logits of the
     last position: what ``generate`` runs before its first step) in the prompt mode
     ``prefill_mode`` (``WIOLA_CPU_PREFILL``) with ``weights`` (fp32, or quantized by
     ``wiola.fast.quantize``: the prompt then runs in fp32 on the dequantized weights, the step's
     oracle), beside the reference's forward on the same weights, wiola13m's forward of the same
-    prompt (on the fp32 weights) and, for quantized weights, the fp32 model's prompt. fp32
-    products: the next token asserted equal to the reference's; bf16: the largest logit difference
-    from fp32 is recorded (its loss cost: ``bench.quality``)."""
+    prompt (on the fp32 weights) and, for quantized weights, the fp32 model's prompt. ``gemm``
+    ``other``: the fp32 products on the GEMM that ``auto`` does not pick here (``WIOLA_CPU_GEMM``),
+    so that one run compares the two on this CPU. fp32 products: the next token asserted equal to
+    the reference's; bf16: the largest logit difference from fp32 is recorded (its loss cost:
+    ``bench.quality``)."""
     from wiola.fast import WiolaModel as FastModel
     from wiola.fast import prefill
     from wiola.fast.quantize import quantize
+    from wiola.ops.linear import onednn_available
 
     monkeypatch.setenv(prefill.ENV, prefill_mode)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv(prefill.GEMM_ENV, raising=False)
+    if gemm == "other":
+        if not onednn_available():
+            pytest.skip("this torch has no oneDNN: ATen is the only fp32 GEMM")
+        monkeypatch.setenv(prefill.GEMM_ENV, "aten" if prefill.select_gemm() == "onednn" else "onednn")
     T = SMOKE_PP if cpu_bench.quick else PP
     ids = torch.randint(0, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(512))
 
@@ -657,9 +678,12 @@ def test_prefill_cpu(cpu_bench, model, hf_model, prefill_mode: str, weights: str
 
         baselines["wiola13m"] = hf_prompt
     cpp = prefill_mode == "fp32" and decode_step_cpu.load() is not None  # bf16 products: autocast, ATen throughout
-    path = "ATen products, C++ attention, RMSNorms and SiLU gate" if cpp else "PyTorch prompt path"
+    gemm_name = "oneDNN" if prefill.select_gemm() == "onednn" else "ATen"
+    path = f"{gemm_name} products, C++ attention, RMSNorms and SiLU gate" if cpp else "PyTorch prompt path"
     cpu = _cpu_notes(decode_step_cpu.select_isa(), f"{path}, {prefill.describe()}", weights)
     name = f"wiola.fast prefill {prefill_mode}" + ("" if weights == "fp32" else f", {weights} weights")
+    if gemm == "other":
+        name += f", {gemm_name} GEMM"
     rec = cpu_bench.run(
         ours,
         op="prefill_cpu",

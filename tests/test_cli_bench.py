@@ -21,7 +21,7 @@ import torch
 from wiola import WiolaConfig
 from wiola.cli import main
 from wiola.cli.bench import TG_PROMPT
-from wiola.fast import WiolaModel, decode_step_cpu, speed
+from wiola.fast import WiolaModel, decode_step_cpu, prefill, speed
 from wiola.fast.quantize import quantize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,6 +73,7 @@ def test_json_rows_for_every_form(step_available, checkpoint):
     cpu = decode_step_cpu.cpu_info()["name"]
     for r in rows:
         assert r["cpu"] == cpu and r["batch"] == 1 and r["reps"] == 3, r
+        assert r["prompt"] == prefill.describe(), r  # the prompt mode and fp32 GEMM the pp rows ran
         assert r["tokens"] == (12 if r["test"] == "pp12" else 5), r
         assert r["tok_s"] > 0 and r["seconds"] > 0, r
         # of an odd count of reps, the median rate is the median time's

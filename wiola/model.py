@@ -618,7 +618,7 @@ class WiolaModel(nn.Module):
 
     def _forward_context(self, input_ids: torch.Tensor, cache: Cache | None) -> contextlib.AbstractContextManager:
         """The context the model's computation runs in (``wiola.fast``: CPU bf16 products for a
-        prompt where chosen). A no-op here."""
+        prompt, or oneDNN's fp32 GEMM, where chosen). A no-op here."""
         return contextlib.nullcontext()
 
     def _head(

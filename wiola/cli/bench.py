@@ -131,7 +131,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 def _bench(args: argparse.Namespace) -> int:
     from wiola import WiolaConfig
     from wiola.checkpoint import resolve_checkpoint
-    from wiola.fast import WiolaModel, decode_step_cpu, speed
+    from wiola.fast import WiolaModel, decode_step_cpu, prefill, speed
     from wiola.fast.quantize import quantize
 
     if args.checkpoint:
@@ -155,7 +155,8 @@ def _bench(args: argparse.Namespace) -> int:
     if not path.startswith("C++"):
         raise RuntimeError(f"the C++ CPU step is not available here, so there is nothing to time: {path}")
     cpu = decode_step_cpu.cpu_info()
-    print(f"CPU: {cpu['name']} ({cpu['machine']}); {path}; torch {torch.__version__}", file=sys.stderr)
+    prompt = prefill.describe()
+    print(f"CPU: {cpu['name']} ({cpu['machine']}); {path}; {prompt}; torch {torch.__version__}", file=sys.stderr)
 
     generator = torch.Generator().manual_seed(1)
     V, B = base.config.vocab_size, args.batch
@@ -207,7 +208,9 @@ def _bench(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     for r in rows:
-        r.update(batch=B, threads=torch.get_num_threads(), cpu=cpu["name"], isa=decode_step_cpu.select_isa())
+        r.update(
+            batch=B, threads=torch.get_num_threads(), cpu=cpu["name"], isa=decode_step_cpu.select_isa(), prompt=prompt
+        )
     if args.json:
         for r in rows:
             print(json.dumps(r))

@@ -25,7 +25,9 @@ What runs where:
   ``wiola.fast.quantize.quantize(model, "int8" | "int4" | "bf16")`` gives that step weight-only
   int8 (per-row scales), int4 (per-group scales) or bf16 matrices; the PyTorch path then runs on
   the dequantized weights. A CPU prompt (prefill) runs in fp32 or with bf16 matrix products,
-  chosen from the CPU's flags or ``$WIOLA_CPU_PREFILL`` (``wiola.fast.prefill``).
+  chosen from the CPU's flags or ``$WIOLA_CPU_PREFILL``; the fp32 products of a gradient-free
+  CPU forward run on MKL's or oneDNN's GEMM, chosen from the CPU's vendor and family or
+  ``$WIOLA_CPU_GEMM`` (``wiola.fast.prefill``).
 - The ablations' feed-forward blocks (``ffn="swiglu"`` or ``"gelu"``) have no kernel and no
   C++ step: they run ``wiola.ops.mlp`` (PyTorch) in every mode, the rest of the model on its
   fast path, and one-token CPU steps stay in PyTorch. The constructor warns and ``describe()``
@@ -119,7 +121,7 @@ class WiolaModel(ReferenceModel):
         return ModelOutput(logits=logits.unsqueeze(1), cache=cache)
 
     def _forward_context(self, input_ids: torch.Tensor, cache: Cache | None) -> contextlib.AbstractContextManager:
-        return prefill.context(self, input_ids, cache)  # bf16 products for a CPU prompt where chosen
+        return prefill.context(self, input_ids, cache)  # bf16 products, or oneDNN's fp32 GEMM, where chosen
 
     def _default_return_logits(self, labels: torch.Tensor | None) -> bool:
         return labels is None

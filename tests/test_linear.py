@@ -1,0 +1,109 @@
+"""``wiola.ops.linear.linear`` on a CPU: each fp32 GEMM (``cpu_gemm``: ATen's, oneDNN's) and the
+decoding layout within the fp32 error bound of the float64 product, and where each path applies."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from numerics import LAMBDA, U32, assert_within
+
+from wiola.ops import linear as L
+
+needs_onednn = pytest.mark.skipif(not L.onednn_available(), reason="this torch has no oneDNN")
+
+# (rows, in, out): the 13m preset's prompt products (q/k/v, up, down) and its tied head, odd sizes.
+SHAPES = [(512, 256, 768), (130, 256, 1024), (65, 512, 256), (200, 256, 4000), (97, 72, 33)]
+
+
+def _operands(rows: int, k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen) / math.sqrt(k)
+
+
+def _allowed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """λ·√K·u·Σ|w·x| per output (``tests/numerics.py``): one fp32 side against the float64 product."""
+    return LAMBDA * math.sqrt(x.shape[-1]) * U32 * (x.double().abs() @ w.double().abs().T)
+
+
+class _Spy:
+    """Counts the products ``linear`` sends to oneDNN."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls, real = 0, L._onednn_applies
+
+        def counted(x: torch.Tensor, w: torch.Tensor) -> bool:
+            ran = real(x, w)
+            self.calls += ran
+            return ran
+
+        monkeypatch.setattr(L, "_onednn_applies", counted)
+
+
+@pytest.mark.parametrize("gemm", L.CPU_GEMMS)
+@pytest.mark.parametrize("rows,k,n", SHAPES, ids=[f"{r}x{k}x{n}" for r, k, n in SHAPES])
+def test_each_gemm_within_the_fp32_bound(gemm, rows, k, n, monkeypatch):
+    if gemm == "onednn" and not L.onednn_available():
+        pytest.skip("this torch has no oneDNN")
+    spy = _Spy(monkeypatch)
+    x, w = _operands(rows, k, n)
+    with torch.no_grad(), L.cpu_gemm(gemm):
+        got = L.linear(x.view(1, rows, k), w)[0]
+    assert spy.calls == (gemm == "onednn"), f"{gemm}: {spy.calls} products went to oneDNN"
+    want = x.double() @ w.double().T
+    assert_within(f"linear[{gemm}, {rows}x{k}x{n}]", want, got, _allowed(x, w), f"GEMM {gemm}")
+
+
+@torch.no_grad()
+def test_the_decoding_layout_within_the_fp32_bound():
+    for rows, k, n in ((1, 256, 768), (8, 256, 32000), (64, 512, 256)):
+        x, w = _operands(rows, k, n, seed=1)
+        layout = L.decode_layout(w)
+        assert L.uses_decode_layout(x)
+        got = L.linear(x, w, layout)
+        assert_within(f"linear[decode layout, {rows}x{k}x{n}]", x.double() @ w.double().T, got, _allowed(x, w))
+
+
+@needs_onednn
+def test_onednn_only_where_it_applies(monkeypatch):
+    """Small products, gradients, autocast, a lowered fp32 precision, other dtypes and a
+    non-contiguous weight stay on ``F.linear`` (exactly), and outside ``cpu_gemm`` nothing changes."""
+    spy = _Spy(monkeypatch)
+    x, w = _operands(100, 64, 48)
+    assert torch.equal(L.linear(x, w), F.linear(x, w))  # the default: ATen
+    with L.cpu_gemm("onednn"):
+        with torch.no_grad():
+            assert torch.equal(L.linear(x[:64], w), F.linear(x[:64], w))  # 64 rows: not a GEMM's work
+            assert torch.equal(L.linear(x.double(), w.double()), F.linear(x.double(), w.double()))
+            wt = torch.randn(64, 48).T
+            assert torch.equal(L.linear(x, wt), F.linear(x, wt))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                assert L.linear(x, w).dtype == torch.bfloat16
+            before = torch.get_float32_matmul_precision()
+            try:  # a caller who allows bf16 products gets F.linear's behaviour
+                torch.set_float32_matmul_precision("medium")
+                L.linear(x, w)
+            finally:
+                torch.set_float32_matmul_precision(before)
+        assert spy.calls == 0
+        wg = w.clone().requires_grad_()
+        L.linear(x, wg).sum().backward()  # gradients: F.linear, which autograd differentiates
+        assert spy.calls == 0 and wg.grad is not None
+        with torch.no_grad():
+            L.linear(x, w)
+        assert spy.calls == 1
+
+
+def test_cpu_gemm_names_a_bad_choice(monkeypatch):
+    with pytest.raises(ValueError, match="CPU GEMM 'mkl' is not one of aten, onednn"):
+        with L.cpu_gemm("mkl"):
+            pass
+    monkeypatch.setattr(L, "onednn_available", lambda: False)
+    with pytest.raises(ValueError, match="this torch has no oneDNN"):
+        with L.cpu_gemm("onednn"):
+            pass
+    with L.cpu_gemm("aten"):
+        assert L._CPU_GEMM.get() == "aten"
+    assert L._CPU_GEMM.get() == "aten"  # the block's choice ends with it
