@@ -56,6 +56,31 @@ def test_each_gemm_within_the_fp32_bound(gemm, rows, k, n, monkeypatch):
     assert_within(f"linear[{gemm}, {rows}x{k}x{n}]", want, got, _allowed(x, w), f"GEMM {gemm}")
 
 
+@needs_onednn
+@pytest.mark.parametrize("layout", ["column slice", "row stride", "transposed", "expanded"])
+def test_onednn_reads_strided_inputs(layout, monkeypatch):
+    """oneDNN's product of a non-contiguous ``x`` (views as the model's layers make them) within
+    the fp32 bound of the float64 product, counted on oneDNN."""
+    spy = _Spy(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    k = 256
+    x = {
+        "column slice": lambda: torch.randn(3, 100, k + 40, generator=gen)[:, :, 20 : 20 + k],
+        "row stride": lambda: torch.randn(3, 200, k, generator=gen)[:, ::2],
+        "transposed": lambda: torch.randn(3, k, 100, generator=gen).transpose(1, 2),
+        "expanded": lambda: torch.randn(1, 100, k, generator=gen).expand(3, 100, k),
+    }[layout]()
+    w = torch.randn(300, k, generator=gen) / math.sqrt(k)
+    assert not x.is_contiguous()
+    with torch.no_grad(), L.cpu_gemm("onednn"):
+        got = L.linear(x, w)
+    assert spy.calls == 1
+    want = x.double() @ w.double().T
+    xs = x.reshape(-1, k)
+    allowed = _allowed(xs, w).reshape(want.shape)
+    assert_within(f"linear[onednn, {layout} x]", want, got, allowed, "GEMM onednn")
+
+
 @torch.no_grad()
 def test_the_decoding_layout_within_the_fp32_bound():
     for rows, k, n in ((1, 256, 768), (8, 256, 32000), (64, 512, 256)):
