@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import re
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -415,7 +416,7 @@ def _chart_series(recs: Sequence[dict[str, Any]]) -> tuple[list[str], dict[str, 
     """x labels (shapes), {implementation: values}, and the unit: tokens/s if every record has it, else ms."""
     use_tokens = all("tokens_per_s" in r for r in recs)
     unit = "tokens/s (higher is better)" if use_tokens else "ms (lower is better)"
-    labels = [f"{r.get('shape_id', '')}\n{r.get('impl', '')}" for r in recs]
+    labels = [f"{r.get('shape_id', '')}\n" + "\n".join(textwrap.wrap(str(r.get("impl", "")), 24)) for r in recs]
     series: dict[str, list[float | None]] = {}
 
     def value(d: dict[str, Any]) -> float | None:
@@ -441,7 +442,7 @@ def _draw(ax: Any, title: str, recs: Sequence[dict[str, Any]]) -> None:
     ax.set_xticklabels(labels, fontsize=7)
     ax.set_ylabel(unit, fontsize=8)
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)  # beside the bars
 
 
 def _timed_groups(run: Run) -> dict[str, list[dict[str, Any]]]:
@@ -470,7 +471,7 @@ def write_charts(run: Run, directory: str | Path, only: Sequence[str] | None = N
         _draw(ax, f"{key} — {run.machine}", recs)
         fig.tight_layout()
         path = directory / f"{_slug(run.machine)}_{_slug(key)}.png"
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, bbox_inches="tight")  # the legend beside the axes included
         plt.close(fig)
         paths[key] = path
     return paths
@@ -492,7 +493,7 @@ def write_combined_chart(run: Run, path: str | Path) -> Path | None:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path
 
