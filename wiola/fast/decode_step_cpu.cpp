@@ -1467,7 +1467,7 @@ struct PromptAttention {
   // in [0, end) transposed into kt (zeros past end), a panel of D x kKeyChunk contiguous floats a
   // chunk of keys, the scores' loads in the order they are read. As D rows of Sp floats, the rows
   // of a power-of-two Sp fell into two of L1's sets (an AMD EPYC Zen 5: the 13m preset's prompt
-  // attention ran 1.2-1.35x slower at 512-1,000 tokens, the same numbers).
+  // attention ran 1.1-1.35x slower at 512-1,000 tokens, the same numbers).
   void keys(int64_t p) {
     const int64_t b = p / H, h = p % H, half = D / 2;
     float* kc = k_cache + p * S * D;
