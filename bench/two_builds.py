@@ -7,7 +7,11 @@ to import it."""
 from __future__ import annotations
 
 import ctypes
+import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,3 +48,16 @@ def model_13m(scheme: str) -> FastModel:
     torch.manual_seed(0)
     model = FastModel(wiola.WiolaConfig.preset("13m")).eval().requires_grad_(False)
     return model if scheme == "fp32" else quantize(model, scheme)
+
+
+def interleaved(runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
+    """Each of ``runs`` called once a round for ``rounds`` rounds, the order reversed every other
+    round (so neither side always runs first after the other); the median seconds of each."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            start = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}

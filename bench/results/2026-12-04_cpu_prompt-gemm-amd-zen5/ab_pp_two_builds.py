@@ -3,14 +3,12 @@ checkout's C++ library against another build's (python ab_pp_two_builds.py OTHER
 from the checkout root), interleaved, the order swapped every round; the last position's logits
 asserted bitwise equal first. Median ms."""
 
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, ".")  # the checkout root, for bench
-from bench.two_builds import build, model_13m
+from bench.two_builds import build, interleaved, model_13m
 from wiola.fast import decode_step_cpu as dsc
 from wiola.fast import speed
 
@@ -31,13 +29,8 @@ def run(name: str) -> torch.Tensor:
 
 
 assert torch.equal(run("checkout"), run("other build")), "the logits differ"
-times: dict[str, list[float]] = {name: [] for name in libs}
-for r in range(rounds):
-    for name in list(libs) if r % 2 == 0 else list(libs)[::-1]:
-        start = time.perf_counter()
-        run(name)
-        times[name].append(time.perf_counter() - start)
-a, b = statistics.median(times["checkout"]), statistics.median(times["other build"])
+median = interleaved({name: lambda name=name: run(name) for name in libs}, rounds)
+a, b = median["checkout"], median["other build"]
 print(
     f"pp{T} B{B}: checkout {a * 1e3:.2f} ms ({B * T / a:,.0f} tok/s), other build {b * 1e3:.2f} ms: "
     f"checkout faster by {b / a:.3f}x (logits bitwise equal)"

@@ -3,14 +3,12 @@ against another build's (python ab_prompt_attention_two_builds.py OTHER.cpp roun
 checkout root), interleaved, the order swapped every round; the outputs and both caches asserted
 bitwise equal first. Median ms."""
 
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, ".")  # the checkout root, for bench
-from bench.two_builds import build
+from bench.two_builds import build, interleaved
 from wiola.fast import decode_step_cpu as dsc
 
 other, rounds = sys.argv[1], int(sys.argv[2])
@@ -40,13 +38,8 @@ def run(name: str) -> tuple[torch.Tensor, ...]:
 
 for a, b, what in zip(run("checkout"), run("other build"), ("output", "key cache", "value cache")):
     assert torch.equal(a, b), f"the {what} differs"
-times: dict[str, list[float]] = {name: [] for name in libs}
-for r in range(rounds):
-    for name in list(libs) if r % 2 == 0 else list(libs)[::-1]:
-        start = time.perf_counter()
-        run(name)
-        times[name].append(time.perf_counter() - start)
-a, b = statistics.median(times["checkout"]), statistics.median(times["other build"])
+median = interleaved({name: lambda name=name: run(name) for name in libs}, rounds)
+a, b = median["checkout"], median["other build"]
 print(
     f"B{B} T{T}: checkout {a * 1e3:.3f} ms, other build {b * 1e3:.3f} ms: checkout faster by {b / a:.3f}x (bitwise equal)"
 )
