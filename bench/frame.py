@@ -277,14 +277,14 @@ def measure_cpu_ceilings() -> Ceilings:
     """The fp32 matmul rate (1024³: the faster of ATen's ``torch.mm`` and oneDNN's fp32 matmul,
     which ``wiola.ops.linear`` may run; on an AMD EPYC Zen 5 oneDNN's was about twice MKL's) and a
     256 MiB memory copy rate on this CPU."""
-    from wiola.ops.linear import onednn_available
+    from wiola.ops.linear import onednn_available, onednn_linear
 
     n = 1024
     a, b = torch.randn(n, n), torch.randn(n, n)
     c = torch.empty(n, n)
     gemms = {"ATen": lambda: torch.mm(a, b, out=c)}
     if onednn_available():
-        gemms["oneDNN"] = lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+        gemms["oneDNN"] = lambda: onednn_linear(a, b)
     times = {k: min(time_cpu(f, [()], target_s=0.3, min_reps=5, max_reps=30)) for k, f in gemms.items()}
     gemm = min(times, key=times.get)
     t_mm = times[gemm]

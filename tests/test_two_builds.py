@@ -46,9 +46,11 @@ def test_rebind_calls_the_other_build_with_its_workspace(plain_cpu, tmp_path):
 
 def test_interleaved_alternates_the_order_and_takes_medians(monkeypatch):
     calls: list[str] = []
-    clock = iter(float(t) for t in range(100))
+    durations = [1.0, 2.0, 4.0, 5.0, 2.0, 8.0, 7.0, 9.0]  # the calls' in order: a b b a a b b a
+    ticks = [t for i, d in enumerate(durations) for t in (10.0 * i, 10.0 * i + d)]
+    clock = iter(ticks)
     monkeypatch.setattr(two_builds.time, "perf_counter", lambda: next(clock))
     runs = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
     median = two_builds.interleaved(runs, 4)
     assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"], calls
-    assert median == {"a": 1.0, "b": 1.0}  # each call spans one tick of the fake clock
+    assert median == {"a": 3.5, "b": 5.5}  # medians of 1, 5, 2, 9 and 2, 4, 8, 7 (not their means or minima)

@@ -40,6 +40,7 @@ products are fp32 on the dequantized weights).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Any
 
@@ -57,7 +58,10 @@ GEMM_ENV = "WIOLA_CPU_GEMM"
 GEMM_AUTO: dict[tuple[str, str], str] = {("AuthenticAMD", "26"): "onednn"}
 
 
+@functools.cache
 def _cpu() -> dict[str, str]:
+    """``decode_step_cpu.cpu_info()``, read once a process: every forward's choice reads it, and
+    parsing ``/proc/cpuinfo`` grows with the core count."""
     from wiola.fast.decode_step_cpu import cpu_info
 
     return cpu_info()
@@ -128,25 +132,6 @@ def describe(mode: str | None = None) -> str:
     return f"prefill {chosen} (auto: {why}; bf16 products miss the 0.001-nat quality rule); {gemm}"
 
 
-def applies(model: Any, input_ids: Any, cache: Any) -> bool:
-    """Whether the bf16 mode may run this forward: a prompt (``T > 1``) with a cache, on a plain
-    CPU, gradients and autocast off, an fp32 model that is not quantized."""
-    from wiola.fast.ops import kernels_usable
-
-    return (
-        cache is not None
-        and isinstance(input_ids, torch.Tensor)
-        and input_ids.dim() == 2
-        and input_ids.shape[1] > 1
-        and input_ids.device.type == "cpu"
-        and not torch.is_grad_enabled()
-        and not torch.is_autocast_enabled("cpu")
-        and not kernels_usable(input_ids)
-        and getattr(model, "quantization", None) is None
-        and model.embed.weight.dtype == torch.float32
-    )
-
-
 def gemm_applies(model: Any, input_ids: Any) -> bool:
     """Whether this forward's products follow ``select_gemm()``: on a plain CPU, gradients and
     autocast off, an fp32 model (quantized or not), with or without a cache."""
@@ -159,6 +144,18 @@ def gemm_applies(model: Any, input_ids: Any) -> bool:
         and not torch.is_autocast_enabled("cpu")
         and not kernels_usable(input_ids)
         and model.embed.weight.dtype == torch.float32
+    )
+
+
+def applies(model: Any, input_ids: Any, cache: Any) -> bool:
+    """Whether the bf16 mode may run this forward: where ``gemm_applies``, for a prompt (``T > 1``)
+    with a cache, of a model that is not quantized."""
+    return (
+        cache is not None
+        and gemm_applies(model, input_ids)
+        and input_ids.dim() == 2
+        and input_ids.shape[1] > 1
+        and getattr(model, "quantization", None) is None
     )
 
 

@@ -29,6 +29,11 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def onednn_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``rows · weightᵀ`` on oneDNN's fp32 matmul (2-D fp32 CPU tensors; see ``onednn_available``)."""
+    return torch.ops.mkldnn._linear_pointwise(rows, weight, None, "none", [], "")
+
+
 @contextlib.contextmanager
 def cpu_gemm(name: str) -> Iterator[None]:
     """Within the block, ``linear``'s larger gradient-free fp32 CPU products run on GEMM ``name``
@@ -125,9 +130,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, layout: DecodeLayout | None = 
     """
     if layout is None or not uses_decode_layout(x):
         if _onednn_applies(x, weight):
-            rows = x.reshape(-1, x.shape[-1])
-            y = torch.ops.mkldnn._linear_pointwise(rows, weight, None, "none", [], "")
-            return y.reshape(*x.shape[:-1], weight.shape[0])
+            return onednn_linear(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight)
     slices = layout.slices  # (s, in, width)
     rows = x.reshape(-1, x.shape[-1])

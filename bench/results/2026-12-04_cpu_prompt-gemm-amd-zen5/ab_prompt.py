@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from bench.two_builds import model_13m
+from bench.two_builds import interleaved, model_13m
 from wiola.fast import prefill, speed
 from wiola.fast.decode_step_cpu import cpu_info
 
@@ -45,14 +45,8 @@ for weights in ("fp32", "int8"):
             on(gemm)
             out[gemm] = run()
         diff = float((out["aten"] - out["onednn"]).abs().max())
-        times = {g: [] for g in GEMMS}
-        for r in range(rounds):
-            for gemm in GEMMS if r % 2 == 0 else GEMMS[::-1]:
-                on(gemm)
-                start = time.perf_counter()
-                run()
-                times[gemm].append(time.perf_counter() - start)
-        a, o = statistics.median(times["aten"]), statistics.median(times["onednn"])
+        median = interleaved({g: lambda g=g, run=run: (on(g), run()) for g in GEMMS}, rounds)
+        a, o = median["aten"], median["onednn"]
         print(
             f"{weights} {what}: ATen {a * 1e3:.1f} ms ({T / a:,.0f} tok/s), oneDNN {o * 1e3:.1f} ms ({T / o:,.0f} tok/s): "
             f"oneDNN faster by {a / o:.2f}x; max |logit difference| {diff:.2e}"

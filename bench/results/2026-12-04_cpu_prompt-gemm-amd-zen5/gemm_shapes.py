@@ -5,20 +5,16 @@ float64 product as a fraction of the fp32 bound (λ·√K·u·Σ|w·x|, tests/nu
 python gemm_shapes.py [reps] from the checkout root."""
 
 import math
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
+from bench.two_builds import interleaved
 from wiola.fast.decode_step_cpu import cpu_info
+from wiola.ops.linear import onednn_linear as onednn
 
 reps = int(sys.argv[1]) if len(sys.argv) > 1 else 40
-
-
-def onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
 
 # (what, rows, in, out): per layer q/k/v (one product), o, up (a, b), bp (c), down; the tied head
@@ -44,13 +40,8 @@ for what, m, k, n in SHAPES:
     allowed = 6.0 * math.sqrt(k) * 2.0**-24 * (x.double().abs() @ w.double().abs().T)
     fns = {"aten": lambda x=x, w=w: F.linear(x, w), "onednn": lambda x=x, w=w: onednn(x, w)}
     ratio = {name: float(((f().double() - want).abs() / allowed).max()) for name, f in fns.items()}
-    times = {name: [] for name in fns}
-    for r in range(reps):
-        for name in ("aten", "onednn") if r % 2 == 0 else ("onednn", "aten"):
-            start = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - start)
-    a, o = statistics.median(times["aten"]), statistics.median(times["onednn"])
+    median = interleaved(fns, reps)
+    a, o = median["aten"], median["onednn"]
     flop = 2 * m * k * n
     print(
         f"| {what} | {m} x {k} x {n} | {a * 1e6:,.0f} | {o * 1e6:,.0f} | {flop / a / 1e9:.0f} | {flop / o / 1e9:.0f} | "
