@@ -1,17 +1,13 @@
 """Another build of the C++ step beside the checkout's, for the A/B scripts under ``bench/results``
 (``ab_two_builds.py``, ``ab_tg_two_builds.py``, ``step_rate.py``): the library built from a copy
 of ``wiola/fast/decode_step_cpu.cpp`` (``build``), a binding rebound to it (``rebind``), and the
-13m preset those scripts time (``model_13m``). The scripts put the checkout root on ``sys.path``
-to import it."""
+13m preset those scripts time (``model_13m``), with ``wiola.fast.speed.interleaved``, their timing
+loop. The scripts put the checkout root on ``sys.path`` to import it."""
 
 from __future__ import annotations
 
 import ctypes
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -19,6 +15,9 @@ import wiola
 from wiola.fast import WiolaModel as FastModel
 from wiola.fast import decode_step_cpu as dsc
 from wiola.fast.quantize import quantize
+from wiola.fast.speed import interleaved
+
+__all__ = ["build", "interleaved", "model_13m", "rebind"]
 
 
 def build(source: Path | str, isa: str | None = None) -> ctypes.CDLL:
@@ -48,16 +47,3 @@ def model_13m(scheme: str) -> FastModel:
     torch.manual_seed(0)
     model = FastModel(wiola.WiolaConfig.preset("13m")).eval().requires_grad_(False)
     return model if scheme == "fp32" else quantize(model, scheme)
-
-
-def interleaved(runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
-    """Each of ``runs`` called once a round for ``rounds`` rounds, the order reversed every other
-    round (so neither side always runs first after the other); the median seconds of each."""
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    names = list(runs)
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            start = time.perf_counter()
-            runs[name]()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}

@@ -1,8 +1,9 @@
 """``wiola bench`` (``wiola.cli.bench``) and ``wiola.fast.speed``: pp and tg rows per weight form,
 as JSON lines and as a table, run as a user runs them (``python -m wiola bench``); the bytes a step
 reads against ``bench/roofline.py``'s independent count; a quantized checkpoint runs in its own
-form only; bad input exits 2 with one line naming the flag. No speed is asserted: only that every
-row was measured and is consistent with itself."""
+form only; bad input exits 2 with one line naming the flag; ``speed.interleaved`` alternates the
+order of its runs and takes medians. No speed is asserted: only that every row was measured and is
+consistent with itself."""
 
 from __future__ import annotations
 
@@ -296,3 +297,15 @@ def test_in_a_terminal(step_available, checkpoint, tmp_path):
     unnamed = [f for f in frames if not re.match(r"\s*(fp32|bf16|int8|int4) (pp8|tg4):", f)]
     assert not unnamed, f"bar frames without the row they time: {unnamed}"
     assert "/32" not in screen, "the bar was left on the screen"
+
+
+def test_interleaved_alternates_the_order_and_takes_medians(monkeypatch):
+    calls: list[str] = []
+    durations = [1.0, 2.0, 4.0, 5.0, 2.0, 8.0, 7.0, 9.0]  # the calls' in order: a b b a a b b a
+    ticks = [t for i, d in enumerate(durations) for t in (10.0 * i, 10.0 * i + d)]
+    clock = iter(ticks)
+    monkeypatch.setattr(speed.time, "perf_counter", lambda: next(clock))
+    runs = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    median = speed.interleaved(runs, 4)
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"], calls
+    assert median == {"a": 3.5, "b": 5.5}  # medians of 1, 5, 2, 9 and 2, 4, 8, 7 (not their means or minima)

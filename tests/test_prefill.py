@@ -2,10 +2,13 @@
 ``$WIOLA_CPU_PREFILL``, where bf16 applies, and what bf16 products cost: logits within the bf16
 error bound of the fp32 prompt; ``auto`` never picks a mode whose validation loss is more than
 0.001 nats from fp32's. The fp32 GEMM (``$WIOLA_CPU_GEMM``): its choice from the CPU's vendor
-and family, where it applies, and the model's logits on each GEMM within the fp32 bound of each
-other."""
+and family, or on a CPU outside the table from timing the two (oneDNN only past the margin; the
+times kept per CPU, torch and thread count in the build cache), where it applies, and the model's
+logits on each GEMM within the fp32 bound of each other."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -108,8 +111,27 @@ def test_auto_picks_only_modes_within_a_thousandth_of_a_nat(plain_cpu, monkeypat
         assert "bf16" not in prefill.AUTO.values(), f"auto picks bf16 on some CPU, whose loss is off by {loss}"
 
 
-def test_gemm_choice_from_cpu_and_environment(monkeypatch):
+@pytest.fixture
+def gemm_cache(monkeypatch, tmp_path):
+    """An empty build cache and no measurement yet in this process; ``times`` sets what
+    ``measure_gemms`` returns (ATen's and oneDNN's seconds) and counts its calls."""
+    monkeypatch.setenv("WIOLA_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv(prefill.GEMM_ENV, raising=False)
+    monkeypatch.setattr(prefill, "_MEASURED", {})
+    calls: list[tuple] = []
+    times = {"aten": 2.0, "onednn": 1.0}
+
+    def measure(shapes=prefill.GEMM_SHAPES, rounds=prefill.GEMM_ROUNDS):
+        calls.append((shapes, rounds))
+        return dict(times)
+
+    monkeypatch.setattr(prefill, "measure_gemms", measure)
+    return times, calls, tmp_path / "cache" / prefill.GEMM_CACHE
+
+
+def test_gemm_choice_from_cpu_and_environment(monkeypatch, gemm_cache):
+    times, calls, _ = gemm_cache
+    times.update(aten=1.0, onednn=1.0)  # level where not in the table: ATen stays
     monkeypatch.setattr(prefill, "GEMM_AUTO", {("AuthenticAMD", "26"): "onednn"})
     monkeypatch.setattr(linear, "onednn_available", lambda: True)
     for vendor, family, want in (
@@ -117,14 +139,20 @@ def test_gemm_choice_from_cpu_and_environment(monkeypatch):
         ("AuthenticAMD", "25", "aten"),
         ("GenuineIntel", "6", "aten"),
     ):
-        cpu = {"vendor": vendor, "family": family, "machine": "x86_64", "flags": ""}
+        cpu = {"vendor": vendor, "family": family, "machine": "x86_64", "flags": "", "name": vendor}
         monkeypatch.setattr(prefill, "_cpu", lambda cpu=cpu: cpu)
         assert prefill.select_gemm() == want, (vendor, family)
-    assert prefill._describe_gemm() == "fp32 GEMM aten (auto: GenuineIntel family 6 not measured)"
+    assert len(calls) == 1, f"auto timed the GEMMs {len(calls)} times, not once a process"
+    assert prefill._describe_gemm().startswith(
+        "fp32 GEMM aten (auto: GenuineIntel family 6 not in the table; oneDNN ran a prompt's products "
+        "1.00x as fast as ATen on "
+    )
     monkeypatch.setattr(prefill, "_cpu", lambda: {"vendor": "AuthenticAMD", "family": "26", "machine": "x86_64"})
     assert prefill._describe_gemm() == "fp32 GEMM onednn (auto: AuthenticAMD family 26 measured)"
     monkeypatch.setattr(linear, "onednn_available", lambda: False)  # a torch without oneDNN: auto takes ATen
+    monkeypatch.setattr(prefill, "_cpu", lambda: {"vendor": "GenuineIntel", "family": "6", "machine": "x86_64"})
     assert prefill.select_gemm() == "aten"
+    assert prefill._describe_gemm() == "fp32 GEMM aten (auto: this torch has no oneDNN)"
     with pytest.raises(ValueError, match="WIOLA_CPU_GEMM=onednn, but this torch has no oneDNN"):
         monkeypatch.setenv(prefill.GEMM_ENV, "onednn")
         prefill.select_gemm()
@@ -134,6 +162,88 @@ def test_gemm_choice_from_cpu_and_environment(monkeypatch):
     monkeypatch.setenv(prefill.GEMM_ENV, "mkl")
     with pytest.raises(ValueError, match="WIOLA_CPU_GEMM='mkl' is not one of auto, aten, onednn"):
         prefill.select_gemm()
+    assert len(calls) == 1, "a forced GEMM or a listed family timed the GEMMs"
+
+
+@pytest.mark.parametrize(
+    ("aten", "onednn", "want"),
+    [(1.0, 1.0, "aten"), (1.09, 1.0, "aten"), (1.1, 1.0, "onednn"), (2.0, 1.0, "onednn"), (1.0, 2.0, "aten")],
+)
+def test_unlisted_cpu_takes_onednn_only_past_the_margin(monkeypatch, gemm_cache, aten, onednn, want):
+    times, calls, path = gemm_cache
+    times.update(aten=aten, onednn=onednn)
+    monkeypatch.setattr(prefill, "GEMM_AUTO", {})
+    monkeypatch.setattr(linear, "onednn_available", lambda: True)
+    m = prefill.measured_gemm()
+    assert (m["chosen"], m["source"]) == (want, "measured"), (aten, onednn, prefill.GEMM_MARGIN, m)
+    assert prefill.select_gemm() == want and m["ratio"] == pytest.approx(aten / onednn)
+    assert prefill._describe_gemm().endswith("; timed now)"), prefill._describe_gemm()
+    assert len(calls) == 1 and path.exists()
+
+
+def test_measured_choice_is_kept_per_cpu_torch_and_threads(monkeypatch, gemm_cache):
+    times, calls, path = gemm_cache
+    monkeypatch.setattr(prefill, "GEMM_AUTO", {})
+    monkeypatch.setattr(linear, "onednn_available", lambda: True)
+    assert prefill.measured_gemm()["chosen"] == "onednn" and len(calls) == 1
+    records = json.loads(path.read_text())
+    ((key, record),) = records.items()
+    assert record["aten_s"] == 2.0 and record["onednn_s"] == 1.0 and record["torch"] == torch.__version__
+    assert record["threads"] == torch.get_num_threads() and record["shapes"] == [list(s) for s in prefill.GEMM_SHAPES]
+    assert record["cpu"] == prefill._cpu()["name"]
+
+    # Another process on this machine (nothing measured in it yet) reads the file: no timing, same choice.
+    monkeypatch.setattr(prefill, "_MEASURED", {})
+    times.update(aten=1.0, onednn=1.0)  # were it timed again, ATen would win
+    m = prefill.measured_gemm()
+    assert (m["chosen"], m["source"], len(calls)) == ("onednn", str(path), 1), m
+    assert prefill._describe_gemm().endswith(f"; timed before, {path})")
+
+    # Another thread count is measured of its own and added beside the first.
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        assert prefill.measured_gemm()["chosen"] == "aten" and len(calls) == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert len(json.loads(path.read_text())) == 2
+    assert prefill.measured_gemm()["chosen"] == "onednn" and len(calls) == 2
+
+    # A record for another torch, a damaged record and a damaged file are measured past and replaced.
+    monkeypatch.setattr(prefill.torch, "__version__", "0.0-other")
+    monkeypatch.setattr(prefill, "_MEASURED", {})
+    assert prefill.measured_gemm()["source"] == "measured" and len(calls) == 3
+    monkeypatch.setattr(prefill, "_MEASURED", {})
+    key = prefill._gemm_key(torch.get_num_threads())
+    path.write_text(json.dumps(json.loads(path.read_text()) | {key: {"aten_s": "fast", "onednn_s": -1.0}}))
+    assert prefill.measured_gemm()["source"] == "measured" and len(calls) == 4
+    assert json.loads(path.read_text())[key]["aten_s"] == 1.0
+    monkeypatch.setattr(prefill, "_MEASURED", {})
+    path.write_text("{not json")
+    assert prefill.measured_gemm()["source"] == "measured" and len(calls) == 5
+    assert len(json.loads(path.read_text())) == 1
+    assert not [p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")], "a temporary file was left"
+
+
+def test_measured_choice_without_a_usable_cache(monkeypatch, gemm_cache, tmp_path):
+    _, calls, _ = gemm_cache
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # others may write: refused as a build cache (decode_step_cpu.private_dir)
+    monkeypatch.setenv("WIOLA_CACHE_DIR", str(shared))
+    monkeypatch.setattr(prefill, "GEMM_AUTO", {})
+    monkeypatch.setattr(linear, "onednn_available", lambda: True)
+    assert prefill.measured_gemm()["source"] == "measured" and list(shared.iterdir()) == []
+    assert prefill.measured_gemm()["source"] == "measured" and len(calls) == 1  # once a process
+
+
+def test_measure_gemms_times_both_on_real_products():
+    shapes = ((65, 16, 24), (70, 8, 8))
+    times = prefill.measure_gemms(shapes, rounds=3)
+    assert set(times) == set(linear.CPU_GEMMS) and all(t > 0.0 for t in times.values()), times
+    for bad, rounds in ((shapes, 0), ((), 1), (((65, 0, 8),), 1)):
+        with pytest.raises(ValueError, match="measure_gemms: shapes="):
+            prefill.measure_gemms(bad, rounds)
 
 
 @torch.inference_mode()
@@ -172,3 +282,19 @@ def test_onednn_prompt_within_the_fp32_bound(plain_cpu, monkeypatch):
     allowed = bound(CONFIG, 70, sums.head)[real_rows]
     got, want = logits["onednn"][real_rows], logits["aten"][real_rows]
     assert_within("oneDNN prompt logits against ATen's", want, got, allowed, "oneDNN fp32 GEMM")
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize(("aten", "want"), [(3.0, 5 * CONFIG.n_layers + 1), (1.0, 0)])
+def test_prompt_on_an_unlisted_cpu_follows_the_measurement(plain_cpu, monkeypatch, gemm_cache, aten, want):
+    """``auto`` on a CPU outside ``GEMM_AUTO``: the model's prompt runs every product of more than
+    64 rows on oneDNN where it was measured past the margin, none where the two were level."""
+    times, calls, _ = gemm_cache
+    times.update(aten=aten, onednn=1.0)
+    monkeypatch.setattr(prefill, "GEMM_AUTO", {})
+    model = _model(seed=3)
+    ids, mask = left_padded_prompt(CONFIG.vocab_size, 3, 70, 9)
+    ran, real = [], linear._onednn_applies
+    monkeypatch.setattr(linear, "_onednn_applies", lambda x, w: ran.append(on := real(x, w)) or on)
+    model(ids, attention_mask=mask, cache=model.new_cache(3, 72))
+    assert sum(ran) == want and len(calls) == 1, (aten, sum(ran), len(calls))

@@ -1,6 +1,6 @@
 """``bench.two_builds``: the A/B scripts' second build of the C++ step. A rebound binding calls the
 other library with a workspace of that library's size, and building from another source leaves the
-checkout's source in place; ``interleaved`` alternates the order of its runs and takes medians."""
+checkout's source in place."""
 
 from __future__ import annotations
 
@@ -42,15 +42,3 @@ def test_rebind_calls_the_other_build_with_its_workspace(plain_cpu, tmp_path):
     assert b.work.numel() == other.wiola_workspace_floats(b.dims)
     tok = ids[:, -1].contiguous()
     assert torch.equal(a(tok, 6), b(tok, 6)), "the same source built twice gave other logits"
-
-
-def test_interleaved_alternates_the_order_and_takes_medians(monkeypatch):
-    calls: list[str] = []
-    durations = [1.0, 2.0, 4.0, 5.0, 2.0, 8.0, 7.0, 9.0]  # the calls' in order: a b b a a b b a
-    ticks = [t for i, d in enumerate(durations) for t in (10.0 * i, 10.0 * i + d)]
-    clock = iter(ticks)
-    monkeypatch.setattr(two_builds.time, "perf_counter", lambda: next(clock))
-    runs = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
-    median = two_builds.interleaved(runs, 4)
-    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"], calls
-    assert median == {"a": 3.5, "b": 5.5}  # medians of 1, 5, 2, 9 and 2, 4, 8, 7 (not their means or minima)

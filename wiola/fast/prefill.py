@@ -31,20 +31,31 @@ scoring pass) run their products of more than 64 rows on one of ``wiola.ops.line
 ``aten`` (``F.linear``: MKL's sgemm in PyTorch's x86 builds) or ``onednn`` (oneDNN's fp32
 matmul). Both are fp32 arithmetic, within the same error bound of the products; they differ in
 summation order, so in the last bits. ``select_gemm()`` reads ``$WIOLA_CPU_GEMM`` (``auto``,
-``aten`` or ``onednn``; unset: ``auto``); ``auto`` looks the CPU's vendor and family up in
-``GEMM_AUTO``, which holds only families where the two were measured, and takes ``aten``
-elsewhere. ``gemm_applies`` says where the choice is used (quantized models included: their
-products are fp32 on the dequantized weights).
+``aten`` or ``onednn``; unset: ``auto``). ``auto`` looks the CPU's vendor and family up in
+``GEMM_AUTO``, which holds the families where the two were measured against each other in whole
+prompts. On any other CPU it times the two on a prompt's products (``measure_gemms``) the first
+time it is asked, and takes oneDNN only where it ran them at least ``GEMM_MARGIN`` times as fast:
+where the two are close, MKL's stays, as on every CPU before. The measurement is kept per CPU,
+torch version and thread count in ``gemm.json`` in the build cache (``decode_step_cpu``'s
+folder), so that every process on a machine makes the same choice without timing again; delete
+the file to measure again. ``gemm_applies`` says where the choice is used (quantized models
+included: their products are fp32 on the dequantized weights).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import json
 import os
+import tempfile
+import threading
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 MODES = ("fp32", "bf16")
 ENV = "WIOLA_CPU_PREFILL"
@@ -54,8 +65,20 @@ GEMM_ENV = "WIOLA_CPU_GEMM"
 # (vendor, family) -> the fp32 GEMM ``auto`` picks there. AMD family 26 (Zen 5): oneDNN ran a
 # 512-token prompt of the 13m preset 1.6x faster than MKL's sgemm (its products about 2x: MKL ran
 # them at the rate of 256-bit code, and Zen 5 runs 512-bit FMAs at full width):
-# bench/results/2026-12-04_cpu_prompt-gemm-amd-zen5/. Other CPUs were not measured against each other.
+# bench/results/2026-12-04_cpu_prompt-gemm-amd-zen5/. Other CPUs were not measured against each other
+# in whole prompts: ``auto`` times the two there (``measured_gemm``).
 GEMM_AUTO: dict[tuple[str, str], str] = {("AuthenticAMD", "26"): "onednn"}
+# Elsewhere ``auto`` times the two (``measure_gemms``) on these products, (rows, in, out): the fused
+# q/k/v of a 512-token prompt in the 13m preset (d_model 256) and in a 100M-class model (768).
+GEMM_SHAPES: tuple[tuple[int, int, int], ...] = ((512, 256, 768), (512, 768, 2304))
+GEMM_ROUNDS = 7
+# oneDNN is taken on a CPU outside the table only where it ran those products at least this many
+# times as fast as ATen: a difference within a shared machine's noise keeps ATen, whose choice would
+# otherwise flip between machines of one kind.
+GEMM_MARGIN = 1.1
+GEMM_CACHE = "gemm.json"
+_MEASURED: dict[int, dict[str, Any]] = {}  # torch threads -> the measurement auto uses in this process
+_MEASURING = threading.Lock()
 
 
 @functools.cache
@@ -86,16 +109,19 @@ def select(mode: str | None = None) -> str:
 
 def select_gemm(name: str | None = None) -> str:
     """The fp32 GEMM: ``name`` if given, else ``$WIOLA_CPU_GEMM``; ``auto`` (or unset) looks up
-    ``GEMM_AUTO`` by the CPU's vendor and family (``aten`` where absent, or where this torch has no
-    oneDNN). Raises ``ValueError`` naming a bad value, or ``onednn`` forced without oneDNN."""
+    ``GEMM_AUTO`` by the CPU's vendor and family, and where the family is absent takes
+    ``measured_gemm()``'s choice (``aten`` where this torch has no oneDNN). Raises ``ValueError``
+    naming a bad value, or ``onednn`` forced without oneDNN."""
     from wiola.ops.linear import CPU_GEMMS, onednn_available
 
     source = "name" if name is not None else GEMM_ENV
     requested = (name if name is not None else os.environ.get(GEMM_ENV, "")).strip().lower()
     if requested in ("", "auto"):
+        if not onednn_available():
+            return "aten"
         cpu = _cpu()
-        chosen = GEMM_AUTO.get((cpu["vendor"], cpu["family"]), "aten")
-        return chosen if chosen == "aten" or onednn_available() else "aten"
+        listed = GEMM_AUTO.get((cpu["vendor"], cpu["family"]))
+        return listed if listed is not None else measured_gemm()["chosen"]
     if requested not in CPU_GEMMS:
         raise ValueError(f"{source}={requested!r} is not one of auto, {', '.join(CPU_GEMMS)}")
     if requested == "onednn" and not onednn_available():
@@ -103,19 +129,136 @@ def select_gemm(name: str | None = None) -> str:
     return requested
 
 
+def measure_gemms(
+    shapes: tuple[tuple[int, int, int], ...] = GEMM_SHAPES, rounds: int = GEMM_ROUNDS
+) -> dict[str, float]:
+    """Seconds of one pass over ``shapes`` ((rows, in, out) products of random fp32 operands) on
+    each GEMM of ``CPU_GEMMS``, on torch's threads: the medians of ``rounds`` interleaved rounds
+    (``speed.interleaved``), after one untimed pass each (oneDNN makes its kernels for a shape on
+    first use). ``ValueError`` for no shapes, a dimension or ``rounds`` under 1."""
+    from wiola.fast.speed import interleaved
+    from wiola.ops.linear import onednn_linear
+
+    if not shapes or rounds < 1 or any(d < 1 for shape in shapes for d in shape):
+        raise ValueError(f"measure_gemms: shapes={shapes!r} need positive dimensions and rounds={rounds} at least 1")
+    gen = torch.Generator().manual_seed(0)
+    operands = [(torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)) for m, k, n in shapes]
+
+    def passes(product: Any) -> Any:
+        return lambda: [product(x, w) for x, w in operands]
+
+    runs = {"aten": passes(F.linear), "onednn": passes(onednn_linear)}
+    with torch.inference_mode():
+        for run in runs.values():
+            run()
+        return interleaved(runs, rounds)
+
+
+def _gemm_key(threads: int) -> str:
+    """The cache file's key of a measurement: this CPU (model name and flags), torch's version, the
+    thread count and the shapes timed."""
+    from wiola.fast.decode_step_cpu import _cpu_signature
+
+    what = f"{_cpu_signature()}\n{torch.__version__}\n{threads}\n{GEMM_SHAPES}"
+    return hashlib.sha256(what.encode()).hexdigest()[:16]
+
+
+def _cache_file() -> Path | None:
+    """``gemm.json`` in the build cache, or None where that folder is unusable (the choice is then
+    measured once a process)."""
+    from wiola.fast.decode_step_cpu import _cache_dir
+
+    try:
+        return _cache_dir() / GEMM_CACHE
+    except OSError:
+        return None
+
+
+def _read_records(path: Path | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    try:
+        records = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return records if isinstance(records, dict) else {}
+
+
+def _write_records(path: Path, records: dict[str, Any]) -> None:
+    """``records`` into ``path`` at once (a temporary file renamed over it: a process reading it
+    meanwhile sees the old file or the new one); nothing where the folder cannot be written."""
+    tmp = None
+    try:
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".gemm-", suffix=".tmp", delete=False) as f:
+            tmp = f.name
+            json.dump(records, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def measured_gemm() -> dict[str, Any]:
+    """The GEMM ``auto`` takes on a CPU outside ``GEMM_AUTO``, at torch's current thread count:
+    ``{"chosen", "ratio" (ATen's time over oneDNN's), "aten_s", "onednn_s", "threads", "source"
+    ("measured": timed now; else the cache file it was read from)}``, oneDNN chosen where the ratio
+    is at least ``GEMM_MARGIN``. The times are read from the cache file where it holds them for
+    this CPU, torch, thread count and ``GEMM_SHAPES``; else measured (``measure_gemms``) and written
+    there with the CPU's name and torch's version (a file that cannot be read or written is
+    measured past, never an error). Once a process and thread count."""
+    threads = torch.get_num_threads()
+    known = _MEASURED.get(threads)
+    if known is not None:  # every forward asks: no lock once measured
+        return known
+    with _MEASURING:
+        if threads in _MEASURED:
+            return _MEASURED[threads]
+        key, path = _gemm_key(threads), _cache_file()
+        records = _read_records(path)
+        stored = records.get(key)
+        if isinstance(stored, dict) and all(
+            isinstance(stored.get(k), float) and stored[k] > 0.0 for k in ("aten_s", "onednn_s")
+        ):
+            aten_s, onednn_s, source = stored["aten_s"], stored["onednn_s"], str(path)
+        else:
+            times = measure_gemms()
+            aten_s, onednn_s, source = times["aten"], times["onednn"], "measured"
+            if path is not None:
+                _write_records(path, records | {key: {
+                    "aten_s": aten_s, "onednn_s": onednn_s, "cpu": _cpu()["name"], "torch": torch.__version__,
+                    "threads": threads, "shapes": [list(shape) for shape in GEMM_SHAPES],
+                }})  # fmt: skip
+        ratio = aten_s / onednn_s
+        _MEASURED[threads] = {
+            "chosen": "onednn" if ratio >= GEMM_MARGIN else "aten",
+            "ratio": ratio,
+            "aten_s": aten_s,
+            "onednn_s": onednn_s,
+            "threads": threads,
+            "source": source,
+        }
+        return _MEASURED[threads]
+
+
 def _describe_gemm() -> str:
+    from wiola.ops.linear import onednn_available
+
     chosen = select_gemm()
     forced = os.environ.get(GEMM_ENV, "").strip().lower()
     if forced and forced != "auto":
         return f"fp32 GEMM {chosen} (forced: {GEMM_ENV}={forced})"
     cpu = _cpu()
-    key = (cpu["vendor"], cpu["family"])
-    why = (
-        f"{cpu['vendor']} family {cpu['family']} measured"
-        if key in GEMM_AUTO
-        else f"{cpu['vendor'] or cpu['machine']} family {cpu['family'] or '?'} not measured"
+    if (cpu["vendor"], cpu["family"]) in GEMM_AUTO:
+        return f"fp32 GEMM {chosen} (auto: {cpu['vendor']} family {cpu['family']} measured)"
+    if not onednn_available():
+        return f"fp32 GEMM {chosen} (auto: this torch has no oneDNN)"
+    m = measured_gemm()
+    where = "timed now" if m["source"] == "measured" else f"timed before, {m['source']}"
+    family = f"{cpu['vendor'] or cpu['machine']} family {cpu['family'] or '?'}"
+    return (
+        f"fp32 GEMM {chosen} (auto: {family} not in the table; oneDNN ran a prompt's products "
+        f"{m['ratio']:.2f}x as fast as ATen on {m['threads']} threads, taken from {GEMM_MARGIN}x; {where})"
     )
-    return f"fp32 GEMM {chosen} (auto: {why})"
 
 
 def describe(mode: str | None = None) -> str:
@@ -165,6 +308,8 @@ def context(model: Any, input_ids: Any, cache: Any) -> contextlib.AbstractContex
     else a no-op."""
     if applies(model, input_ids, cache) and select() == "bf16":
         return torch.autocast("cpu", dtype=torch.bfloat16)
+    if torch.compiler.is_compiling():  # linear keeps F.linear while traced; nothing to choose or time
+        return contextlib.nullcontext()
     if gemm_applies(model, input_ids) and select_gemm() == "onednn":
         from wiola.ops.linear import cpu_gemm
 

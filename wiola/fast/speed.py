@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -230,3 +231,17 @@ def prompt_run(fast_model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], t
             return fast_model(ids, cache=cache, logits_to_keep=1).logits[:, -1]
 
     return run
+
+
+def interleaved(runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
+    """Each of ``runs`` called once a round for ``rounds`` rounds, the order reversed every other
+    round (so neither side always runs first after the other, and both see the same moments of a
+    shared machine); the median seconds of each."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            start = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
