@@ -237,6 +237,21 @@ def test_measured_choice_without_a_usable_cache(monkeypatch, gemm_cache, tmp_pat
     assert prefill.measured_gemm()["source"] == "measured" and len(calls) == 1  # once a process
 
 
+def test_a_failing_onednn_is_not_taken(monkeypatch, gemm_cache):
+    _, _, path = gemm_cache
+    monkeypatch.setattr(prefill, "GEMM_AUTO", {})
+    monkeypatch.setattr(linear, "onednn_available", lambda: True)
+
+    def fails(shapes=prefill.GEMM_SHAPES, rounds=prefill.GEMM_ROUNDS):
+        raise RuntimeError("could not create a primitive\n descriptor")
+
+    monkeypatch.setattr(prefill, "measure_gemms", fails)
+    assert prefill.select_gemm() == "aten" and not path.exists()
+    assert prefill._describe_gemm().endswith(
+        "not in the table; oneDNN failed: could not create a primitive descriptor)"
+    ), prefill._describe_gemm()
+
+
 def test_measure_gemms_times_both_on_real_products():
     shapes = ((65, 16, 24), (70, 8, 8))
     times = prefill.measure_gemms(shapes, rounds=3)

@@ -202,7 +202,8 @@ def measured_gemm() -> dict[str, Any]:
     """The GEMM ``auto`` takes on a CPU outside ``GEMM_AUTO``, at torch's current thread count:
     ``{"chosen", "ratio" (ATen's time over oneDNN's), "aten_s", "onednn_s", "threads", "source"
     ("measured": timed now; else the cache file it was read from)}``, oneDNN chosen where the ratio
-    is at least ``GEMM_MARGIN``. The times are read from the cache file where it holds them for
+    is at least ``GEMM_MARGIN``; ``{"chosen": "aten", "threads", "source": "oneDNN failed: why"}``
+    where oneDNN's product raised. The times are read from the cache file where it holds them for
     this CPU, torch, thread count and ``GEMM_SHAPES``; else measured (``measure_gemms``) and written
     there with the CPU's name and torch's version (a file that cannot be read or written is
     measured past, never an error). Once a process and thread count."""
@@ -221,7 +222,12 @@ def measured_gemm() -> dict[str, Any]:
         ):
             aten_s, onednn_s, source = stored["aten_s"], stored["onednn_s"], str(path)
         else:
-            times = measure_gemms()
+            try:
+                times = measure_gemms()
+            except RuntimeError as e:  # a oneDNN that fails here is never taken (and not written down)
+                reason = " ".join(str(e).split())[:200]
+                _MEASURED[threads] = {"chosen": "aten", "threads": threads, "source": f"oneDNN failed: {reason}"}
+                return _MEASURED[threads]
             aten_s, onednn_s, source = times["aten"], times["onednn"], "measured"
             if path is not None:
                 _write_records(path, records | {key: {
@@ -253,8 +259,10 @@ def _describe_gemm() -> str:
     if not onednn_available():
         return f"fp32 GEMM {chosen} (auto: this torch has no oneDNN)"
     m = measured_gemm()
-    where = "timed now" if m["source"] == "measured" else f"timed before, {m['source']}"
     family = f"{cpu['vendor'] or cpu['machine']} family {cpu['family'] or '?'}"
+    if "ratio" not in m:
+        return f"fp32 GEMM {chosen} (auto: {family} not in the table; {m['source']})"
+    where = "timed now" if m["source"] == "measured" else f"timed before, {m['source']}"
     return (
         f"fp32 GEMM {chosen} (auto: {family} not in the table; oneDNN ran a prompt's products "
         f"{m['ratio']:.2f}x as fast as ATen on {m['threads']} threads, taken from {GEMM_MARGIN}x; {where})"
