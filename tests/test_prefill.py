@@ -160,9 +160,17 @@ def test_gemm_choice_from_cpu_and_environment(monkeypatch, gemm_cache):
     assert prefill.select_gemm() == "aten"
     assert prefill._describe_gemm() == "fp32 GEMM aten (forced: WIOLA_CPU_GEMM=aten)"
     monkeypatch.setenv(prefill.GEMM_ENV, "mkl")
-    with pytest.raises(ValueError, match="WIOLA_CPU_GEMM='mkl' is not one of auto, aten, onednn"):
+    with pytest.raises(ValueError, match="WIOLA_CPU_GEMM='mkl' is not one of auto, measure, aten, onednn"):
         prefill.select_gemm()
     assert len(calls) == 1, "a forced GEMM or a listed family timed the GEMMs"
+    # measure: the timed choice on a listed family too (ATen, level in this process's measurement)
+    monkeypatch.setattr(linear, "onednn_available", lambda: True)
+    monkeypatch.setattr(prefill, "_cpu", lambda: {"vendor": "AuthenticAMD", "family": "26", "machine": "x86_64"})
+    monkeypatch.setenv(prefill.GEMM_ENV, "Measure")
+    assert prefill.select_gemm() == "aten" and len(calls) == 1
+    assert prefill._describe_gemm().startswith(
+        "fp32 GEMM aten (measure: WIOLA_CPU_GEMM=measure; oneDNN ran a prompt's products 1.00x as fast as ATen"
+    ), prefill._describe_gemm()
 
 
 @pytest.mark.parametrize(

@@ -31,14 +31,14 @@ scoring pass) run their products of more than 64 rows on one of ``wiola.ops.line
 ``aten`` (``F.linear``: MKL's sgemm in PyTorch's x86 builds) or ``onednn`` (oneDNN's fp32
 matmul). Both are fp32 arithmetic, within the same error bound of the products; they differ in
 summation order, so in the last bits. ``select_gemm()`` reads ``$WIOLA_CPU_GEMM`` (``auto``,
-``aten`` or ``onednn``; unset: ``auto``). ``auto`` looks the CPU's vendor and family up in
+``measure``, ``aten`` or ``onednn``; unset: ``auto``). ``auto`` looks the CPU's vendor and family up in
 ``GEMM_AUTO``, which holds the families where the two were measured against each other in whole
 prompts. On any other CPU it times the two on a prompt's products (``measure_gemms``) the first
 time it is asked, and takes oneDNN only where it ran them at least ``GEMM_MARGIN`` times as fast:
 where the two are close, MKL's stays, as on every CPU before. The measurement is kept per CPU,
 torch version and thread count in ``gemm.json`` in the build cache (``decode_step_cpu``'s
 folder), so that every process on a machine makes the same choice without timing again; delete
-the file to measure again. ``gemm_applies`` says where the choice is used (quantized models
+the file to measure again. ``measure`` takes the timed choice on any CPU, a listed family's too. ``gemm_applies`` says where the choice is used (quantized models
 included: their products are fp32 on the dequantized weights).
 """
 
@@ -110,20 +110,21 @@ def select(mode: str | None = None) -> str:
 def select_gemm(name: str | None = None) -> str:
     """The fp32 GEMM: ``name`` if given, else ``$WIOLA_CPU_GEMM``; ``auto`` (or unset) looks up
     ``GEMM_AUTO`` by the CPU's vendor and family, and where the family is absent takes
-    ``measured_gemm()``'s choice (``aten`` where this torch has no oneDNN). Raises ``ValueError``
-    naming a bad value, or ``onednn`` forced without oneDNN."""
+    ``measured_gemm()``'s choice; ``measure`` takes that choice on any CPU (to check a listed
+    family's part); both ``aten`` where this torch has no oneDNN. Raises ``ValueError`` naming a
+    bad value, or ``onednn`` forced without oneDNN."""
     from wiola.ops.linear import CPU_GEMMS, onednn_available
 
     source = "name" if name is not None else GEMM_ENV
     requested = (name if name is not None else os.environ.get(GEMM_ENV, "")).strip().lower()
-    if requested in ("", "auto"):
+    if requested in ("", "auto", "measure"):
         if not onednn_available():
             return "aten"
         cpu = _cpu()
-        listed = GEMM_AUTO.get((cpu["vendor"], cpu["family"]))
+        listed = GEMM_AUTO.get((cpu["vendor"], cpu["family"])) if requested != "measure" else None
         return listed if listed is not None else measured_gemm()["chosen"]
     if requested not in CPU_GEMMS:
-        raise ValueError(f"{source}={requested!r} is not one of auto, {', '.join(CPU_GEMMS)}")
+        raise ValueError(f"{source}={requested!r} is not one of auto, measure, {', '.join(CPU_GEMMS)}")
     if requested == "onednn" and not onednn_available():
         raise ValueError(f"{source}=onednn, but this torch has no oneDNN (torch.backends.mkldnn)")
     return requested
@@ -250,22 +251,23 @@ def _describe_gemm() -> str:
     from wiola.ops.linear import onednn_available
 
     chosen = select_gemm()
-    forced = os.environ.get(GEMM_ENV, "").strip().lower()
-    if forced and forced != "auto":
-        return f"fp32 GEMM {chosen} (forced: {GEMM_ENV}={forced})"
+    asked = os.environ.get(GEMM_ENV, "").strip().lower() or "auto"
+    if asked not in ("auto", "measure"):
+        return f"fp32 GEMM {chosen} (forced: {GEMM_ENV}={asked})"
     cpu = _cpu()
-    if (cpu["vendor"], cpu["family"]) in GEMM_AUTO:
-        return f"fp32 GEMM {chosen} (auto: {cpu['vendor']} family {cpu['family']} measured)"
-    if not onednn_available():
-        return f"fp32 GEMM {chosen} (auto: this torch has no oneDNN)"
-    m = measured_gemm()
     family = f"{cpu['vendor'] or cpu['machine']} family {cpu['family'] or '?'}"
+    if asked == "auto" and (cpu["vendor"], cpu["family"]) in GEMM_AUTO:
+        return f"fp32 GEMM {chosen} (auto: {family} measured)"
+    if not onednn_available():
+        return f"fp32 GEMM {chosen} ({asked}: this torch has no oneDNN)"
+    why = f"{family} not in the table; " if asked == "auto" else f"{GEMM_ENV}=measure; "
+    m = measured_gemm()
     if "ratio" not in m:
-        return f"fp32 GEMM {chosen} (auto: {family} not in the table; {m['source']})"
+        return f"fp32 GEMM {chosen} ({asked}: {why}{m['source']})"
     where = "timed now" if m["source"] == "measured" else f"timed before, {m['source']}"
     return (
-        f"fp32 GEMM {chosen} (auto: {family} not in the table; oneDNN ran a prompt's products "
-        f"{m['ratio']:.2f}x as fast as ATen on {m['threads']} threads, taken from {GEMM_MARGIN}x; {where})"
+        f"fp32 GEMM {chosen} ({asked}: {why}oneDNN ran a prompt's products {m['ratio']:.2f}x as fast as "
+        f"ATen on {m['threads']} threads, taken from {GEMM_MARGIN}x; {where})"
     )
 
 
