@@ -35,6 +35,8 @@ from cpu_prompt_oracle import (
     silu_gate_oracle,
 )
 from numerics import (
+    LAMBDA,
+    U32,
     AbsSums,
     assert_within,
     beside_reference,
@@ -826,6 +828,181 @@ def test_row_functions_batch_and_threads_bitwise(isa):
     for name, got in runs.items():
         for what, a, b in zip(("rms_norm", "h", "silu_gate"), got, first):
             assert torch.equal(a, b), f"{isa}: row 150's {what} {name} != on 1 thread"
+
+
+def _gate_inputs(B, T, H, D, *, rotate, pad, carry, seed=0):
+    """q as a strided view of a fused (B, T, 3, H, D) projection, the gate's weights, RoPE tables of
+    the positions (where ``rotate``), a left-padding mask (where ``pad``) and a carried (sum, count)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, 3, H, D, generator=gen).unbind(2)[0]
+    w1, w2, b2 = 0.4 * torch.randn(H, D, generator=gen), 0.4 * torch.randn(H, H, generator=gen), 0.1 * torch.randn(H)
+    mask = None
+    if pad:
+        mask = torch.ones(B, T, dtype=torch.bool)
+        for b in range(B):
+            mask[b, : (b * 7) % (T // 2 + 1)] = False
+    cos = sin = None
+    if rotate:
+        angles = torch.arange(T, dtype=torch.float32)[None, :, None] * torch.rand(1, 1, D // 2, generator=gen)
+        cos, sin = angles.cos().expand(B, T, D // 2).contiguous(), angles.sin().expand(B, T, D // 2).contiguous()
+    state = None
+    if carry:
+        state = (torch.randn(B, D, generator=gen), torch.randint(0, 6, (B,), generator=gen))
+    return q, (w1, w2, b2), cos, sin, mask, state
+
+
+def _gate_float64_with_bound(q, w1, w2, b2, cos, sin, mask, carry):
+    """The gate token by token in float64 (SPEC eq. 8-10), and the first-order bound of an fp32
+    evaluation's error per gate, each step's rounding (λ·√n·u·Σ|terms| for a sum of n, u for each
+    division, product and rotation, 4u for SiLU's and σ's exponentials) carried forward through
+    the later steps' derivatives (|SiLU'| <= 1.1, σ' <= 1/4)."""
+    B, T, H, D = q.shape
+    half, u, lam = D // 2, U32, LAMBDA
+    q, w1, w2, b2 = q.double(), w1.double(), w2.double(), b2.double()
+    g, allowed = torch.zeros(B, T, H, dtype=torch.float64), torch.zeros(B, T, H, dtype=torch.float64)
+    for b in range(B):
+        run = carry[0][b].double().clone() if carry is not None else torch.zeros(D, dtype=torch.float64)
+        n = int(carry[1][b]) if carry is not None else 0
+        run_err, run_abs = torch.zeros(D, dtype=torch.float64), run.abs()
+        for t in range(T):
+            m = q[b, t].mean(0)
+            m_err = lam * H**0.5 * u * q[b, t].abs().mean(0) + u * m.abs()
+            if cos is not None:
+                c, s = cos[b, t].double(), sin[b, t].double()
+                m1, m2 = m[:half], m[half:]
+                scale = (m1.abs() * c.abs() + m2.abs() * s.abs(), m1.abs() * s.abs() + m2.abs() * c.abs())
+                m = torch.cat((m1 * c - m2 * s, m1 * s + m2 * c))
+                e1, e2 = m_err[:half], m_err[half:]
+                m_err = torch.cat((e1 * c.abs() + e2 * s.abs(), e1 * s.abs() + e2 * c.abs())) + 2 * u * torch.cat(scale)
+            if mask is None or bool(mask[b, t]):
+                run, n = run + m, n + 1
+                run_abs = run_abs + m.abs()
+                run_err = run_err + m_err
+            c = run / max(n, 1)
+            c_err = (run_err + lam * max(n, 1) ** 0.5 * u * run_abs) / max(n, 1) + u * c.abs()
+            a = w1 @ c
+            a_err = lam * D**0.5 * u * (w1.abs() @ c.abs()) + w1.abs() @ c_err
+            hidden = a * torch.sigmoid(a)
+            h_err = 1.1 * a_err + 4 * u * hidden.abs()
+            z = w2 @ hidden + b2
+            z_err = lam * (H + 1) ** 0.5 * u * (w2.abs() @ hidden.abs() + b2.abs()) + w2.abs() @ h_err
+            g[b, t] = torch.sigmoid(z)
+            allowed[b, t] = z_err / 4 + 4 * u * g[b, t]
+    return g, allowed
+
+
+GATE_CASES = [
+    (3, 37, 8, 32, False, True, False),
+    (2, 23, 4, 16, True, True, False),
+    (3, 40, 4, 32, True, True, True),
+    (1, 1, 8, 32, False, False, True),  # a decoding step's gate
+]
+
+
+@pytest.mark.parametrize(
+    "B,T,H,D,rotate,pad,carry", GATE_CASES, ids=lambda v: str(v) if not isinstance(v, bool) else ("y" if v else "n")
+)
+def test_gate_within_its_bound_and_each_row_bitwise_alone(isa, B, T, H, D, rotate, pad, carry):
+    """``decode_step_cpu.gate`` (the step's own gate, position by position: what the fast model's
+    CPU prompt runs) within its first-order fp32 bound of the float64 formulas, with and without
+    rotation, left padding and a carry; the new sum and count as the formulas give them; each row's
+    gates bitwise the same alone, within the batch on 1, 2 or 3 threads, and in two chunks with the
+    carry between them."""
+    q, (w1, w2, b2), cos, sin, mask, state = _gate_inputs(B, T, H, D, rotate=rotate, pad=pad, carry=carry)
+    got = decode_step_cpu.gate(q, w1, w2, b2, cos, sin, mask, state, isa=isa)
+    assert got is not None, f"{isa}: the C++ gate did not apply"
+    g, total, count = got
+    want, allowed = _gate_float64_with_bound(q, w1, w2, b2, cos, sin, mask, state)
+    assert_within(f"gate {B}x{T}x{H}x{D}", want, g, allowed, isa)
+    real = mask.sum(1) if mask is not None else torch.full((B,), T)
+    assert torch.equal(count, real + (state[1] if state is not None else 0)), f"{isa}: count {count.tolist()}"
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(decode_step_cpu.gate(q, w1, w2, b2, cos, sin, mask, state, isa=isa)[0], g), (
+                f"{isa}: other gates on {n} threads"
+            )
+    finally:
+        torch.set_num_threads(threads)
+    for b in range(B):
+        row = slice(b, b + 1)
+        pick = (
+            None if cos is None else cos[row], None if sin is None else sin[row], None if mask is None else mask[row],
+            None if state is None else (state[0][row], state[1][row]),
+        )  # fmt: skip
+        alone = decode_step_cpu.gate(q[row], w1, w2, b2, *pick, isa=isa)
+        assert torch.equal(alone[0][0], g[b]) and torch.equal(alone[1][0], total[b]), (
+            f"{isa}: row {b}'s gates alone differ from the same row among {B}; {platform_line(isa)}"
+        )
+    if T > 1:
+        cut = T // 2 + 1
+        part = lambda t, i: None if t is None else t[:, i]
+        first = decode_step_cpu.gate(q[:, :cut], w1, w2, b2, part(cos, slice(0, cut)), part(sin, slice(0, cut)),
+                                     part(mask, slice(0, cut)), state, isa=isa)  # fmt: skip
+        second = decode_step_cpu.gate(q[:, cut:], w1, w2, b2, part(cos, slice(cut, None)), part(sin, slice(cut, None)),
+                                      part(mask, slice(cut, None)), first[1:], isa=isa)  # fmt: skip
+        assert torch.equal(torch.cat([first[0], second[0]], 1), g) and torch.equal(second[1], total), (
+            f"{isa}: the gate in two chunks differs from one pass"
+        )
+
+
+def test_gate_declines_what_it_does_not_cover():
+    """None (the caller's PyTorch path) for float64, a copy of q laid out otherwise, mismatched
+    weights or tables, a mask or carry of another shape."""
+    q, (w1, w2, b2), cos, sin, mask, state = _gate_inputs(2, 5, 4, 16, rotate=True, pad=True, carry=True)
+    assert decode_step_cpu.gate(q, w1, w2, b2, cos, sin, mask, state) is not None
+    assert decode_step_cpu.gate(q.double(), w1.double(), w2.double(), b2.double()) is None, "float64 applied"
+    assert decode_step_cpu.gate(q.transpose(2, 3), w1, w2, b2) is None, "heads of another stride applied"
+    assert decode_step_cpu.gate(q, w1[:, :8].contiguous(), w2, b2) is None, "w1 of another width applied"
+    assert decode_step_cpu.gate(q, w1, w2, b2, cos) is None, "cos without sin applied"
+    assert decode_step_cpu.gate(q, w1, w2, b2, cos[:, :3].contiguous(), sin[:, :3].contiguous()) is None, "short tables"
+    assert decode_step_cpu.gate(q, w1, w2, b2, None, None, mask[:, :3]) is None, "a mask of another length applied"
+    assert decode_step_cpu.gate(q, w1, w2, b2, None, None, None, (state[0][:1], state[1][:1])) is None, "a short carry"
+
+
+PRODUCT_SHAPES = [(1, 256, 768), (12, 40, 301), (64, 256, 1024), (300, 72, 33), (200, 32, 8)]
+
+
+@pytest.mark.parametrize("M,K,N", PRODUCT_SHAPES, ids=[f"{m}x{k}x{n}" for m, k, n in PRODUCT_SHAPES])
+def test_product_within_the_bound_and_each_row_bitwise_alone(isa, M, K, N):
+    """``decode_step_cpu.product`` (the step's own product, which the fast model's CPU products of
+    at most 64 positions a sequence run on) within λ·√K·u·Σ|w·x| of the float64 product, rows of
+    magnitudes 1e-3 to 1e3; each row bitwise the same alone, within any run of rows at any offset,
+    and on 1, 2 or 3 threads."""
+    x = rows_inputs(M, K, seed=K)
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(N)) / K**0.5
+    got = decode_step_cpu.product(x, w, isa=isa)
+    assert got is not None and got.shape == (M, N), f"{isa}: the C++ product did not apply"
+    want = x.double() @ w.double().T
+    allowed = LAMBDA * K**0.5 * U32 * (x.double().abs() @ w.double().abs().T)
+    assert_within(f"product {M}x{K}x{N}", want, got, allowed, isa)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(decode_step_cpu.product(x, w, isa=isa), got), f"{isa}: other numbers on {n} threads"
+    finally:
+        torch.set_num_threads(threads)
+    for start, rows in ((0, 1), (M - 1, 1), (M // 3, max(1, M // 2)), (1, M - 1)):
+        if rows < 1 or start + rows > M:
+            continue
+        alone = decode_step_cpu.product(x[start : start + rows].contiguous(), w, isa=isa)
+        assert torch.equal(alone, got[start : start + rows]), (
+            f"{isa}: rows {start}..{start + rows} alone differ from the same rows among {M}; {platform_line(isa)}"
+        )
+
+
+def test_product_declines_what_it_does_not_cover():
+    """None (the caller's PyTorch path) for other dtypes, non-contiguous tensors, mismatched K, no rows."""
+    x, w = torch.randn(4, 8), torch.randn(5, 8)
+    assert decode_step_cpu.product(x, w) is not None
+    assert decode_step_cpu.product(x.double(), w.double()) is None, "float64 applied"
+    assert decode_step_cpu.product(torch.randn(8, 4).t(), w) is None, "a transposed x applied"
+    assert decode_step_cpu.product(x, torch.randn(8, 5).t()) is None, "a transposed weight applied"
+    assert decode_step_cpu.product(x, torch.randn(5, 7)) is None, "K 8 against 7 applied"
+    assert decode_step_cpu.product(torch.randn(0, 8), w) is None, "no rows applied"
+    assert decode_step_cpu.product(x.view(2, 2, 8), w) is None, "a 3-D x applied"
 
 
 def test_row_functions_decline_what_they_do_not_cover():

@@ -132,3 +132,46 @@ def test_cpu_gemm_names_a_bad_choice(monkeypatch):
     with L.cpu_gemm("aten"):
         assert L._CPU_GEMM.get() == "aten"
     assert L._CPU_GEMM.get() == "aten"  # the block's choice ends with it
+
+
+@pytest.mark.parametrize("gemm", L.CPU_GEMMS)
+def test_rows_run_a_sequence_at_a_time(gemm, monkeypatch):
+    """Within ``cpu_gemm(name, rows=f)``: up to 64 positions a sequence every row goes to ``f`` in
+    one call (its rows are independent); past 64, the GEMM runs once a sequence, each on a
+    contiguous input at a 64-byte boundary, into the right place; a batch of one is one call; where
+    ``f`` declines, the usual path; gradients or autocast keep ``F.linear``. Each result within the
+    fp32 bound of the float64 product."""
+    if gemm == "onednn" and not L.onednn_available():
+        pytest.skip("this torch has no oneDNN")
+    seen: list[tuple[int, ...]] = []
+
+    def rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        seen.append(tuple(x.shape))
+        return (x.double() @ w.double().T).float()
+
+    gemms: list[tuple[tuple[int, ...], int]] = []
+    real_gemm = L._gemm
+    monkeypatch.setattr(L, "_gemm", lambda x, w: gemms.append((tuple(x.shape), x.data_ptr() % 64)) or real_gemm(x, w))
+    _, w = _operands(1, 40, 24)
+    for B, T in ((3, 64), (3, 65), (1, 130), (2, 1)):
+        seen.clear(), gemms.clear()
+        x = torch.randn(B, T, 40, generator=torch.Generator().manual_seed(T))
+        with torch.no_grad(), L.cpu_gemm(gemm, rows=rows):
+            assert not L.uses_decode_layout(x), "a layout would be read within rows"
+            got = L.linear(x, w)
+        if T <= 64:
+            assert seen == [(B * T, 40)] and gemms == [], (B, T, seen, gemms)
+        else:
+            assert seen == [] and gemms == [((T, 40), 0)] * B, (B, T, gemms)
+        want = x.double() @ w.double().T
+        assert_within(f"rows[{gemm}] {B}x{T}", want, got, _allowed(x, w), f"GEMM {gemm}")
+    seen.clear()
+    x = torch.randn(2, 8, 40)
+    with torch.no_grad(), L.cpu_gemm(gemm, rows=lambda x, w: seen.append(1)):  # declines: returns None
+        assert torch.equal(L.linear(x, w), F.linear(x, w)) and seen == [1]
+    with L.cpu_gemm(gemm, rows=rows):
+        seen.clear()
+        L.linear(x, w)  # gradients on
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            L.linear(x, w)
+        assert seen == [], "rows ran with gradients on or under autocast"

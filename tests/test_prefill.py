@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from numerics import U_BF16, AbsSums, assert_within, bound, left_padded_prompt
+from numerics import U_BF16, AbsSums, assert_within, bound, left_padded_prompt, platform_line
 
 import wiola
 import wiola.fast
@@ -22,6 +22,9 @@ from wiola.fast.quantize import quantize
 from wiola.ops import linear
 
 CONFIG = wiola.WiolaConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=160)
+# A prompt's products a sequence (one call each past 64 positions): per layer q/k/v, o, up, bp and
+# down; then the head (the gate's small ones run in C++ with the rest of the gate).
+PRODUCTS = 5 * CONFIG.n_layers + 1
 
 
 def _model(seed: int = 0) -> wiola.fast.WiolaModel:
@@ -284,8 +287,8 @@ def test_gemm_applies_to_gradient_free_cpu_forwards(plain_cpu):
 @pytest.mark.skipif(not linear.onednn_available(), reason="this torch has no oneDNN")
 @torch.inference_mode()
 def test_onednn_prompt_within_the_fp32_bound(plain_cpu, monkeypatch):
-    """The prompt (3 rows of 70 tokens, one left-padded: 210-row products) on oneDNN and on ATen:
-    every product of more than 64 rows counted on oneDNN and none on ATen, the logits within the
+    """The prompt (3 rows of 70 tokens, one left-padded) on oneDNN and on ATen: every product (70
+    positions a sequence, more than 64: one call a sequence) counted on oneDNN and none on ATen, the logits within the
     fp32 bound of each other (two fp32 sides), and decoding continues from oneDNN's cache."""
     model = _model(seed=3)
     ids, mask = left_padded_prompt(CONFIG.vocab_size, 3, 70, 9)
@@ -298,8 +301,8 @@ def test_onednn_prompt_within_the_fp32_bound(plain_cpu, monkeypatch):
         cache = model.new_cache(3, 72)
         with AbsSums(model) as sums:
             logits[gemm] = model(ids, attention_mask=mask, cache=cache).logits
-        ran = sum(calls)  # per layer q/k/v, o, up, bp and down; then the head
-        assert ran == (5 * CONFIG.n_layers + 1 if gemm == "onednn" else 0), f"{gemm}: {ran} products on oneDNN"
+        ran = sum(calls)  # PRODUCTS for each of the 3 sequences
+        assert ran == (3 * PRODUCTS if gemm == "onednn" else 0), f"{gemm}: {ran} products on oneDNN"
         assert torch.isfinite(model(ids[:, -1:], cache=cache).logits).all()
     real_rows = mask.bool()
     allowed = bound(CONFIG, 70, sums.head)[real_rows]
@@ -308,10 +311,10 @@ def test_onednn_prompt_within_the_fp32_bound(plain_cpu, monkeypatch):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize(("aten", "want"), [(3.0, 5 * CONFIG.n_layers + 1), (1.0, 0)])
+@pytest.mark.parametrize(("aten", "want"), [(3.0, 3 * PRODUCTS), (1.0, 0)])
 def test_prompt_on_an_unlisted_cpu_follows_the_measurement(plain_cpu, monkeypatch, gemm_cache, aten, want):
-    """``auto`` on a CPU outside ``GEMM_AUTO``: the model's prompt runs every product of more than
-    64 rows on oneDNN where it was measured past the margin, none where the two were level."""
+    """``auto`` on a CPU outside ``GEMM_AUTO``: the model's prompt of 70 positions a sequence runs
+    every product on oneDNN where it was measured past the margin, none where the two were level."""
     times, calls, _ = gemm_cache
     times.update(aten=aten, onednn=1.0)
     monkeypatch.setattr(prefill, "GEMM_AUTO", {})
@@ -321,3 +324,55 @@ def test_prompt_on_an_unlisted_cpu_follows_the_measurement(plain_cpu, monkeypatc
     monkeypatch.setattr(linear, "_onednn_applies", lambda x, w: ran.append(on := real(x, w)) or on)
     model(ids, attention_mask=mask, cache=model.new_cache(3, 72))
     assert sum(ran) == want and len(calls) == 1, (aten, sum(ran), len(calls))
+
+
+# 13m widths (d 256: the products' shapes), two layers, and a head of 1,001 rows (the last a block of one).
+WIDE = wiola.WiolaConfig(vocab_size=1001, d_model=256, n_layers=2, n_heads=8, d_ff=512, max_seq_len=160)
+WIDE_MODELS: dict[str, wiola.fast.WiolaModel] = {}
+
+
+def _wide(scheme: str) -> wiola.fast.WiolaModel:
+    if scheme not in WIDE_MODELS:
+        torch.manual_seed(5)
+        model = wiola.fast.WiolaModel(WIDE).eval().requires_grad_(False)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        WIDE_MODELS[scheme] = model if scheme == "fp32" else quantize(model, scheme)
+    return WIDE_MODELS[scheme]
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("gemm", ["auto", *linear.CPU_GEMMS])
+@pytest.mark.parametrize("scheme", ["fp32", "int8", "bf16", "int4"])
+def test_prompt_row_alone_equals_the_row_in_a_batch(plain_cpu, monkeypatch, scheme, gemm):
+    """A row's prompt logits (every position's, and the last one's alone as ``generate`` asks for
+    them) and its logits over the next 3 steps are bitwise the same alone and as row 3 of a batch
+    of 8 rows of its length, for prompts of 2 to 130 positions: up to 64 a sequence the products run
+    on the C++ step's product, whose rows do not depend on the rows beside them; above, on the GEMM,
+    one product of many rows either way. On the GEMM ``auto`` picks here and on each forced."""
+    if gemm == "onednn" and not linear.onednn_available():
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.setenv(prefill.GEMM_ENV, gemm)
+    model = _wide(scheme)
+    gen = torch.Generator().manual_seed(1)
+    for T in (2, 5, 12, 64, 65, 130):
+        ids = torch.randint(0, WIDE.vocab_size, (8, T), generator=gen)
+        runs = {}
+        for name, rows, at in (("alone", ids[3:4], 0), ("row 3 of 8", ids, 3)):
+            every = model(rows, cache=model.new_cache(rows.shape[0], T)).logits[at]
+            cache = model.new_cache(rows.shape[0], T + 3)
+            out = model(rows, cache=cache, logits_to_keep=1).logits[:, -1]
+            seq = [every, out[at]]
+            for _ in range(3):
+                out = model(out.argmax(-1, keepdim=True), cache=cache).logits[:, -1]
+                seq.append(out[at])
+            runs[name] = seq
+        for i, what in enumerate(
+            ("every position's prompt logits", "the prompt's last logits", "step 1", "step 2", "step 3")
+        ):
+            a, b = runs["alone"][i], runs["row 3 of 8"][i]
+            assert torch.equal(a, b), (
+                f"{scheme}, {prefill._describe_gemm()}, {T} positions: {what} of row 3 of 8 differ from the row alone "
+                f"(max {float((a - b).abs().max()):.2e}); {platform_line()}"
+            )

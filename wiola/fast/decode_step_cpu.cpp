@@ -35,6 +35,8 @@
 #include <type_traits>
 #if defined(WIOLA_ISA_AVX512) || defined(WIOLA_ISA_AVX2)
 #include <immintrin.h>
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
 #endif
 
 namespace {
@@ -80,6 +82,37 @@ inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
 #if defined(WIOLA_ISA_AVX512) || defined(WIOLA_ISA_AVX2)
 inline void store4(float* p, __m128 v) { _mm_storeu_ps(p, v); }
 #endif
+
+// acc + a·b, one rounding (a fused multiply-add) where the variant targets one, written out for the
+// products rather than left to -ffp-contract: GCC contracted `acc += w * x` in most instantiations of
+// the product blocks but not in all (the AVX2 variant's block of one weight row at one batch row
+// multiplied and added apart), so a matrix's last rows (N mod 4 of them) differed in their last
+// bits between a batch of one row and a larger batch. Without an FMA instruction (x86 without
+// -mfma) nothing is contracted anywhere, and a·b and the sum are rounded apart everywhere alike.
+inline vec madd(vec a, vec b, vec acc) {
+#if defined(WIOLA_ISA_AVX512)
+  return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
+#elif defined(WIOLA_ISA_AVX2)
+  return (vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+  return (vec)vfmaq_f32((float32x4_t)acc, (float32x4_t)a, (float32x4_t)b);
+#elif defined(__FP_FAST_FMAF)
+  vec r;
+  for (int l = 0; l < kLanes; ++l) r[l] = __builtin_fmaf(a[l], b[l], acc[l]);
+  return r;
+#else
+  return acc + a * b;
+#endif
+}
+
+// madd for one float (a row's last K mod kLanes weights).
+inline float madd1(float a, float b, float acc) {
+#if defined(__FMA__) || defined(__FP_FAST_FMAF) || defined(__aarch64__)
+  return __builtin_fmaf(a, b, acc);
+#else
+  return acc + a * b;
+#endif
+}
 
 inline v4 load4(const float* p) {
   v4 v;
@@ -434,7 +467,7 @@ inline void dot_block(const T* W, const float* scale, int64_t K, const float* x,
     for (int i = 0; i < NR; ++i) {
       vec w = Weight<T>::load(W + (r + i) * K + k);
       WIOLA_PIN(w);
-      for (int b = 0; b < NB; ++b) acc[i][b] += w * xv[b];
+      for (int b = 0; b < NB; ++b) acc[i][b] = madd(w, xv[b], acc[i][b]);
     }
   }
   if constexpr (NR % 4 == 0) {
@@ -449,7 +482,7 @@ inline void dot_block(const T* W, const float* scale, int64_t K, const float* x,
     const T* w = W + (r + i) * K;
     for (int b = 0; b < NB; ++b) {
       float s = sums[b][i];
-      for (int64_t kk = k; kk < K; ++kk) s += Weight<T>::at(w + kk) * x[b * ldx + kk];
+      for (int64_t kk = k; kk < K; ++kk) s = madd1(Weight<T>::at(w + kk), x[b * ldx + kk], s);
       if constexpr (Weight<T>::kScaled) s *= scale[r + i];
       y[b * ldy + r + i] = s;
     }
@@ -847,7 +880,7 @@ template <typename P, int J, int NB>
 inline void packed_fma(uvec lanes, const float* xt, int64_t ldx, vec* sum) {
   vec w = Packed<P>::template part<J>(lanes);
   WIOLA_PIN(w);
-  for (int b = 0; b < NB; ++b) sum[b] += w * load(xt + b * ldx + J * kLanes);
+  for (int b = 0; b < NB; ++b) sum[b] = madd(w, load(xt + b * ldx + J * kLanes), sum[b]);
   if constexpr (J + 1 < Packed<P>::kPer) packed_fma<P, J + 1, NB>(lanes, xt, ldx, sum);
 }
 
@@ -864,7 +897,7 @@ inline void packed_fma_rows(const uvec* lanes, const float* xt, int64_t ldx, vec
   for (int i = 0; i < NR; ++i) {
     vec w = Packed<P>::template part<J>(lanes[i]);
     WIOLA_PIN(w);
-    for (int b = 0; b < NB; ++b) sum[i][b] += w * xv[b];
+    for (int b = 0; b < NB; ++b) sum[i][b] = madd(w, xv[b], sum[i][b]);
   }
   if constexpr (J + 1 < Packed<P>::kPer) packed_fma_rows<P, J + 1, NR, NB>(lanes, xt, ldx, sum);
 }
@@ -911,7 +944,7 @@ inline void packed_block(const uint8_t* W, const float* scale, int64_t K, const 
 #pragma GCC unroll 8
         for (int i = 0; i < NR; ++i) {
           vec s = Packed<P>::lane_scales(scale, r + i, K, c);
-          for (int b = 0; b < NB; ++b) acc[i][b] += sum[i][b] * s;
+          for (int b = 0; b < NB; ++b) acc[i][b] = madd(sum[i][b], s, acc[i][b]);
         }
       } else {
         packed_fma_rows<P, 0, NR, NB>(lanes, xt + c, ldx, acc);
@@ -926,7 +959,7 @@ inline void packed_block(const uint8_t* W, const float* scale, int64_t K, const 
         vec sum[NB] = {};
         packed_fma<P, 0, NB>(lanes, xt + c, ldx, sum);
         vec s = Packed<P>::lane_scales(scale, r + i, K, c);
-        for (int b = 0; b < NB; ++b) acc[i][b] += sum[b] * s;
+        for (int b = 0; b < NB; ++b) acc[i][b] = madd(sum[b], s, acc[i][b]);
       } else {
         packed_fma<P, 0, NB>(lanes, xt + c, ldx, acc[i]);
       }
@@ -936,7 +969,7 @@ inline void packed_block(const uint8_t* W, const float* scale, int64_t K, const 
   for (; k + kLanes <= K; k += kLanes) {
     for (int i = 0; i < NR; ++i) {
       vec w = Packed<P>::tail(W + (r + i) * row_bytes, scale, r + i, K, k);
-      for (int b = 0; b < NB; ++b) acc[i][b] += w * load(xt + b * ldx + k);
+      for (int b = 0; b < NB; ++b) acc[i][b] = madd(w, load(xt + b * ldx + k), acc[i][b]);
     }
   }
   if constexpr (NR % 4 == 0) {
@@ -950,7 +983,7 @@ inline void packed_block(const uint8_t* W, const float* scale, int64_t K, const 
   for (int i = 0; i < NR; ++i) {
     for (int b = 0; b < NB; ++b) {
       float s = sums[b][i];
-      for (int64_t kk = k; kk < K; ++kk) s += Packed<P>::at(W + (r + i) * row_bytes, scale, r + i, K, kk) * xt[b * ldx + kk];
+      for (int64_t kk = k; kk < K; ++kk) s = madd1(Packed<P>::at(W + (r + i) * row_bytes, scale, r + i, K, kk), xt[b * ldx + kk], s);
       y[b * ldy + r + i] = s;
     }
   }
@@ -1042,6 +1075,24 @@ inline void rope(const float* x, const float* cs, const float* sn, float* out, i
     out[i] = x1 * cs[i] - x2 * sn[i];
     out[i + half] = x1 * sn[i] + x2 * cs[i];
   }
+}
+
+// The gate's head mean of one position's query (H heads of D, head stride D): m[j] = (Σ_h q[h·D + j]) / H.
+inline void head_mean(const float* q, int64_t H, int64_t D, float* m) {
+  for (int64_t j = 0; j < D; ++j) {
+    float s = 0.0f;
+    for (int64_t hh = 0; hh < H; ++hh) s += q[hh * D + j];
+    m[j] = s / static_cast<float>(H);
+  }
+}
+
+// The gate's small MLP for one position's running mean c (D): g = σ(W_2 SiLU(W_1 c) + b_2), W_1
+// (H, D), W_2 (H, H); H <= 1024.
+inline void gate_mlp(const float* w1, const float* w2, const float* b2, const float* c, int64_t H, int64_t D,
+                     float* g) {
+  float hidden[1024];
+  for (int64_t hh = 0; hh < H; ++hh) hidden[hh] = silu(dot(w1 + hh * D, c, D));
+  for (int64_t hh = 0; hh < H; ++hh) g[hh] = sigmoid(dot(w2 + hh * H, hidden, H) + b2[hh]);
 }
 
 // How many threads a parallel region of `bytes` of streaming takes: one per `per_thread`, at
@@ -1223,12 +1274,8 @@ struct Step {
       return;
     }
     const float* q = ws.qkv + i * 3 * d;
-    float m[1024], mr[1024], c[1024], hidden[1024];  // D, H <= 1024 (checked by the caller)
-    for (int64_t j = 0; j < D; ++j) {
-      float s = 0.0f;
-      for (int64_t hh = 0; hh < H; ++hh) s += q[hh * D + j];
-      m[j] = s / static_cast<float>(H);
-    }
+    float m[1024], mr[1024], c[1024];  // D, H <= 1024 (checked by the caller)
+    head_mean(q, H, D, m);
     const float* mm = m;
     if (!gate_pre_rope) {
       rope(m, ws.cs + i * half, ws.sn + i * half, mr, D);
@@ -1242,9 +1289,7 @@ struct Step {
       run[j] = mm[j] + run[j];
       c[j] = run[j] / denom;
     }
-    const float *w1 = vec(at(l, kGateW1)), *w2 = vec(at(l, kGateW2)), *b2 = vec(at(l, kGateB2));
-    for (int64_t hh = 0; hh < H; ++hh) hidden[hh] = silu(dot(w1 + hh * D, c, D));
-    for (int64_t hh = 0; hh < H; ++hh) g[hh] = sigmoid(dot(w2 + hh * H, hidden, H) + b2[hh]);
+    gate_mlp(vec(at(l, kGateW1)), vec(at(l, kGateW2)), vec(at(l, kGateB2)), c, H, D, g);
   }
 
   // Row i's query and key rotated, the key and value written to the row's new cache slot.
@@ -1790,6 +1835,58 @@ void product_reps(const int64_t* n, const void* W, const float* scale, int64_t N
   });
 }
 
+// wiola.ops.gate over T positions of each of B rows, a row at a time, as the step's gate_row runs a
+// position: the head mean of the query (rotated by the position's cos and sin where given: the gate
+// after RoPE), added to the row's running sum where the position is real (mask null: every
+// position), the mean over the real positions so far (0 before any), and the MLP. n: B, T, H, D,
+// ld_b, ld_t (q's batch and token strides; head stride D, unit element stride). run (B, D) and count
+// (B,) hold the carried sum and count on entry and the new ones on return; g (B, T, H). cos and sin
+// (B, T, D/2), mask (B, T) bytes: contiguous. Each row's numbers are its own, whatever B or thread.
+inline void gate_rows(const int64_t* n, const float* q, const float* w1, const float* w2, const float* b2,
+                      const float* cos, const float* sin, const uint8_t* mask, float* run, int64_t* count, float* g) {
+  const int64_t B = n[0], T = n[1], H = n[2], D = n[3], ld_b = n[4], ld_t = n[5], half = D / 2;
+  parallel(threads_for_rows(B, T * D * H), [&](int tid, int nth) {
+    float m[1024], mr[1024], c[1024];  // D <= 1024 (checked by the binding)
+    for (int64_t b = B * tid / nth; b < B * (tid + 1) / nth; ++b) {
+      float* sum = run + b * D;
+      int64_t seen = count[b];
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t at = b * T + t;
+        head_mean(q + b * ld_b + t * ld_t, H, D, m);
+        const float* mm = m;
+        if (cos != nullptr) {
+          rope(m, cos + at * half, sin + at * half, mr, D);
+          mm = mr;
+        }
+        if (mask == nullptr || mask[at] != 0) {
+          for (int64_t j = 0; j < D; ++j) sum[j] = mm[j] + sum[j];
+          ++seen;
+        }
+        const float denom = static_cast<float>(seen > 0 ? seen : 1);
+        for (int64_t j = 0; j < D; ++j) c[j] = sum[j] / denom;
+        gate_mlp(w1, w2, b2, c, H, D, g + at * H);
+      }
+      count[b] = seen;
+    }
+  });
+}
+
+// y (B, N) = x (B, K) · Wᵀ for an fp32 (N, K) row-major matrix W, by the step's own product
+// (share_product): each output is the same operations in the same order whatever B, the thread count
+// or the thread that computes it, so a row's numbers never depend on the rows beside it. W's rows are
+// shared evenly among the threads (one where the product is small: no result depends on the count),
+// `ahead` rows prefetched. The fast model's CPU products of at most 64 positions a sequence run here
+// (wiola.ops.linear), so that a prompt row's logits are the same alone and in a batch.
+inline void product_rows(const float* W, int64_t N, int64_t K, const float* x, int64_t B, float* y, int64_t ahead) {
+  const int most = omp_get_max_threads();
+  const int nth = N * K * B >= kRowsWorkPerThread * 16 * most && N >= 4 * most ? most : 1;
+  parallel(nth, [&](int tid, int n) {
+    Split even;
+    even.nth = 0;  // no learned cuts: even shares
+    share_product(even, W, nullptr, N, K, x, K, y, N, B, tid, n, false, ahead);
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -2004,6 +2101,17 @@ void wiola_decode_attention(const int64_t* n, const float* q, const float* k, co
 void wiola_rms_norm_rows(const float* x, const float* residual, const float* gamma, float eps, float* out, float* h,
                          int64_t rows, int64_t d) {
   rms_norm_rows(x, residual, gamma, eps, out, h, rows, d);
+}
+
+// The gate over B rows of T positions (gate_rows; its comment has the arguments).
+void wiola_gate_rows(const int64_t* n, const float* q, const float* w1, const float* w2, const float* b2,
+                     const float* cos, const float* sin, const uint8_t* mask, float* run, int64_t* count, float* g) {
+  gate_rows(n, q, w1, w2, b2, cos, sin, mask, run, count, g);
+}
+
+// y (B, N) = x (B, K) · Wᵀ, fp32, row by row (product_rows).
+void wiola_product_rows(const float* W, int64_t N, int64_t K, const float* x, int64_t B, float* y, int64_t ahead) {
+  product_rows(W, N, K, x, B, y, ahead);
 }
 
 // The butterfly's middle over `rows` rows (silu_gate_rows): up (rows, 2F), bp and out (rows, F).

@@ -281,6 +281,10 @@ def _build(compiler: str, isa: str) -> ctypes.CDLL:
     lib.wiola_rms_norm_rows.restype = None
     lib.wiola_silu_gate_rows.argtypes = [P, P, P, I, I]
     lib.wiola_silu_gate_rows.restype = None
+    lib.wiola_product_rows.argtypes = [P, I, I, P, I, P, I]
+    lib.wiola_product_rows.restype = None
+    lib.wiola_gate_rows.argtypes = [P] * 11
+    lib.wiola_gate_rows.restype = None
     if hasattr(lib, "wiola_balance_parts"):  # absent from a copy of an older source (bench/two_builds.py)
         lib.wiola_balance_parts.argtypes = [I, I, P, I]
         lib.wiola_balance_parts.restype = ctypes.c_int
@@ -384,6 +388,15 @@ def _listed(cpu: dict[str, str], table: tuple[tuple[str, int, range], ...]) -> b
     return any(cpu["vendor"] == v and int(family) == f and int(model) in models for v, f, models in table)
 
 
+def prefetch_rows(row_bytes: int) -> int:
+    """Rows of ``row_bytes`` bytes a product prefetches ahead on this CPU: ``PREFETCH_ROWS``, or
+    on the CPUs of ``PREFETCH_BYTES_CPUS`` at least ``PREFETCH_BYTES`` of them."""
+    ahead = PREFETCH_ROWS
+    if _listed(cpu_info(), PREFETCH_BYTES_CPUS):
+        ahead = max(ahead, PREFETCH_BYTES // max(row_bytes, 1))
+    return ahead
+
+
 def choose_tuning(config: WiolaConfig, weight_bytes: int = 4) -> dict[str, int | str | None]:
     """The step's tuning for this CPU and a model of ``config`` with ``weight_bytes``-byte matrices:
 
@@ -406,9 +419,7 @@ def choose_tuning(config: WiolaConfig, weight_bytes: int = 4) -> dict[str, int |
     stream = llc is None or matrices > llc // 2  # half: the cache also holds the cache and activations
     vendor, family, model = cpu["vendor"], cpu["family"], cpu["model_number"]
     stream = stream and not _listed(cpu, CACHED_HEAD_CPUS)
-    ahead = PREFETCH_ROWS
-    if _listed(cpu, PREFETCH_BYTES_CPUS):
-        ahead = max(ahead, PREFETCH_BYTES // (weight_bytes * d))
+    ahead = prefetch_rows(weight_bytes * d)
     return {
         "vendor": vendor or platform.machine(), "family": family or None, "model": model or None, "cpu": cpu["model"],
         "last_level_cache_bytes": llc, "matrix_bytes": matrices, "threads": torch.get_num_threads(),
@@ -821,6 +832,93 @@ def silu_gate(up: torch.Tensor, bp: torch.Tensor, *, isa: str | None = None) -> 
     out = torch.empty_like(bp)
     lib.wiola_silu_gate_rows(up.data_ptr(), bp.data_ptr(), out.data_ptr(), bp.numel() // F, F)
     return out
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, *, isa: str | None = None) -> torch.Tensor | None:
+    """``x · weightᵀ`` (``x`` ``(M, K)``, ``weight`` ``(N, K)``) by the step's own product: each
+    output row the same operations in the same order whatever ``M``, the thread count or the rows
+    beside it (MKL's and oneDNN's GEMMs pick their kernels by the row count, so a row computed
+    alone can differ in its last bits from the same row among others). ``(M, N)`` fp32.
+
+    None where it does not apply, for the caller's PyTorch path: the library not built, other than
+    contiguous 2-D fp32 CPU tensors, mismatched ``K``, or no rows. ``isa``: the variant."""
+    lib = load(isa)
+    if lib is None or x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.numel() == 0:
+        return None
+    if not _rows_fp32(x, weight):
+        return None
+    (M, K), N = x.shape, weight.shape[0]
+    out = torch.empty(M, N, dtype=torch.float32)
+    lib.wiola_product_rows(weight.data_ptr(), N, K, x.data_ptr(), M, out.data_ptr(), _product_ahead(K))
+    return out
+
+
+def gate(
+    q: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    carry: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    isa: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``wiola.ops.gate`` (without ``update_carry``: ``(g, total, count)``) in C++, a row at a time
+    and a position at a time as the step computes its gate (the head mean, the running sum carried
+    forward from ``carry`` over the real positions, their mean, the MLP), so a row's gates are the
+    same alone and in a batch, and a prompt's are the step's for the same tokens.
+
+    None where it does not apply, for the caller's PyTorch path: the library not built, ``q`` not
+    an fp32 CPU ``(B, T, H, D)`` view with head stride ``D`` and unit element stride, weights,
+    rotation tables, mask or carry of other shapes or dtypes, ``H`` or ``D`` above 1024, odd ``D``.
+    ``sin`` is given exactly where ``cos`` is (the gate after RoPE)."""
+    lib = load(isa)
+    if lib is None or q.dim() != 4 or q.dtype != torch.float32 or q.device.type != "cpu" or q.numel() == 0:
+        return None
+    B, T, H, D = q.shape
+    if q.stride(3) != 1 or q.stride(2) != D or H > MAX_HEAD or D > MAX_HEAD or D % 2:
+        return None
+    for t, shape in ((w1, (H, D)), (w2, (H, H)), (b2, (H,))):
+        if not _rows_fp32(t) or tuple(t.shape) != shape:
+            return None
+    if (cos is None) != (sin is None):
+        return None
+    if cos is not None:
+        if cos.shape != (B, T, D // 2) or sin.shape != cos.shape:
+            return None
+        cos, sin = cos.contiguous(), sin.contiguous()  # (B, T, D/2): small next to q
+        if not _rows_fp32(cos, sin):
+            return None
+    mask = None
+    if attention_mask is not None:
+        if attention_mask.shape != (B, T) or attention_mask.device.type != "cpu":
+            return None
+        mask = attention_mask.to(torch.uint8).contiguous()
+    if carry is None:
+        run, count = torch.zeros(B, D), torch.zeros(B, dtype=torch.int64)
+    else:
+        if carry[0].shape != (B, D) or carry[1].shape != (B,) or carry[0].dtype != torch.float32:
+            return None
+        if carry[1].dtype != torch.int64 or carry[0].device.type != "cpu":
+            return None
+        run, count = carry[0].clone(memory_format=torch.contiguous_format), carry[1].clone()
+    g = torch.empty(B, T, H, dtype=torch.float32)
+    n = torch.tensor([B, T, H, D, q.stride(0), q.stride(1)], dtype=torch.int64)
+    lib.wiola_gate_rows(
+        n.data_ptr(), q.data_ptr(), w1.data_ptr(), w2.data_ptr(), b2.data_ptr(),
+        0 if cos is None else cos.data_ptr(), 0 if sin is None else sin.data_ptr(),
+        0 if mask is None else mask.data_ptr(), run.data_ptr(), count.data_ptr(), g.data_ptr(),
+    )  # fmt: skip
+    return g, run, count
+
+
+@functools.cache
+def _product_ahead(K: int) -> int:
+    """``prefetch_rows`` of fp32 rows of ``K`` weights, once a process (``cpu_info`` parses
+    ``/proc/cpuinfo``'s lines, and every product asks)."""
+    return prefetch_rows(4 * K)
 
 
 def _pointers(tensors: list[torch.Tensor | None]) -> tuple[int, ...]:

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 import wiola.ops as reference
 from wiola.model import Ops, has_adapters
 from wiola.ops.gate import write_carry
-from wiola.ops.linear import DecodeLayout, autocast_dtype, linear
+from wiola.ops.linear import DecodeLayout, autocast_dtype, by_sequence, linear
 from wiola.ops.rope import apply_rope
 
 _KERNEL_MODULES = (
@@ -196,6 +196,12 @@ class _Ops:
             return kernel(
                 q, w1, w2, b2, cos=cos, sin=sin, attention_mask=attention_mask, carry=carry, update_carry=update_carry
             )
+        if by_sequence(q):  # the fast model's gradient-free CPU forward: the C++ gate, row by row
+            from wiola.fast import decode_step_cpu
+
+            out = decode_step_cpu.gate(q, w1, w2, b2, cos, sin, attention_mask, carry)
+            if out is not None:
+                return write_carry(carry, *out) if update_carry else out
         if q.shape[1] == 1 and carry is not None and cos is None and not torch.is_autocast_enabled(q.device.type):
             out = _gate_step(q, w1, w2, b2, attention_mask, carry)
             return write_carry(carry, *out) if update_carry else out

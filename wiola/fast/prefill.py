@@ -314,14 +314,20 @@ def applies(model: Any, input_ids: Any, cache: Any) -> bool:
 
 def context(model: Any, input_ids: Any, cache: Any) -> contextlib.AbstractContextManager:
     """The context to run this forward in: CPU bf16 autocast where ``select()`` says bf16 and
-    ``applies``; else oneDNN's fp32 GEMM where ``select_gemm()`` says so and ``gemm_applies``;
-    else a no-op."""
+    ``applies``; else, where ``gemm_applies``, ``select_gemm()``'s fp32 GEMM, and for a forward
+    with a cache (a prompt, or a step outside the C++ step) its products and gate a sequence at a
+    time (``wiola.ops.linear.cpu_gemm``'s ``rows``: the C++ step's product, where the library
+    builds), so that a row's numbers are the same alone and in a batch of rows of its length
+    (``docs/SPEC.md``, "A row alone and in a batch"); else a no-op. A scoring pass (no cache) keeps
+    one product over the batch's rows, the faster."""
     if applies(model, input_ids, cache) and select() == "bf16":
         return torch.autocast("cpu", dtype=torch.bfloat16)
     if torch.compiler.is_compiling():  # linear keeps F.linear while traced; nothing to choose or time
         return contextlib.nullcontext()
-    if gemm_applies(model, input_ids) and select_gemm() == "onednn":
+    if gemm_applies(model, input_ids):
+        from wiola.fast import decode_step_cpu
         from wiola.ops.linear import cpu_gemm
 
-        return cpu_gemm("onednn")
+        rows = decode_step_cpu.product if cache is not None and decode_step_cpu.load() is not None else None
+        return cpu_gemm(select_gemm(), rows=rows)
     return contextlib.nullcontext()

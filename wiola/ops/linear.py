@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -22,6 +22,15 @@ _SPLIT_OUT = 8192
 # code with cpu_gemm(); wiola.fast.prefill chooses it per CPU for the fast model's gradient-free forwards.
 CPU_GEMMS = ("aten", "onednn")
 _CPU_GEMM: contextvars.ContextVar[str] = contextvars.ContextVar("wiola_cpu_gemm", default="aten")
+# A product function ((M, K), (N, K)) -> (M, N) or None whose rows do not depend on M or on the
+# rows beside them (the fast model: the C++ step's product), set with cpu_gemm(..., rows=f). Within
+# it a gradient-free fp32 CPU product runs one sequence at a time, as that sequence alone would run:
+# at most _GEMV_ROWS positions a sequence on f (all sequences in one call: its rows are independent
+# anyway), more on the chosen GEMM once a sequence. A GEMM picks its kernels by the row count and
+# the shapes, so one product over a batch's rows can give a row other last bits than the product
+# over that row's sequence alone; with this, a row's numbers are the same alone and in a batch.
+RowProduct = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+_ROW_PRODUCT: contextvars.ContextVar[RowProduct | None] = contextvars.ContextVar("wiola_row_product", default=None)
 
 
 def onednn_available() -> bool:
@@ -35,19 +44,77 @@ def onednn_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def cpu_gemm(name: str) -> Iterator[None]:
+def cpu_gemm(name: str, rows: RowProduct | None = None) -> Iterator[None]:
     """Within the block, ``linear``'s larger gradient-free fp32 CPU products run on GEMM ``name``
-    (one of ``CPU_GEMMS``). Raises ``ValueError`` for another name, or for ``onednn`` where this
-    torch has no oneDNN."""
+    (one of ``CPU_GEMMS``); with ``rows``, a sequence at a time (``_ROW_PRODUCT``'s comment):
+    those of at most 64 positions a sequence on ``rows`` (where it returns None, the usual path),
+    longer ones on the GEMM once a sequence. Raises ``ValueError`` for another name, or for
+    ``onednn`` where this torch has no oneDNN."""
     if name not in CPU_GEMMS:
         raise ValueError(f"CPU GEMM {name!r} is not one of {', '.join(CPU_GEMMS)}")
     if name == "onednn" and not onednn_available():
         raise ValueError("CPU GEMM 'onednn' asked for, but this torch has no oneDNN (torch.backends.mkldnn)")
-    token = _CPU_GEMM.set(name)
+    token, row_token = _CPU_GEMM.set(name), _ROW_PRODUCT.set(rows)
     try:
         yield
     finally:
+        _ROW_PRODUCT.reset(row_token)
         _CPU_GEMM.reset(token)
+
+
+def row_positions(x: torch.Tensor) -> int:
+    """The positions a sequence of ``x`` holds: ``T`` of ``(..., T, K)``, the rows of a 2-D ``(M, K)``."""
+    return x.shape[-2] if x.dim() >= 2 else 1
+
+
+def by_sequence(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
+    """Whether ``linear`` runs this product a sequence at a time (``cpu_gemm``'s ``rows`` set):
+    fp32 ``x`` (and ``weight``, where given) on a CPU, gradients off, no autocast, strict fp32
+    precision, not while tracing. The fast model's gate runs a sequence at a time where this holds
+    for its queries (``wiola.fast.ops``), as its element-wise parts are vectorized by the tensor."""
+    return (
+        not torch.compiler.is_compiling()
+        and _ROW_PRODUCT.get() is not None
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.dim() >= 2
+        and x.numel() > 0
+        and (weight is None or (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2))
+        and not torch.is_grad_enabled()
+        and not torch.is_autocast_enabled("cpu")
+        and _strict_fp32()
+    )
+
+
+def _gemm(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``rows · weightᵀ`` (2-D) on the GEMM ``cpu_gemm`` chose."""
+    return onednn_linear(rows, weight) if _onednn_applies(rows, weight) else F.linear(rows, weight)
+
+
+def _sequence_products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``x · weightᵀ`` a sequence at a time (``_ROW_PRODUCT``'s comment), or None where the row
+    product declines (the caller's usual path)."""
+    K, N, T = x.shape[-1], weight.shape[0], row_positions(x)
+    w = weight.contiguous()
+    if T <= _GEMV_ROWS:
+        y = _ROW_PRODUCT.get()(x.reshape(-1, K).contiguous(), w)  # type: ignore[misc]
+        return None if y is None else y.reshape(*x.shape[:-1], N)
+    seqs = x.reshape(-1, T, K)
+    if seqs.shape[0] == 1:
+        return _gemm(_aligned(seqs[0]), w).reshape(*x.shape[:-1], N)
+    out = torch.empty(seqs.shape[0], T, N, dtype=torch.float32)
+    for b in range(seqs.shape[0]):
+        out[b] = _gemm(_aligned(seqs[b]), w)
+    return out.reshape(*x.shape[:-1], N)
+
+
+def _aligned(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` contiguous at a 64-byte boundary (a copy where it is not): MKL's sgemm takes another
+    path, with other last bits, for an input at another offset from a 16-byte boundary, so every
+    sequence is handed over aligned as a new tensor of its own is."""
+    if rows.is_contiguous() and rows.data_ptr() % 64 == 0:
+        return rows
+    return rows.clone(memory_format=torch.contiguous_format)
 
 
 def _strict_fp32() -> bool:
@@ -100,12 +167,14 @@ def decode_layout(weight: torch.Tensor) -> DecodeLayout:
 
 def uses_decode_layout(x: torch.Tensor) -> bool:
     """Whether ``linear(x, W, layout)`` reads ``layout``: a CPU product of at most 64 rows with
-    gradients off, not while tracing."""
+    gradients off, not while tracing, and not one that ``cpu_gemm``'s ``rows`` takes (which reads
+    ``W`` as it is)."""
     return (
         not torch.is_grad_enabled()
         and x.device.type == "cpu"
         and x.numel() <= _GEMV_ROWS * x.shape[-1]
         and not torch.compiler.is_compiling()
+        and not by_sequence(x)
     )
 
 
@@ -125,9 +194,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, layout: DecodeLayout | None = 
     ``uses_decode_layout(x)``, the product reads it instead, cut into one slice per thread for
     the tied head so that a batched product reads it with every core. A larger gradient-free fp32
     CPU product runs on the GEMM ``cpu_gemm`` chose (oneDNN's fp32 matmul ran a 512-token prompt's
-    products about twice as fast as MKL's sgemm on an AMD EPYC Zen 5). Everywhere else this is
-    exactly ``F.linear``.
+    products about twice as fast as MKL's sgemm on an AMD EPYC Zen 5), and within
+    ``cpu_gemm(..., rows=f)`` a sequence at a time: at most 64 positions a sequence on ``f``, whose
+    rows do not depend on the rows beside them, more on the GEMM once a sequence. Everywhere else
+    this is exactly ``F.linear``.
     """
+    if by_sequence(x, weight):
+        y = _sequence_products(x, weight)
+        if y is not None:
+            return y
     if layout is None or not uses_decode_layout(x):
         if _onednn_applies(x, weight):
             return onednn_linear(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
