@@ -897,7 +897,9 @@ inline void packed_fma_rows(const uvec* lanes, const float* xt, int64_t ldx, vec
   for (int i = 0; i < NR; ++i) {
     vec w = Packed<P>::template part<J>(lanes[i]);
     WIOLA_PIN(w);
-    for (int b = 0; b < NB; ++b) sum[i][b] = madd(w, xv[b], sum[i][b]);
+    // x first: with the weight first GCC allocated the registers so that the int4 step at batch 1
+    // ran 0.96-0.97x (AMD EPYC Zen 5, interleaved; the same numbers either way)
+    for (int b = 0; b < NB; ++b) sum[i][b] = madd(xv[b], w, sum[i][b]);
   }
   if constexpr (J + 1 < Packed<P>::kPer) packed_fma_rows<P, J + 1, NR, NB>(lanes, xt, ldx, sum);
 }
