@@ -85,10 +85,12 @@ inline void store4(float* p, __m128 v) { _mm_storeu_ps(p, v); }
 
 // acc + a·b, one rounding (a fused multiply-add) where the variant targets one, written out for the
 // products rather than left to -ffp-contract: GCC contracted `acc += w * x` in most instantiations of
-// the product blocks but not in all (the AVX2 variant's block of one weight row at one batch row
-// multiplied and added apart), so a matrix's last rows (N mod 4 of them) differed in their last
-// bits between a batch of one row and a larger batch. Without an FMA instruction (x86 without
-// -mfma) nothing is contracted anywhere, and a·b and the sum are rounded apart everywhere alike.
+// the product blocks but not in all (the AVX2 variant's block of one weight row at one batch row;
+// the element-wise tail of a row whose length is not a multiple of the vector, on AVX-512 too), so a
+// matrix's last N mod 4 rows, or a row's last weights, differed in their last bits between a batch
+// of one row and a larger batch. Without an FMA instruction (x86 without -mfma) nothing is
+// contracted anywhere, and a·b and the sum are rounded apart everywhere alike. Measured against the
+// contracted form: bench/results/2026-12-05_cpu_prompt-rows-amd-zen5/ (bf16 at batch 8 0.92-0.94x).
 inline vec madd(vec a, vec b, vec acc) {
 #if defined(WIOLA_ISA_AVX512)
   return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);

@@ -903,7 +903,8 @@ def gate(
             return None
         if carry[1].dtype != torch.int64 or carry[0].device.type != "cpu":
             return None
-        run, count = carry[0].clone(memory_format=torch.contiguous_format), carry[1].clone()
+        run = carry[0].clone(memory_format=torch.contiguous_format)
+        count = carry[1].clone(memory_format=torch.contiguous_format)
     g = torch.empty(B, T, H, dtype=torch.float32)
     n = torch.tensor([B, T, H, D, q.stride(0), q.stride(1)], dtype=torch.int64)
     lib.wiola_gate_rows(

@@ -38,8 +38,10 @@ time it is asked, and takes oneDNN only where it ran them at least ``GEMM_MARGIN
 where the two are close, MKL's stays, as on every CPU before. The measurement is kept per CPU,
 torch version and thread count in ``gemm.json`` in the build cache (``decode_step_cpu``'s
 folder), so that every process on a machine makes the same choice without timing again; delete
-the file to measure again. ``measure`` takes the timed choice on any CPU, a listed family's too. ``gemm_applies`` says where the choice is used (quantized models
-included: their products are fp32 on the dequantized weights).
+the file to measure again. ``measure`` takes the timed choice on any CPU, a listed family's too.
+``gemm_applies`` says where the choice is used (quantized models included: their products are
+fp32 on the dequantized weights). In a forward with a cache the products and the gate also run a
+sequence at a time (``context``), so that a row's prompt is the same alone and in a batch.
 """
 
 from __future__ import annotations
