@@ -33,7 +33,7 @@ from cpu_prompt_oracle import (
     prompt_inputs,
     rows_inputs,
 )
-from numerics import AbsSums, assert_within, bound, cache_bound, reference_on
+from numerics import LAMBDA, U32, AbsSums, assert_within, bound, cache_bound, reference_on
 
 import wiola
 import wiola.fast
@@ -166,7 +166,8 @@ def test_arm_prompt_functions_match_oracle(case, arm_harness, tmp_path):
     """The prompt's C++ functions on aarch64 (NEON): the attention over the cache (a chunk after
     cached slots, left padding, D 32 and 48), RMSNorm rows after the residual add and the SiLU
     gate (widths with a vector tail, inputs from 1e-3 to past ±87) against the float64 oracles
-    within the same error bounds as on x86 (``cpu_prompt_oracle``)."""
+    within the same error bounds as on x86 (``cpu_prompt_oracle``); the step's product over 9
+    rows within its fp32 bound, and each row alone bitwise the same as among the 9."""
     B, T, H, D, S, start, _ = case
     q, k, v, g, cos, sin, k_cache, v_cache, key_mask = (
         t.contiguous() for t in prompt_inputs(*case)
@@ -179,18 +180,24 @@ def test_arm_prompt_functions_match_oracle(case, arm_harness, tmp_path):
     blob += b"".join(map(_bytes, (q, k, v, g, cos, sin, k_cache, v_cache, key_mask)))
     blob += struct.pack("<2qf", rows, d, eps) + b"".join(map(_bytes, (x, residual, gamma)))
     blob += struct.pack("<2q", rows, F) + b"".join(map(_bytes, (up, bp)))
+    M, N, K = 9, 10, 37  # a row tail (37 mod 4) and a block of two rows (10 mod 4)
+    px, pw = rows_inputs(M, K, seed=K), torch.randn(N, K, generator=torch.Generator().manual_seed(N)) / K**0.5
+    blob += struct.pack("<3q", M, N, K) + b"".join(map(_bytes, (px, pw)))
     out = _run(arm_harness, tmp_path, blob, "prompt")
 
-    sizes = [B * T * H * D, B * H * S * D, B * H * S * D, rows * d, rows * d, rows * F]
+    sizes = [B * T * H * D, B * H * S * D, B * H * S * D, rows * d, rows * d, rows * F, M * N, M * N]
     assert len(out) == 4 * sum(sizes), f"the harness wrote {len(out)} bytes, {4 * sum(sizes)} expected"
     parts, at = [], 0
     for n in sizes:
         parts.append(torch.from_numpy(np.frombuffer(out, dtype=np.float32, count=n, offset=4 * at).copy()))
         at += n
-    att, kc, vc, norm, h, gate = parts
+    att, kc, vc, norm, h, gate, product, alone = parts
     where = "portable (aarch64, qemu)"
     inputs = (q, k, v, g, cos, sin, k_cache, v_cache, key_mask)
     att, kc, vc = att.view(B, T, H, D), kc.view(B, H, S, D), vc.view(B, H, S, D)
     check_prompt_attention(f"ARM prompt attention {case}", inputs, start, att, kc, vc, where)
     check_rms_norm("ARM rms_norm rows", x, residual, gamma, eps, norm.view(rows, d), h.view(rows, d), where)
     check_silu_gate("ARM silu gate rows", up, bp, gate.view(rows, F), where)
+    allowed = LAMBDA * K**0.5 * U32 * (px.double().abs() @ pw.double().abs().T)
+    assert_within("ARM product rows", px.double() @ pw.double().T, product.view(M, N), allowed, where)
+    assert torch.equal(alone, product), f"ARM product rows: a row alone differs from the same row among {M}"

@@ -10,8 +10,10 @@
 // `harness prompt INPUT OUTPUT` runs the prompt's functions of the same source instead:
 // wiola_decode_attention, wiola_rms_norm_rows and wiola_silu_gate_rows. Input: 8 int64 (B, T, H,
 // D, S, start, ld_b, ld_t), then the buffers q, k, v, g, cos, sin, k_cache, v_cache, key_mask;
-// int64 rows, d, float32 eps, the buffers x, residual, gamma; int64 rows, F, the buffers up, bp.
-// Output: the attention's (B, T, H, D), the caches, the RMSNorm's out and h, the SiLU gate's out.
+// int64 rows, d, float32 eps, the buffers x, residual, gamma; int64 rows, F, the buffers up, bp;
+// int64 M, N, K, the buffers x (M, K) and W (N, K).
+// Output: the attention's (B, T, H, D), the caches, the RMSNorm's out and h, the SiLU gate's out,
+// wiola_product_rows over all M rows, then over each row alone (M products of one row).
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -73,6 +75,15 @@ int run_prompt(const char* output) {
   std::vector<void*> s = read_buffers(2);  // up bp
   std::vector<float> gate(grows * F);
   wiola_silu_gate_rows(floats(s[0]), floats(s[1]), gate.data(), grows, F);
+  const int64_t M = read_i64(), N = read_i64(), K = read_i64();
+  std::vector<void*> p = read_buffers(2);  // x W
+  std::vector<float> all(M * N), alone(M * N);
+  wiola_product_rows(floats(p[1]), N, K, floats(p[0]), M, all.data(), 8);
+  float* row = static_cast<float*>(std::aligned_alloc(64, (K * sizeof(float) + 63) / 64 * 64));
+  for (int64_t i = 0; i < M; ++i) {
+    std::memcpy(row, floats(p[0]) + i * K, K * sizeof(float));
+    wiola_product_rows(floats(p[1]), N, K, row, 1, alone.data() + i * N, 8);
+  }
   FILE* out = std::fopen(output, "wb");
   if (!out) {
     std::perror(output);
@@ -84,6 +95,8 @@ int run_prompt(const char* output) {
   std::fwrite(norm.data(), sizeof(float), norm.size(), out);
   std::fwrite(h.data(), sizeof(float), h.size(), out);
   std::fwrite(gate.data(), sizeof(float), gate.size(), out);
+  std::fwrite(all.data(), sizeof(float), all.size(), out);
+  std::fwrite(alone.data(), sizeof(float), alone.size(), out);
   return std::fclose(out) == 0 ? 0 : 1;
 }
 
