@@ -34,6 +34,7 @@ from cpu_prompt_oracle import (
     rows_inputs,
     silu_gate_oracle,
 )
+from gate_oracle import gate_float64, make_inputs
 from numerics import (
     LAMBDA,
     U32,
@@ -831,64 +832,16 @@ def test_row_functions_batch_and_threads_bitwise(isa):
 
 
 def _gate_inputs(B, T, H, D, *, rotate, pad, carry, seed=0):
-    """q as a strided view of a fused (B, T, 3, H, D) projection, the gate's weights, RoPE tables of
-    the positions (where ``rotate``), a left-padding mask (where ``pad``) and a carried (sum, count)."""
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, T, 3, H, D, generator=gen).unbind(2)[0]
-    w1, w2, b2 = 0.4 * torch.randn(H, D, generator=gen), 0.4 * torch.randn(H, H, generator=gen), 0.1 * torch.randn(H)
-    mask = None
-    if pad:
-        mask = torch.ones(B, T, dtype=torch.bool)
-        for b in range(B):
-            mask[b, : (b * 7) % (T // 2 + 1)] = False
-    cos = sin = None
-    if rotate:
-        angles = torch.arange(T, dtype=torch.float32)[None, :, None] * torch.rand(1, 1, D // 2, generator=gen)
-        cos, sin = angles.cos().expand(B, T, D // 2).contiguous(), angles.sin().expand(B, T, D // 2).contiguous()
-    state = None
-    if carry:
-        state = (torch.randn(B, D, generator=gen), torch.randint(0, 6, (B,), generator=gen))
-    return q, (w1, w2, b2), cos, sin, mask, state
-
-
-def _gate_float64_with_bound(q, w1, w2, b2, cos, sin, mask, carry):
-    """The gate token by token in float64 (SPEC eq. 8-10), and the first-order bound of an fp32
-    evaluation's error per gate, each step's rounding (λ·√n·u·Σ|terms| for a sum of n, u for each
-    division, product and rotation, 4u for SiLU's and σ's exponentials) carried forward through
-    the later steps' derivatives (|SiLU'| <= 1.1, σ' <= 1/4)."""
-    B, T, H, D = q.shape
-    half, u, lam = D // 2, U32, LAMBDA
-    q, w1, w2, b2 = q.double(), w1.double(), w2.double(), b2.double()
-    g, allowed = torch.zeros(B, T, H, dtype=torch.float64), torch.zeros(B, T, H, dtype=torch.float64)
-    for b in range(B):
-        run = carry[0][b].double().clone() if carry is not None else torch.zeros(D, dtype=torch.float64)
-        n = int(carry[1][b]) if carry is not None else 0
-        run_err, run_abs = torch.zeros(D, dtype=torch.float64), run.abs()
-        for t in range(T):
-            m = q[b, t].mean(0)
-            m_err = lam * H**0.5 * u * q[b, t].abs().mean(0) + u * m.abs()
-            if cos is not None:
-                c, s = cos[b, t].double(), sin[b, t].double()
-                m1, m2 = m[:half], m[half:]
-                scale = (m1.abs() * c.abs() + m2.abs() * s.abs(), m1.abs() * s.abs() + m2.abs() * c.abs())
-                m = torch.cat((m1 * c - m2 * s, m1 * s + m2 * c))
-                e1, e2 = m_err[:half], m_err[half:]
-                m_err = torch.cat((e1 * c.abs() + e2 * s.abs(), e1 * s.abs() + e2 * c.abs())) + 2 * u * torch.cat(scale)
-            if mask is None or bool(mask[b, t]):
-                run, n = run + m, n + 1
-                run_abs = run_abs + m.abs()
-                run_err = run_err + m_err
-            c = run / max(n, 1)
-            c_err = (run_err + lam * max(n, 1) ** 0.5 * u * run_abs) / max(n, 1) + u * c.abs()
-            a = w1 @ c
-            a_err = lam * D**0.5 * u * (w1.abs() @ c.abs()) + w1.abs() @ c_err
-            hidden = a * torch.sigmoid(a)
-            h_err = 1.1 * a_err + 4 * u * hidden.abs()
-            z = w2 @ hidden + b2
-            z_err = lam * (H + 1) ** 0.5 * u * (w2.abs() @ hidden.abs() + b2.abs()) + w2.abs() @ h_err
-            g[b, t] = torch.sigmoid(z)
-            allowed[b, t] = z_err / 4 + 4 * u * g[b, t]
-    return g, allowed
+    """``gate_oracle.make_inputs`` as plain CPU tensors: q (a strided view of the fused projection),
+    the weights, cos and sin (or None), a left-padding mask (or None), the carry (or None)."""
+    qkv, weights, mask, rope, state = make_inputs(
+        B, T, H, D, pad="left" if pad else "none", rotate=rotate, carry=carry, seed=seed
+    )
+    q = qkv.detach().cpu().unbind(2)[0]
+    w1, w2, b2 = (w.detach().cpu() for w in weights)
+    cos, sin = (rope[k].cpu() for k in ("cos", "sin")) if rope else (None, None)
+    state = None if state is None else (state[0].detach().cpu(), state[1].cpu())
+    return q, (w1, w2, b2), cos, sin, None if mask is None else mask.cpu(), state
 
 
 GATE_CASES = [
@@ -905,15 +858,19 @@ GATE_CASES = [
 def test_gate_within_its_bound_and_each_row_bitwise_alone(isa, B, T, H, D, rotate, pad, carry):
     """``decode_step_cpu.gate`` (the step's own gate, position by position: what the fast model's
     CPU prompt runs) within its first-order fp32 bound of the float64 formulas, with and without
-    rotation, left padding and a carry; the new sum and count as the formulas give them; each row's
-    gates bitwise the same alone, within the batch on 1, 2 or 3 threads, and in two chunks with the
-    carry between them."""
+    rotation, left padding and a carry (and not a gate with a row of W1 off by 10⁻³); the count as
+    the formulas give it; each row's gates bitwise the same alone, within the batch on 1, 2 or 3
+    threads, and in two chunks with the carry between them."""
     q, (w1, w2, b2), cos, sin, mask, state = _gate_inputs(B, T, H, D, rotate=rotate, pad=pad, carry=carry)
     got = decode_step_cpu.gate(q, w1, w2, b2, cos, sin, mask, state, isa=isa)
     assert got is not None, f"{isa}: the C++ gate did not apply"
     g, total, count = got
-    want, allowed = _gate_float64_with_bound(q, w1, w2, b2, cos, sin, mask, state)
+    want, _, allowed = gate_float64(q, w1, w2, b2, cos, sin, mask, state)
     assert_within(f"gate {B}x{T}x{H}x{D}", want, g, allowed, isa)
+    off = w1.clone()
+    off[0] *= 1 + 1e-3
+    wrong = decode_step_cpu.gate(q, off, w2, b2, cos, sin, mask, state, isa=isa)[0]
+    assert ((wrong.double() - want).abs() > allowed).any(), "the bound cannot tell a row of W1 off by 1e-3"
     real = mask.sum(1) if mask is not None else torch.full((B,), T)
     assert torch.equal(count, real + (state[1] if state is not None else 0)), f"{isa}: count {count.tolist()}"
     threads = torch.get_num_threads()

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gate_oracle import gate_float64, make_inputs
 from numerics import DEVICE, KERNEL_DTYPES, TOL, assert_close
 
 import wiola_kernels.gate as kgate
 from wiola.ops.gate import gate as ref_gate
-from wiola.ops.rope import helix_frequencies, positions_from_mask, rope_tables
+from wiola.ops.rope import helix_frequencies, rope_tables
 from wiola_kernels._utils import poisoned_outputs
 
 
@@ -22,36 +23,6 @@ def nan_buffers():
     """Every kernel output and scratch buffer starts as NaN (integers as -1)."""
     with poisoned_outputs():
         yield
-
-
-def make_inputs(B, T, H, D, *, dtype=torch.float32, pad="none", rotate=False, alpha=0.05, carry=False, seed=0):
-    """q as a strided view of a fused (B, T, 3, H, D) projection, weights, mask, rope tables, carry."""
-    gen = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(B, T, 3, H, D, generator=gen).to(DEVICE, dtype).requires_grad_()
-    w1 = (0.4 * torch.randn(H, D, generator=gen)).to(DEVICE).requires_grad_()
-    w2 = (0.4 * torch.randn(H, H, generator=gen)).to(DEVICE).requires_grad_()
-    b2 = (0.1 * torch.randn(H, generator=gen)).to(DEVICE).requires_grad_()
-    mask = None
-    if pad != "none":
-        mask = torch.ones(B, T, dtype=torch.bool)
-        lengths = torch.randint(0, T // 2 + 1, (B,), generator=gen)
-        for b in range(B):
-            n = int(lengths[b]) if b else max(1, T // 3)  # row 0 always has some padding
-            if pad in ("left", "both"):
-                mask[b, : min(n, T - 1)] = False
-            if pad in ("right", "both"):
-                mask[b, T - max(1, n // 2) :] = False
-        mask = mask.to(DEVICE)
-    rope = {}
-    if rotate:
-        positions = positions_from_mask(mask.cpu() if mask is not None else None, B, T)
-        cos, sin = rope_tables(positions, helix_frequencies(D, alpha=alpha))
-        rope = {"cos": cos.to(DEVICE), "sin": sin.to(DEVICE)}
-    state = None
-    if carry:
-        total = torch.randn(B, D, generator=gen).to(DEVICE).requires_grad_()
-        state = (total, torch.randint(0, 6, (B,), generator=gen).to(DEVICE))
-    return qkv, (w1, w2, b2), mask, rope, state
 
 
 def run(fn, qkv, weights, mask, rope, state, dg, dsum):
@@ -105,35 +76,12 @@ def test_gate_matches_reference(case, dtype):
             assert_close(name, ref[name], got[name], TOL[dtype])
 
 
-def gate_float64_loop(q, w1, w2, b2, cos, sin, mask):
-    """The SPEC's formulas token by token in float64: an oracle independent of wiola.ops."""
-    B, T, H, D = q.shape
-    half = D // 2
-    q, w1, w2, b2 = q.double(), w1.double(), w2.double(), b2.double()
-    g = torch.zeros(B, T, H, dtype=torch.float64)
-    sums = []
-    for b in range(B):
-        running, n = torch.zeros(D, dtype=torch.float64), 0
-        for t in range(T):
-            m = q[b, t].mean(0)
-            if cos is not None:
-                c, s = cos[b, t].double(), sin[b, t].double()
-                m = torch.cat((m[:half] * c - m[half:] * s, m[:half] * s + m[half:] * c))
-            if mask is None or bool(mask[b, t]):
-                running, n = running + m, n + 1
-            ct = running / max(n, 1)
-            a = w1 @ ct
-            g[b, t] = torch.sigmoid(w2 @ (a * torch.sigmoid(a)) + b2)
-        sums.append(running)
-    return g, torch.stack(sums)
-
-
 def test_gate_matches_float64_loop():
     B, T, H, D = 2, 23, 4, 16
     qkv, (w1, w2, b2), mask, rope, _ = make_inputs(B, T, H, D, pad="left", rotate=True, seed=3)
     q = qkv.detach().unbind(2)[0]
     g, total, count = kgate.gate(q, w1.detach(), w2.detach(), b2.detach(), attention_mask=mask, **rope)
-    g64, sum64 = gate_float64_loop(
+    g64, sum64, _ = gate_float64(
         q.cpu(), w1.cpu(), w2.cpu(), b2.cpu(), rope["cos"].cpu(), rope["sin"].cpu(), mask.cpu()
     )
     assert_close("g", g64, g.cpu(), 1e-5)
@@ -143,7 +91,7 @@ def test_gate_matches_float64_loop():
     q64 = q.cpu().double().requires_grad_()
     w64 = [w.detach().cpu().double().requires_grad_() for w in (w1, w2, b2)]
     dg = torch.randn(B, T, H, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-    g_loop, _ = gate_float64_loop(q64, *w64, rope["cos"].cpu(), rope["sin"].cpu(), mask.cpu())
+    g_loop, _, _ = gate_float64(q64, *w64, rope["cos"].cpu(), rope["sin"].cpu(), mask.cpu())
     ref_grads = torch.autograd.grad((g_loop * dg).sum(), [q64, *w64])
     qf = q.clone().requires_grad_()
     wf = [w.detach().clone().requires_grad_() for w in (w1, w2, b2)]

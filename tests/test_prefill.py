@@ -263,10 +263,21 @@ def test_a_failing_onednn_is_not_taken(monkeypatch, gemm_cache):
     ), prefill._describe_gemm()
 
 
-def test_measure_gemms_times_both_on_real_products():
+def test_measure_gemms_times_both_on_real_products(monkeypatch):
+    """Each GEMM runs every shape once untimed and once a round, on operands of those shapes;
+    both times are positive; bad shapes or rounds are refused."""
+    ran: dict[str, list[tuple[int, int, int]]] = {"aten": [], "onednn": []}
+    aten, onednn = prefill.F.linear, linear.onednn_linear
+
+    def spy(name, real):
+        return lambda x, w: ran[name].append((*x.shape, w.shape[0])) or real(x, w)
+
+    monkeypatch.setattr(prefill.F, "linear", spy("aten", aten))
+    monkeypatch.setattr(linear, "onednn_linear", spy("onednn", onednn))
     shapes = ((65, 16, 24), (70, 8, 8))
     times = prefill.measure_gemms(shapes, rounds=3)
     assert set(times) == set(linear.CPU_GEMMS) and all(t > 0.0 for t in times.values()), times
+    assert ran["aten"] == ran["onednn"] == list(shapes) * 4, ran
     for bad, rounds in ((shapes, 0), ((), 1), (((65, 0, 8),), 1)):
         with pytest.raises(ValueError, match="measure_gemms: shapes="):
             prefill.measure_gemms(bad, rounds)
