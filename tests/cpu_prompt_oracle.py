@@ -18,6 +18,7 @@ PROMPT_CASES = [
     (3, 21, 2, 32, 70, 40, 45),  # a chunk after 40 cached slots; row 1's early queries see no key
     (2, 130, 4, 64, 140, 0, 20),  # D 64: two passes of values a tile on AVX-512; left padding
     (2, 19, 2, 48, 300, 250, 3),  # D 48: a pass of two vectors and one of one; a long prefix
+    (2, 1, 2, 32, 30, 17, 5),  # one token after 17 cached slots (a step outside the C++ step); padding
 ]
 
 

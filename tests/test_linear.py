@@ -175,3 +175,61 @@ def test_rows_run_a_sequence_at_a_time(gemm, monkeypatch):
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             L.linear(x, w)
         assert seen == [], "rows ran with gradients on or under autocast"
+
+
+class _Wrapped(torch.nn.Module):
+    """A projection wrapped as peft's LoRA layer wraps one: ``base(x) + B(A x)``, each an ``nn.Linear``
+    (``F.linear`` inside), the base with a bias, and another function (``tanh``) between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(2)
+        self.base, self.a, self.b = (
+            torch.nn.Linear(40, 24),
+            torch.nn.Linear(40, 3, False),
+            torch.nn.Linear(3, 24, False),
+        )
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.b(self.a(x).tanh())
+
+
+def test_project_runs_a_wrapped_modules_linears_a_sequence_at_a_time():
+    """``project(x, module)`` and ``linear(x, module)`` call the module; within ``cpu_gemm(rows=f)``,
+    where ``by_sequence``, its ``F.linear`` calls go to ``f`` (every row in one call), the bias
+    added after, and its other functions run as they are; elsewhere (no ``rows``, gradients on,
+    float64) it runs as it is. Within the fp32 bound of the float64 function."""
+    seen: list[tuple[int, ...]] = []
+
+    def rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        seen.append(tuple(x.shape))
+        return (x.double() @ w.double().T).float()
+
+    module = _Wrapped()
+    x = torch.randn(3, 9, 40, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        with L.cpu_gemm("aten", rows=rows):
+            got, via_linear = L.project(x, module), L.linear(x, module)
+        assert seen == [(27, 40), (27, 40), (27, 3)] * 2, seen
+        assert torch.equal(got, via_linear)
+        base, a, b = (m.weight.double() for m in (module.base, module.a, module.b))
+        inner = x.double() @ a.T
+        want = x.double() @ base.T + module.base.bias.double() + inner.tanh() @ b.T
+        # each product's bound, the inner one carried through tanh (|tanh'| <= 1) and B (whose own
+        # bound, λ·√3·u·Σ|B·tanh|, also covers tanh's rounding of a few ulp), and the bias and the
+        # final add one rounding each
+        carried = (_allowed(x, module.a.weight) @ b.abs().T) + _allowed(inner.tanh().float(), module.b.weight)
+        allowed = _allowed(x, module.base.weight) + carried + 2 * U32 * want.abs()
+        assert_within("project within rows", want, got, allowed, "aten")
+        seen.clear()
+        assert torch.equal(L.project(x, module), module(x))  # no rows: the module as it is
+        with L.cpu_gemm("aten", rows=rows):
+            L.project(x.double(), module.double())  # not fp32
+        module.float()
+        assert seen == [], "a product went to rows outside cpu_gemm(rows=) or in float64"
+    with L.cpu_gemm("aten", rows=rows):
+        L.project(x, module)  # gradients on
+    assert seen == [], "a product went to rows with gradients on"

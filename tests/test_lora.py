@@ -5,6 +5,7 @@ reload with peft.PeftModel.from_pretrained; `wiola finetune --lora-rank` and `wi
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -50,6 +51,33 @@ def test_adapters_change_logits_and_equal_the_merged_model(cls, targets, tmp_pat
         assert_close(f"{cls.__module__} {targets} merged vs adapters", lo, merged(ids).logits, FP32)
 
 
+@pytest.mark.parametrize("cls", [wiola.WiolaModel, wiola.fast.WiolaModel], ids=["reference", "fast"])
+@pytest.mark.parametrize("ffn", ["swiglu", "gelu"])
+def test_adapters_on_the_other_feed_forward_blocks_run_and_train(cls, ffn) -> None:
+    """The ablations' SwiGLU and GELU blocks read their projections' weights; an adapted one is
+    called instead, so its adapter changes the logits, equals the merged weights, and trains (its
+    B gets a gradient from zero, as peft initialises it). Reading ``.weight`` of a LoRA layer
+    would give the base weight and leave the adapter out."""
+    torch.manual_seed(0)
+    base = cls(dataclasses.replace(CONFIG, ffn=ffn)).eval()
+    targets = ["up_proj", "down_proj"] + (["gate_proj"] if ffn == "swiglu" else [])
+    ids = torch.randint(0, 300, (2, 9))
+    lora = _lora(base, targets)
+    assert has_adapters(_lora(base, ["gate_proj" if ffn == "swiglu" else "up_proj"])), "an adapted FFN not seen"
+    with torch.no_grad():
+        b, lo = base(ids).logits, lora(ids).logits
+        changed = rel_err(b, lo)
+        assert changed > 100 * FP32, f"{cls.__module__} {ffn}: the adapter changed the logits by {changed:.1e} only"
+        assert_close(
+            f"{cls.__module__} {ffn} merged vs adapters", lo, copy.deepcopy(lora).merge_and_unload()(ids).logits, FP32
+        )
+    fresh = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=4, target_modules=targets))  # B = 0
+    fresh(ids, labels=ids).loss.backward()
+    grads = {n: p.grad for n, p in fresh.named_parameters() if "lora_B" in n}
+    assert len(grads) == 2 * len(targets), sorted(grads)  # two layers
+    assert all(g is not None and g.abs().max() > 0 for g in grads.values()), f"{ffn}: an adapter got no gradient"
+
+
 def test_fast_cpu_step_never_runs_base_weights_under_an_adapter(monkeypatch) -> None:
     """On a plain CPU the fast model decodes one token in C++ from the weights it reads itself:
     with an adapter attached it must not (the PyTorch path runs the adapter), and cached decoding
@@ -85,6 +113,39 @@ def test_fast_cpu_step_never_runs_base_weights_under_an_adapter(monkeypatch) -> 
     assert_close("cached step: adapters vs merged (C++)", steps["merged"], steps["adapters"], FP32)
     out_lora = lora.generate(prompt, 5, temperature=0)
     assert torch.equal(out_lora, merged.generate(prompt, 5, temperature=0))
+
+
+@pytest.mark.parametrize(
+    "targets", [ADAPTER_TARGETS, ("q_proj",), ("bypass_proj", "down_proj")], ids=["all", "q", "ffn"]
+)
+def test_adapted_row_is_the_same_alone_and_in_a_batch(targets, monkeypatch) -> None:
+    """On a plain CPU an adapted fast model decodes on the PyTorch path (the C++ step reads the
+    base weights), yet a row's prompt logits (every position; prompts of 5 and 70 tokens, either
+    side of the 64 positions a sequence that the step's product takes), each of 4 steps after them
+    and its greedy tokens are bitwise the same alone and as row 3 of 8: peft's products run a
+    sequence at a time (``wiola.ops.linear.SequenceLinears``) and a step's attention, norms and
+    butterfly middle in C++. Before that, the 5-token prompt and every step differed."""
+    decode_step_cpu = pytest.importorskip("wiola.fast.decode_step_cpu")
+    if decode_step_cpu.load() is None:
+        pytest.skip(f"the C++ step does not build here: {decode_step_cpu.BUILD_ERROR}")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a plain CPU: no kernels under the interpreter
+    torch.manual_seed(0)
+    config = wiola.WiolaConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=2, d_ff=48, max_seq_len=96)
+    lora = _lora(wiola.fast.WiolaModel(config).eval(), targets)
+    gen = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for T in (5, 70):
+            ids = torch.randint(0, 300, (8, T), generator=gen)
+            steps = torch.randint(0, 300, (8, 4), generator=gen)
+            alone, batch = lora.new_cache(1, T + 4), lora.new_cache(8, T + 4)
+            one, all_rows = lora(ids[3:4], cache=alone).logits[0], lora(ids, cache=batch).logits[3]
+            assert torch.equal(one, all_rows), f"{targets} T {T}: prompt logits alone != row 3 of 8"
+            for s in range(4):
+                one = lora(steps[3:4, s : s + 1], cache=alone).logits[0]
+                all_rows = lora(steps[:, s : s + 1], cache=batch).logits[3]
+                assert torch.equal(one, all_rows), f"{targets} T {T}: step {s} alone != row 3 of 8"
+            tokens = lora.generate(ids, 4, temperature=0)
+            assert torch.equal(lora.generate(ids[3:4], 4, temperature=0)[0], tokens[3]), f"{targets} T {T}: tokens"
 
 
 def test_adapter_on_the_embedding_is_refused() -> None:

@@ -31,7 +31,7 @@ from wiola.cache import Cache
 from wiola.checkpoint import load_pretrained, save_pretrained
 from wiola.config import WiolaConfig
 from wiola.generation import generate
-from wiola.ops.linear import DecodeLayout, autocast_dtype, decode_layout, linear, uses_decode_layout
+from wiola.ops.linear import DecodeLayout, autocast_dtype, decode_layout, linear, project, uses_decode_layout
 from wiola.ops.rope import helix_frequencies, positions_from_mask, rope_tables, upcast
 
 if TYPE_CHECKING:
@@ -177,7 +177,7 @@ def has_adapters(model: nn.Module) -> bool:
 
 
 # The projections a LoRA adapter may wrap (their names in the state dict).
-ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj", "bypass_proj")
+ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj", "bypass_proj", "gate_proj")
 
 
 class RMSNorm(nn.Module):
@@ -289,7 +289,7 @@ class GatedHelicalAttention(nn.Module):
         H, D = self.n_heads, self.head_dim
         i = self.layer_index
         if adapted(self.q_proj, self.k_proj, self.v_proj):  # called, so their adapters run
-            qkv = torch.cat([m(x) for m in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)
+            qkv = torch.cat([project(x, m) for m in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)
         elif uses_decode_layout(x):
             qkv = linear(x, self.q_proj.weight, self._layout("qkv", "q_proj", "k_proj", "v_proj"))
         else:
@@ -310,7 +310,7 @@ class GatedHelicalAttention(nn.Module):
             )
         o = o.reshape(B, T, H * D)
         if adapted(self.o_proj):
-            return self.o_proj(o)
+            return project(o, self.o_proj)
         if uses_decode_layout(o):
             return linear(o, self.o_proj.weight, self._layout("o", "o_proj"))
         return linear(o, _cast_of(self.derived, ("o", i), self.o_proj.weight, autocast_dtype(o)))
@@ -342,13 +342,17 @@ class _FeedForward(nn.Module):
         self.names = (*(name for name, _ in self.up), "down_proj")  # the projections in call order
 
     def compute(self, x: torch.Tensor, *weights: torch.Tensor, layouts: tuple | None) -> torch.Tensor:
-        """The block's function of ``x`` ``(..., d)`` and the projections' weights (``up`` order, then down)."""
+        """The block's function of ``x`` ``(..., d)`` and the projections' weights (``up`` order, then
+        down); an adapted projection comes as its module, which ``wiola.ops.linear.linear`` calls."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(..., d)`` -> ``(..., d)``."""
         names = self.names
-        weights = tuple(getattr(self, n).weight for n in names)
+        modules = tuple(getattr(self, n) for n in names)
+        if adapted(*modules):  # an adapted projection goes in as its module, called so its adapter runs
+            return self.compute(x, *(m if adapted(m) else m.weight for m in modules), layouts=None)
+        weights = tuple(m.weight for m in modules)
         if not uses_decode_layout(x):
             dtype = autocast_dtype(x)  # the casts autocast makes, once per weight version
             weights = tuple(_cast_of(self.derived, (n, self.layer_index), w, dtype) for n, w in zip(names, weights))
@@ -365,8 +369,8 @@ class Butterfly(_FeedForward):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(..., d)`` -> ``(..., d)``."""
         if adapted(self.up_proj, self.bypass_proj, self.down_proj):  # ops.butterfly's formula on the modules
-            a, b = self.up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(a) * b + self.bypass_proj(x))
+            a, b = project(x, self.up_proj).chunk(2, dim=-1)
+            return project(F.silu(a) * b + project(x, self.bypass_proj), self.down_proj)
         return super().forward(x)
 
     def compute(self, x: torch.Tensor, *weights: torch.Tensor, layouts: tuple | None) -> torch.Tensor:

@@ -9,9 +9,11 @@ or bf16) it streams the packed matrices, widened to fp32 in registers, and compu
 the dequantized weights (``tests/test_quantize.py``); the C++ has one body of the products for
 fp32 and int8 (the weight type a template parameter) and one for int4 and bf16, whose rows it
 reads as 32-bit lanes of several weights each (``docs/SPEC.md``, "Products by weight type").
-The same library runs three parts of a prompt (``T > 1``) on a plain CPU: its attention over the
-cache (``decode_attention``), its RMSNorms (``rms_norm``) and the butterfly's middle
-(``silu_gate``); the products stay ATen's.
+The same library runs three parts of a prompt (``T > 1``, or a token the one-token step does not
+take, as for a model with adapters) on a plain CPU: its attention over the cache
+(``decode_attention``), its RMSNorms (``rms_norm``) and the butterfly's middle (``silu_gate``);
+with a cache its products run a sequence at a time on ``product`` or the chosen GEMM
+(``wiola.ops.linear.cpu_gemm``).
 
 One source, three instruction-set variants (``ISAS``), chosen at build time:
 
@@ -80,6 +82,9 @@ MAX_HEAD = 1024  # the C++ keeps a head's gate vectors on the stack
 BUILD_ERROR: str | None = None  # why the library could not be built or loaded (the latest failure)
 _BUILDS: dict[tuple[str, str], ctypes.CDLL | str] = {}  # (compiler, isa) -> the library or the error
 _FEATURES: dict[str, tuple[frozenset[str], str]] = {}  # compiler -> (CPU features, where read)
+# (isa asked, $WIOLA_CPU_ISA, compiler) -> (library, the features entry and ISA it was chosen by):
+# ``load``'s answer without choosing again, while _FEATURES and _BUILDS still hold those entries.
+_LOADED: dict[tuple[str | None, str, str], tuple[ctypes.CDLL, tuple[frozenset[str], str] | None, str]] = {}
 _MACROS = {"__AVX512F__": "avx512f", "__AVX2__": "avx2", "__FMA__": "fma"}
 
 
@@ -300,7 +305,11 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
     CPU's."""
     global BUILD_ERROR
     compiler = _compiler()
-    isa = select_isa(isa, compiler)
+    key = (isa, os.environ.get(ISA_ENV, ""), compiler)
+    known = _LOADED.get(key)  # every product and row function asks: once chosen, two lookups
+    if known is not None and _FEATURES.get(compiler) is known[1] and _BUILDS.get((compiler, known[2])) is known[0]:
+        return known[0]
+    asked, isa = isa, select_isa(isa, compiler)
     built = _BUILDS.get((compiler, isa))
     if built is None:
         try:
@@ -317,6 +326,7 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
     if isinstance(built, str):
         BUILD_ERROR = built
         return None
+    _LOADED[(asked, key[1], compiler)] = (built, _FEATURES.get(compiler), isa)
     return built
 
 
@@ -729,8 +739,9 @@ def decode_attention(
     *,
     isa: str | None = None,
 ) -> torch.Tensor | None:
-    """``wiola.ops.decode_attention`` for ``T > 1`` new tokens on a CPU in C++ (the prompt, or a
-    chunk of one; ``PromptAttention`` in the source): the keys rotated and written with the
+    """``wiola.ops.decode_attention`` for ``T`` new tokens on a CPU in C++ (the prompt, a chunk
+    of one, or one token where the one-token step does not run, as for a model with adapters;
+    ``PromptAttention`` in the source): the keys rotated and written with the
     values to slots ``[start, start + T)`` of the cache, each query's gated causal attention over
     its row's real slots; ``(B, T, H, D)`` fp32. Its own summation order (``docs/SPEC.md``, "The
     prompt's attention on a CPU"), each query's numbers independent of the batch, the tile and
@@ -747,7 +758,7 @@ def decode_attention(
     S = k_cache.shape[2] if k_cache.dim() == 4 else -1
     fp32 = (q, k, v, g, cos, sin, k_cache, v_cache)
     if (
-        T < 2
+        T < 1
         or D % 16
         or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in fp32)
         or k.stride() != q.stride()
@@ -780,7 +791,7 @@ def decode_attention(
 
 def _rows_fp32(*tensors: torch.Tensor) -> bool:
     """Whether each tensor is a contiguous fp32 CPU tensor (what the row functions read)."""
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+    return all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors)
 
 
 def rms_norm(

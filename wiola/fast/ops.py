@@ -148,15 +148,16 @@ class _Ops:
         self, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``wiola.ops.rms_norm``: the fused residual add + RMSNorm kernel where usable; on a plain
-        CPU for ``T > 1`` fp32 positions the C++ rows (``decode_step_cpu.rms_norm``, the one-token
-        step's RMSNorm); else one ATen ``rms_norm`` for fp32 tensors (the reference for other
+        CPU for ``T > 1`` fp32 positions, or any where ``by_sequence`` (a step outside the C++ step:
+        its rows must not depend on the batch), the C++ rows (``decode_step_cpu.rms_norm``, the
+        one-token step's RMSNorm); else one ATen ``rms_norm`` for fp32 tensors (the reference for other
         dtypes)."""
         kernel = self._kernel("rms_norm", x)
         if kernel is not None:
             # A bf16 autocast output with the fp32 stream goes in as it is: the kernel adds in the
             # promoted dtype itself, as the reference's ``x + residual`` does (no cast copy first).
             return kernel(x, weight, eps, residual)
-        if self.kernels and x.dim() == 3 and x.shape[1] > 1 and _plain_cpu(x):
+        if self.kernels and x.dim() == 3 and (x.shape[1] > 1 or by_sequence(x)) and _plain_cpu(x):
             from wiola.fast import decode_step_cpu
 
             out = decode_step_cpu.rms_norm(x, weight, eps, residual)
@@ -248,8 +249,10 @@ class _Ops:
         Kernels: a prefill into an empty cache (``start == 0``, ``T > 1``) writes the cache with the
         decode write kernel and runs the training attention kernel, so it equals the full pass
         exactly; everything else (one token, or a chunk after cached tokens) runs the
-        flash-decoding kernel. On a plain CPU (no kernels), ``T > 1`` in fp32 with gradients off runs
-        the C++ prompt attention (``wiola.fast.decode_step_cpu.decode_attention``) where it applies.
+        flash-decoding kernel. On a plain CPU (no kernels), ``T > 1`` in fp32 with gradients off, or
+        one token where ``by_sequence`` (a step outside the C++ step, as with adapters: SDPA's rows
+        follow the batch), runs the C++ prompt attention
+        (``wiola.fast.decode_step_cpu.decode_attention``) where it applies.
         PyTorch path: slice writes and SDPA over the filled slots.
         With ``unpadded`` (the caller had no ``attention_mask``), the prefill runs the unmasked
         attention variant (``mask=None``) and does not read ``key_mask``.
@@ -264,7 +267,7 @@ class _Ops:
             return decode(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start)
         if isinstance(start, torch.Tensor):
             start = int(start)  # host sync: the PyTorch path is not for CUDA graphs
-        if T > 1 and self.kernels and _plain_cpu(q):
+        if (T > 1 or by_sequence(q)) and self.kernels and _plain_cpu(q):
             from wiola.fast import decode_step_cpu
 
             o = decode_step_cpu.decode_attention(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start)
@@ -294,10 +297,10 @@ class _Ops:
     ) -> torch.Tensor:
         """``wiola.ops.butterfly``: the fused up/bypass GEMM with the SiLU-gate epilogue and the down
         projection where usable (inputs cast to the autocast dtype first; ``layouts`` unused there);
-        on a plain CPU for ``T > 1`` positions the middle in C++ (``_butterfly_cpu``); else the
-        reference."""
+        on a plain CPU for ``T > 1`` positions, or any where ``by_sequence``, the middle in C++
+        (``_butterfly_cpu``); else the reference."""
         kernel = self._kernel("butterfly", x)
-        if kernel is None and self.kernels and x.dim() == 3 and x.shape[1] > 1 and _plain_cpu(x):
+        if kernel is None and self.kernels and x.dim() == 3 and (x.shape[1] > 1 or by_sequence(x)) and _plain_cpu(x):
             return _butterfly_cpu(x, w_up, w_bp, w_down, residual, layouts)
         if kernel is None:
             return reference.butterfly(x, w_up, w_bp, w_down, residual, layouts)

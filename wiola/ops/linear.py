@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 # Up to this many rows, a CPU product in inference mode may read a re-laid-out copy of W.
 _GEMV_ROWS = 64
@@ -48,7 +49,8 @@ def cpu_gemm(name: str, rows: RowProduct | None = None) -> Iterator[None]:
     """Within the block, ``linear``'s larger gradient-free fp32 CPU products run on GEMM ``name``
     (one of ``CPU_GEMMS``); with ``rows``, a sequence at a time (``_ROW_PRODUCT``'s comment):
     those of at most 64 positions a sequence on ``rows`` (where it returns None, the usual path),
-    longer ones on the GEMM once a sequence. Raises ``ValueError`` for another name, or for
+    longer ones on the GEMM once a sequence, and so do the ``F.linear`` calls inside a module
+    that wraps a projection (``project``). Raises ``ValueError`` for another name, or for
     ``onednn`` where this torch has no oneDNN."""
     if name not in CPU_GEMMS:
         raise ValueError(f"CPU GEMM {name!r} is not one of {', '.join(CPU_GEMMS)}")
@@ -60,6 +62,37 @@ def cpu_gemm(name: str, rows: RowProduct | None = None) -> Iterator[None]:
     finally:
         _ROW_PRODUCT.reset(row_token)
         _CPU_GEMM.reset(token)
+
+
+def project(x: torch.Tensor, module: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``module(x)`` for a module that wraps a projection (peft's LoRA layer: its base layer plus
+    the adapter's two products, each an ``F.linear`` of its own), called so that its adapter
+    runs. Where ``linear`` would run a sequence at a time (``by_sequence(x)``), so do the
+    ``F.linear`` calls inside it (``SequenceLinears``), so that a row's numbers are the same alone
+    and in a batch there too."""
+    if not by_sequence(x):
+        return module(x)
+    with SequenceLinears():
+        return module(x)
+
+
+class SequenceLinears(TorchFunctionMode):
+    """Every ``F.linear`` call in the block that ``by_sequence`` covers runs as ``linear`` runs its
+    product there (a sequence at a time), the bias added after; every other call runs as it is.
+    ``project`` enters it around a module that wraps a projection: a torch function mode sees
+    each call made inside it (a few µs each), so it covers no more than that module."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x = args[0] if args else kwargs.get("input")
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and by_sequence(x, weight):
+                y = _sequence_products(x, weight)
+                if y is not None:
+                    return y if bias is None else y + bias
+        return func(*args, **kwargs)
 
 
 def row_positions(x: torch.Tensor) -> int:
@@ -184,8 +217,11 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, layout: DecodeLayout | None = None) -> torch.Tensor:
-    """``F.linear(x, weight)`` (no bias); ``x`` ``(..., in)``, ``weight`` ``(out, in)``.
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | Callable[[torch.Tensor], torch.Tensor], layout: DecodeLayout | None = None
+) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias); ``x`` ``(..., in)``, ``weight`` ``(out, in)``, or a
+    module that wraps a projection (a peft LoRA layer), which is called instead (``project``).
 
     Decoding a few tokens on a CPU is bound by reading the weights, and MKL's matrix-vector
     product there is slow twice over: about half the speed on the ``(out, in)`` layout that
@@ -199,6 +235,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, layout: DecodeLayout | None = 
     rows do not depend on the rows beside them, more on the GEMM once a sequence. Everywhere else
     this is exactly ``F.linear``.
     """
+    if not isinstance(weight, torch.Tensor):
+        return project(x, weight)
     if by_sequence(x, weight):
         y = _sequence_products(x, weight)
         if y is not None:

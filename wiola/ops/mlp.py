@@ -21,7 +21,8 @@ def swiglu(
     """``W_down (SiLU(W_gate x) ⊙ W_up x)`` (Shazeer 2020), plus ``residual`` if given.
 
     Args:
-        x: ``(..., d)``. w_gate, w_up: ``(d_ff, d)``; w_down: ``(d, d_ff)``.
+        x: ``(..., d)``. w_gate, w_up: ``(d_ff, d)``; w_down: ``(d, d_ff)``; each may be the
+            module of an adapted projection instead (``linear`` calls it).
         residual: optional ``(..., d)`` added to the output.
         layouts: optional ``decode_layout`` copies of ``(w_gate, w_up, w_down)`` for CPU decoding.
 
@@ -42,7 +43,8 @@ def gelu_mlp(
     """``W_down GELU(W_up x)`` with the exact (erf) GELU, plus ``residual`` if given.
 
     Args:
-        x: ``(..., d)``. w_up: ``(d_ff, d)``; w_down: ``(d, d_ff)``.
+        x: ``(..., d)``. w_up: ``(d_ff, d)``; w_down: ``(d, d_ff)``; each may be the module of an
+            adapted projection instead (``linear`` calls it).
         residual: optional ``(..., d)`` added to the output.
         layouts: optional ``decode_layout`` copies of ``(w_up, w_down)`` for CPU decoding.
 
