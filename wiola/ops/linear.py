@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -82,7 +82,9 @@ class SequenceLinears(TorchFunctionMode):
     ``project`` enters it around a module that wraps a projection: a torch function mode sees
     each call made inside it (a few µs each), so it covers no more than that module."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        self, func: Callable[..., Any], types: tuple[type, ...], args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func is F.linear:
             x = args[0] if args else kwargs.get("input")
