@@ -441,6 +441,23 @@ def test_variant_choice_and_refusal(monkeypatch):
         decode_step_cpu.select_isa("neon")
 
 
+def test_load_answers_from_its_cache_until_the_choice_changes(monkeypatch):
+    """``load`` keeps its answer per ISA asked, ``WIOLA_CPU_ISA`` and compiler, and chooses again
+    once the CPU features or the build it chose by are replaced (as a test that fakes a CPU does)."""
+    compiler = decode_step_cpu._compiler()
+    monkeypatch.delenv("WIOLA_CPU_ISA", raising=False)
+    first = decode_step_cpu.load()
+    assert decode_step_cpu.load() is first
+    for isa in ISAS_HERE:
+        monkeypatch.setenv("WIOLA_CPU_ISA", isa)
+        assert decode_step_cpu.load() is decode_step_cpu._BUILDS[(compiler, isa)], isa
+        assert decode_step_cpu.load(isa) is decode_step_cpu._BUILDS[(compiler, isa)], isa
+    monkeypatch.delenv("WIOLA_CPU_ISA")
+    assert decode_step_cpu.load() is first
+    monkeypatch.setitem(decode_step_cpu._FEATURES, compiler, (frozenset(), "test"))  # no AVX2: portable
+    assert decode_step_cpu.load() is decode_step_cpu._BUILDS[(compiler, "portable")]
+
+
 def test_forced_variant_runs_and_is_described(monkeypatch):
     """``WIOLA_CPU_ISA`` reaches the step bound by default and ``describe()``."""
     model = _model(SMALL)

@@ -1081,20 +1081,30 @@ inline void rope(const float* x, const float* cs, const float* sn, float* out, i
   }
 }
 
-// The gate's head mean of one position's query (H heads of D, head stride D): m[j] = (Σ_h q[h·D + j]) / H.
-inline void head_mean(const float* q, int64_t H, int64_t D, float* m) {
+// The gate at one position of a row (the step's gate_row and the prompt's gate_rows): the head mean of
+// its query q (H heads of D, head stride D), rotated by cs and sn where cs is not null (the gate after
+// RoPE); added to the row's running sum where the position is real (sum ← m + sum, seen + 1); the
+// mean of the real positions so far (0 before any); then g = σ(W_2 SiLU(W_1 c) + b_2), W_1 (H, D),
+// W_2 (H, H). D, H <= 1024 (checked by the bindings).
+inline void gate_position(const float* q, int64_t H, int64_t D, const float* cs, const float* sn, bool real,
+                          float* sum, int64_t& seen, const float* w1, const float* w2, const float* b2, float* g) {
+  float m[1024], mr[1024], c[1024], hidden[1024];
   for (int64_t j = 0; j < D; ++j) {
     float s = 0.0f;
     for (int64_t hh = 0; hh < H; ++hh) s += q[hh * D + j];
     m[j] = s / static_cast<float>(H);
   }
-}
-
-// The gate's small MLP for one position's running mean c (D): g = σ(W_2 SiLU(W_1 c) + b_2), W_1
-// (H, D), W_2 (H, H); H <= 1024.
-inline void gate_mlp(const float* w1, const float* w2, const float* b2, const float* c, int64_t H, int64_t D,
-                     float* g) {
-  float hidden[1024];
+  const float* mm = m;
+  if (cs != nullptr) {
+    rope(m, cs, sn, mr, D);
+    mm = mr;
+  }
+  if (real) {
+    for (int64_t j = 0; j < D; ++j) sum[j] = mm[j] + sum[j];
+    ++seen;
+  }
+  const float denom = static_cast<float>(seen > 0 ? seen : 1);
+  for (int64_t j = 0; j < D; ++j) c[j] = sum[j] / denom;
   for (int64_t hh = 0; hh < H; ++hh) hidden[hh] = silu(dot(w1 + hh * D, c, D));
   for (int64_t hh = 0; hh < H; ++hh) g[hh] = sigmoid(dot(w2 + hh * H, hidden, H) + b2[hh]);
 }
@@ -1277,23 +1287,9 @@ struct Step {
       for (int64_t hh = 0; hh < H; ++hh) g[hh] = 1.0f;
       return;
     }
-    const float* q = ws.qkv + i * 3 * d;
-    float m[1024], mr[1024], c[1024];  // D, H <= 1024 (checked by the caller)
-    head_mean(q, H, D, m);
-    const float* mm = m;
-    if (!gate_pre_rope) {
-      rope(m, ws.cs + i * half, ws.sn + i * half, mr, D);
-      mm = mr;
-    }
-    float* run = gate_sum + cache_row(l, i) * D;
-    int64_t count = gate_count[cache_row(l, i)] + 1;
-    gate_count[cache_row(l, i)] = count;
-    float denom = static_cast<float>(count);
-    for (int64_t j = 0; j < D; ++j) {
-      run[j] = mm[j] + run[j];
-      c[j] = run[j] / denom;
-    }
-    gate_mlp(vec(at(l, kGateW1)), vec(at(l, kGateW2)), vec(at(l, kGateB2)), c, H, D, g);
+    const int64_t row = cache_row(l, i);  // a step's token is always real
+    gate_position(ws.qkv + i * 3 * d, H, D, gate_pre_rope ? nullptr : ws.cs + i * half, ws.sn + i * half, true,
+                  gate_sum + row * D, gate_count[row], vec(at(l, kGateW1)), vec(at(l, kGateW2)), vec(at(l, kGateB2)), g);
   }
 
   // Row i's query and key rotated, the key and value written to the row's new cache slot.
@@ -1850,27 +1846,13 @@ inline void gate_rows(const int64_t* n, const float* q, const float* w1, const f
                       const float* cos, const float* sin, const uint8_t* mask, float* run, int64_t* count, float* g) {
   const int64_t B = n[0], T = n[1], H = n[2], D = n[3], ld_b = n[4], ld_t = n[5], half = D / 2;
   parallel(threads_for_rows(B, T * D * H), [&](int tid, int nth) {
-    float m[1024], mr[1024], c[1024];  // D <= 1024 (checked by the binding)
     for (int64_t b = B * tid / nth; b < B * (tid + 1) / nth; ++b) {
-      float* sum = run + b * D;
-      int64_t seen = count[b];
       for (int64_t t = 0; t < T; ++t) {
         const int64_t at = b * T + t;
-        head_mean(q + b * ld_b + t * ld_t, H, D, m);
-        const float* mm = m;
-        if (cos != nullptr) {
-          rope(m, cos + at * half, sin + at * half, mr, D);
-          mm = mr;
-        }
-        if (mask == nullptr || mask[at] != 0) {
-          for (int64_t j = 0; j < D; ++j) sum[j] = mm[j] + sum[j];
-          ++seen;
-        }
-        const float denom = static_cast<float>(seen > 0 ? seen : 1);
-        for (int64_t j = 0; j < D; ++j) c[j] = sum[j] / denom;
-        gate_mlp(w1, w2, b2, c, H, D, g + at * H);
+        gate_position(q + b * ld_b + t * ld_t, H, D, cos == nullptr ? nullptr : cos + at * half,
+                      sin == nullptr ? nullptr : sin + at * half, mask == nullptr || mask[at] != 0, run + b * D,
+                      count[b], w1, w2, b2, g + at * H);
       }
-      count[b] = seen;
     }
   });
 }
