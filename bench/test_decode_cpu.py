@@ -28,7 +28,11 @@ time. The tg rows also say which resource bounds the step (``bound_by``): the re
 **compute floor** (``wiola.fast.speed.product_floor``: the products' multiply-adds at the rate the
 step's own kernels reach on weights in each core's L1, measured between and after the timed calls
 and kept at its best), whichever is longer; ``pct_roofline`` is that floor x the steps over the
-measured time. The prompt rows (``test_prefill_cpu``) are llama-bench's pp512: a 512-token
+measured time. Beside them, the variant's fp32 multiply-add peak (``wiola.fast.speed.fma_peak``:
+chains of multiply-adds that read no memory) and the most of the read floor a step can reach with
+its products' multiply-adds at that peak (``read_ceiling_pct``), beside the goal (80% at batch 1,
+60% at batch 8: ``read_goal_pct``): every product multiplies each weight by x in fp32, so where
+the ceiling is under the goal, the goal is out of reach on that CPU whatever the kernels. The prompt rows (``test_prefill_cpu``) are llama-bench's pp512: a 512-token
 prompt at batch 1 through ``wiola.fast`` in each prompt mode
 (``wiola.fast.prefill``: fp32 and bf16 products), fp32 also on the GEMM this CPU's table does not
 pick (``WIOLA_CPU_GEMM``: ATen's or oneDNN's), and with bf16, int8 and int4 weights (whose
@@ -67,12 +71,15 @@ from wiola.fast.speed import (
     bound,
     cache_bytes,
     decoding_only,
+    fma_peak,
     product_floor,
     prompt_run,
+    read_ceiling,
     read_floor,
 )
 
 PROMPT, NEW_TOKENS, SMOKE_TOKENS = 16, 128, 8
+READ_GOALS = {1: 0.8, 8: 0.6}  # issue 21's goals: the share of the read floor at batch 1 and at batch 8
 PP, SMOKE_PP = 512, 32  # pp512: the prompt rows' length (the smoke run's)
 BATCHES = [1, 8]
 ISAS = ["native", "avx2", "portable"]  # native: the variant chosen for this CPU
@@ -163,6 +170,7 @@ def _floor_reads(config: wiola.WiolaConfig, scheme: str | None, batch: int, new:
         read_floor(nbytes, READS_BETWEEN)
         if step is not None:
             product_floor(step, batch, PRODUCT_BETWEEN)
+            fma_peak(step, PRODUCT_BETWEEN)
 
     return between
 
@@ -190,22 +198,39 @@ def _bound(rec: dict, run: Any, batch: int, new: int) -> str:
     compute floor (``product_floor``: the products' multiply-adds at the in-cache rate of the step's
     own kernels, the best of this process's measurements) beside the read floor
     (``_read_floor_pct``, already in ``rec``); ``bound_by`` names the longer of the two,
-    ``pct_roofline`` is (new − 1) steps at that floor over the measured time. The clause for the
-    printed line."""
+    ``pct_roofline`` is (new − 1) steps at that floor over the measured time. Beside them the
+    variant's fp32 multiply-add peak (``fma_peak``) and the most of the read floor a step can reach
+    with its products at that peak (``read_ceiling``), beside the batch's goal (``READ_GOALS``):
+    under the goal, no step that multiplies each weight by x in fp32 reaches it on this CPU. The
+    clause for the printed line."""
     t_read, seconds = rec["read_floor_s_per_step"], rec["time_s"]
     compute = product_floor(run.step, batch)
     rec["compute_floor_s_per_step"] = compute["s"]
     rec["compute_floor_gmacs"] = compute["macs_per_s"] / 1e9
     rec.update(bound(t_read, compute["s"], new - 1, seconds))
-    return (
+    note = (
         f"; bound by {rec['bound_by']} (read floor {t_read * 1e6:.0f} us a step, compute floor "
         f"{compute['s'] * 1e6:.0f} us at {rec['compute_floor_gmacs']:.0f} G multiply-adds/s in cache): "
         f"{rec['pct_roofline']:.0f}% of the larger"
     )
+    peak = fma_peak(run.step)
+    if peak is None:
+        return note
+    rec["fma_peak_gmacs"] = peak["macs_per_s"] / 1e9
+    rec["read_ceiling_pct"] = read_ceiling(run.step.config, batch, t_read, peak["macs_per_s"])
+    rec["read_goal_pct"] = 100.0 * READ_GOALS[batch] if batch in READ_GOALS else None
+    goal = "" if rec["read_goal_pct"] is None else f" (goal {rec['read_goal_pct']:.0f}%)"
+    return (
+        f"{note}; at this variant's fp32 multiply-add peak ({rec['fma_peak_gmacs']:.0f} G/s, {peak['chains']} "
+        f"chains a thread) the products alone allow at most {rec['read_ceiling_pct']:.0f}% of the read floor{goal}"
+    )
 
 
 READ_KEYS = ("pct_read_floor", "read_floor_bytes", "read_floor_gbs", "read_floor_reader", "read_floor_readers_gbs")
-BOUND_KEYS = ("compute_floor_s_per_step", "compute_floor_gmacs", "bound_by", "pct_roofline")
+BOUND_KEYS = (
+    "compute_floor_s_per_step", "compute_floor_gmacs", "bound_by", "pct_roofline", "fma_peak_gmacs",
+    "read_ceiling_pct", "read_goal_pct",
+)  # fmt: skip
 
 
 def _record(

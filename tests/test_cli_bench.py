@@ -88,6 +88,9 @@ def test_json_rows_for_every_form(step_available, checkpoint):
             compute_s = speed.step_macs(SMALL, 1) / (r["compute_floor_gmacs"] * 1e9)
             assert r["bound_by"] == (speed.BOUND_READ if read_s >= compute_s else speed.BOUND_COMPUTE), r
             assert r["pct_roofline"] == pytest.approx(100 * 4 * max(read_s, compute_s) / r["seconds"], rel=1e-9), r
+            # the most of the read floor a step reaches with its multiply-adds at the measured peak
+            peak_s = speed.step_macs(SMALL, 1) / (r["fma_peak_gmacs"] * 1e9)
+            assert r["read_ceiling_pct"] == pytest.approx(100 * read_s / peak_s, rel=1e-9), r
         else:
             assert "pct_read_floor" not in r and "bound_by" not in r, r
     sizes = {r["weights"]: r["bytes"] for r in rows}
@@ -99,9 +102,11 @@ def test_table_and_batch(step_available):
     done = _run("--preset", "tiny", "--weights", "int8", "-p", "0", "-n", "3", "-b", "2", "-r", "1", "-t", "1")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0] == "| model | weights | size | batch | test | t/s | % of read floor | bound by (% of it) |", lines
+    assert lines[0] == (
+        "| model | weights | size | batch | test | t/s | % of read floor | bound by (% of it) | most at the FMA peak |"
+    ), lines
     row = [line for line in lines if line.startswith("| tiny (random) | int8 |")]
-    assert len(row) == 1 and re.search(r"\| (read|compute) \(\d+%\) \|$", row[0]), lines
+    assert len(row) == 1 and re.search(r"\| (read|compute) \(\d+%\) \| \d+% \|$", row[0]), lines
     row = next(line for line in lines if line.startswith("| tiny (random)"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[3:5] == ["2", "tg3"] and cells[6].endswith("%"), cells
@@ -165,6 +170,52 @@ def test_product_floor_times_the_step_kernels(step_available, scheme, batch):
     assert got["s"] == pytest.approx(speed.step_macs(SMALL, batch) / got["macs_per_s"], rel=1e-12)
     with pytest.raises(ValueError, match="batch=0 and repeats=1 must be at least 1"):
         speed.product_floor(step, 0, repeats=1)
+
+
+def test_fma_peak_runs_its_chains(step_available):
+    """``wiola_fma_peak`` runs C chains of ``acc = acc·a + b`` (a = 0.999999, b = 1e-7, chain c of
+    thread t from c + t) ``reps`` times on each thread, each thread's sum of its chains' lanes within
+    the fp32 bound of float64 (each madd at most 2ε relative, the recurrence contracting; the sum of
+    C·lanes terms (C·lanes)·ε); the variant's lanes, or 0 for a chain count it has no form for.
+    ``fma_peak`` turns its time into multiply-adds a second at the best chain count."""
+    model = WiolaModel(SMALL).eval().requires_grad_(False)
+    step = decode_step_cpu.DecodeStepCPU(model, model.new_cache(1, 4))
+    lanes = {"avx512": 16, "avx2": 8}.get(decode_step_cpu.select_isa(), 4)
+    a, b = float(torch.tensor(0.999999, dtype=torch.float32)), float(torch.tensor(1e-7, dtype=torch.float32))
+    eps = torch.finfo(torch.float32).eps
+    where = f"{decode_step_cpu.cpu_info()['name']}, {decode_step_cpu.select_isa()}"
+    for chains in speed.FMA_CHAINS:
+        for reps in (0, 1, 5):
+            out = torch.full((2,), float("nan"))
+            assert step.lib.wiola_fma_peak(chains, reps, 2, out.data_ptr()) == lanes, (chains, where)
+            for t in range(2):
+                values = []
+                for c in range(chains):
+                    v = float(c + t)
+                    for _ in range(reps):
+                        v = v * a + b
+                    values.append(v)
+                want = lanes * sum(values)
+                bound = (2 * reps + chains * lanes) * eps * want
+                assert abs(out[t].item() - want) <= bound, f"{chains} chains, {reps} reps, thread {t} ({where})"
+    assert step.lib.wiola_fma_peak(7, 1, 1, torch.empty(1).data_ptr()) == 0
+    got = speed.fma_peak(step, repeats=1)
+    assert got["chains"] in speed.FMA_CHAINS and got["macs_per_s"] > 0
+    assert got["threads"] == torch.get_num_threads()
+    with pytest.raises(ValueError, match="repeats=0 must be at least 1"):
+        speed.fma_peak(step, repeats=0)
+
+
+def test_read_ceiling_is_the_read_time_at_the_peak():
+    """At 1e9 multiply-adds a second, a step of ``step_macs`` takes step_macs / 1e9 s: a read floor
+    of that time allows 100%, of twice that 200%; times and rates must be positive."""
+    macs = speed.step_macs(SMALL, 2)
+    assert speed.read_ceiling(SMALL, 2, macs / 1e9, 1e9) == pytest.approx(100.0, rel=1e-12)
+    assert speed.read_ceiling(SMALL, 2, 2 * macs / 1e9, 1e9) == pytest.approx(200.0, rel=1e-12)
+    with pytest.raises(ValueError, match="must be above 0"):
+        speed.read_ceiling(SMALL, 2, 0.0, 1e9)
+    with pytest.raises(ValueError, match="must be above 0"):
+        speed.read_ceiling(SMALL, 2, 1.0, -1.0)
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,8 @@
 row beside the read floor of its weights and cache (``wiola.fast.speed``), read between its timed
 calls so that both see the same moments of a machine whose caches other programs share, and beside the
 compute floor (the products' multiply-adds at the in-cache rate of the step's kernels): the longer
-of the two names what bounds the step.
+of the two names what bounds the step. The last column is the most of the read floor a step can
+reach with its products' multiply-adds at the CPU's fp32 multiply-add peak (``speed.fma_peak``).
 
 Every weight form is the same model: fp32, then ``wiola.fast.quantize``'s bf16, int8 and int4 of
 it (a quantized checkpoint runs in its own form only). Before timing, each form's tg tokens are
@@ -108,22 +109,24 @@ def _row(model_name: str, form: str, nbytes: int, test: str, tokens: int, times:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """The rows as a markdown table, llama-bench's columns, the % of the read floor and what bounds
-    the step (the read or the compute floor, and the % of it reached)."""
+    """The rows as a markdown table, llama-bench's columns, the % of the read floor, what bounds
+    the step (the read or the compute floor, and the % of it reached) and the most of the read
+    floor its products allow at the fp32 multiply-add peak (``speed.read_ceiling``)."""
     from wiola.fast import speed
 
     lines = [
-        "| model | weights | size | batch | test | t/s | % of read floor | bound by (% of it) |",
-        "| --- | --- | ---: | ---: | --- | ---: | ---: | --- |",
+        "| model | weights | size | batch | test | t/s | % of read floor | bound by (% of it) | most at the FMA peak |",
+        "| --- | --- | ---: | ---: | --- | ---: | ---: | --- | ---: |",
     ]
     for r in rows:
         pct = f"{r['pct_read_floor']:.0f}%" if "pct_read_floor" in r else "—"
         by = "—"
         if "bound_by" in r:
             by = f"{speed.bound_label(r['bound_by'])} ({r['pct_roofline']:.0f}%)"
+        most = f"{r['read_ceiling_pct']:.0f}%" if "read_ceiling_pct" in r else "—"
         lines.append(
             f"| {r['model']} | {r['weights']} | {r['bytes'] / 1e6:.1f} MB | {r['batch']} | {r['test']} | "
-            f"{r['tok_s']:,.0f} ± {r['tok_s_stdev']:,.0f} | {pct} | {by} |"
+            f"{r['tok_s']:,.0f} ± {r['tok_s_stdev']:,.0f} | {pct} | {by} | {most} |"
         )
     return "\n".join(lines)
 
@@ -193,6 +196,7 @@ def _bench(args: argparse.Namespace) -> int:
                 def between(n: int = read_bytes, step: Any = step) -> None:
                     speed.read_floor(n, speed.READS_BETWEEN)
                     speed.product_floor(step, B, speed.PRODUCT_BETWEEN)
+                    speed.fma_peak(step, speed.PRODUCT_BETWEEN)
 
                 times = _timed(tg, args.reps, bar, between)
                 row = _row(model_name, form, nbytes, tg_test, B * args.new_tokens, times)
@@ -204,6 +208,10 @@ def _bench(args: argparse.Namespace) -> int:
                 compute = speed.product_floor(step, B)
                 row["compute_floor_gmacs"] = compute["macs_per_s"] / 1e9
                 row.update(speed.bound(read["s"], compute["s"], args.new_tokens - 1, row["seconds"]))
+                peak = speed.fma_peak(step)
+                if peak is not None:
+                    row["fma_peak_gmacs"] = peak["macs_per_s"] / 1e9
+                    row["read_ceiling_pct"] = speed.read_ceiling(base.config, B, read["s"], peak["macs_per_s"])
                 rows.append(row)
     finally:
         bar.close()
@@ -222,7 +230,10 @@ def _bench(args: argparse.Namespace) -> int:
             "the weights and the cache's keys and values once at the best rate this process read as many bytes "
             "between the timed calls; bound "
             "by: the longer of that read floor and the compute floor (the products' multiply-adds at the rate "
-            "the step's own kernels reach on weights in each core's L1), and the % of it reached"
+            "the step's own kernels reach on weights in each core's L1), and the % of it reached; most at the "
+            "FMA peak: the most of the read floor a step can reach whose products' multiply-adds run at this "
+            "CPU's fp32 multiply-add peak (chains that read no memory; every product multiplies each weight by "
+            "x in fp32)"
         )
     return 0
 

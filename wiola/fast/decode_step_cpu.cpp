@@ -1835,6 +1835,33 @@ void product_reps(const int64_t* n, const void* W, const float* scale, int64_t N
   });
 }
 
+// The variant's multiply-add peak, for the benchmarks (wiola.fast.speed.fma_peak): `reps` rounds of
+// C independent chains acc = madd(acc, a, b) of kLanes lanes each, on each of `nth` threads at once,
+// reading no memory. With as many chains as the multiply-add's latency times its pipes (8 on the
+// x86 cores measured; wider ARM cores want more) this is the rate at which the variant issues
+// fp32 multiply-adds, a ceiling for every product of the step (each multiplies a weight by x
+// with one madd). Pinning each chain keeps it in a register: past the register file it spills, so
+// the caller takes the best of several C. a and b keep the chains near b / (1 - a) = 0.1, never
+// denormal. out[t]: thread t's sum of its chains (kept, so that no chain is dropped).
+template <int C>
+void fma_chains(int64_t reps, int nth, float* out) {
+  parallel(nth, [&](int tid, int) {
+    const vec a = vec{} + 0.999999f, b = vec{} + 1e-7f;
+    vec acc[C];
+    for (int c = 0; c < C; ++c) acc[c] = vec{} + static_cast<float>(c + tid);
+    for (int64_t r = 0; r < reps; ++r) {
+#pragma GCC unroll 32
+      for (int c = 0; c < C; ++c) {
+        acc[c] = madd(acc[c], a, b);
+        WIOLA_PIN(acc[c]);
+      }
+    }
+    vec s = {};
+    for (int c = 0; c < C; ++c) s += acc[c];
+    out[tid] = hsum(s);
+  });
+}
+
 // wiola.ops.gate over T positions of each of B rows, a row at a time, as the step's gate_row runs a
 // position: the head mean of the query (rotated by the position's cos and sin where given: the gate
 // after RoPE), added to the row's running sum where the position is real (mask null: every
@@ -1954,6 +1981,20 @@ int wiola_product_reps(const int64_t* n, const void* W, const float* scale, int6
       return 0;
     default: return 1;
   }
+}
+
+// fma_chains with `chains` chains (8, 12, 16 or 24) on nth threads, out (nth,) floats. Returns the
+// multiply-adds of one chain's madd (kLanes), or 0 for a chain count it was not built for.
+int64_t wiola_fma_peak(int64_t chains, int64_t reps, int64_t nth, float* out) {
+  const int threads = static_cast<int>(nth);
+  switch (chains) {
+    case 8: fma_chains<8>(reps, threads, out); break;
+    case 12: fma_chains<12>(reps, threads, out); break;
+    case 16: fma_chains<16>(reps, threads, out); break;
+    case 24: fma_chains<24>(reps, threads, out); break;
+    default: return 0;
+  }
+  return kLanes;
 }
 
 // Samples: sample_rows' scratch, in floats (4V per thread: 2V for the filter, V int64 for the top ids).

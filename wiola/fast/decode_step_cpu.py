@@ -271,6 +271,9 @@ def _build(compiler: str, isa: str) -> ctypes.CDLL:
     lib.wiola_generate.restype = I
     lib.wiola_product_reps.argtypes = [P, P, P, I, I, P, I, P, I, I]
     lib.wiola_product_reps.restype = ctypes.c_int
+    if hasattr(lib, "wiola_fma_peak"):  # absent from a copy of an older source (bench/two_builds.py)
+        lib.wiola_fma_peak.argtypes = [I, I, I, P]
+        lib.wiola_fma_peak.restype = I
     lib.wiola_layout_counts.argtypes = [ctypes.c_void_p]
     lib.wiola_layout_counts.restype = None
     reported = (ctypes.c_int64 * 4)()

@@ -127,6 +127,55 @@ def product_floor(step: Any, batch: int, repeats: int = PRODUCT_REPEATS) -> dict
     return {"s": step_macs(config, batch) / rate, "macs_per_s": rate, "threads": nth}
 
 
+FMA_CHAINS = (8, 12, 16, 24)  # fma_peak's chain counts: latency x pipes is 8 on the x86 cores measured
+_PEAKS: dict[tuple, float] = {}  # (library, chains, threads, reps) -> best seconds a call
+
+
+def fma_peak(step: Any, repeats: int = PRODUCT_REPEATS) -> dict[str, Any]:
+    """The fp32 multiply-add peak of the C++ step's variant on torch's threads: ``PRODUCT_MACS``
+    multiply-adds a thread in independent chains that read no memory (``wiola_fma_peak``), for each
+    chain count of ``FMA_CHAINS``, the best of ``repeats`` calls now and of every earlier call in this
+    process (as ``product_floor`` keeps its best), and the fastest chain count. Every product of the
+    step multiplies each weight by x with one such multiply-add, so no step can do its products
+    (``step_macs``) faster than this rate, however its weights are stored (``read_ceiling``).
+    ``{"macs_per_s", "chains", "threads"}``; None for a build without ``wiola_fma_peak``.
+    ``ValueError`` for ``repeats`` under 1."""
+    if repeats < 1:
+        raise ValueError(f"fma_peak: repeats={repeats} must be at least 1")
+    peak = getattr(step.lib, "wiola_fma_peak", None)
+    if peak is None:
+        return None
+    nth = torch.get_num_threads()
+    out = torch.empty(nth)
+    rates = {}
+    for chains in FMA_CHAINS:
+        lanes = peak(chains, 1, nth, out.data_ptr())  # untimed: starts the threads
+        if lanes <= 0:  # pragma: no cover - the build has every count of FMA_CHAINS
+            raise RuntimeError(f"wiola_fma_peak has no {chains}-chain form")
+        reps = max(1, PRODUCT_MACS // (chains * lanes))
+        key = (step.lib._name, chains, nth, reps)
+        best = _PEAKS.get(key, float("inf"))
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            peak(chains, reps, nth, out.data_ptr())
+            best = min(best, time.perf_counter() - t0)
+        _PEAKS[key] = best
+        rates[chains] = nth * reps * chains * lanes / best
+    chains = max(rates, key=rates.__getitem__)
+    return {"macs_per_s": rates[chains], "chains": chains, "threads": nth}
+
+
+def read_ceiling(config: Any, batch: int, read_s: float, macs_per_s: float) -> float:
+    """The most of its read floor ``read_s`` (%) that a step of ``batch`` rows can reach when its
+    products' multiply-adds (``step_macs``, a lower bound of its work) run at ``macs_per_s``: at
+    ``fma_peak``'s rate, a ceiling for every step that multiplies each weight by x in fp32, however
+    its weights are stored (above 100: the products alone could keep up with reading).
+    ``ValueError`` for a time or rate not above 0."""
+    if not read_s > 0.0 or not macs_per_s > 0.0:
+        raise ValueError(f"read_ceiling: read_s={read_s} and macs_per_s={macs_per_s} must be above 0")
+    return 100.0 * read_s * macs_per_s / step_macs(config, batch)
+
+
 # What bounds a step (``bound``). The read floor counts the cache's keys and values too (records with
 # ``read_floor_bytes``); the name stays as recorded since the first results, so that they compare.
 BOUND_READ, BOUND_COMPUTE = "reading the weights", "the multiply-adds"
