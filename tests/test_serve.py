@@ -4,9 +4,11 @@ template), called with the official ``openai`` client and raw HTTP (httpx).
 
 Served tokens are compared with ``wiola.fast.WiolaModel.generate`` of the same checkpoint (greedy,
 and seeded sampling with ``generator=torch.Generator().manual_seed(seed)``), alone and under load
-(32 concurrent streaming clients × 4 requests). Faults: malformed JSON, an empty prompt, max_tokens
-past max_seq_len, non-UTF-8 bytes, a 10 MB body (by Content-Length and streamed), a client that goes
-away mid-stream; the server stays up. SIGTERM finishes the requests in flight, then exits 0.
+(32 concurrent streaming clients × 4 requests), and with a tokenizer whose decoding rewrites its end.
+Faults: malformed JSON, an empty prompt, max_tokens past max_seq_len, a chat prompt that fills the
+context, NaN and infinite numbers, non-UTF-8 bytes, a 10 MB body (by Content-Length and streamed),
+clients that go away mid-stream or time out without streaming; the server stays up. SIGTERM
+finishes the requests in flight, then exits 0.
 """
 
 from __future__ import annotations
@@ -172,6 +174,68 @@ def test_served_text_equals_wiola_generate(server, checkpoint, solo, capsys):
         assert r.json()["choices"][0]["text"] == cli["text"], extra
 
 
+def _token_ids(checkpoint, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int) -> list[int]:
+    """The new tokens of the fast model's ``generate`` for ``prompt_ids`` (the C++ step)."""
+    from wiola.checkpoint import load_checkpoint_tokenizer
+
+    tok = load_checkpoint_tokenizer(checkpoint)
+    model = wiola.fast.WiolaModel.from_pretrained(checkpoint).eval().requires_grad_(False)
+    out = model.generate(torch.tensor([prompt_ids]), max_tokens, temperature=temperature,
+                         eos_token_id=tok.eos_token_id, generator=torch.Generator().manual_seed(seed))  # fmt: skip
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def make_clean_up_checkpoint(folder: Path) -> tuple[Path, list[int]]:
+    """A checkpoint whose tokenizer cleans up spaces before punctuation (``tokenizer_config.json``:
+    ``clean_up_tokenization_spaces: true``) and whose greedy text alternates the tokens " " and
+    ".", so that each "." rewrites the decoded text before it (" ." -> "."). Its layers add
+    nothing to the residual stream: the tied head scores ``norm(embed[token]) . embed``, which with
+    the norm's signs below favours the other of the two tokens. Returns the folder and the two ids."""
+    tok = train_tokenizer(TEXTS, 320, show_progress=False)
+    tok.clean_up_spaces = True
+    (space,), (dot,) = (tok.encode(x)[1:] for x in (" ", "."))  # after the tokenizer's leading <s>
+    cfg = WiolaConfig(vocab_size=320, d_model=64, n_layers=2, n_heads=4, d_ff=96, max_seq_len=MAX_SEQ, eos_token_id=2)
+    model = wiola.WiolaModel(cfg).eval()
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.attn.o_proj.weight.zero_()
+            layer.ffn.down_proj.weight.zero_()
+        model.embed.weight.zero_()
+        model.embed.weight[space, :3] = torch.tensor([3.0, 4.0, 0.0])
+        model.embed.weight[dot, :3] = torch.tensor([3.0, 0.0, 4.0])
+        model.norm.weight.zero_()
+        model.norm.weight[:3] = torch.tensor([1.0, -1.0, -1.0])
+    model.save_pretrained(folder, tok)
+    return folder, [space, dot]
+
+
+def test_text_of_a_tokenizer_that_rewrites_its_end_is_its_decoding(tmp_path, capsys, monkeypatch):
+    """Served text (streamed and not) equals ``wiola generate``'s and the decoding of the served
+    tokens, with a tokenizer whose decoding rewrites text a later token completes."""
+    from wiola.checkpoint import load_checkpoint_tokenizer
+    from wiola.cli import main
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    checkpoint, (space, dot) = make_clean_up_checkpoint(tmp_path / "clean-up")
+    tok = load_checkpoint_tokenizer(checkpoint)
+    assert tok.clean_up_spaces and tok.decode([space, dot, space]) == ". "
+    served = Served(checkpoint, tmp_path / "serve.log")
+    try:
+        client = _client(served)
+        for prompt in (" ", "The cat ."):
+            assert main(["generate", "--checkpoint", str(checkpoint), "--prompt", prompt, "--max-new-tokens", "9",
+                         "--temperature", "0", "--json", "--device", "cpu"]) == 0  # fmt: skip
+            cli = json.loads(capsys.readouterr().out)["text"]
+            ids = _token_ids(checkpoint, tok.encode(prompt), 9, 0.0, 0)
+            assert set(ids) == {space, dot} and len(ids) == 9
+            done = client.completions.create(model="m", prompt=prompt, max_tokens=9, temperature=0)
+            assert done.choices[0].text == cli == tok.decode(ids), prompt
+            streamed = client.completions.create(model="m", prompt=prompt, max_tokens=9, temperature=0, stream=True)
+            assert "".join(c.choices[0].text for c in streamed) == cli, prompt
+    finally:
+        assert served.stop() == 0, served.log.read_text()
+
+
 @pytest.mark.parametrize("scheme", ["int8", "int4", "bf16"])
 def test_quantized_server_equals_generate_on_the_same_weights(checkpoint, tmp_path, monkeypatch, scheme):
     """``wiola serve --quantize``: the server says which form it serves, and its greedy text equals
@@ -227,6 +291,59 @@ def test_prompt_list_echo_stop_and_logprobs(server, solo):
         assert chosen <= 0 and max(top.values()) == pytest.approx(chosen)  # greedy: the best is the chosen one
 
 
+def test_text_offset_counts_the_echoed_prompt_and_goes_on_across_chunks(server, checkpoint, solo):
+    """``logprobs.text_offset``: where each token's text begins in the choice's text (the echoed
+    prompt first; a token that ends a split character where the character begins), the same
+    streamed (across chunks) and not."""
+    from wiola.checkpoint import load_checkpoint_tokenizer
+
+    tok = load_checkpoint_tokenizer(checkpoint)
+    client = _client(server)
+    prompt = PROMPTS[0]
+    ids, text, _ = solo(prompt, 12)
+    assert any("\ufffd" in tok.decode([t]) for t in ids)  # bytes that are no whole character among them
+    for echo in (True, False):
+        start = len(prompt) if echo else 0
+        done = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0, logprobs=1, echo=echo)
+        lp, whole = done.choices[0].logprobs, done.choices[0].text
+        assert whole == (prompt if echo else "") + text and len(lp.tokens) == 12
+        assert lp.text_offset[0] == start and lp.text_offset == sorted(lp.text_offset)
+        for token, offset in zip(lp.tokens, lp.text_offset, strict=True):
+            assert "\ufffd" in token or whole[offset : offset + len(token)] == token, (token, offset, whole)
+        chunks = list(client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0, logprobs=1,
+                                                echo=echo, stream=True))  # fmt: skip
+        streamed = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+        assert streamed == lp.text_offset
+
+
+def test_usage_counts_each_prompt_once_whatever_n(server, checkpoint):
+    from wiola.chat import apply_chat_template
+    from wiola.checkpoint import load_checkpoint_tokenizer
+
+    tok = load_checkpoint_tokenizer(checkpoint)
+    client = _client(server)
+    prompt_tokens = sum(len(tok.encode(p)) for p in PROMPTS[:2])
+    for stream in (False, True):
+        args = {"model": "m", "prompt": PROMPTS[:2], "max_tokens": 5, "temperature": 0.8, "seed": 1, "n": 3}
+        if stream:
+            chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+            usage = chunks[-1].usage
+        else:
+            usage = client.completions.create(**args).usage
+        assert (usage.prompt_tokens, usage.completion_tokens) == (prompt_tokens, 2 * 3 * 5), stream
+        assert usage.total_tokens == prompt_tokens + 30
+    messages = [{"role": "user", "content": "The cat"}]
+    chat_tokens = len(apply_chat_template(tok, messages))
+    for stream in (False, True):
+        args = {"model": "m", "messages": messages, "max_tokens": 4, "temperature": 0.8, "seed": 1, "n": 2}
+        if stream:
+            chunks = list(client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+            usage = chunks[-1].usage
+        else:
+            usage = client.chat.completions.create(**args).usage
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (chat_tokens, 8, chat_tokens + 8)
+
+
 def test_chat_completion_uses_the_template(server, checkpoint, solo):
     from wiola.chat import apply_chat_template
     from wiola.checkpoint import load_checkpoint_tokenizer
@@ -242,6 +359,55 @@ def test_chat_completion_uses_the_template(server, checkpoint, solo):
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == done.choices[0].message.content
     bad = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
     assert bad.status_code == 400 and "unknown role" in bad.json()["error"]["message"]
+
+
+def test_chat_logprobs_are_the_models_log_softmax(server, checkpoint, monkeypatch):
+    """Chat ``logprobs`` (seeded sampling, so the chosen token is often not the best): each token's
+    log-probability equals the legacy endpoint's for the same prompt ids (bitwise: the same
+    engine) and the reference model's log-softmax at that position (fp32, 1e-5); its
+    ``top_logprobs`` are the best, best first; streamed chunks carry the same entries."""
+    from wiola.chat import apply_chat_template
+    from wiola.checkpoint import load_checkpoint_tokenizer
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    tok = load_checkpoint_tokenizer(checkpoint)
+    messages = [{"role": "user", "content": "Tell me about the cat."}]
+    prompt_ids = apply_chat_template(tok, messages)
+    new = _token_ids(checkpoint, prompt_ids, 12, 1.0, 3)
+    reference = wiola.WiolaModel.from_pretrained(checkpoint).eval()
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt_ids + new[:-1]])).logits[0, len(prompt_ids) - 1 :]
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    best = torch.topk(logp, 3)
+
+    client = _client(server)
+    args = {"model": "m", "messages": messages, "max_tokens": 12, "temperature": 1.0, "seed": 3, "logprobs": True}
+    done = client.chat.completions.create(**args, top_logprobs=3).choices[0]
+    content = done.logprobs.content
+    assert [e.token for e in content] == [tok.decode([t]) for t in new]
+    got = torch.tensor([e.logprob for e in content])
+    torch.testing.assert_close(got, logp[torch.arange(len(new)), torch.tensor(new)], rtol=1e-5, atol=1e-5)
+    assert new != best.indices[:, 0].tolist()  # sampled: not always the best token
+    for e, ids, values in zip(content, best.indices.tolist(), best.values, strict=True):
+        assert [t.token for t in e.top_logprobs] == [tok.decode([i]) for i in ids]
+        torch.testing.assert_close(torch.tensor([t.logprob for t in e.top_logprobs]), values, rtol=1e-5, atol=1e-5)
+        for x in (e, *e.top_logprobs):
+            assert x.bytes == (None if "\ufffd" in x.token else list(x.token.encode()))
+    legacy = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "prompt": prompt_ids, "max_tokens": 12, "temperature": 1.0, "seed": 3, "logprobs": 0}).json()  # fmt: skip
+    legacy = legacy["choices"][0]["logprobs"]
+    assert legacy["token_logprobs"] == got.tolist() and legacy["top_logprobs"] == [{}] * 12
+    assert legacy["tokens"] == [e.token for e in content]
+
+    plain = client.chat.completions.create(**args).choices[0].logprobs.content  # logprobs without top_logprobs
+    assert [(e.token, e.logprob, e.top_logprobs) for e in plain] == [(e.token, e.logprob, []) for e in content]
+    chunks = [c.choices[0] for c in client.chat.completions.create(**args, top_logprobs=3, stream=True) if c.choices]
+    streamed = [e for c in chunks if c.logprobs for e in c.logprobs.content]
+    assert all(len(c.logprobs.content) == 1 for c in chunks if c.logprobs)
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    assert "".join(c.delta.content or "" for c in chunks) == done.message.content
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
 
 
 def test_chat_without_a_template_is_a_400(checkpoint):
@@ -303,6 +469,40 @@ def test_bad_requests_are_clear_4xx(server, content, status, message):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+@pytest.mark.parametrize("name", ["temperature", "top_p"])
+def test_non_finite_numbers_are_a_400_naming_the_parameter(server, name, value, stream):
+    """JSON's NaN (which compares False with any bound) and infinities are refused before a stream starts."""
+    for path, head in (("/v1/completions", '"prompt": "a"'), ("/v1/chat/completions",
+                                                              '"messages": [{"role": "user", "content": "a"}]')):  # fmt: skip
+        content = f'{{{head}, "max_tokens": 3, "{name}": {value}, "stream": {str(stream).lower()}}}'
+        r = httpx.post(server.url + path, content=content, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.headers["content-type"] == "application/json", (path, r.text)
+        error = r.json()["error"]
+        assert error["param"] == name and error["type"] == "invalid_request_error", (path, error)
+        assert f"{name} must be a finite number, got {float(value)!r}" == error["message"], (path, error)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_prompt_that_fills_the_context_without_max_tokens_is_a_400(server, checkpoint, stream):
+    from wiola.chat import apply_chat_template
+    from wiola.checkpoint import load_checkpoint_tokenizer
+
+    tok = load_checkpoint_tokenizer(checkpoint)
+    for content in ("The cat " * 200, "The cat " * 40):
+        messages = [{"role": "user", "content": content}]
+        n = len(apply_chat_template(tok, messages))
+        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "stream": stream}, timeout=60)
+        if n < MAX_SEQ:  # room for MAX_SEQ - n tokens: the default max_tokens takes it all
+            assert r.status_code == 200, r.text
+            continue
+        assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
+        error = r.json()["error"]
+        assert (error["param"], error["code"]) == ("messages", "context_length_exceeded"), error
+        assert f"{n} tokens" in error["message"] and f"context of {MAX_SEQ} tokens" in error["message"], error
+
+
 def test_a_10mb_body_is_refused_before_it_is_read(server):
     big = b'{"prompt": "' + b"a" * (10 << 20) + b'"}'
     r = httpx.post(server.url + "/v1/completions", content=big, timeout=60)
@@ -316,6 +516,25 @@ def test_a_10mb_body_is_refused_before_it_is_read(server):
         r = httpx.post(server.url + "/v1/completions", content=chunks(), timeout=60)
         assert r.status_code == 413
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_non_streaming_client_that_times_out_frees_its_rows(server):
+    """The client gives up while tokens keep flowing: its rows leave within a poll or two,
+    long before the request's 320 choices x 200 tokens (8000 steps of 8 rows) would have finished."""
+    before = httpx.get(server.url + "/health").json()
+    body = {"prompt": PROMPTS * 4, "n": 16, "max_tokens": 200, "temperature": 0}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        health = httpx.get(server.url + "/health").json()
+        if health["live_rows"] == 0 and health["waiting"] == 0:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the request still runs: {health}")
+    assert health["left_early"] > before["left_early"], (before, health)
+    assert health["steps"] - before["steps"] < 8000 // 2, (before, health)
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_row(server, solo):

@@ -49,3 +49,115 @@ def test_a_long_stop_string_holds_everything_shorter():
     s = TextStream(Bytes(), ["the end"])
     assert [s.add(b) for b in b"abcd"] == ["", "", "", ""] and s.text == ""
     assert s.rest() == "abcd"
+
+
+def _clean_up(text: str) -> str:
+    """transformers' clean_up_tokenization, as ``wiola.tokenizer.HFTokenizer.decode`` applies it."""
+    for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't")):
+        text = text.replace(a, b)
+    for a in ("m", "s", "ve", "re"):
+        text = text.replace(f" '{a}", f"'{a}")
+    return text
+
+
+class CleanBytes(Bytes):
+    """A byte-level tokenizer whose decoding cleans up spaces before punctuation, which rewrites
+    text already decoded when a later byte completes a pattern (" ." -> ".")."""
+
+    def __init__(self, decode_reach: int) -> None:
+        self.decode_reach = decode_reach
+
+    def decode(self, ids: list[int]) -> str:
+        return _clean_up(super().decode(ids))
+
+
+CLEAN_UP_CHARS = " .?!,'ntmsveraé"  # the clean-up's patterns, and a character of two bytes
+
+
+@pytest.mark.parametrize("stops", [[], ["ra"], ["'s", ". "]])
+def test_chunks_join_to_the_decoding_when_it_rewrites_its_end(stops):
+    import random
+
+    rng = random.Random(0)
+    tok = CleanBytes(decode_reach=3)
+    streams = []
+    for _ in range(2000):
+        ids = list("".join(rng.choice(CLEAN_UP_CHARS) for _ in range(rng.randint(1, 16))).encode())
+        s = TextStream(tok, stops)
+        chunks = []
+        for b in ids:
+            chunks.append(s.add(b))
+            if s.stopped:
+                break
+        chunks.append(s.rest())
+        full = tok.decode(s.ids)
+        want = full[: min([i for i in (full.find(x) for x in stops) if i >= 0], default=len(full))]
+        assert "".join(chunks) == want, (bytes(ids), chunks)
+        streams.append((s, want))
+    assert [s.final for s, _ in streams] == [want for _, want in streams]
+
+
+def test_a_rewrite_past_the_declared_reach_loses_nothing_after_it():
+    """A tokenizer that understates how far its decoding rewrites: the text after the rewrite is
+    still emitted (the rewritten space stays as it was sent); ``final`` is the exact decoding."""
+    s = TextStream(CleanBytes(decode_reach=0), [])
+    chunks = [s.add(b) for b in b"so . then n't more"] + [s.rest()]
+    assert "".join(chunks) == s.text == "so . then n't more"
+    assert s.final == "so. thenn't more"
+
+
+def test_rewrites_past_the_reach_keep_every_character_of_the_decoding():
+    """Whatever the rewrites, the exact decoding is a subsequence of the emitted text (in order,
+    nothing skipped): only characters a rewrite removed or changed are extra."""
+    import random
+
+    rng = random.Random(1)
+    tok = CleanBytes(decode_reach=0)
+    streams = []
+    for _ in range(2000):
+        ids = list("".join(rng.choice(CLEAN_UP_CHARS) for _ in range(rng.randint(1, 16))).encode())
+        s = TextStream(tok, [])
+        text = "".join([s.add(b) for b in ids] + [s.rest()])
+        full = tok.decode(ids)
+        rest = iter(text)
+        assert all(ch in rest for ch in full), (bytes(ids), text, full)
+        assert len(text) - len(full) <= bytes(ids).count(b" "), (bytes(ids), text)  # only removed spaces
+        streams.append((s, full))
+    assert [s.final for s, _ in streams] == [full for _, full in streams]
+
+
+@pytest.mark.parametrize(
+    ("tokenizer", "text", "offsets"),
+    [
+        (Bytes(), "aé b".encode(), [0, 1, 1, 2, 3]),  # é is two tokens: both begin where it does
+        (Bytes(), "x😀y".encode(), [0, 1, 1, 1, 1, 2]),
+        (Bytes(), b"R\xc0\xf5~", [0, 1, 2, 3]),  # bytes that never form a character stay one U+FFFD each
+        (Bytes(), b"a\xe2\x82b", [0, 1, 1, 2]),  # a character cut short by "b"
+        (CleanBytes(decode_reach=3), b"so .x", [0, 1, 2, 2, 3]),  # "." makes " ." read ".": both begin at 2
+    ],
+)
+def test_offset_is_where_each_token_begins_in_the_text(tokenizer, text, offsets):
+    s = TextStream(tokenizer, [])
+    got = []
+    for b in text:
+        s.add(b)
+        got.append(s.offset)
+    assert got == offsets
+
+
+def _joined(tok, data: bytes) -> str:
+    s = TextStream(tok, [])
+    return "".join([s.add(b) for b in data] + [s.rest()])
+
+
+def test_the_clean_up_rewrites_up_to_3_characters_back():
+    """The clean-up rewrites ``" n't"`` when its "t" comes, 3 characters after its space: holding
+    back 2 is too few. ``HFTokenizer`` says 3 with the clean-up, 0 without it."""
+    from wiola.tokenizer import train_tokenizer
+
+    assert _joined(CleanBytes(decode_reach=3), b"x n't") == "xn't"
+    assert _joined(CleanBytes(decode_reach=2), b"x n't") != "xn't"
+    tok = train_tokenizer(["it isn't so . we're here"] * 4, 270, show_progress=False)
+    assert tok.decode_reach == 0
+    tok.clean_up_spaces = True
+    assert tok.decode_reach == 3 and tok.decode(tok.encode("x n't")[1:]) == "xn't"

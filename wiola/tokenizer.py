@@ -381,6 +381,13 @@ class HFTokenizer(Tokenizer):
                 text = text.replace(f" '{a}", f"'{a}")
         return text
 
+    @property
+    def decode_reach(self) -> int:
+        """How many characters at the end of ``decode(ids)`` ``decode(ids + more)`` may rewrite:
+        the clean-up's longest patterns (``" n't"``, ``" 're"``) are 4 characters, so one that
+        later ids complete begins within the last 3; without the clean-up decoding only appends."""
+        return 3 if self.clean_up_spaces else 0
+
     def _special_ids(self) -> set[int]:
         return {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 

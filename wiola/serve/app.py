@@ -25,11 +25,20 @@ from starlette.routing import Route
 
 from wiola.fast.rows import RowRequest, RowToken
 from wiola.serve.engine import Engine, Job
-from wiola.serve.protocol import ApiError, Sampling, check_lengths, new_id, now, parse_chat, parse_completion
+from wiola.serve.protocol import (
+    ApiError,
+    Sampling,
+    check_lengths,
+    new_id,
+    now,
+    parse_chat,
+    parse_completion,
+    room_after,
+)
 from wiola.serve.text import TextStream
 
 MAX_BODY = 1 << 20  # bytes: a request body past this is refused with 413
-DISCONNECT_POLL = 0.5  # seconds between checks that a non-streaming client is still there
+DISCONNECT_POLL = 0.5  # seconds between checks that the client is still there, tokens flowing or not
 
 
 class Server:
@@ -49,16 +58,23 @@ class Server:
                 request = RowRequest(
                     prompt=ids, max_new_tokens=max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                     seed=None if s.seed is None else s.seed + i, eos_token_id=self.tokenizer.eos_token_id,
-                    logprobs=s.logprobs,
+                    logprobs=s.logprobs or 0,
                 )  # fmt: skip
                 out.append(Job(request, queue, index=p * s.n + i))
         return out
 
-    async def run(self, jobs: list[Job], stops: list[str], request: Request) -> AsyncIterator[tuple[Job, str, Any]]:
+    def streams(self, jobs: list[Job], stops: list[str]) -> dict[Job, TextStream]:
+        """Each job's ``TextStream`` (its text so far, the token offsets, the exact final text)."""
+        return {job: TextStream(self.tokenizer, stops) for job in jobs}
+
+    async def run(
+        self, jobs: list[Job], streams: dict[Job, TextStream], request: Request
+    ) -> AsyncIterator[tuple[Job, str, Any]]:
         """Submit ``jobs`` and yield ``(job, new text, token or finish reason)`` as their tokens
-        arrive; each ends with ``(job, rest of its text, "stop" | "length")``. Cancels every job
-        still running when the consumer stops early or the client goes away."""
-        streams = {job: TextStream(self.tokenizer, stops) for job in jobs}
+        arrive (each token's text goes through ``streams[job]``, whose ``offset`` is the token's
+        while its event is consumed); each ends with ``(job, rest of its text, "stop" | "length")``.
+        Cancels every job still running when the consumer stops early or the client goes away
+        (asked at least every ``DISCONNECT_POLL`` seconds, also while tokens keep arriving)."""
         pending = {job for job in jobs if job.request.max_new_tokens > 0}
         for job in jobs:
             if job not in pending:
@@ -66,14 +82,22 @@ class Server:
         for job in pending:
             self.engine.submit(job)
         queue = jobs[0].queue if jobs else None
+        loop = asyncio.get_running_loop()
+        check_at = loop.time() + DISCONNECT_POLL
         try:
             while pending:
-                try:
-                    job, item = await asyncio.wait_for(queue.get(), DISCONNECT_POLL)
-                except TimeoutError:
+                got = None
+                wait = check_at - loop.time()
+                if wait > 0:
+                    with contextlib.suppress(TimeoutError):
+                        got = await asyncio.wait_for(queue.get(), wait)
+                if loop.time() >= check_at:
                     if await request.is_disconnected():
                         return
+                    check_at = loop.time() + DISCONNECT_POLL
+                if got is None:
                     continue
+                job, item = got
                 if job not in pending or item is None:
                     continue
                 if isinstance(item, Exception):
@@ -103,13 +127,31 @@ class Server:
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
-    def logprobs_entry(self, token: RowToken) -> dict[str, Any]:
+    def logprobs_entry(self, token: RowToken, offset: int) -> dict[str, Any]:
+        """A token of a legacy completion's ``logprobs``: its text, log-probability, best
+        alternatives by text, and ``offset`` (where its text begins in the choice's text)."""
         # OpenAI's top_logprobs is keyed by text, and distinct tokens can decode to one text (the
         # byte tokens of a split character all read "\ufffd"): such a text keeps its best log-probability.
         top: dict[str, float] = {}
         for t, lp in sorted(token.top, key=lambda pair: -pair[1]):
             top.setdefault(self.token_text(t), lp)
-        return {"token": self.token_text(token.token), "logprob": token.logprob, "top": top}
+        return {"token": self.token_text(token.token), "logprob": token.logprob, "top": top, "offset": offset}
+
+    def chat_logprobs_entry(self, token: RowToken) -> dict[str, Any]:
+        """A token of a chat choice's ``logprobs.content``: OpenAI's ``{token, logprob, bytes,
+        top_logprobs: [{token, logprob, bytes}, ...]}``, the alternatives best first."""
+
+        def one(t: int, lp: float) -> dict[str, Any]:
+            text = self.token_text(t)
+            return {"token": text, "logprob": lp, "bytes": _text_bytes(text)}
+
+        return {**one(token.token, token.logprob), "top_logprobs": [one(t, lp) for t, lp in token.top]}
+
+
+def _text_bytes(text: str) -> list[int] | None:
+    """The UTF-8 bytes of a token's text; None (OpenAI's "no bytes representation") for a token
+    that holds part of a character, whose text reads U+FFFD rather than its own bytes."""
+    return None if "\ufffd" in text else list(text.encode("utf-8"))
 
 
 async def read_json(request: Request, limit: int) -> Any:
@@ -157,20 +199,22 @@ async def completions(request: Request) -> Response:
     jobs = server.jobs(req.prompts, s, s.max_tokens, asyncio.Queue())
     head = {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": server.model_name}
     echo = [req.prompt_texts[j.index // s.n] or server.tokenizer.decode(req.prompts[j.index // s.n]) for j in jobs]
+    # the choice's text before its generated text: where the tokens' text_offset begin
+    prefix = {j: echo[k] if req.echo else "" for k, j in enumerate(jobs)}
     if s.stream:
         return StreamingResponse(
-            _stream_completion(server, request, req, jobs, head, echo), media_type="text/event-stream"
+            _stream_completion(server, request, req, jobs, head, prefix), media_type="text/event-stream"
         )
-    texts = {j: echo[k] if req.echo else "" for k, j in enumerate(jobs)}
-    done = await _run_to_end(server, request, jobs, s.stop, texts, logprobs=bool(s.logprobs))
+    done = await _run_to_end(server, request, jobs, s.stop, prefix, logprobs=s.logprobs is not None)
     if isinstance(done, Response):
         return done
     choices = [
-        {"text": done.texts[j], "index": j.index, "logprobs": _logprobs(done.logprobs[j]) if s.logprobs else None,
+        {"text": done.texts[j], "index": j.index,
+         "logprobs": _logprobs(done.logprobs[j], len(prefix[j])) if s.logprobs is not None else None,
          "finish_reason": done.finish[j]}
         for j in jobs
     ]  # fmt: skip
-    return JSONResponse({**head, "choices": choices, "usage": _usage(req.prompts, s.n, done.tokens)})
+    return JSONResponse({**head, "choices": choices, "usage": _usage(req.prompts, done.tokens)})
 
 
 @dataclass
@@ -184,74 +228,77 @@ class _Done:
 
 
 async def _run_to_end(
-    server: Server, request: Request, jobs: list[Job], stops: list[str], texts: dict[Job, str], *, logprobs: bool
-) -> _Done | Response:
-    """Run ``jobs`` to their end, each one's new text appended to its entry of ``texts`` (and, with
-    ``logprobs``, each token's entry kept): what they produced, or the response to send instead
-    (the error in OpenAI's JSON, or 499 when the client went away)."""
+    server: Server, request: Request, jobs: list[Job], stops: list[str], prefix: dict[Job, str], *,
+    logprobs: bool, chat: bool = False,
+) -> _Done | Response:  # fmt: skip
+    """Run ``jobs`` to their end: what they produced (each one's text ``prefix[job]`` followed by
+    the exact decoding of its new tokens, cut before a stop string; with ``logprobs``, each
+    token's entry, ``Server.chat_logprobs_entry`` if ``chat`` else ``Server.logprobs_entry``), or
+    the response to send instead (the error in OpenAI's JSON, or 499 when the client went away)."""
     finish: dict[Job, str] = {}
     logs: dict[Job, list[dict]] = {j: [] for j in jobs}
+    streams = server.streams(jobs, stops)
     count = 0
     try:
-        async with contextlib.aclosing(server.run(jobs, stops, request)) as events:
-            async for job, delta, what in events:
-                texts[job] += delta
+        async with contextlib.aclosing(server.run(jobs, streams, request)) as events:
+            async for job, _, what in events:
                 if isinstance(what, str):
                     finish[job] = what
                 else:
                     count += 1
                     if logprobs:
-                        logs[job].append(server.logprobs_entry(what))
+                        offset = streams[job].offset
+                        logs[job].append(
+                            server.chat_logprobs_entry(what) if chat else server.logprobs_entry(what, offset)
+                        )
     except ApiError as e:
         return _error(e)
     if len(finish) < len(jobs):  # the client went away
         return Response(status_code=499)
-    return _Done(texts, finish, count, logs)
+    return _Done({j: prefix[j] + streams[j].final for j in jobs}, finish, count, logs)
 
 
-def _logprobs(entries: list[dict]) -> dict[str, Any]:
-    """OpenAI's legacy completion ``logprobs`` object over the generated tokens."""
-    offsets, at = [], 0
-    for e in entries:
-        offsets.append(at)
-        at += len(e["token"])
+def _logprobs(entries: list[dict], start: int) -> dict[str, Any]:
+    """OpenAI's legacy completion ``logprobs`` object over the generated tokens; ``start``: the
+    length of the choice's text before them (the echoed prompt), where their offsets begin."""
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
         "top_logprobs": [e["top"] for e in entries],
-        "text_offset": offsets,
+        "text_offset": [start + e["offset"] for e in entries],
     }
 
 
-def _usage(prompts: list[list[int]], n: int, completion: int) -> dict[str, int]:
-    prompt = n * sum(len(p) for p in prompts)
+def _usage(prompts: list[list[int]], completion: int) -> dict[str, int]:
+    """OpenAI's usage: each prompt counted once, whatever ``n``; ``completion`` new tokens over every choice."""
+    prompt = sum(len(p) for p in prompts)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _stream_completion(server: Server, request: Request, req, jobs, head, echo) -> AsyncIterator[str]:
+async def _stream_completion(server: Server, request: Request, req, jobs, head, prefix) -> AsyncIterator[str]:
     s = req.sampling
     completion = 0
+    streams = server.streams(jobs, s.stop)
     if req.echo:
-        for k, job in enumerate(jobs):
-            yield _sse(
-                {**head, "choices": [{"text": echo[k], "index": job.index, "logprobs": None, "finish_reason": None}]}
-            )
+        for job in jobs:
+            choice = {"text": prefix[job], "index": job.index, "logprobs": None, "finish_reason": None}
+            yield _sse({**head, "choices": [choice]})
     try:
-        async with contextlib.aclosing(server.run(jobs, s.stop, request)) as events:
+        async with contextlib.aclosing(server.run(jobs, streams, request)) as events:
             async for job, delta, what in events:
                 finish = what if isinstance(what, str) else None
                 logprobs = None
                 if not isinstance(what, str):
                     completion += 1
-                    if s.logprobs:
-                        logprobs = _logprobs([server.logprobs_entry(what)])
+                    if s.logprobs is not None:
+                        logprobs = _logprobs([server.logprobs_entry(what, streams[job].offset)], len(prefix[job]))
                 if delta or finish or not isinstance(what, str):  # a chunk per token, its text possibly held back
                     choice = {"text": delta, "index": job.index, "logprobs": logprobs, "finish_reason": finish}
                     yield _sse({**head, "choices": [choice]})
     except ApiError as e:
         yield _sse(e.body())
     if s.include_usage:
-        yield _sse({**head, "choices": [], "usage": _usage(req.prompts, s.n, completion)})
+        yield _sse({**head, "choices": [], "usage": _usage(req.prompts, completion)})
     yield "data: [DONE]\n\n"
 
 
@@ -279,7 +326,7 @@ async def chat_completions(request: Request) -> Response:
         req = parse_chat(body)
         prompt = _chat_prompt(server, req.messages)
         s = req.sampling
-        max_tokens = server.max_len - len(prompt) if s.max_tokens is None else s.max_tokens
+        max_tokens = room_after(prompt, server.max_len) if s.max_tokens is None else s.max_tokens
         check_lengths([prompt], max_tokens, server.max_len)
     except ApiError as e:
         return _error(e)
@@ -287,37 +334,44 @@ async def chat_completions(request: Request) -> Response:
     head = {"id": new_id("chatcmpl"), "created": now(), "model": server.model_name}
     if s.stream:
         return StreamingResponse(_stream_chat(server, request, s, jobs, head, prompt), media_type="text/event-stream")
-    done = await _run_to_end(server, request, jobs, s.stop, dict.fromkeys(jobs, ""), logprobs=False)
+    logprobs = s.logprobs is not None
+    done = await _run_to_end(server, request, jobs, s.stop, dict.fromkeys(jobs, ""), logprobs=logprobs, chat=True)
     if isinstance(done, Response):
         return done
     choices = [
-        {"index": j.index, "message": {"role": "assistant", "content": done.texts[j]}, "logprobs": None,
-         "finish_reason": done.finish[j]}
+        {"index": j.index, "message": {"role": "assistant", "content": done.texts[j]},
+         "logprobs": {"content": done.logprobs[j]} if logprobs else None, "finish_reason": done.finish[j]}
         for j in jobs
     ]  # fmt: skip
     return JSONResponse(
-        {**head, "object": "chat.completion", "choices": choices, "usage": _usage([prompt], s.n, done.tokens)}
+        {**head, "object": "chat.completion", "choices": choices, "usage": _usage([prompt], done.tokens)}
     )
 
 
 async def _stream_chat(server: Server, request: Request, s: Sampling, jobs, head, prompt) -> AsyncIterator[str]:
     head = {**head, "object": "chat.completion.chunk"}
     for job in jobs:
-        choice = {"index": job.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        choice = {"index": job.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}  # fmt: skip
         yield _sse({**head, "choices": [choice]})
     count = 0
     try:
-        async with contextlib.aclosing(server.run(jobs, s.stop, request)) as events:
+        async with contextlib.aclosing(server.run(jobs, server.streams(jobs, s.stop), request)) as events:
             async for job, delta, what in events:
                 finish = what if isinstance(what, str) else None
-                count += finish is None
+                logprobs = None
+                if finish is None:
+                    count += 1
+                    if s.logprobs is not None:  # a chunk per token: that token's entry
+                        logprobs = {"content": [server.chat_logprobs_entry(what)]}
                 if delta or finish or not isinstance(what, str):
                     delta_obj = {"content": delta} if delta else {}
-                    yield _sse({**head, "choices": [{"index": job.index, "delta": delta_obj, "finish_reason": finish}]})
+                    choice = {"index": job.index, "delta": delta_obj, "logprobs": logprobs, "finish_reason": finish}
+                    yield _sse({**head, "choices": [choice]})
     except ApiError as e:
         yield _sse(e.body())
     if s.include_usage:
-        yield _sse({**head, "choices": [], "usage": _usage([prompt], s.n, count)})
+        yield _sse({**head, "choices": [], "usage": _usage([prompt], count)})
     yield "data: [DONE]\n\n"
 
 

@@ -8,6 +8,7 @@ servers do). A bad value raises ``ApiError``, which the app turns into
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ class Sampling:
     seed: int | None
     stop: list[str]
     n: int
-    logprobs: int  # 0: none
+    logprobs: int | None  # how many best alternatives per token; None: no logprobs at all
     stream: bool
     include_usage: bool
 
@@ -73,6 +74,8 @@ def _number(
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ApiError(f"{name} must be a number, got {value!r}", name)
+    if not math.isfinite(value):  # JSON's NaN compares False with every bound, so refuse it first
+        raise ApiError(f"{name} must be a finite number, got {value!r}", name)
     if value > hi or value < lo or (open_lo and value == lo):
         interval = f"{'(' if open_lo else '['}{lo}, {hi}]"
         raise ApiError(f"{name} must be in {interval}, got {value!r}", name)
@@ -111,7 +114,7 @@ def _stop(body: dict) -> list[str]:
     return stops
 
 
-def parse_sampling(body: dict, *, default_max_tokens: int | None, logprobs: int) -> Sampling:
+def parse_sampling(body: dict, *, default_max_tokens: int | None, logprobs: int | None) -> Sampling:
     """The settings both endpoints share. ``top_k`` of 0 or -1 means no top-k filter (vLLM's
     convention); ``seed`` seeds choice ``i`` with ``seed + i``."""
     top_k = body.get("top_k")
@@ -182,11 +185,23 @@ def check_lengths(prompts: list[list[int]], max_tokens: int, max_len: int) -> No
             )
 
 
+def room_after(prompt: list[int], max_len: int) -> int:
+    """The ``max_tokens`` of a chat request that gives none: the rest of the context. Raises
+    ``ApiError`` (``context_length_exceeded``) when the prompt leaves no room for one new token."""
+    if len(prompt) >= max_len:
+        raise ApiError(
+            f"the messages take {len(prompt)} tokens with the chat template, which leaves no room for a new token "
+            f"in the model's context of {max_len} tokens",
+            "messages",
+            code="context_length_exceeded",
+        )
+    return max_len - len(prompt)
+
+
 def parse_completion(body: Any, encode, vocab_size: int, max_len: int) -> Completion:
     """A ``/v1/completions`` request body (already parsed JSON), validated."""
     body = check_object(body)
-    logprobs = body.get("logprobs")
-    logprobs = 0 if logprobs is None else _int(body, "logprobs", 0, 0, MAX_LOGPROBS)
+    logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)  # 0: the chosen tokens' only
     sampling = parse_sampling(body, default_max_tokens=16, logprobs=logprobs)
     prompts, texts = parse_prompts(body, encode, vocab_size)
     check_lengths(prompts, sampling.max_tokens, max_len)
@@ -202,8 +217,13 @@ def parse_chat(body: Any) -> ChatRequest:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ApiError(f"messages[{i}] must be an object with string role and content", "messages")
-    top = body.get("top_logprobs") if body.get("logprobs") else 0
-    logprobs = 0 if top is None else _int({"top_logprobs": top}, "top_logprobs", 0, 0, MAX_LOGPROBS)
+    top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if not _bool(body, "logprobs", False):
+        if top is not None:
+            raise ApiError("top_logprobs needs logprobs: true", "top_logprobs")
+        logprobs = None
+    else:
+        logprobs = top or 0  # logprobs alone: the chosen tokens' log-probabilities, no alternatives
     if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
     sampling = parse_sampling(body, default_max_tokens=None, logprobs=logprobs)
