@@ -109,3 +109,39 @@ def test_bad_inputs_raise_clear_errors(tiny):
         tiny(ok, cache=cache)
     with pytest.raises(ValueError, match="max_len"):
         tiny.new_cache(1, 13)
+
+
+@pytest.mark.parametrize("cls", ["reference", "fast"])
+def test_foreign_caches_odd_id_dtypes_and_negative_logits_to_keep_are_named(cls, tiny, plain_cpu):
+    """Caught by the model's own checks before any work, on the fast model's one-token C++ step
+    too (which once took uint8 ids and let a foreign cache fail deep inside the PyTorch path)."""
+    import wiola.fast
+    from wiola import Cache
+
+    model = tiny if cls == "reference" else wiola.fast.WiolaModel(tiny.config).eval()
+    config = model.config
+    one = torch.tensor([[3]])
+    for other in (
+        WiolaConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=2, d_ff=16, max_seq_len=12),  # head width
+        WiolaConfig(vocab_size=50, d_model=16, n_layers=2, n_heads=2, d_ff=16, max_seq_len=12),  # layers
+        WiolaConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=4, d_ff=16, max_seq_len=12),  # heads
+    ):
+        for ids in (one, torch.tensor([[3, 4]])):  # the one-token step and a prompt
+            with torch.no_grad(), pytest.raises(ValueError, match=r"cache.k has shape .* this model needs \(1, 1, 2, 8, 8\)"):  # fmt: skip
+                model(ids, cache=Cache(other, 1, 8))
+    with torch.no_grad(), pytest.raises(ValueError, match="cache dtype torch.float64 is not the model's torch.float32"):
+        model(one, cache=Cache(config, 1, 8, dtype=torch.float64))
+    with pytest.raises(TypeError, match="cache must be a wiola.Cache"):
+        model(one, cache={"k": None})
+    for dtype in (torch.uint8, torch.int8, torch.int16):
+        for cache in (None, model.new_cache(1, 8)):
+            with torch.no_grad(), pytest.raises(TypeError, match=rf"integer tensor of dtype int64 or int32, got dtype {dtype}"):  # fmt: skip
+                model(one.to(dtype), cache=cache)
+    with torch.no_grad():
+        assert torch.equal(model(one.int()).logits, model(one).logits), "int32 ids are taken as they are"
+    for keep in (-1, True, 1.0):
+        with pytest.raises(ValueError, match=rf"logits_to_keep must be a non-negative int .*got {keep!r}"):
+            model(torch.tensor([[1, 2, 3]]), logits_to_keep=keep)
+    with pytest.raises(ValueError, match=r"cache max_len must be an int in \[1, max_seq_len=12\], got 0"):
+        model.new_cache(1, 0)
+    assert model.new_cache(1).max_len == 12 and model.new_cache(1, None).max_len == 12

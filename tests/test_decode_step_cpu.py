@@ -184,7 +184,7 @@ class _ThreadedSteps:
                 if parts:
                     now = decode_step_cpu.balance(n, self.isa, parts)
                     assert all(now[k] == pytest.approx(v, rel=1e-6) for k, v in parts.items()), now
-                out.append(step(self.ids[:, t], cache.length + t))
+                out.append(step(self.ids[:, t].contiguous(), cache.length + t))
             return torch.stack(out)
         finally:
             torch.set_num_threads(threads)
@@ -304,7 +304,7 @@ def test_tuning_does_not_change_results(knob, values, isa, monkeypatch):
         model(ids, attention_mask=mask, cache=cache)
         step = decode_step_cpu.DecodeStepCPU(model, cache, isa=isa)
         assert step.tuning[knob] == value
-        return torch.stack([step(ids[:, t], cache.length + t) for t in range(3)])
+        return torch.stack([step(ids[:, t].contiguous(), cache.length + t) for t in range(3)])
 
     want = run(values[0])
     for value in values[1:]:
@@ -399,6 +399,62 @@ def test_bad_bindings_name_the_tensor():
     other = dataclasses.replace(SMALL, n_layers=3)  # a cache made for another model
     with pytest.raises(ValueError, match=r"cache.k has shape \(3, 1, 2, 4, 32\), the model needs \(2, 1, 2, 4, 32\)"):
         decode_step_cpu.DecodeStepCPU(model, wiola.Cache(other, 1, 4))
+
+
+@torch.inference_mode()
+def test_every_entry_refuses_ids_slots_and_rows_out_of_range(plain_cpu):
+    """The C++ indexes the embedding, the cache and its outputs with these numbers unchecked: each
+    entry point refuses one out of range before the call. A cache made for another model is an
+    error for ``cpu_decode_step``'s caller, not a reason to fall back to the PyTorch path."""
+    model = wiola.fast.WiolaModel(SMALL).eval()
+    model.load_state_dict(_model(SMALL).state_dict())
+    other = wiola.Cache(dataclasses.replace(SMALL, n_layers=3), 1, 4)
+    with pytest.raises(ValueError, match=r"cache.k has shape \(3, 1, 2, 4, 32\), the model needs"):
+        fast_ops.cpu_decode_step(model, torch.tensor([[1]]), other)
+    step = decode_step_cpu.DecodeStepCPU(model, model.new_cache(2, 4))
+    V, t = SMALL.vocab_size, lambda *v: torch.tensor(v)
+    ok = t(1, 2)
+    for tokens, match in (
+        (t(1, V), rf"tokens holds {V}, outside \[0, {V}\)"),
+        (t(-1, 2), r"tokens holds -1, outside"),
+        (ok.int(), "tokens must be a contiguous torch.int64"),
+        (t(1), r"tokens has shape \(1,\), the model needs \(2,\)"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            step(tokens, 0)
+    for slot in (4, -1, True):
+        with pytest.raises(ValueError, match=rf"slot must be an int in \[0, max_len=4\), got {slot!r}"):
+            step(ok, slot)
+    for args, match in (
+        ((t(0, 2), ok, t(0, 0)), r"rows holds 2, outside \[0, 2\)"),
+        ((t(1, 1), ok, t(0, 0)), r"rows must be distinct, got \[1, 1\]"),
+        ((t(0, 1), t(0, V), t(0, 0)), rf"tokens holds {V}"),
+        ((t(0, 1), ok, t(0, 4)), r"slots holds 4, outside \[0, 4\)"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            step.rows(*args)
+        with pytest.raises(ValueError, match=match):
+            step.step_rows(*args, decode_step_cpu.Samplers(2, V, 1))
+    with pytest.raises(ValueError, match="samplers made for"):
+        step.step_rows(t(0, 1), ok, t(0, 0), decode_step_cpu.Samplers(3, V, 1))
+
+    def loop(start=1, steps=(0, 3), out=None, eos=5, pad=0, temperature=0.0, log_noise=None):
+        out = torch.zeros(2, 3, dtype=torch.int64) if out is None else out
+        first, finished = torch.zeros(2, V), torch.zeros(2, dtype=torch.uint8)
+        return step.generate_loop(start, steps, out, first, finished, temperature, None, log_noise, eos, pad)
+
+    for kwargs, match in (
+        (dict(pad=V), rf"pad must be None or an int in \[0, vocab_size={V}\), got {V}"),
+        (dict(eos=-1), r"eos must be None or an int in"),
+        (dict(steps=(0, 4)), r"steps \[0, 4\) from slot 1 are past out's 3 columns"),
+        (dict(start=3), r"steps \[0, 3\) from slot 3 are past .* max_len=4"),
+        (dict(steps=(1, 3), out=torch.full((2, 3), V)), rf"out\[:, 0\] holds {V}"),
+        (dict(out=torch.zeros(3, 3, dtype=torch.int64)), r"out has shape \(3, 3\), the model needs \(2, 3\)"),
+        (dict(temperature=1.0), "sampling .* needs log_noise"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            loop(**kwargs)
+    assert loop(start=2) == 3  # the last slot a loop of 3 steps from slot 2 writes is max_len - 1
 
 
 # ------------------------------------------------------------------ variants and their choice
@@ -582,6 +638,45 @@ def test_fast_step_follows_weight_changes(plain_cpu):
     ref.load_state_dict(other.state_dict())
     fast.load_state_dict(other.state_dict(), assign=True)
     check("logits after load_state_dict(assign=True)")
+
+
+@torch.no_grad()
+def test_is_current_sees_every_way_a_weight_changes(plain_cpu):
+    """``is_current`` finds the model's tensors by path again only after some module attribute was
+    set (torch's registration hooks): a parameter or block set anew, a parameter's
+    ``.data`` swapped, a dtype round trip each make a binding stale; a parameter set anew on the
+    same storage keeps it current, and a later move of that new parameter still makes it stale."""
+    import copy
+
+    from wiola.fast import step_layout
+
+    _, fast = _fast_pair(SMALL)
+    cache = fast.new_cache(1, 8)
+    path = next(p for p, slot in step_layout.slots(SMALL.n_layers) if slot.matrix and p.startswith("layers.0."))
+    owner, name = fast.get_submodule(path.rsplit(".", 1)[0]), path.rsplit(".", 1)[1]
+
+    def fresh() -> decode_step_cpu.DecodeStepCPU:
+        step = decode_step_cpu.DecodeStepCPU(fast, cache)
+        assert step.is_current() and step.is_current(), "a new binding is current"
+        return step
+
+    step = fresh()
+    setattr(owner, name, torch.nn.Parameter(getattr(owner, name).detach().clone()))
+    assert not step.is_current(), "a parameter set anew (another tensor)"
+    step = fresh()
+    setattr(owner, name, torch.nn.Parameter(getattr(owner, name).data))  # the same storage
+    assert step.is_current(), "a parameter set anew on the same storage reads the same memory"
+    getattr(owner, name).data = getattr(owner, name).data.clone()
+    assert not step.is_current(), "the new parameter's data swapped (no registration)"
+    step = fresh()
+    fast.layers[0] = copy.deepcopy(fast.layers[0])
+    assert not step.is_current(), "a block set anew"
+    step = fresh()
+    fast.double().float()
+    assert not step.is_current(), "a dtype round trip moves every tensor"
+    step = fresh()
+    fast.norm.weight = torch.nn.Parameter(fast.norm.weight.detach().clone())
+    assert not step.is_current(), "a norm's gain set anew"
 
 
 def test_fallback_when_the_compiler_is_missing(plain_cpu, monkeypatch, tmp_path):

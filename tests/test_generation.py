@@ -131,3 +131,43 @@ def test_resolve_sampling():
         resolve_sampling(float("nan"), None, None, 100)
     with pytest.raises(ValueError, match="temperature"):
         resolve_sampling(True, None, None, 100)
+
+
+@pytest.mark.parametrize("cls", ["reference", "fast"])
+def test_eos_and_pad_ids_are_checked_before_any_work(cls, model, plain_cpu):
+    """eos and pad ids reach the embedding (the fast model's C++ loop feeds pad back unchecked):
+    each must be one int in [0, vocab_size), refused before a step runs (nothing streamed);
+    numpy and torch integer scalars are those ints."""
+    import numpy as np
+
+    import wiola.fast
+
+    m = model if cls == "reference" else wiola.fast.WiolaModel(model.config).eval()
+    m.load_state_dict(model.state_dict())
+    p = torch.randint(0, 101, (2, 6), generator=torch.Generator().manual_seed(3))
+    free = m.generate(p, 12)
+    eos = int(free[0, 6 + 3])  # row 0 stops at step 3: pad fills its later slots
+    bad = [
+        (dict(eos_token_id=eos, pad_token_id=101), ValueError, r"pad_token_id 101 is outside \[0, vocab_size=101\)"),
+        (dict(eos_token_id=eos, pad_token_id=-1), ValueError, r"pad_token_id -1 is outside \[0, vocab_size=101\)"),
+        (dict(eos_token_id=101), ValueError, r"eos_token_id 101 is outside \[0, vocab_size=101\)"),
+        (dict(eos_token_id=-2), ValueError, r"eos_token_id -2 is outside"),
+        (
+            dict(eos_token_id=[eos, 6]),
+            TypeError,
+            r"eos_token_id must be a single int \(a list of ids is not supported\)",
+        ),
+        (dict(eos_token_id=torch.tensor([eos, 6])), TypeError, r"eos_token_id must be a single int"),
+        (dict(eos_token_id=float(eos)), TypeError, rf"eos_token_id must be an int, got float {eos}\.0"),
+        (dict(eos_token_id=True), TypeError, r"eos_token_id must be an int, got the bool True"),
+        (dict(eos_token_id=eos, pad_token_id="0"), TypeError, r"pad_token_id must be an int, got str '0'"),
+    ]
+    for kwargs, error, match in bad:
+        seen = []
+        with pytest.raises(error, match=match):
+            m.generate(p, 12, streamer=seen.append, **kwargs)
+        assert seen == [], f"{kwargs}: a step ran before the refusal"
+    want = m.generate(p, 12, eos_token_id=eos, pad_token_id=100)
+    assert want[0, 6 + 4 :].eq(100).all() and not want[1, 6:].eq(100).all()
+    for e, pad in ((np.int64(eos), np.int32(100)), (torch.tensor(eos), torch.tensor(100)), (eos, [100][0])):
+        assert torch.equal(m.generate(p, 12, eos_token_id=e, pad_token_id=pad), want), (type(e), type(pad))

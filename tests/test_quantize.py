@@ -5,13 +5,17 @@ C++ step on the packed matrices equals it to fp32 rounding (logits and cache), a
 with left padding and deep cache positions, in every instruction-set variant this CPU runs. The
 packing itself is checked against hand-computed values (int8) and bit arithmetic (bf16). Also:
 bad input, quantized checkpoints (safetensors + the record in ``config.json``), the dispatch of
-``wiola.fast.WiolaModel`` and ``wiola generate --quantize``.
+``wiola.fast.WiolaModel`` and ``wiola generate --quantize``, and the packed matrices kept the
+parameters' (other weights refused by ``load_state_dict``; weights changed another way never
+decoded or saved beside the old packed ones).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import pickle
 
 import numpy as np
 import pytest
@@ -21,7 +25,9 @@ from numerics import assert_within, cache_bound, left_padded_prompt, reference_o
 import wiola
 import wiola.fast
 from wiola.fast import ops as fast_ops
+from wiola.fast import quantize as quantize_module
 from wiola.fast.quantize import GROUP, dequantize, matrix_names, quantize, quantize_tensor, unpack_int4
+from wiola.fast.rows import RowRequest, Rows
 
 decode_step_cpu = pytest.importorskip("wiola.fast.decode_step_cpu")
 SCHEMES = ("int8", "int4", "bf16")
@@ -107,7 +113,7 @@ def test_quantize_overwrites_parameters_with_the_dequantized_weights(scheme):
             w = unpack_int4(q).float().view(N, K // GROUP, GROUP) * scale[..., None]
             assert torch.equal(params[name], w.view(N, K)), name
             assert (unpack_int4(q).view(N, -1, GROUP).abs().amax(-1) == 7).all()  # each group's largest: ±7
-    assert model.quantized_from == tuple(params[n].data_ptr() for n in matrix_names(ODD.n_layers))
+    assert quantize_module.is_stamped(model) and quantize_module.stale_matrices(model) == []
     assert model.layers[0].attn_norm.weight.dtype == torch.float32  # γ stays fp32
 
 
@@ -140,15 +146,15 @@ def test_step_matches_dequantized_oracle(scheme, variant, B, prompt, steps, pad,
 @torch.inference_mode()
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_step_reads_the_packed_matrices(scheme):
-    """The step streams the packed matrices, not the fp32 parameters: zeroing the parameters
-    changes nothing the step computes (whereas the fp32 step then sees zeros)."""
+    """The step streams the packed matrices, not the fp32 parameters: zeroing the parameters under
+    a bound step changes nothing it computes (whereas the fp32 step then sees zeros)."""
     model = _quantized(ODD, scheme)
     ids = torch.randint(0, ODD.vocab_size, (2, 1), generator=torch.Generator().manual_seed(1))
-    caches = [model.new_cache(2, 4) for _ in range(2)]
-    before = decode_step_cpu.DecodeStepCPU(model, caches[0])(ids.view(-1), 0)
+    steps = [decode_step_cpu.DecodeStepCPU(model, model.new_cache(2, 4)) for _ in range(2)]
+    before = steps[0](ids.view(-1), 0)
     for name in matrix_names(ODD.n_layers):
         dict(model.named_parameters())[name].zero_()
-    after = decode_step_cpu.DecodeStepCPU(model, caches[1])(ids.view(-1), 0)
+    after = steps[1](ids.view(-1), 0)
     assert torch.equal(before, after)
 
 
@@ -164,17 +170,111 @@ def test_fast_model_generates_the_oracles_greedy_tokens(scheme, plain_cpu):
     assert torch.equal(want, got)
 
 
+def _fp32(config: wiola.WiolaConfig, seed: int) -> wiola.fast.WiolaModel:
+    """``_quantized``'s fp32 model before quantizing."""
+    torch.manual_seed(seed)
+    model = wiola.fast.WiolaModel(config).eval().requires_grad_(False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_load_state_dict_of_other_weights_is_refused(scheme, tmp_path, plain_cpu):
+    """Other fp32 weights loaded into a quantized model (in place, or assigned) are refused before
+    anything is copied: the model keeps decoding and saving its own weights. Equal matrices (its own
+    state dict) and the fp32 norms load; other weights quantized are a fresh ``quantize``'s."""
+    model, other = _quantized(ODD, scheme), _fp32(fit(ODD, scheme), seed=1)
+    ids = torch.tensor([[3, 7, 11, 5]])
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    with torch.inference_mode():
+        tokens = model.generate(ids, 8)
+    for assign in (False, True):
+        with pytest.raises(ValueError, match=rf"load_state_dict: this model is {scheme}-quantized, and the state dict's embed.weight \(and 14 more matrices\) differs"):  # fmt: skip
+            model.load_state_dict(other.state_dict(), assign=assign)
+        for name, t in model.state_dict().items():
+            assert torch.equal(t, before[name]), f"{name} changed by a refused load (assign={assign})"
+    with torch.inference_mode():
+        assert fast_ops.cpu_decode_step(model, ids[:, :1], model.new_cache(1, 4)) is not None
+        assert torch.equal(model.generate(ids, 8), tokens)
+    model.save_pretrained(tmp_path)
+    saved = wiola.fast.WiolaModel.from_pretrained(tmp_path)
+    for name, t in saved.state_dict().items():
+        assert torch.equal(t, before[name]), f"save_pretrained wrote another {name}"
+
+    own = model.state_dict()
+    gamma = "layers.0.attn_norm.weight"  # fp32 in every form: not packed
+    own[gamma] = own[gamma].flip(0)
+    model.load_state_dict(own)
+    assert torch.equal(model.layers[0].attn_norm.weight, before[gamma].flip(0))
+    with torch.inference_mode():
+        assert fast_ops.cpu_decode_step(model, ids[:, :1], model.new_cache(1, 4)) is not None
+        want = reference_on(model).generate(ids, 8)
+        assert torch.equal(model.generate(ids, 8), want) and not torch.equal(want, tokens)
+
+    fresh = quantize(other, scheme)  # the way to run other weights quantized
+    with torch.inference_mode():
+        assert torch.equal(fresh.generate(ids, 8), reference_on(fresh).generate(ids, 8))
+
+
+@pytest.mark.parametrize("how", ["in place", "sub-module load", "replaced"])
+def test_changed_weights_are_never_decoded_or_saved(how, tmp_path, plain_cpu):
+    """A matrix changed after ``quantize`` another way than the model's own ``load_state_dict``:
+    every path that would compute or save with the old packed matrices beside it raises, the C++
+    step's binding included (not a silent fall back to the PyTorch path); the values put back
+    make the model current again."""
+    model, other = _quantized(ODD, "int8"), _fp32(ODD, seed=1)
+    rows = Rows(model, max_rows=2, max_len=40)
+    rows.join(RowRequest([3, 7], 6))
+    rows.step()
+    ffn = model.layers[1].ffn
+    kept = ffn.down_proj.weight.detach().clone()
+    if how == "in place":
+        with torch.no_grad():
+            ffn.down_proj.weight.mul_(2)
+    elif how == "sub-module load":  # the root's load_state_dict hook does not see it
+        ffn.load_state_dict(other.layers[1].ffn.state_dict())
+    else:
+        ffn.down_proj.weight = torch.nn.Parameter(kept * 2, requires_grad=False)
+    stale = r"layers\.1\.ffn\.\w+_proj\.weight( \(and 2 more matrices\))? changed after quantize\(\)"
+    ids = torch.tensor([[3, 7, 11]])
+    with torch.inference_mode():
+        calls = {
+            "generate": lambda: model.generate(ids, 4),
+            "forward": lambda: model(ids),
+            "one-token step": lambda: model(ids[:, :1], cache=model.new_cache(1, 4)),
+            "cpu_decode_step": lambda: fast_ops.cpu_decode_step(model, ids[:, :1], model.new_cache(1, 4)),
+            "DecodeStepCPU": lambda: decode_step_cpu.DecodeStepCPU(model, model.new_cache(1, 4)),
+            "Rows.step": rows.step,
+        }
+        for what, call in calls.items():
+            with pytest.raises(ValueError, match=stale):
+                call()
+                pytest.fail(f"{what} ran on a stale model")
+        with wiola.fast.use_kernels(False), pytest.raises(ValueError, match=stale):
+            model.generate(ids, 4)
+    with pytest.raises(ValueError, match="save_pretrained: .*" + stale):
+        model.save_pretrained(tmp_path / "stale")
+    assert not (tmp_path / "stale").exists(), "a refused save wrote something"
+
+    with torch.no_grad():
+        for name, p in ffn.named_parameters():
+            p.copy_(dequantize(*model.quantized[f"layers.1.ffn.{name}"]))
+    with torch.inference_mode():
+        assert fast_ops.cpu_decode_step(model, ids[:, :1], model.new_cache(1, 4)) is not None
+        assert torch.equal(model.generate(ids, 4), reference_on(model).generate(ids, 4))
+
+
 @torch.inference_mode()
-def test_replaced_weights_fall_back_to_the_pytorch_path(plain_cpu):
-    """After ``load_state_dict(assign=True)`` the packed matrices are stale: not used."""
+def test_a_copy_of_a_quantized_model_runs_its_packed_matrices(plain_cpu):
+    """A deep copy's (or a pickle's) parameters sit elsewhere: their values are compared once, and
+    the copy takes the C++ step on its packed matrices."""
     model = _quantized(ODD, "int8")
-    other = wiola.WiolaModel(ODD).eval()
-    model.load_state_dict(other.state_dict(), assign=True)
-    with pytest.raises(ValueError, match="replaced after quantize"):
-        decode_step_cpu.DecodeStepCPU(model, model.new_cache(1, 4))
-    ids = torch.tensor([[5]])
-    assert fast_ops.cpu_decode_step(model, ids, model.new_cache(1, 4)) is None
-    assert torch.equal(model.generate(ids, 4, temperature=0), other.generate(ids, 4, temperature=0))
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        ids = torch.tensor([[3, 7, 11]])
+        assert fast_ops.cpu_decode_step(copied, ids[:, :1], copied.new_cache(1, 4)) is not None
+        assert torch.equal(copied.generate(ids, 6), model.generate(ids, 6))
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import numpy as np
 import pytest
 import torch
 from numerics import TOL
@@ -236,6 +237,11 @@ def test_leave_frees_at_once(plain_cpu):
     assert c == a, "the freed row was not reused first"
     with pytest.raises(ValueError, match=r"row 7 is not live \(live rows: \[0, 1\]\)"):
         rows.leave(7)
+    with pytest.raises(ValueError, match="row must be an int handle from join, got the bool True"):
+        rows.leave(True)  # not row 1
+    with pytest.raises(ValueError, match="row must be an int handle from join, got str '1'"):
+        rows.leave("1")
+    assert rows.live == [a, b]
     rows.leave(b)
     with pytest.raises(ValueError, match="row 1 is not live"):
         rows.leave(b)
@@ -250,7 +256,10 @@ def test_bad_input_is_named(plain_cpu):
         "prompt must be a non-empty list": RowRequest([], 4),
         r"prompt token id 1000 is outside \[0, vocab_size=1000\)": RowRequest([1, 1000], 4),
         "prompt token id -1 is outside": RowRequest([-1], 4),
-        "prompt token id 2.0 is outside": RowRequest([2.0], 4),
+        "prompt token id must be an int, got float 2.0": RowRequest([2.0], 4),
+        "prompt token id must be an int, got the bool True": RowRequest([1, True], 4),
+        "eos_token_id must be an int, got float 5.0": RowRequest([1], 4, eos_token_id=5.0),
+        r"eos_token_id must be a single int \(a list of ids is not supported\)": RowRequest([1], 4, eos_token_id=[5]),
         "max_new_tokens must be a positive int, got 0": RowRequest([1], 0),
         "prompt of 20 tokens \\+ 11 new tokens = 31 is past max_len=30": RowRequest([1] * 20, 11),
         "eos_token_id 5000 is outside": RowRequest([1], 4, eos_token_id=5000),
@@ -276,6 +285,32 @@ def test_bad_input_is_named(plain_cpu):
     ):
         with pytest.raises(ValueError, match=match):
             Rows(model, *args)
+
+
+@torch.inference_mode()
+def test_numpy_and_torch_integer_ids_are_ints(plain_cpu):
+    """Integer scalars of numpy and torch, as token ids, eos or a row handle, are the ints they
+    hold: the same tokens as a request of Python ints."""
+    model = _model(SMALL)
+    rows = Rows(model, max_rows=2, max_len=30)
+    plain = rows.join(RowRequest([3, 14, 15], 6))
+    want = [t.token for t in _drain(rows)]
+    assert want == model.generate(torch.tensor([[3, 14, 15]]), 6)[0, 3:].tolist()
+    eos = want[2]
+    row = rows.join(RowRequest([np.int64(3), torch.tensor(14), np.int32(15)], 6, eos_token_id=np.int64(eos)))
+    assert row == plain
+    got = _drain(rows)
+    assert [t.token for t in got] == want[: want.index(eos) + 1] and got[-1].finish_reason == "stop"
+    row = rows.join(RowRequest([3], 6))
+    rows.leave(np.int64(row))
+    assert rows.live == []
+
+
+def _drain(rows: Rows) -> list:
+    out = []
+    while rows.live:
+        out += rows.step()
+    return out
 
 
 @torch.inference_mode()

@@ -31,10 +31,10 @@ class Cache:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
-        if not 0 < max_len <= config.max_seq_len:
-            raise ValueError(f"cache max_len must be in [1, max_seq_len={config.max_seq_len}], got {max_len}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or not 0 < max_len <= config.max_seq_len:
+            raise ValueError(f"cache max_len must be an int in [1, max_seq_len={config.max_seq_len}], got {max_len!r}")
         L, H, D = config.n_layers, config.n_heads, config.head_dim
         self.batch_size, self.max_len = batch_size, max_len
         self.k = torch.zeros(L, batch_size, H, max_len, D, device=device, dtype=dtype)

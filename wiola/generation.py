@@ -11,6 +11,7 @@ from the filtered softmax exactly and needs no host sync, so the CUDA-graph loop
 from __future__ import annotations
 
 import inspect
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -51,8 +52,9 @@ class Sampling:
 def resolve_sampling(temperature: float | None, top_k: int | None, top_p: float | None, vocab_size: int) -> Sampling:
     """Check the sampling arguments (``ValueError`` for settings that mean nothing) and resolve
     them: without ``temperature``, greedy unless ``top_k`` or ``top_p`` is given (then 1.0)."""
-    if temperature is not None and (isinstance(temperature, bool) or not temperature >= 0):
-        raise ValueError(f"temperature must be >= 0 (0 is greedy) or None, got {temperature!r}")
+    if temperature is not None and (isinstance(temperature, bool) or not 0 <= temperature < float("inf")):
+        # inf would flatten every logit to 0 and sample uniformly, past any top-k or top-p filter
+        raise ValueError(f"temperature must be >= 0 and finite (0 is greedy) or None, got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
@@ -170,8 +172,8 @@ class GenerateArgs:
     max_new_tokens: int
     attention_mask: torch.Tensor | None  # (B, T), 0 on the left padding
     sampling: Sampling
-    eos_token_id: int | None
-    pad_token_id: int | None  # what finished rows hold (``resolve_pad_id``)
+    eos_token_id: int | None  # in [0, vocab_size) (``resolve_token_ids``)
+    pad_token_id: int | None  # what finished rows hold, in [0, vocab_size) (``resolve_token_ids``)
     generator: torch.Generator | None
     streamer: Callable[[torch.Tensor], None] | None  # given each step's (B,) new tokens
 
@@ -191,12 +193,12 @@ class GenerateArgs:
         generator: torch.Generator | None = None,
         streamer: Callable[[torch.Tensor], None] | None = None,
     ) -> GenerateArgs:
-        """A loop's arguments checked (``check_generate_inputs``; ``ValueError``/``TypeError``
-        naming the problem, ``TypeError`` for an argument not listed), sampling and the pad id
-        resolved."""
+        """A loop's arguments checked (``check_generate_inputs``, ``resolve_token_ids``;
+        ``ValueError``/``TypeError`` naming the problem, ``TypeError`` for an argument not listed),
+        sampling, eos and the pad id resolved."""
         sampling = check_generate_inputs(model, input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p)
-        pad = resolve_pad_id(model, eos_token_id, pad_token_id)
-        return cls(input_ids, max_new_tokens, attention_mask, sampling, eos_token_id, pad, generator, streamer)
+        eos, pad = resolve_token_ids(model, eos_token_id, pad_token_id)
+        return cls(input_ids, max_new_tokens, attention_mask, sampling, eos, pad, generator, streamer)
 
 
 # The keyword arguments every generation loop takes (those of ``GenerateArgs.check``).
@@ -264,12 +266,35 @@ class _EagerSteps:
         return self._next(self.token.unsqueeze(1), None)
 
 
-def resolve_pad_id(model: Decoder, eos_token_id: int | None, pad_token_id: int | None) -> int | None:
-    """The id for finished rows: ``pad_token_id``, else the checkpoint's (``model.config``), else eos."""
+def token_id(name: str, value: Any, vocab_size: int) -> int:
+    """``value`` as one token id: a Python ``int`` in ``[0, vocab_size)``. Integer scalars of numpy
+    or torch (``np.int64(5)``, ``torch.tensor(5)``) are taken through ``operator.index``; a bool, a
+    float, a list of ids or anything else raises ``TypeError``, an id outside the vocabulary
+    ``ValueError``, each naming ``name`` and the value. The ids reach the embedding (and the C++
+    step, which does not check them) unchanged, so they are checked here first."""
+    if isinstance(value, list | tuple | set | frozenset) or (isinstance(value, torch.Tensor) and value.numel() != 1):
+        raise TypeError(f"{name} must be a single int (a list of ids is not supported), got {value!r}")
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise TypeError(f"{name} must be an int, got the bool {value!r}")
+    try:
+        index = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if not 0 <= index < vocab_size:
+        raise ValueError(f"{name} {index} is outside [0, vocab_size={vocab_size})")
+    return index
+
+
+def resolve_token_ids(model: Decoder, eos_token_id: Any, pad_token_id: Any) -> tuple[int | None, int | None]:
+    """``(eos, pad)`` for a generation: each given id checked (``token_id``: an int in
+    ``[0, vocab_size)``, one eos id, not a list); the pad id, what finished rows hold, is
+    ``pad_token_id``, else the checkpoint's (``model.config``), else eos."""
+    V = model.config.vocab_size
+    eos = None if eos_token_id is None else token_id("eos_token_id", eos_token_id, V)
     if pad_token_id is not None:
-        return pad_token_id
-    config_pad = getattr(getattr(model, "config", None), "pad_token_id", None)
-    return eos_token_id if config_pad is None else config_pad
+        return eos, token_id("pad_token_id", pad_token_id, V)
+    config_pad = getattr(model.config, "pad_token_id", None)  # WiolaConfig checks its own range
+    return eos, eos if config_pad is None else config_pad
 
 
 class TokenStreamer(Protocol):
@@ -385,7 +410,7 @@ def hf_generate(
     result keeps the ``(B, T + max_new_tokens)`` shape."""
     temperature, top_k, top_p = resolve_do_sample(do_sample, temperature, top_k, top_p)
     stops = check_stop_strings(stop_strings)
-    pad = resolve_pad_id(model, eos_token_id, pad_token_id)
+    eos_token_id, pad = resolve_token_ids(model, eos_token_id, pad_token_id)
     if stops and tokenizer is None:
         raise ValueError("stop_strings need tokenizer= (anything with decode(ids)) to read the text")
     if stops and pad is None:
@@ -398,7 +423,7 @@ def hf_generate(
         streamer.put(input_ids.cpu())
     kwargs = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id)
     try:
-        out = loop(model, input_ids, max_new_tokens, pad_token_id=pad_token_id, streamer=front, **kwargs, **options)
+        out = loop(model, input_ids, max_new_tokens, pad_token_id=pad, streamer=front, **kwargs, **options)
     except _AllStopped:
         out = torch.full((input_ids.shape[0], input_ids.shape[1] + max_new_tokens), pad, dtype=torch.int64)
         out = out.to(input_ids.device)
@@ -443,13 +468,16 @@ def generate(model: Decoder, input_ids: torch.Tensor, max_new_tokens: int, **kwa
         eos_token_id: a row that produces it stops; its later slots hold ``pad_token_id``
             (default: the model config's ``pad_token_id``, else ``eos_token_id``). Generation ends
             early once every row has stopped, and the result is still ``T + max_new_tokens`` wide.
+            One id (an int, or a numpy/torch integer scalar), not a list; both ids in
+            ``[0, vocab_size)``.
         stop_strings: a string or list; a row whose new text (decoded by ``tokenizer=``) contains
             one stops after the token that completed it (later slots: the pad id).
         generator: a ``torch.Generator`` (on the model's device) for reproducible sampling.
         streamer: a callable given each step's ``(B,)`` new tokens as soon as they exist, or a
             ``transformers`` streamer (``put`` gets the prompt, then each step's tokens; ``end``).
 
-    Raises ``ValueError``/``TypeError`` naming the problem for bad ids, masks, lengths past
-    ``max_seq_len``, sampling settings that mean nothing and unknown arguments.
+    Raises ``ValueError``/``TypeError`` naming the problem for bad ids (the prompt's, eos and pad),
+    masks, lengths past ``max_seq_len``, sampling settings that mean nothing and unknown arguments,
+    before any work.
     """
     return hf_generate(eager_generate, model, input_ids, max_new_tokens, **kwargs)

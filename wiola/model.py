@@ -505,8 +505,8 @@ class WiolaModel(nn.Module):
         """Raise ``TypeError``/``ValueError`` naming the problem with a ``forward`` call's inputs."""
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
-        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-            raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
+        if input_ids.dtype not in (torch.int64, torch.int32):  # the index dtypes F.embedding takes
+            raise TypeError(f"input_ids must be an integer tensor of dtype int64 or int32, got dtype {input_ids.dtype}")
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must have shape (B, T), got {tuple(input_ids.shape)}")
         B, T = input_ids.shape
@@ -533,6 +533,7 @@ class WiolaModel(nn.Module):
             if T > self.config.max_seq_len:
                 raise ValueError(f"sequence length {T} is past max_seq_len={self.config.max_seq_len}")
         else:
+            self._check_cache(cache)
             if cache.batch_size != B:
                 raise ValueError(f"cache was made for batch size {cache.batch_size}, input has {B} rows")
             if cache.length + T > cache.max_len:
@@ -541,6 +542,24 @@ class WiolaModel(nn.Module):
                 )
             if cache.device != input_ids.device:
                 raise ValueError(f"cache is on {cache.device} but input_ids is on {input_ids.device}")
+
+    def _check_cache(self, cache: Cache) -> None:
+        """Raise ``TypeError``/``ValueError`` when ``cache`` was not made for this model: another
+        class, layer count, head count or head width, or a dtype other than the weights' (what
+        ``new_cache`` makes)."""
+        if not isinstance(cache, Cache):
+            raise TypeError(f"cache must be a wiola.Cache (model.new_cache), got {type(cache).__name__}")
+        c, w = self.config, self.embed.weight
+        want = (c.n_layers, cache.batch_size, c.n_heads, cache.max_len, c.head_dim)
+        for name in ("k", "v"):
+            got = tuple(getattr(cache, name).shape)
+            if got != want:
+                raise ValueError(
+                    f"cache.{name} has shape {got} (layers, rows, heads, slots, head width); this model needs {want}: "
+                    f"the cache was made for another model (make it with model.new_cache)"
+                )
+        if cache.dtype != w.dtype:
+            raise ValueError(f"cache dtype {cache.dtype} is not the model's {w.dtype} (make it with model.new_cache)")
 
     def _sync_checks(self, t: torch.Tensor) -> bool:
         """Value checks read tensors on the host; skip them where that would break tracing."""
@@ -572,18 +591,22 @@ class WiolaModel(nn.Module):
             return_logits: compute the ``(B, T, V)`` logits. Defaults to True here; the fast
                 model defaults to False when labels are given (fused loss, no logits).
             logits_to_keep: if positive, logits only for the last ``logits_to_keep`` positions
-                (``(B, logits_to_keep, V)``; what generation needs). Not with ``labels``.
+                (``(B, min(logits_to_keep, T), V)``; what generation needs); 0, every position.
+                Not with ``labels``.
 
         Returns a ``ModelOutput`` with ``logits`` (float32), ``loss`` and ``cache``.
-        Raises ``TypeError``/``ValueError`` naming the problem for bad ids, shapes, masks,
-        lengths past ``max_seq_len`` or the cache, and a cache of another batch size.
+        Raises ``TypeError``/``ValueError`` naming the problem for bad ids (out of the vocabulary,
+        or not int64/int32), shapes, masks, lengths past ``max_seq_len`` or the cache, a cache of
+        another batch size, model or dtype, and a negative ``logits_to_keep``.
         """
+        self.check_inputs(input_ids, attention_mask, cache)
+        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be a non-negative int (0: every position), got {logits_to_keep!r}")
         if cache is not None and attention_mask is None and labels is None and return_logits is not False:
             out = self._decoding_step(input_ids, cache)
             if out is not None:
                 return out
         context = self._forward_context(input_ids, cache)
-        self.check_inputs(input_ids, attention_mask, cache)
         if type(self.embed) is not nn.Embedding:
             raise ValueError("an adapter on the embedding is not supported: the tied head reads its weight directly")
         if attention_mask is not None:
@@ -702,9 +725,11 @@ class WiolaModel(nn.Module):
 
     # ------------------------------------------------------------- decoding
     def new_cache(self, batch_size: int, max_len: int | None = None) -> Cache:
-        """A static cache on the model's device and dtype, for ``max_len`` slots (default max_seq_len)."""
+        """A static cache on the model's device and dtype, for ``max_len`` slots (None: max_seq_len).
+        Raises ``ValueError`` as ``Cache`` does (``max_len`` outside ``[1, max_seq_len]``, ...)."""
         w = self.embed.weight
-        return Cache(self.config, batch_size, max_len or self.config.max_seq_len, device=w.device, dtype=w.dtype)
+        max_len = self.config.max_seq_len if max_len is None else max_len
+        return Cache(self.config, batch_size, max_len, device=w.device, dtype=w.dtype)
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
         """Prompt followed by ``max_new_tokens`` new tokens, ``(B, T + N)``. See ``wiola.generation.generate``."""

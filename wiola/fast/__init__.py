@@ -106,13 +106,13 @@ class WiolaModel(ReferenceModel):
         return self.kernels and ops.kernels_on()
 
     def _decoding_step(self, input_ids: torch.Tensor, cache: Cache) -> ModelOutput | None:
-        """One new token per row on a CPU, where the C++ step applies (see the module): its logits."""
-        if not isinstance(input_ids, torch.Tensor) or has_adapters(self):  # the C++ step reads the base weights
+        """One new token per row on a CPU, where the C++ step applies (see the module): its logits.
+        The inputs were checked by ``forward``."""
+        if has_adapters(self):  # the C++ step reads the base weights
             return None
         step = ops.cpu_decode_step(self, input_ids, cache)
         if step is None:
             return None
-        self.check_inputs(input_ids, None, cache)
         slot = cache.length
         logits = step(input_ids.reshape(-1).to(torch.int64).contiguous(), slot)
         cache.length += 1
@@ -121,6 +121,10 @@ class WiolaModel(ReferenceModel):
         return ModelOutput(logits=logits.unsqueeze(1), cache=cache)
 
     def _forward_context(self, input_ids: torch.Tensor, cache: Cache | None) -> contextlib.AbstractContextManager:
+        # The modules are about to compute with the parameters: a quantized model's must still hold
+        # what its packed matrices stand for (the C++ step checks when it binds, and is_current
+        # rebinds after any change), else ValueError rather than a model other than it claims.
+        quantize.require_current(self, "wiola.fast.WiolaModel")
         return prefill.context(self, input_ids, cache)  # bf16 products, or oneDNN's fp32 GEMM, where chosen
 
     def _default_return_logits(self, labels: torch.Tensor | None) -> bool:

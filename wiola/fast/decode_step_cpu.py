@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from wiola.fast import quantize
 from wiola.fast import step_layout as layout
 
 if TYPE_CHECKING:
@@ -520,6 +521,33 @@ def _packed(model: WiolaModel) -> tuple[str | None, list[torch.Tensor], list[tor
 WEIGHT_TYPES = layout.WEIGHT_TYPES
 
 
+class _Registrations:
+    """How many parameters, buffers and submodules any module of this process has had set
+    (``module.weight = ...``, ``load_state_dict(assign=True)``, ``layers[i] = ...``, an adapter
+    wrapping a projection: torch's global registration hooks see them all). While the count is
+    the one a binding saw when it last walked its model, no module attribute was set since, so
+    the tensors it found are still the model's (``DecodeStepCPU.is_current``). A lost increment of
+    two threads at once still changes the count."""
+
+    count = 0
+
+    @classmethod
+    def seen(cls, *_: object) -> None:
+        cls.count += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_Registrations.seen)
+torch.nn.modules.module.register_module_buffer_registration_hook(_Registrations.seen)
+torch.nn.modules.module.register_module_module_registration_hook(_Registrations.seen)
+
+
+class UnsupportedWeights(ValueError):
+    """The model's fp32 weights are not in a form the C++ step reads (one that is not a contiguous
+    fp32 CPU tensor of the layout's shape, heads wider than ``MAX_HEAD``): the PyTorch path computes
+    that model (``wiola.fast.ops.cpu_decode_step`` answers None). Every other refusal of a binding
+    (a cache of another model, a stale quantized model) is an error of the caller's."""
+
+
 class DecodeStepCPU:
     """The C++ step bound to one model's weights and one cache (pointers taken once), in the
     variant ``select_isa(isa)`` (``$WIOLA_CPU_ISA`` is read here, once per binding). For a model
@@ -532,9 +560,11 @@ class DecodeStepCPU:
     joined at different times, ``wiola.fast.rows``). A row's logits are bitwise the same either
     way, alone or beside any other rows, whichever cache row it occupies.
 
-    Raises ``ValueError`` naming the tensor when a weight or cache buffer is not a contiguous
-    CPU tensor of the expected dtype and shape (a cache made for another model, say), or when a
-    quantized model's fp32 weights were replaced after ``quantize`` (the packed ones are stale).
+    Raises ``UnsupportedWeights`` (a ``ValueError``) naming the weight when one is not a contiguous
+    fp32 CPU tensor of the expected shape; ``ValueError`` naming the buffer when a cache buffer is
+    not a contiguous CPU tensor of the expected dtype and shape (a cache made for another model,
+    say), or when a quantized model's matrices changed after ``quantize``
+    (``wiola.fast.quantize.require_current``: the packed ones no longer stand for them).
     """
 
     def __init__(self, model: WiolaModel, cache: Cache, isa: str | None = None) -> None:
@@ -545,23 +575,19 @@ class DecodeStepCPU:
         cfg = model.config
         cfg.require_butterfly("the C++ CPU decode step")
         if cfg.head_dim > MAX_HEAD or cfg.n_heads > MAX_HEAD:
-            raise ValueError(f"the CPU decode step needs head_dim and n_heads <= {MAX_HEAD}")
+            raise UnsupportedWeights(f"the CPU decode step needs head_dim and n_heads <= {MAX_HEAD}")
         self.lib, self.config = lib, cfg
+        self.registrations = _Registrations.count  # before the walk: a registration during it walks again
         self.tensors = step_parameters(model)  # references keep the storage alive
         B, S = cache.batch_size, cache.max_len
         size = layout.sizes(cfg, B, S)
         shapes = [layout.shape(s.shape, size) for _, s in layout.slots(cfg.n_layers)]
         for i, (t, shp) in enumerate(zip(self.tensors, shapes, strict=True)):
             if t is not None:
-                _check(t, f"weight #{i}", torch.float32, shp)
+                _check(t, f"weight #{i}", torch.float32, shp, UnsupportedWeights)
+        quantize.require_current(model, "CPU decode step")
         self.quantization, packed, scales = _packed(model)
-        slots = matrix_slots(cfg.n_layers)
-        if self.quantization is not None:
-            if tuple(self.tensors[i].data_ptr() for i in slots) != model.quantized_from:
-                raise ValueError(
-                    f"CPU decode step: the model's weights were replaced after quantize(); its {self.quantization} "
-                    "matrices no longer stand for them (quantize the new weights)"
-                )
+        slots = self.matrix_slots = matrix_slots(cfg.n_layers)
         wtype, wdtype = WEIGHT_TYPES[self.quantization]
         self.scales: list[torch.Tensor | None] = [None] * len(self.tensors)
         self.packed = packed + [s for s in scales if s is not None]  # references keep the storage alive
@@ -594,21 +620,56 @@ class DecodeStepCPU:
     def is_current(self) -> bool:
         """Whether the bound weights are still the model's, where they were: False after any
         parameter was replaced (``load_state_dict(assign=True)``, ``module.weight = ...``) or
-        moved (``.to()``, ``.half()``). In-place updates need no rebinding.
+        moved (``.to()``, ``.half()``). In-place updates of an fp32 model need no rebinding; a
+        quantized model's matrices changed in place make it False too, so that binding again
+        checks them (``wiola.fast.quantize.require_current``).
 
         Compares the model's current tensors' addresses with the bound ones; the binding keeps
-        the bound tensors alive, so a replacement can never reuse their address."""
+        the bound tensors alive, so a replacement can never reuse their address. The model's
+        tensors are found again by their paths only after some module attribute was set somewhere
+        (``_Registrations``); otherwise they are the tensors found last, whose addresses a move
+        changes in place. Finding them by path takes about 0.3 ms for the 13m preset, a step
+        about 0.15-0.5 ms: the check runs before every step."""
         model = self.model()
         if model is None or getattr(model, "quantization", None) != self.quantization:
             return False
         _, packed, scales = _packed(model)
-        now = step_parameters(model) + packed + [s for s in scales if s is not None]
-        return self.pointers == _pointers(now)
+        count = _Registrations.count
+        weights = self.tensors if count == self.registrations else step_parameters(model)
+        if self.pointers != _pointers(weights + packed + [s for s in scales if s is not None]):
+            return False
+        if self.quantization is not None and not quantize.is_stamped(model, [weights[i] for i in self.matrix_slots]):
+            return False
+        self.tensors, self.registrations = weights, count  # the same addresses: these tensors from now on
+        return True
+
+    # The C++ indexes the embedding, the cache and the outputs with these numbers unchecked: every
+    # call checks them first (ValueError naming the argument), a few microseconds a step.
+    def _check_ids(self, t: torch.Tensor, name: str, n: int, high: int) -> list[int]:
+        """``t``'s values, once it is an ``(n,)`` contiguous int64 CPU tensor of values in ``[0, high)``."""
+        _check(t, name, torch.int64, (n,))
+        values = t.tolist()
+        bad = [v for v in values if not 0 <= v < high]
+        if bad:
+            raise ValueError(f"CPU decode step: {name} holds {bad[0]}, outside [0, {high})")
+        return values
+
+    def _check_rows(self, rows: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor) -> int:
+        n = int(rows.numel())
+        if len(set(self._check_ids(rows, "rows", n, self.batch_size))) != n:
+            raise ValueError(f"CPU decode step: rows must be distinct, got {rows.tolist()}")
+        self._check_ids(tokens, "tokens", n, self.config.vocab_size)
+        self._check_ids(slots, "slots", n, self.max_len)
+        return n
 
     def __call__(self, tokens: torch.Tensor, slot: int) -> torch.Tensor:
-        """``(B, V)`` fp32 logits of ``tokens`` ``(B,)`` (int64, contiguous, each in range) placed at
-        cache slot ``slot`` of every row; writes the cache (k, v, key mask, gate sums and counts,
-        ``n_real``). The caller checks the ids and the slot, and advances ``cache.length``."""
+        """``(B, V)`` fp32 logits of ``tokens`` ``(B,)`` (int64, contiguous, each in ``[0, V)``) placed
+        at cache slot ``slot`` (in ``[0, max_len)``) of every row; writes the cache (k, v, key mask,
+        gate sums and counts, ``n_real``). The caller advances ``cache.length``. Raises
+        ``ValueError`` for ids, a slot or a tensor the C++ cannot take."""
+        self._check_ids(tokens, "tokens", self.batch_size, self.config.vocab_size)
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.max_len:
+            raise ValueError(f"CPU decode step: slot must be an int in [0, max_len={self.max_len}), got {slot!r}")
         logits = torch.empty(self.batch_size, self.config.vocab_size, dtype=torch.float32)
         rc = self.lib.wiola_decode_step(
             self.dims, self.weights, self.scale_ptrs, self.state_ptrs, tokens.data_ptr(), slot, self.eps,
@@ -621,9 +682,9 @@ class DecodeStepCPU:
     def rows(self, rows: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """``(n, V)`` fp32 logits of ``tokens`` ``(n,)`` for the cache rows ``rows`` ``(n,)``, each at
         its own slot ``slots`` ``(n,)`` (all int64, contiguous); writes those rows of the cache and
-        leaves the others untouched. The caller checks that the rows are distinct and in range,
-        the ids in range and each slot below ``max_len`` (``wiola.fast.rows.Rows`` does)."""
-        n = int(rows.numel())
+        leaves the others untouched. Raises ``ValueError`` unless the rows are distinct and in
+        range, the ids in ``[0, V)`` and each slot below ``max_len``."""
+        n = self._check_rows(rows, tokens, slots)
         logits = torch.empty(n, self.config.vocab_size, dtype=torch.float32)
         rc = self.lib.wiola_decode_rows(
             self.dims, self.weights, self.scale_ptrs, self.state_ptrs, n, rows.data_ptr(), tokens.data_ptr(),
@@ -644,10 +705,15 @@ class DecodeStepCPU:
     ) -> torch.Tensor:
         """``rows`` (one step of some rows, each at its own slot) and their tokens sampled in the same
         C++ call (``Samplers``: greedy, temperature, top-k; the nucleus left to the caller). Returns the
-        ``(n, V)`` logits; the tokens and log-probabilities land in ``samplers``."""
-        n = int(rows.numel())
-        logits = torch.empty(n, self.config.vocab_size, dtype=torch.float32)
+        ``(n, V)`` logits; the tokens and log-probabilities land in ``samplers``. Raises
+        ``ValueError`` as ``rows`` does, or for ``samplers`` made for another ``n`` or ``V``."""
+        n = self._check_rows(rows, tokens, slots)
         t = samplers
+        if t.log_noise.shape != (n, self.config.vocab_size) or t.top_ids.shape != (n, t.max_k):
+            raise ValueError(f"CPU decode step: samplers made for {tuple(t.log_noise.shape)} rows and ids, not {n}")
+        if n and not 0 <= int(t.n_logprobs.min()) <= int(t.n_logprobs.max()) <= t.max_k:
+            raise ValueError(f"CPU decode step: samplers.n_logprobs must be in [0, max_k={t.max_k}]")
+        logits = torch.empty(n, self.config.vocab_size, dtype=torch.float32)
         rc = self.lib.wiola_step_rows(
             self.dims, self.weights, self.scale_ptrs, self.state_ptrs, n, rows.data_ptr(), tokens.data_ptr(),
             slots.data_ptr(), self.eps, logits.data_ptr(), self.work.data_ptr(), t.mode.data_ptr(),
@@ -668,8 +734,30 @@ class DecodeStepCPU:
         the previous tokens at slot ``start + i - 1``; tokens into ``out`` ``(B, N)`` int64;
         ``finished`` ``(B,)`` uint8 carries the eos bookkeeping across calls. ``temperature`` 0 is
         greedy; else ``log_noise`` ``(i1 - i0, B, V)``: the log of each step's Exp(1) draws.
-        Returns the step it stopped before (``i1``, or earlier once every row has finished)."""
+        Returns the step it stopped before (``i1``, or earlier once every row has finished).
+        Raises ``ValueError`` for ``eos``/``pad`` outside ``[0, V)``, steps past ``out`` or the
+        cache, or a tensor of another shape."""
         i0, i1 = steps
+        B, V = self.batch_size, self.config.vocab_size
+        for name, value in (("eos", eos), ("pad", pad)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < V):
+                raise ValueError(
+                    f"CPU decode step: {name} must be None or an int in [0, vocab_size={V}), got {value!r}"
+                )
+        _check(out, "out", torch.int64, (B, out.shape[-1]))
+        if not (0 <= i0 <= i1 <= out.shape[1] and 0 <= start and start + i1 - 1 <= self.max_len):
+            raise ValueError(
+                f"CPU decode step: steps [{i0}, {i1}) from slot {start} are past out's {out.shape[1]} columns or the "
+                f"cache's max_len={self.max_len}"
+            )
+        if i0 > 0:  # the C++ feeds column i0 - 1 back as the next tokens
+            self._check_ids(out[:, i0 - 1].contiguous(), f"out[:, {i0 - 1}]", B, V)
+        _check(first, "first", torch.float32, (B, V))
+        _check(finished, "finished", torch.uint8, (B,))
+        if temperature != 0:
+            if log_noise is None:
+                raise ValueError("CPU decode step: sampling (temperature > 0) needs log_noise")
+            _check(log_noise, "log_noise", torch.float32, (i1 - i0, B, V))
         logits = torch.empty(self.batch_size, self.config.vocab_size, dtype=torch.float32)
         stopped = self.lib.wiola_generate(
             self.dims, self.weights, self.scale_ptrs, self.state_ptrs, self.eps, self.work.data_ptr(), start, i0,
@@ -940,12 +1028,14 @@ def _pointers(tensors: list[torch.Tensor | None]) -> tuple[int, ...]:
     return tuple(0 if t is None else t.data_ptr() for t in tensors)
 
 
-def _check(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+def _check(
+    t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...], error: type[ValueError] = ValueError
+) -> None:
     """The C++ reads raw pointers: anything but the exact layout would read out of bounds."""
     if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
-        raise ValueError(
+        raise error(
             f"CPU decode step: {name} must be a contiguous {dtype} CPU tensor, got {t.dtype} on {t.device}"
             f"{'' if t.is_contiguous() else ' (not contiguous)'}"
         )
     if tuple(t.shape) != shape:
-        raise ValueError(f"CPU decode step: {name} has shape {tuple(t.shape)}, the model needs {shape}")
+        raise error(f"CPU decode step: {name} has shape {tuple(t.shape)}, the model needs {shape}")

@@ -347,7 +347,9 @@ def cpu_decode_step(
     not while tracing, to one new token per row (``input_ids`` ``(B, 1)``) of an fp32 model and
     cache, once the library has been built (``wiola.fast.decode_step_cpu.load``; the first call
     compiles it). The binding lives in the model's ``derived_weights``, per cache, and is
-    rebuilt when a weight is replaced or moved.
+    rebuilt when a weight is replaced or moved. None too for weights the step does not read
+    (``decode_step_cpu.UnsupportedWeights``); the binding's other errors propagate (a cache made
+    for another model, a quantized model whose weights changed after ``quantize``).
     """
     if (
         not model.kernels_enabled
@@ -375,8 +377,8 @@ def cpu_decode_step(
     def bind() -> Any:
         try:
             return decode_step_cpu.DecodeStepCPU(model, cache)
-        except ValueError:  # a non-contiguous or non-fp32 weight: the PyTorch path handles it
-            return False
+        except decode_step_cpu.UnsupportedWeights:  # a non-contiguous or non-fp32 weight: the PyTorch path's
+            return False  # (a foreign cache or a stale quantized model raises: never computed on other weights)
 
     step = model.derived_weights.bound("cpu_decode_step", cache, bind, lambda s: s is not False and s.is_current())
     return step or None

@@ -20,6 +20,21 @@ the weights the C++ step reads: that path is the oracle the step is tested again
 (``tests/test_quantize.py``). The packed tensors live beside the parameters in
 ``model.quantized`` (not in ``state_dict()``), and ``model.quantization`` names the scheme.
 
+The packed matrices stand for the parameters only while the parameters hold their dequantized
+values, so a quantized model keeps them so (``require_current``):
+
+- ``load_state_dict`` refuses (``ValueError``, before anything is copied) a state dict whose value
+  for a quantized matrix differs from the model's: to run other fp32 weights quantized, load them
+  into an unquantized model and quantize that. Equal matrices (the model's own state dict, one
+  quantized the same way from the same weights) and the fp32 norms and gate load as usual.
+- A matrix changed another way (in place, a sub-module's ``load_state_dict``, a replaced
+  parameter) makes the model stale: its forward, ``generate``, the C++ step's binding and
+  ``save_pretrained`` raise ``ValueError`` naming the matrix, never decoding or saving the old
+  packed weights beside the new ones. The check compares each matrix's address and version
+  counter with those it had when last found equal to its packed form, and compares the values
+  themselves when they differ (a copy, a pickle, a move to another device and back: still
+  current when the values are).
+
 ``save_pretrained`` of a quantized model writes the packed tensors (int8 and int4 with a
 ``<name>.scale`` tensor, or bf16) into ``model.safetensors`` and ``{"quantization": {"scheme":
 ..., "version": 1}}`` into ``config.json``; ``wiola.fast.WiolaModel.from_pretrained`` reads them
@@ -28,11 +43,12 @@ back (``wiola.checkpoint.load_pretrained``); any other class refuses such a chec
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
-from wiola.fast.step_layout import LAYER_MATRICES, matrix_names  # noqa: F401  (the C++ step's layout table)
+from wiola.fast.step_layout import LAYER_MATRICES, matrix_names, tensor_at  # noqa: F401  (the C++ step's layout table)
 
 SCHEMES = ("int8", "int4", "bf16")
 VERSION = 1  # of the packed layout in a checkpoint
@@ -139,7 +155,8 @@ def _check_model(model: Any) -> None:
 
 def attach(model: torch.nn.Module, scheme: str, packed: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> None:
     """Make ``model`` a ``scheme``-quantized model holding ``packed`` (name -> (packed, scales)):
-    its parameters become the dequantized weights (in place), its gradients off."""
+    its parameters become the dequantized weights (in place), its gradients off, and its
+    ``load_state_dict`` refuses other values for them (see the module)."""
     _check_scheme(scheme)
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -149,13 +166,114 @@ def attach(model: torch.nn.Module, scheme: str, packed: dict[str, tuple[torch.Te
     model.quantized = {
         name: (q.cpu().contiguous(), None if s is None else s.cpu().contiguous()) for name, (q, s) in packed.items()
     }
-    model.quantized_from = tuple(params[name].data_ptr() for name in packed)  # the weights they stand for
     model.quantization = scheme
+    model.quantized_from = Stamp(_matrices(model))  # the weights the packed matrices stand for
+    model.register_load_state_dict_pre_hook(_refuse_other_matrices)
+
+
+class Stamp:
+    """The quantized matrices' ``(address, version counter)`` when last found equal to their
+    packed form, and the tensors themselves (kept, so that a freed address cannot come back as a
+    false match). A copy or a pickle of the model starts with an empty stamp: its first check
+    compares the values."""
+
+    def __init__(self, tensors: list[torch.Tensor] | tuple[()] = ()) -> None:
+        self.tensors = tuple(t.detach() for t in tensors)
+        self.keys = _keys(tensors)
+
+    def __deepcopy__(self, memo: dict) -> Stamp:
+        return type(self)()
+
+    def __reduce__(self) -> tuple:
+        return (type(self), ())
+
+
+def _keys(tensors: Any) -> tuple:
+    # Inference tensors have no version counter; nothing outside inference mode can change them.
+    return tuple((t.data_ptr(), 0 if t.is_inference() else t._version) for t in tensors)
+
+
+@functools.cache
+def _names(n_layers: int) -> tuple[str, ...]:
+    return tuple(matrix_names(n_layers))
+
+
+def _matrices(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The model's parameters that the packed matrices stand for, in ``matrix_names`` order."""
+    return [tensor_at(model, name) for name in _names(model.config.n_layers)]
+
+
+def stale_matrices(model: torch.nn.Module) -> list[str]:
+    """The names of a quantized model's matrices whose values are no longer their packed form's
+    dequantized values (compared exactly, whatever the parameters' dtype and device)."""
+    return [
+        name
+        for name, p in zip(_names(model.config.n_layers), _matrices(model), strict=True)
+        if not _holds(p, *model.quantized[name])
+    ]
+
+
+def _holds(t: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None) -> bool:
+    """Whether ``t`` holds exactly the values ``dequantize(packed, scale)`` stands for."""
+    t, want = t.detach(), dequantize(packed, scale).to(t.device)
+    if t.dtype != torch.float32:  # f64 holds every fp32 value exactly; bf16 may not
+        t, want = t.double(), want.double()
+    return t.shape == want.shape and torch.equal(t, want)
+
+
+def is_stamped(model: torch.nn.Module, matrices: list[torch.Tensor] | None = None) -> bool:
+    """Whether a quantized model's matrices (``matrices``, when the caller has them in
+    ``matrix_names`` order) are where they were, unchanged, since last found equal to their packed
+    form (addresses and version counters only: False asks ``require_current``)."""
+    stamp = getattr(model, "quantized_from", None)
+    return isinstance(stamp, Stamp) and stamp.keys == _keys(_matrices(model) if matrices is None else matrices)
+
+
+def require_current(model: torch.nn.Module, what: str) -> None:
+    """Raise ``ValueError`` (starting with ``what``) when ``model`` is quantized and a matrix no
+    longer holds the values its packed form stands for (see the module); nothing for an fp32 model.
+    The addresses and version counters are compared each call, the values only when those moved."""
+    if getattr(model, "quantization", None) is None or is_stamped(model):
+        return
+    matrices = _matrices(model)
+    stale = stale_matrices(model)
+    if stale:
+        raise ValueError(
+            f"{what}: the {model.quantization}-quantized model's {stale[0]}"
+            + (f" (and {len(stale) - 1} more matrices)" if len(stale) > 1 else "")
+            + " changed after quantize(): its packed matrices no longer stand for it. To run other fp32 weights "
+            "quantized, load them into an unquantized wiola.fast.WiolaModel and quantize that"
+        )
+    model.quantized_from = Stamp(matrices)
+
+
+def _refuse_other_matrices(module: torch.nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """A quantized model's ``load_state_dict`` pre-hook: ``ValueError`` before anything is copied
+    when the state dict holds a quantized matrix whose values (cast to the parameter's dtype, as
+    ``load_state_dict`` copies them) are not those its packed form stands for."""
+    if getattr(module, "quantization", None) is None:
+        return
+    changed = []
+    for name, p in zip(_names(module.config.n_layers), _matrices(module), strict=True):
+        new = state_dict.get(prefix + name)
+        if new is None:
+            continue  # not loaded (strict=False), or reported missing by load_state_dict itself
+        if not isinstance(new, torch.Tensor) or not _holds(new.to(p.dtype), *module.quantized[name]):
+            changed.append(name)
+    if changed:
+        raise ValueError(
+            f"load_state_dict: this model is {module.quantization}-quantized, and the state dict's {changed[0]}"
+            + (f" (and {len(changed) - 1} more matrices)" if len(changed) > 1 else "")
+            + " differs from the weights its packed matrices stand for. To run these weights quantized, "
+            "load them into an unquantized wiola.fast.WiolaModel and quantize that (wiola.fast.quantize.quantize)"
+        )
 
 
 def packed_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A quantized model's state dict as a checkpoint stores it: each quantized matrix packed (and
-    its ``<name>.scale`` for int8 and int4), everything else as ``state_dict()`` has it."""
+    its ``<name>.scale`` for int8 and int4), everything else as ``state_dict()`` has it. Raises
+    ``ValueError`` for a stale model (``require_current``): its packed matrices are not its weights."""
+    require_current(model, "save_pretrained")
     state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
     for name, (q, scale) in model.quantized.items():
         state[name] = q

@@ -31,13 +31,15 @@ row is freed as soon as it emits ``eos_token_id`` (``finish_reason`` ``"stop"``)
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from wiola.cache import Cache
-from wiola.generation import Sampling, resolve_sampling, sample_next
+from wiola.generation import Sampling, resolve_sampling, sample_next, token_id
 
 
 @dataclass
@@ -138,11 +140,12 @@ class Rows:
         """Prefill ``request``'s prompt into a free row and return its handle (the row index).
         Its first token is sampled here and returned by the next ``step``.
 
-        Raises ``ValueError`` naming the problem: an empty prompt or an id outside the
-        vocabulary, ``max_new_tokens < 1``, prompt + new tokens past ``max_len``, sampling
-        settings that mean nothing, a bad ``seed``/``logprobs``/``eos_token_id``, or ``full``
+        Raises ``ValueError`` naming the problem: an empty prompt, an id that is not an int
+        (numpy and torch integer scalars are taken) or is outside the vocabulary (the prompt's or
+        ``eos_token_id``), ``max_new_tokens < 1``, prompt + new tokens past ``max_len``, sampling
+        settings that mean nothing, a bad ``seed``/``logprobs``, or ``full``
         when every row is live (nothing is allocated before the checks)."""
-        sampling = self._check(request)
+        sampling, request = self._check(request)
         row_index = next((i for i, row in enumerate(self._rows) if row is None), None)
         if row_index is None:
             raise ValueError(f"full: all {self.max_rows} rows are live; wait for one to finish or leave")
@@ -156,10 +159,17 @@ class Rows:
 
     def leave(self, row: int) -> None:
         """Free ``row`` at once (a client that went away); its tokens not yet returned are dropped.
-        Raises ``ValueError`` when ``row`` is not live."""
-        if not (isinstance(row, int) and 0 <= row < self.max_rows and self._rows[row] is not None):
-            raise ValueError(f"row {row!r} is not live (live rows: {self.live})")
-        self._rows[row] = None
+        ``row`` is an int (or a numpy/torch integer scalar). Raises ``ValueError`` when it is not a
+        live row's handle (a bool or another type included)."""
+        if isinstance(row, bool) or (isinstance(row, torch.Tensor) and row.dtype == torch.bool):
+            raise ValueError(f"row must be an int handle from join, got the bool {row!r}")
+        try:
+            index = operator.index(row)
+        except TypeError:
+            raise ValueError(f"row must be an int handle from join, got {type(row).__name__} {row!r}") from None
+        if not (0 <= index < self.max_rows and self._rows[index] is not None):
+            raise ValueError(f"row {index} is not live (live rows: {self.live})")
+        self._rows[index] = None
 
     def step(self) -> list[RowToken]:
         """One new token for every live row, ascending by row; rows that finish are freed. Then
@@ -185,16 +195,21 @@ class Rows:
         return out
 
     # ------------------------------------------------------------------ internals
-    def _check(self, request: RowRequest) -> Sampling:
+    def _check(self, request: RowRequest) -> tuple[Sampling, RowRequest]:
+        """The request's sampling settings and a copy of it whose ids are Python ints (every id
+        checked: ``wiola.generation.token_id``, its ``TypeError`` raised as ``ValueError``, this
+        method's one error type for a bad request)."""
         if not isinstance(request, RowRequest):
             raise TypeError(f"join takes a RowRequest, got {type(request).__name__}")
         V = self.model.config.vocab_size
         prompt = request.prompt
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError("prompt must be a non-empty list of token ids")
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V:
-                raise ValueError(f"prompt token id {t!r} is outside [0, vocab_size={V})")
+        try:
+            prompt = [token_id("prompt token id", t, V) for t in prompt]
+            eos = None if request.eos_token_id is None else token_id("eos_token_id", request.eos_token_id, V)
+        except TypeError as e:
+            raise ValueError(str(e)) from None
         n = request.max_new_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {n!r}")
@@ -202,15 +217,13 @@ class Rows:
             raise ValueError(
                 f"prompt of {len(prompt)} tokens + {n} new tokens = {len(prompt) + n} is past max_len={self.max_len}"
             )
-        eos = request.eos_token_id
-        if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < V):
-            raise ValueError(f"eos_token_id {eos!r} is outside [0, vocab_size={V})")
         if request.seed is not None and (isinstance(request.seed, bool) or not isinstance(request.seed, int)):
             raise ValueError(f"seed must be an int or None, got {request.seed!r}")
         k = request.logprobs
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= V:
             raise ValueError(f"logprobs must be an int in [0, vocab_size={V}], got {k!r}")
-        return resolve_sampling(request.temperature, request.top_k, request.top_p, V)
+        sampling = resolve_sampling(request.temperature, request.top_k, request.top_p, V)
+        return sampling, dataclasses.replace(request, prompt=prompt, eos_token_id=eos)
 
     @torch.inference_mode()
     def _prefill(self, row: _Row, index: int) -> torch.Tensor:
