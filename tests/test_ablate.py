@@ -95,6 +95,21 @@ def test_print_commands_and_bad_spec_exit_code(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("wiola ablate: error: ")
 
 
+def test_a_run_stopped_before_its_first_checkpoint_starts_again(tmp_path):
+    """The command of each run: plain when its folder is new, --resume with a checkpoint, and
+    --overwrite when a killed attempt left only its metrics (wiola train refuses such a folder
+    otherwise, and the sweep would stop there)."""
+    from wiola.train.ablate import train_arguments
+
+    run = plan(parse_spec(_spec(grid={"ffn": ["butterfly"]})), tmp_path)[0]
+    assert train_arguments(run)[-2:] == ["--config", str(run.config_file)]
+    run.run_dir.mkdir(parents=True)
+    (run.run_dir / "metrics.jsonl").write_text('{"kind": "run", "step": 0}\n')
+    assert train_arguments(run)[-1] == "--overwrite"
+    (run.run_dir / "checkpoints").mkdir()  # damaged (no latest): never overwritten, train names the problem
+    assert "--overwrite" not in train_arguments(run) and "--resume" not in train_arguments(run)
+
+
 def _sweep(spec: Path, out: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "wiola", "ablate", str(spec), "--out", str(out), "--jobs", "2", "--no-progress"]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

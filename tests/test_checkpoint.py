@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import pickle
+import stat
 
 import pytest
 import torch
@@ -256,3 +259,59 @@ def test_a_run_folder_resolves_to_its_latest_checkpoint(tmp_path):
     (checkpoints / LATEST_FILE).write_text("step_0000009\n")
     with pytest.raises(FileNotFoundError, match="names step_0000009, which does not exist"):
         resolve_checkpoint(tmp_path / "run")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o002])
+def test_saved_files_get_the_mode_open_gives(tmp_path, umask):
+    """config.json and model.safetensors get 0o666 less the umask, as files open() creates (a
+    temporary file of tempfile.mkstemp is 0o600 whatever the umask, and the rename kept that)."""
+    from wiola.checkpoint import export_wiola13m
+
+    old = os.umask(umask)
+    try:
+        WiolaModel(CFG).save_pretrained(tmp_path / "ours")
+        export_wiola13m(WiolaModel(CFG), tmp_path / "theirs")
+    finally:
+        os.umask(old)
+    for path in [
+        tmp_path / folder / name for folder in ("ours", "theirs") for name in ("config.json", "model.safetensors")
+    ]:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode == 0o666 & ~umask, f"{path.relative_to(tmp_path)}: mode {mode:o}, want {0o666 & ~umask:o}"
+    assert not [p.name for p in (tmp_path / "ours").iterdir() if p.name.startswith(".")], "temporary file left"
+
+
+class _Planted:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"garbage", "is corrupt or not a PyTorch checkpoint"),
+        (b"", "is corrupt or not a PyTorch checkpoint"),
+        (pickle.dumps([1, 2, 3])[:-3], "is corrupt or not a PyTorch checkpoint"),  # a pickle cut short
+        ("planted-zip", r"refusing to load .*\(posix.system\).*nothing in it was run"),
+        (pickle.dumps({"a": _Planted()}), r"refusing to load .*\(posix.system\).*nothing in it was run"),
+    ],
+    ids=["garbage", "empty", "cut-pickle", "planted-zip", "planted-pickle"],
+)
+def test_a_corrupt_bin_is_told_apart_from_a_planted_pickle(tmp_path, content, message):
+    """Bytes that are no torch.save file are called corrupt; only a pickle naming code is called
+    unsafe. Neither message passes on torch's advice to load with weights_only=False."""
+    WiolaModel(CFG).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    if content == "planted-zip":
+        torch.save({"embed.weight": torch.zeros(2), "x": _Planted()}, tmp_path / "pytorch_model.bin")
+    else:
+        (tmp_path / "pytorch_model.bin").write_bytes(content)
+    with pytest.raises(ValueError, match=message) as caught:
+        WiolaModel.from_pretrained(tmp_path)
+    assert "weights_only" not in str(caught.value), str(caught.value)
+
+
+def test_an_adapter_folder_says_to_merge(tmp_path):
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "base"}))
+    with pytest.raises(FileNotFoundError, match=r"holds LoRA adapters .*wiola merge --adapter"):
+        WiolaModel.from_pretrained(tmp_path)

@@ -74,3 +74,72 @@ def test_export_and_serve_require_a_checkpoint(capsys):
         assert exit_info.value.code == 2, command
         err = capsys.readouterr().err
         assert err.startswith(f"wiola {command[0]}: error:") and "--checkpoint" in err, err
+
+
+def _refuses(argv: list[str], capsys, message: str) -> None:
+    """``wiola ARGV`` exits 2 with one ``wiola <command>: error:`` line holding ``message``."""
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith(f"wiola {argv[0]}: error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_out_that_is_a_file_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    """``--out`` naming a file, or a path under one: exit 2 naming it, before a model loads or a
+    corpus is read (export, merge, tokenizer train; train and finetune: tests/test_train.py,
+    tests/test_sft.py)."""
+    import wiola.model
+
+    def loads(*_, **__):
+        raise AssertionError("a checkpoint was loaded before --out was checked")
+
+    torch.manual_seed(0)
+    WiolaModel(WiolaConfig.preset("tiny", n_layers=1)).save_pretrained(tmp_path / "ckpt")
+    monkeypatch.setattr(wiola.model, "load_pretrained", loads)
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text('{"base_model_name_or_path": "none"}')
+    (tmp_path / "corpus.txt").write_text("Once upon a time there was a cat.\n")
+    for out, message in ((tmp_path / "file", "is a file, not a folder"), (tmp_path / "file" / "o", "which is a file")):
+        _refuses(["export", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(out)], capsys, message)
+        _refuses(["merge", "--adapter", str(tmp_path / "adapter"), "--out", str(out)], capsys, message)
+        tokenizer = ["tokenizer", "train", "--data", str(tmp_path / "corpus.txt"), "--vocab-size", "300"]
+        _refuses([*tokenizer, "--out", str(out)], capsys, message)
+    assert (tmp_path / "file").read_text() == "x"
+
+
+def test_export_and_merge_out_apart_from_their_sources(tmp_path, monkeypatch, capsys):
+    """An export into (or around) the checkpoint it reads, or a merge into its adapter folder, is
+    refused: it would overwrite or hide the files it reads."""
+    import wiola.model
+
+    monkeypatch.setattr(wiola.model, "load_pretrained", lambda *_, **__: pytest.fail("loaded before --out was checked"))
+    torch.manual_seed(0)
+    ckpt = tmp_path / "ckpt"
+    WiolaModel(WiolaConfig.preset("tiny", n_layers=1)).save_pretrained(ckpt)
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    _refuses(["export", "--checkpoint", str(ckpt), "--out", str(ckpt)], capsys, "is the checkpoint itself")
+    _refuses(["export", "--checkpoint", str(ckpt), "--out", str(ckpt / "hf")], capsys, "lies inside the checkpoint")
+    _refuses(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path)], capsys, "holds the checkpoint")
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text('{"base_model_name_or_path": "none"}')
+    merge = ["merge", "--adapter", str(tmp_path / "adapter"), "--out"]
+    _refuses([*merge, str(tmp_path / "adapter")], capsys, "is the adapter folder itself")
+
+
+def test_tokenizer_train_refuses_a_corpus_without_text(tmp_path, capsys):
+    (tmp_path / "blank.txt").write_text("\n  \n\n")
+    out = tmp_path / "tok"
+    argv = ["tokenizer", "train", "--data", str(tmp_path / "blank.txt"), "--vocab-size", "300", "--out", str(out)]
+    _refuses(argv, capsys, "holds no text to train on")
+    assert not out.exists(), "a tokenizer of no text was written"
+    _refuses([*argv[:-4], "--vocab-size", "100", "--out", str(out)], capsys, "--vocab-size 100 is too small")
+
+
+def test_chat_checks_sampling_flags_before_loading(tmp_path, monkeypatch, capsys):
+    import wiola.train.finetune
+
+    monkeypatch.setattr(wiola.train.finetune, "load_finetuned", lambda *_, **__: pytest.fail("loaded first"))
+    _refuses(["chat", "--checkpoint", str(tmp_path), "--top-k", "0"], capsys, "--top-k 0: top_k must be a positive")
+    _refuses(["chat", "--checkpoint", str(tmp_path), "--temperature", "inf"], capsys, "--temperature inf:")

@@ -129,8 +129,10 @@ def test_bad_input_exits_2_with_one_line(checkpoint, tmp_path, monkeypatch, caps
         code = main(["generate", "--checkpoint", str(checkpoint), "--device", "cpu", *args])
     except SystemExit as e:  # argparse's rejections
         code = e.code
-    lines = capsys.readouterr().err.strip().splitlines()
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
     assert code == 2, lines
+    assert captured.out == "", f"stdout before the refusal: {captured.out!r}"
     assert lines[-1].startswith("wiola generate: error: ") and message in lines[-1], lines
     assert not any(line.startswith(("usage:", "Traceback")) for line in lines), lines
 
@@ -171,3 +173,124 @@ def test_ctrl_c_exits_130_without_a_traceback(tmp_path):
         proc.kill()
     assert proc.returncode == 130, err.decode()
     assert b"Traceback" not in err and err.decode().strip().splitlines()[-1] == "wiola generate: interrupted"
+
+
+@pytest.fixture(scope="module")
+def gpt2_checkpoints(tmp_path_factory, offline_tokenizer) -> tuple[Path, Path]:
+    """Two tiny models with GPT-2's 32k tokenizer, which has no pad token, so finished rows hold
+    eos. In the first the blocks' outputs (o_proj, down_proj of std 1) outweigh the tied embedding,
+    so greedy text changes words instead of repeating the prompt's last one. The second is the
+    first with eos's embedding row 1.02 times that of the 4th token the first writes after "The
+    cat" (a word the first three are not): eos's logit then just beats that token's, so greedy
+    decoding writes three tokens and then eos."""
+    from wiola.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("gpt2-32k")
+    assert tok.pad_token_id is None and tok.eos_token_id is not None
+    torch.manual_seed(0)
+    cfg = WiolaConfig(vocab_size=32000, d_model=64, n_layers=2, n_heads=4, d_ff=96, max_seq_len=128)
+    model = WiolaModel(cfg).eval()
+    with torch.no_grad():
+        model.embed.weight.normal_(0, 1.0)
+        for name, weight in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                weight.normal_(0, 1.0)
+    plain, ends = tmp_path_factory.mktemp("gpt2") / "plain", tmp_path_factory.mktemp("gpt2") / "ends"
+    model.save_pretrained(plain, tok)
+    ids = torch.tensor([tok.encode("The cat")])
+    fourth = model.generate(ids, 4)[0, -1]
+    with torch.no_grad():
+        model.embed.weight[tok.eos_token_id] = 1.02 * model.embed.weight[fourth]
+    model.save_pretrained(ends, tok)
+    return plain, ends
+
+
+def _reference_text(checkpoint: Path, prompt: str, n: int) -> tuple[list[int], str]:
+    """The reference model's greedy new ids and text (up to eos, which is left out)."""
+    ids, text = _solo(checkpoint, prompt, n)
+    assert "<|endoftext|>" not in text
+    return ids, text
+
+
+def test_stop_text_is_cut_with_a_tokenizer_without_pad(gpt2_checkpoints, tmp_path, capsys):
+    """--stop with GPT-2's tokenizer (finished rows padded with eos): the text ends before the stop
+    string in --json, streamed and batch output alike."""
+    checkpoint = gpt2_checkpoints[0]
+    prompts = ["The cat", "A red ball"]
+    _, text = _reference_text(checkpoint, prompts[0], 16)
+    words = text.split()
+    assert len(set(words)) > 1, f"greedy text repeats one word: {text!r}"
+    stop = " " + words[-1]  # its first occurrence is past the start: the text before it is not empty
+    want = text[: text.index(stop)]
+    assert want.strip(), (text, stop)
+    args = ["generate", "--checkpoint", str(checkpoint), "--max-new-tokens", "16", "--temperature", "0",
+            "--device", "cpu", "--reference", "--stop", stop]  # fmt: skip
+    assert main([*args, "--prompt", prompts[0], "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert (record["text"], record["finish_reason"]) == (want, "stop"), record
+    assert main([*args, "--prompt", prompts[0]]) == 0
+    assert capsys.readouterr().out == prompts[0] + want + "\n"
+    file = tmp_path / "prompts.txt"
+    file.write_text("\n".join(prompts) + "\n")
+    assert main([*args, "--prompt-file", str(file), "--no-echo"]) == 0
+    other = _reference_text(checkpoint, prompts[1], 16)[1]
+    other = other[: other.index(stop)] if stop in other else other
+    assert capsys.readouterr().out.splitlines() == [want, other]
+
+
+def test_streamed_text_ends_before_eos(gpt2_checkpoints, capsys):
+    """One prompt, streamed: the text stops at eos and eos's own text (<|endoftext|>) is not printed,
+    as in --json and batch output."""
+    checkpoint = gpt2_checkpoints[1]
+    from wiola.checkpoint import load_checkpoint_tokenizer
+
+    eos = load_checkpoint_tokenizer(checkpoint).eos_token_id
+    model = WiolaModel.from_pretrained(checkpoint).eval()
+    ids = torch.tensor([load_checkpoint_tokenizer(checkpoint).encode("The cat")])
+    assert eos in model.generate(ids, 8)[0, ids.shape[1] :].tolist(), "the model does not emit eos"
+    _, text = _reference_text(checkpoint, "The cat", 8)
+    assert text.strip(), "eos came first: no text to compare"
+    args = ["generate", "--checkpoint", str(checkpoint), "--prompt", "The cat", "--max-new-tokens", "8"]
+    for path in (["--reference"], []):
+        assert main([*args, "--temperature", "0", "--device", "cpu", *path]) == 0
+        out = capsys.readouterr().out
+        assert out == "The cat" + text + "\n", f"{path}: {out!r}"
+    assert main([*args, "--temperature", "0", "--device", "cpu", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == text
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--top-k", "0", "--top-k 0: top_k must be a positive int"),
+        ("--temperature", "-1", "--temperature -1.0: temperature must be >= 0"),
+        ("--temperature", "inf", "--temperature inf: temperature must be >= 0 and finite"),
+        ("--temperature", "nan", "--temperature nan: temperature must be >= 0 and finite"),
+        ("--top-p", "1.5", "--top-p 1.5: top_p must be in (0, 1]"),
+        ("--top-p", "nan", "--top-p nan: top_p must be in (0, 1]"),
+        ("--stop", "", "--stop: a stop text must not be empty"),
+    ],
+)
+def test_bad_sampling_flags_exit_2_before_the_model_loads(checkpoint, monkeypatch, capsys, flag, value, message):
+    """A sampling flag that means nothing is refused before the model loads or the prompt is
+    echoed: exit 2, one line naming the flag, nothing on stdout."""
+    import wiola.cli.generate as generate
+
+    def loads(*_):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(generate, "load_model", loads)
+    code = main(["generate", "--checkpoint", str(checkpoint), "--device", "cpu", flag, value])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "", captured
+    assert captured.err.startswith(f"wiola generate: error: {message}"), captured.err
+    assert len(captured.err.strip().splitlines()) == 1, captured.err
+
+
+def test_infinite_temperature_is_refused_by_the_api(checkpoint):
+    """temperature=inf would sample uniformly past top-k; the shared check refuses it (and NaN)."""
+    model = WiolaModel.from_pretrained(checkpoint).eval()
+    ids = torch.tensor([[5, 6, 7]])
+    for value in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="temperature must be >= 0 and finite"):
+            model.generate(ids, 2, temperature=value, top_k=5)

@@ -152,3 +152,74 @@ def test_cli_full_finetune_lowers_the_answer_loss_and_saves_the_template(tmp_pat
 
     assert load_checkpoint_tokenizer(out).chat_template is not None
     assert wiola.WiolaModel.from_pretrained(out).config.vocab_size == 32000
+
+
+def _no_loading(monkeypatch) -> None:
+    """Fail the test if a checkpoint's weights are read (the checks must come first)."""
+    import wiola.model
+
+    def loads(*_, **__):
+        raise AssertionError("a checkpoint was loaded before the arguments were checked")
+
+    monkeypatch.setattr(wiola.model, "load_pretrained", loads)  # what every from_pretrained calls
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--lora-rank", "2", "--lora-dropout", "-1"], "--lora-dropout must be in [0, 1), got -1.0"),
+        (["--lora-rank", "2", "--lora-dropout", "2"], "--lora-dropout must be in [0, 1), got 2.0"),
+        (["--lora-rank", "2", "--lora-alpha", "-3"], "--lora-alpha must be a positive number, got -3.0"),
+        (["--warmup", "-5"], "--warmup must be >= 0 steps, got -5"),
+        (["--weight-decay", "-1"], "--weight-decay must be a finite number >= 0, got -1.0"),
+        (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0, got nan"),
+    ],
+)
+def test_cli_bad_settings_exit_2_before_loading(tmp_path, tiny_checkpoint, monkeypatch, capsys, flags, message):
+    _no_loading(monkeypatch)
+    data = _write(tmp_path / "d.jsonl", [{"messages": CHAT}])
+    code = main(["finetune", "--init", str(tiny_checkpoint), "--data", str(data), "--out", str(tmp_path / "o"), *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and err == f"wiola finetune: error: {message}\n", err
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_out_that_overlaps_the_init_checkpoint_or_is_a_file_is_refused(
+    tmp_path, tiny_checkpoint, monkeypatch, capsys
+) -> None:
+    """--out equal to, inside or holding the --init checkpoint, or a file (or under one): exit 2
+    before loading anything, and the checkpoint's files are unchanged."""
+    import shutil
+
+    _no_loading(monkeypatch)
+    init = tmp_path / "init"
+    shutil.copytree(tiny_checkpoint, init)
+    before = {p.name: p.read_bytes() for p in init.iterdir()}
+    (tmp_path / "file").write_text("x")
+    data = _write(tmp_path / "d.jsonl", [{"messages": CHAT}])
+    cases = {
+        init: "is the --init checkpoint itself",
+        init / "sub": "lies inside the --init checkpoint",
+        tmp_path: "holds the --init checkpoint",
+        tmp_path / "file": "is a file, not a folder",
+        tmp_path / "file" / "o": "which is a file, not a folder",
+    }
+    for out, message in cases.items():
+        code = main(["finetune", "--init", str(init), "--data", str(data), "--out", str(out), "--steps", "1"])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("wiola finetune: error: --out ") and message in err, (out, err)
+    assert {p.name: p.read_bytes() for p in init.iterdir()} == before, "the --init checkpoint changed"
+    assert (tmp_path / "file").read_text() == "x"
+
+
+def test_cli_progress_off_a_terminal_is_step_lines(tmp_path, tiny_checkpoint, capsys) -> None:
+    """stderr is not a terminal here (captured): no bar even without --no-progress, a line per
+    logging step and a summary."""
+    data = _write(tmp_path / "d.jsonl", [{"messages": CHAT}] * 2)
+    args = ["finetune", "--init", str(tiny_checkpoint), "--data", str(data), "--out", str(tmp_path / "o")]
+    assert main([*args, "--steps", "4", "--log-every", "2", "--batch-size", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "\r" not in captured.err + captured.out, f"a progress bar was drawn off a terminal: {captured.err!r}"
+    steps = [line.split(":")[0] for line in captured.out.splitlines() if line.startswith("step ")]
+    assert steps == ["step 2/4", "step 4/4"], captured.out
+    assert "4 steps in " in captured.out.splitlines()[-1], captured.out

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -261,9 +263,48 @@ def test_non_writable_output_folder(corpus, tmp_path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     cache = tmp_path / "c"
-    with pytest.raises(ValueError, match="not writable"):
-        train(_cfg(corpus, cache, blocker / "run"), log=_quiet)
+    for out, message in ((blocker / "run", "lies under .*which is a file"), (blocker, "is a file, not a folder")):
+        with pytest.raises(ValueError, match=message):
+            train(_cfg(corpus, cache, out), log=_quiet)
     assert _fresh_cache_untouched(cache), "work started before the output folder was checked"
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_new_run_in_a_run_folder_is_refused(runs, corpus, cache, tmp_path, capsys) -> None:
+    """``wiola train --out DIR`` without --resume, where DIR holds a run: exit 2 before any work,
+    the run untouched; --overwrite replaces it; --resume with --overwrite is refused."""
+    from wiola.cli import main
+
+    folder = tmp_path / "run"
+    shutil.copytree(runs[0].out_dir, folder)
+    before = _snapshot(folder)
+    fresh = tmp_path / "c"
+    assert main(_train_command(corpus, fresh, folder, "--steps", "2")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already holds a run" in err[0] and f"--resume {folder}" in err[0], err
+    assert _snapshot(folder) == before, "the refused run changed the folder"
+    assert _fresh_cache_untouched(fresh), "work started before the run folder was checked"
+    with pytest.raises(ValueError, match="already holds a run"):
+        train(_cfg(corpus, fresh, folder), log=_quiet)
+    assert main(_train_command(corpus, cache, folder, "--steps", "2", "--resume", str(folder), "--overwrite")) == 2
+    assert "give one of them" in capsys.readouterr().err
+    assert main(_train_command(corpus, cache, folder, "--steps", "2", "--log-every", "1", "--overwrite")) == 0
+    assert sorted(p.name for p in (folder / "checkpoints").iterdir()) == ["latest", "step_0000002"]
+    assert [s for s, _ in _train_losses(folder)] == [1, 2], "metrics.jsonl still holds the old run's lines"
+    assert not (folder / "gates.png").exists() and not (folder / "loss_curve.png").exists(), "old plots kept"
+
+
+def test_plain_step_lines_without_a_bar(corpus, cache, tmp_path) -> None:
+    """With no progress bar (--no-progress here; a pipe below) every logging step prints a line,
+    and a summary line ends the run."""
+    lines: list[str] = []
+    train(_cfg(corpus, cache, tmp_path / "r", steps=4, log_every=2, eval_every=100), log=lines.append)
+    steps = [line for line in lines if line.startswith("step ") and ": loss " in line]
+    assert [line.split(":")[0] for line in steps] == ["step 2/4", "step 4/4"], lines
+    assert lines[-1].startswith("trained steps 1-4 in ") and "train loss" in lines[-1], lines
 
 
 def test_resume_with_other_config_is_refused(runs, corpus, tmp_path) -> None:
@@ -388,6 +429,50 @@ def test_cli_eval_and_gates(runs, capsys, tmp_path) -> None:
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--eval-windows", "0"],
+        ["--eval-windows", "-3"],
+        ["--seq-len", "-5"],
+        ["--seq-len", "0"],
+        ["--batch-size", "-1"],
+        ["--batch-size", "0"],
+    ],
+)
+def test_cli_eval_refuses_counts_below_one(runs, monkeypatch, capsys, flags) -> None:
+    """A count below 1 is refused before the model loads, naming the flag: none would score a
+    window (loss 0.0000, perplexity 1.000) or silently mean the default (--seq-len 0)."""
+    import wiola.cli.evaluate as evaluate
+    from wiola.cli import main
+
+    def loads(*_):
+        raise AssertionError("the checkpoint was loaded before the flags were checked")
+
+    monkeypatch.setattr(evaluate, "_load_for_eval", loads)
+    for command in ("eval", "gates"):
+        code = main([command, "--checkpoint", str(runs[0].out_dir), *flags])
+        captured = capsys.readouterr()
+        assert code == 2 and captured.out == "", captured
+        assert captured.err == f"wiola {command}: error: {flags[0]} must be >= 1, got {flags[1]}\n", captured.err
+
+
+def test_cli_gates_checks_its_png_folder_first(runs, monkeypatch, tmp_path, capsys) -> None:
+    """``wiola gates --out`` under a file is refused before any work; a missing folder is made."""
+    import wiola.cli.evaluate as evaluate
+    from wiola.cli import main
+
+    (tmp_path / "file").write_text("x")
+    real = evaluate._load_for_eval
+    monkeypatch.setattr(evaluate, "_load_for_eval", lambda *_: pytest.fail("loaded before --out was checked"))
+    assert main(["gates", "--checkpoint", str(runs[0].out_dir), "--out", str(tmp_path / "file" / "g.png")]) == 2
+    assert "the folder of --out" in capsys.readouterr().err
+    monkeypatch.setattr(evaluate, "_load_for_eval", real)
+    png = tmp_path / "new" / "deeper" / "g.png"
+    assert main(["gates", "--checkpoint", str(runs[0].out_dir), "--out", str(png), "--windows", "2"]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_demo_smoke(tmp_path, capsys) -> None:
     from wiola.cli import main
 
@@ -417,6 +502,26 @@ def test_demo_smoke(tmp_path, capsys) -> None:
     assert "[1] " in text and "validation: loss" in text and "training: 2 steps" in text, text
     for name in ("loss_curve.png", "gates.png", "checkpoints/step_0000002/model.safetensors"):
         assert (out / name).is_file(), f"demo did not write {name}"
+
+
+def test_demo_again_replaces_its_own_folder_and_no_other(tmp_path, monkeypatch, capsys) -> None:
+    """A second ``wiola demo`` replaces the run the first left in its default folder (runs/demo);
+    into another --out that holds a run it is refused (exit 2, the run untouched) unless --overwrite."""
+    from wiola.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    flags = ["--steps", "2", "--samples", "1", "--cache-dir", str(tmp_path / "c"), "--no-progress", "--device", "cpu"]
+    for _ in range(2):
+        assert main(["demo", *flags]) == 0
+        assert (tmp_path / "runs" / "demo" / "checkpoints" / "step_0000002" / "model.safetensors").is_file()
+    other = tmp_path / "mine"
+    assert main(["demo", *flags, "--out", str(other)]) == 0
+    before = (other / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    assert main(["demo", *flags, "--out", str(other)]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert (other / "metrics.jsonl").read_bytes() == before
+    assert main(["demo", *flags, "--out", str(other), "--overwrite"]) == 0
 
 
 def test_demo_tokenizer_error_says_what_to_set(monkeypatch) -> None:
@@ -494,3 +599,76 @@ def test_missing_plotting_package_names_the_extra(corpus, tmp_path, monkeypatch)
     with pytest.raises(RuntimeError, match=r"`matplotlib` package.*pip install 'wiola-slm\[train\]'"):
         train(_cfg(corpus, cache, tmp_path / "o", plots=True), log=_quiet)
     assert _fresh_cache_untouched(cache), "tokenisation started before the packages were checked"
+
+
+# ------------------------------------------------------------------------------------ progress
+def _wiola(*args: str) -> subprocess.CompletedProcess:
+    """``python -m wiola ARGS`` with stdout and stderr into one pipe (not a terminal), as
+    ``wiola ... 2>&1 | cat`` or a log file gets them."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "wiola", *args]
+    return subprocess.run(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300
+    )
+
+
+def test_progress_in_a_pipe_is_plain_lines(corpus, tmp_path) -> None:
+    """Not a terminal, progress not turned off: no bar (no carriage return) while tokenising,
+    training or scoring; step lines instead, and a summary line at the end of each."""
+    out = tmp_path / "run"
+    flags = _train_command(corpus, tmp_path / "c1", out, "--steps", "4", "--log-every", "2")
+    flags.remove("--no-progress")
+    done = _wiola(*flags)
+    assert done.returncode == 0, done.stdout
+    assert "\r" not in done.stdout, f"a progress bar was drawn into a pipe:\n{done.stdout!r}"
+    assert "step 2/4: loss " in done.stdout and "step 4/4: loss " in done.stdout, done.stdout
+    assert "trained steps 1-4 in " in done.stdout and "tokens: " in done.stdout, done.stdout
+    done = _wiola("eval", "--checkpoint", str(out), "--cache-dir", str(tmp_path / "c2"), "--device", "cpu")
+    assert done.returncode == 0, done.stdout
+    assert "\r" not in done.stdout, f"a progress bar was drawn into a pipe:\n{done.stdout!r}"
+    assert "tokens: " in done.stdout and "scored " in done.stdout and "perplexity" in done.stdout, done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_progress_on_a_terminal_is_a_bar(corpus, tmp_path) -> None:
+    """On a terminal (tmux): tqdm bars while tokenising and training, and no plain step lines."""
+    import shlex
+
+    from terminal import Terminal
+
+    flags = _train_command(corpus, tmp_path / "c", tmp_path / "run", "--steps", "6", "--log-every", "2")
+    flags.remove("--no-progress")
+    cmd = [sys.executable, "-m", "wiola", *flags]
+    record = tmp_path / "terminal.log"
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in os.environ.items() if k in ("WIOLA_BPE_FILE", "PYTHONPATH"))
+    term = Terminal(
+        f"cd {shlex.quote(str(ROOT))} && env OMP_NUM_THREADS=1 {env} {shlex.join(cmd)}; echo EXIT=$?; sleep 30", record
+    )
+    try:
+        screen = term.wait_for(lambda s: "EXIT=" in s, "the end of the run", timeout=240)
+    finally:
+        term.close()
+    assert "EXIT=0" in screen, screen
+    written = record.read_text(errors="replace")
+    assert re.search(r"6/6 \[[^\r\n]*step", written), f"no training bar was drawn:\n{written}"
+    assert "tokenising train" in written, f"no tokenising bar was drawn:\n{written}"
+    assert "step 2/6: loss" not in written, "plain step lines beside the bar"
+    assert "trained steps 1-6 in " in screen, screen
+
+
+def test_progress_off_a_terminal_logs_lines_and_a_summary(monkeypatch) -> None:
+    """wiola.train.env.Progress: no tqdm off a terminal (stderr is captured here), a plain line
+    through ``log`` once ``every`` seconds have passed, and the summary on close."""
+    import wiola.train.env as env
+
+    clock = iter([0.0, 10.0, 31.0, 40.0, 62.0])  # the start, then one reading per update
+    monkeypatch.setattr(env.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(env, "require", lambda *_: pytest.fail("tqdm was used off a terminal"))
+    lines: list[str] = []
+    bar = env.Progress(200, "tokenising train", "doc", log=lines.append)
+    for _ in range(4):
+        bar.update(50)
+    bar.close("tokens: done")
+    assert not bar.drawn
+    assert lines == ["tokenising train: 100/200 docs (50%)", "tokenising train: 200/200 docs (100%)", "tokens: done"]

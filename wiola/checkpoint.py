@@ -83,12 +83,30 @@ def wiola13m_names(n_layers: int) -> dict[str, str]:
     return names
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Write through a temporary file in the same folder, then rename over ``path``."""
+def _umask() -> int:
+    """The process's umask, read from ``/proc/self/status`` where it is there (``os.umask`` can
+    only be read by setting it, which races with other threads creating files)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _atomic_write(path: Path, write: Callable[[str], object]) -> None:
+    """Write through a temporary file in the same folder (``write(temporary path)``), then rename
+    over ``path``. The file gets mode 0o666 less the umask, as ``open()`` would create it: the
+    temporary file (``tempfile.mkstemp``) and safetensors' own writes are 0o600 whatever the
+    umask, and the rename keeps the mode."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -102,12 +120,12 @@ def save_pretrained(model: nn.Module, directory: str | Path, tokenizer: Tokenize
     from safetensors.torch import save_file
 
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": model.config.to_dict()}
     if getattr(model, "quantization", None) is not None:  # packed matrices (wiola.fast.quantize)
         codec = type(model).quantization_codec  # the model class knows its packing; this layer does not
         state, meta["quantization"] = codec.packed_state(model), codec.checkpoint_record(model)
+    directory.mkdir(parents=True, exist_ok=True)  # after packed_state, which refuses a stale model
     if tokenizer is not None:
         meta.update(tokenizer.save(directory))
     _atomic_write(directory / WEIGHTS_FILE, lambda p: save_file(state, p, metadata={"format": "pt"}))
@@ -180,6 +198,11 @@ def read_config(directory: str | Path) -> tuple[WiolaConfig, str]:
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(directory)!r} does not exist")
     path = directory / CONFIG_FILE
+    if not path.is_file() and (directory / "adapter_config.json").is_file():  # wiola finetune --lora-rank's folder
+        raise FileNotFoundError(
+            f"{directory} holds LoRA adapters (adapter_config.json), not a model: fold them into their base with "
+            f"`wiola merge --adapter {directory} --out MERGED_DIR` and use that folder (wiola chat reads it as it is)"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: not a checkpoint directory")
     raw = _read_json(path)
@@ -316,21 +339,60 @@ def to_wiola13m_state(state: dict[str, torch.Tensor], n_layers: int) -> dict[str
 def safe_torch_load(path: str | Path, what: str) -> Any:
     """``torch.load(path, weights_only=True)``: tensors and plain containers only, nothing executed.
 
-    Raises ``ValueError`` naming ``path`` when it holds anything else (a pickled object or
-    function, possibly planted to run code) or is not a ``torch.save`` file at all.
+    Raises ``ValueError`` naming ``path``: when it is a readable pickle that names Python objects
+    beyond those (a class or function, possibly planted to run code), saying so and which; when it
+    is not a ``torch.save`` file at all (corrupt, truncated, another format), saying that. Neither
+    message repeats torch's advice to retry with ``weights_only=False``, which would run the file.
     """
     import pickle
+    import warnings
 
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's note on a pickle protocol: the errors below say what matters
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
+        names = _pickle_globals(Path(path))
+        blocked = re.search(r"GLOBAL ([\w.]+)", str(e))  # torch names the global it refused
+        if blocked is None and not names:  # no readable pickle naming anything: damaged bytes
+            raise ValueError(f"{path} is corrupt or not a PyTorch checkpoint (expected {what})") from None
+        named = blocked.group(1) if blocked else ", ".join(names[:3])
         raise ValueError(
-            f"refusing to load {path}: it holds Python objects beyond tensors and plain containers "
-            f"(what a pickle that runs code would hold); nothing in it was run. Only {what} is read from it. "
-            f"({str(e).splitlines()[0]})"
-        ) from e
+            f"refusing to load {path}: it holds Python objects beyond tensors and plain containers ({named}), "
+            f"which is what a pickle that runs code holds; nothing in it was run. Only {what} is read from it"
+        ) from None
     except Exception as e:
-        raise ValueError(f"{path} is corrupt or not {what}: {e}") from e
+        why = f": {str(e).splitlines()[0]}" if str(e) else " (it ends too soon)"
+        raise ValueError(f"{path} is corrupt or not a PyTorch checkpoint (expected {what}){why}") from e
+
+
+def _pickle_globals(path: Path) -> list[str]:
+    """The ``module.name`` globals the pickle of ``path`` (a ``torch.save`` zip's ``data.pkl``, or
+    the file itself) names, read from its opcodes with ``pickletools`` (nothing is run); empty
+    when it is not a whole, readable pickle."""
+    import pickletools
+    import zipfile
+
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                member = next((n for n in archive.namelist() if n.endswith("data.pkl")), None)
+                if member is None:
+                    return []
+                data = archive.read(member)
+        else:
+            data = path.read_bytes()
+        names, strings = [], []
+        for op, arg, _ in pickletools.genops(data):
+            if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
+                strings.append(arg)
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                names.append(f"{strings[-2]}.{strings[-1]}")
+            elif op.name in ("GLOBAL", "INST"):
+                names.append(str(arg).replace(" ", "."))
+        return names
+    except Exception:  # not a pickle (bad opcode, truncated, no STOP), not a zip: nothing to name
+        return []
 
 
 def load_checkpoint_tokenizer(directory: str | Path, revision: str | None = None) -> Tokenizer:

@@ -21,5 +21,30 @@ def add_length_arguments(p: argparse.ArgumentParser, *, steps: int, batch_size: 
 
 
 def add_progress_flag(p: argparse.ArgumentParser) -> None:
-    """``--no-progress``: sets ``progress`` False (progress bars are shown unless it is given)."""
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    """``--no-progress``: sets ``progress`` False. Without it a progress bar is drawn where stderr
+    is a terminal (``wiola.train.env.Progress``); with it, or off a terminal, plain lines instead."""
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar (plain lines instead)")
+
+
+def check_sampling_flags(
+    temperature: float | None, top_k: int | None, top_p: float | None, stop: list[str] | None = None
+) -> None:
+    """``--temperature``, ``--top-k``, ``--top-p`` and ``--stop`` checked by the rules generation
+    itself applies (``wiola.generation.resolve_sampling``, ``check_stop_strings``), one flag at a
+    time so that the ``ValueError`` names it. Commands call it before loading a model or writing
+    anything."""
+    from wiola.generation import check_stop_strings, resolve_sampling
+
+    unset = {"temperature": None, "top_k": None, "top_p": None}
+    for flag, key, value in (("--temperature", "temperature", temperature), ("--top-k", "top_k", top_k),
+                             ("--top-p", "top_p", top_p)):  # fmt: skip
+        if value is None:
+            continue
+        try:
+            resolve_sampling(**{**unset, key: value}, vocab_size=1 << 62)  # any vocabulary: only the value is checked
+        except ValueError as e:
+            raise ValueError(f"{flag} {value}: {e}") from None
+    try:
+        check_stop_strings(stop)
+    except ValueError:
+        raise ValueError("--stop: a stop text must not be empty") from None

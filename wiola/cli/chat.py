@@ -32,16 +32,16 @@ def run_chat(args: argparse.Namespace) -> int:
     import torch
 
     from wiola.chat import check_messages
-    from wiola.generation import resolve_sampling
+    from wiola.cli.arguments import check_sampling_flags
     from wiola.train.finetune import load_finetuned
 
+    check_sampling_flags(args.temperature, args.top_k, args.top_p)  # before the model loads
     model, tokenizer = load_finetuned(args.checkpoint, base=args.base, fast=args.fast)
     limit = model.config.max_seq_len
     if not 0 < args.max_new_tokens < limit:
         raise ValueError(
             f"--max-new-tokens must be in [1, {limit - 1}] (max_seq_len={limit}), got {args.max_new_tokens}"
         )
-    resolve_sampling(args.temperature, args.top_k, args.top_p, model.config.vocab_size)
     system = [{"role": "system", "content": args.system}] if args.system else []
     check_messages(system or [{"role": "user", "content": ""}])
     generator = torch.Generator().manual_seed(args.seed)

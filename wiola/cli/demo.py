@@ -20,9 +20,18 @@ BPE_HINT = (
 )
 
 
+DEMO_OUT = "runs/demo"  # the demo's own folder: each demo replaces the run the previous one left there
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="train the tiny model on the built-in sample corpus (~2 minutes), then generate")
-    p.add_argument("--out", default="runs/demo", help="run folder (checkpoint, metrics, PNGs)")
+    p.add_argument("--out", default=DEMO_OUT, help="run folder (checkpoint, metrics, PNGs)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help=f"replace the run an --out folder already holds (else refused; the default {DEMO_OUT} is always "
+        "replaced: it holds the previous demo)",
+    )
     p.add_argument(
         "--steps", type=int, help="training steps (default 300 on CPU, ~2 minutes on 2 idle cores; 1500 on GPU)"
     )
@@ -41,9 +50,14 @@ def run_demo(args: argparse.Namespace) -> int:
     from wiola.train import train
     from wiola.train.env import resolve_device
     from wiola.train.evaluate import unigram_entropy
+    from wiola.train.run_folder import check_new_run, check_output_folder
     from wiola.train.sources import resolve_source
     from wiola.train.token_cache import prepare_data
 
+    check_output_folder(args.out, "--out")
+    overwrite = args.overwrite or args.out == DEMO_OUT  # running the demo again replaces the last demo
+    if not overwrite:
+        check_new_run(args.out)
     t_start = time.perf_counter()
     device = resolve_device(args.device)
     _spare_a_busy_cpu(device)
@@ -59,7 +73,7 @@ def run_demo(args: argparse.Namespace) -> int:
     cfg.steps = _demo_steps(args, cfg, device, len(data.train))
     cfg.eval_every = max(1, cfg.steps // 4)
     t_train = time.perf_counter()
-    result = train(cfg, references={"unigram entropy": entropy})
+    result = train(cfg, references={"unigram entropy": entropy}, overwrite=overwrite)
     train_seconds = time.perf_counter() - t_train
     if result.interrupted or result.checkpoint is None:
         return 130

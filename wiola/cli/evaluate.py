@@ -6,8 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
+
+from wiola.cli.arguments import add_progress_flag
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -45,6 +48,19 @@ def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="default: cuda when available")
     p.add_argument("--precision", choices=["auto", "bf16", "fp32"], help="default: the training precision (or auto)")
     p.add_argument("--fast", action="store_true", help="wiola.fast (fused Triton kernels)")
+    add_progress_flag(p)
+
+
+def _check_eval_arguments(args: argparse.Namespace) -> None:
+    """The counts ``eval``/``gates`` take, checked before anything loads: each >= 1 (None: the default)."""
+    for flag in ("--seq-len", "--eval-windows", "--batch-size", "--windows"):
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 def _load_for_eval(args: argparse.Namespace) -> tuple[Any, Any, Any, int, str, Path]:
@@ -68,9 +84,9 @@ def _load_for_eval(args: argparse.Namespace) -> tuple[Any, Any, Any, int, str, P
     encoding = load_checkpoint_tokenizer(path)
     source = resolve_source(data_arg, val_arg, saved_cfg.get("val_fraction", 0.01))
     data = prepare_data(
-        source, encoding, args.cache_dir or saved_cfg.get("cache_dir"), log=lambda m: print(m, file=sys.stderr)
+        source, encoding, args.cache_dir or saved_cfg.get("cache_dir"), progress=args.progress, log=_say
     )
-    seq_len = args.seq_len or saved_cfg.get("seq_len") or default_seq_len(model.config)
+    seq_len = args.seq_len if args.seq_len is not None else saved_cfg.get("seq_len") or default_seq_len(model.config)
     if seq_len + 1 > model.config.max_seq_len:
         raise ValueError(
             f"--seq-len {seq_len}: windows of {seq_len + 1} tokens exceed max_seq_len={model.config.max_seq_len}"
@@ -111,14 +127,20 @@ def run_tasks(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    _check_eval_arguments(args)
     if args.tasks is not None:
         return run_tasks(args)
     if args.quantize:
         raise ValueError("--quantize goes with --tasks")
+    from wiola.train.batches import eval_windows
     from wiola.train.data import token_byte_lengths
+    from wiola.train.env import Progress
     from wiola.train.evaluate import evaluate
 
     model, encoding, data, seq_len, precision, path = _load_for_eval(args)
+    windows = eval_windows(data.val, seq_len, args.eval_windows)
+    progress = Progress(windows, "scoring", "window", show=args.progress, log=_say, leave=False)
+    t0 = time.perf_counter()
     result = evaluate(
         model,
         data.val,
@@ -127,7 +149,9 @@ def run_eval(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         max_windows=args.eval_windows,
         precision=precision,
+        progress=progress.update,
     )
+    progress.close(f"scored {result.windows:,} windows ({result.tokens:,} tokens) in {time.perf_counter() - t0:.1f} s")
     if args.json:
         print(json.dumps({"checkpoint": str(path), "seq_len": seq_len, "precision": precision, **result.to_dict()}))
     else:
@@ -141,15 +165,20 @@ def run_gates(args: argparse.Namespace) -> int:
     from wiola.train.env import autocast
     from wiola.train.evaluate import gate_statistics
     from wiola.train.plots import plot_gate_heatmap
+    from wiola.train.run_folder import check_output_folder
 
-    if args.windows < 1:
-        raise ValueError(f"--windows must be >= 1, got {args.windows}")
+    _check_eval_arguments(args)
+    if args.out is not None:  # the PNG's folder, checked before the work
+        if Path(args.out).is_dir():
+            raise ValueError(f"--out {args.out} is a folder; give the PNG file's path")
+        check_output_folder(Path(args.out).parent, "the folder of --out")
     model, _, data, seq_len, precision, path = _load_for_eval(args)
     batch = next(eval_batches(data.val, seq_len, args.windows, max_windows=args.windows))
     device = next(model.parameters()).device
     with autocast(device, precision):
         gates = gate_statistics(model, batch.to(device))
     out = Path(args.out) if args.out else path / "gates.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
     plot_gate_heatmap(gates, out, title=f"mean gate per layer × head ({path.name})")
     print("layer  " + "  ".join(f"h{h:<4d}" for h in range(gates.shape[1])))
     for layer, row in enumerate(gates.tolist()):

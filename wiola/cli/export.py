@@ -54,10 +54,12 @@ def run_export(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--quantize and --int8-matmul are for --format onnx; the {args.format} format stores fp32 weights"
         )
-    path = resolve_checkpoint(args.checkpoint, args.revision)  # a run folder: its latest checkpoint
+    from wiola.train.run_folder import check_apart, check_output_folder
+
     out = Path(args.out)
-    if out.resolve() == path.resolve():
-        raise ValueError(f"--out {out} is the checkpoint itself; write the export to another folder")
+    check_output_folder(out, "--out")
+    path = resolve_checkpoint(args.checkpoint, args.revision)  # a run folder: its latest checkpoint
+    check_apart(out, path, "--out", "checkpoint")  # a run folder's --out is refused too: it holds the checkpoint
     tokenizer = load_checkpoint_tokenizer(path)
     if args.format == "wiola13m":
         from wiola import WiolaModel

@@ -16,7 +16,7 @@ from typing import TextIO
 
 import torch
 
-from wiola.cli.arguments import add_checkpoint_arguments
+from wiola.cli.arguments import add_checkpoint_arguments, check_sampling_flags
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -149,35 +149,50 @@ def encode_batch(enc, prompts: list[str], vocab_size: int, samples: int, device:
 
 def finish(row: list[int], eos: int | None, enc, stops: list[str]) -> tuple[list[int], str, str]:
     """A row's new ids up to eos or a stop string, its text (cut before the stop string) and its
-    finish reason (``stop`` or ``length``, as OpenAI's API names them)."""
+    finish reason (``stop`` or ``length``, as OpenAI's API names them).
+
+    The stop strings are looked for in the ids before the first eos: a row that a stop string
+    ended is padded after it with the pad id, which is eos itself for a tokenizer without a pad
+    token (GPT-2's), so that eos follows the stop text rather than replacing it."""
     from wiola.generation import find_stop
 
+    reason = "length"
     if eos is not None and eos in row:
-        row = row[: row.index(eos)]
-        return row, enc.decode(row), "stop"
+        row, reason = row[: row.index(eos)], "stop"
     for n in range(1, len(row) + 1) if stops else ():
         text = enc.decode(row[:n])
         cut = find_stop(text, stops)
         if cut is not None:
             return row[:n], text[:cut], "stop"
-    return row, enc.decode(row), "length"
+    return row, enc.decode(row), reason
 
 
 class _Printer:
     """Streams one row's text to stdout as tokens arrive (waiting out partial UTF-8 characters),
-    holding back the text that could still become a stop string."""
+    holding back the text that could still become a stop string. The row ends at eos (whose text,
+    such as ``<|endoftext|>``, is never printed) or at a stop string; later tokens (the pad id)
+    are ignored."""
 
-    def __init__(self, enc, stops: list[str]) -> None:
-        self.enc, self.stops, self.new, self.printed = enc, stops, [], 0
+    def __init__(self, enc, stops: list[str], eos: int | None) -> None:
+        self.enc, self.stops, self.eos = enc, stops, eos
+        self.new: list[int] = []
+        self.printed, self.ended = 0, False
 
     def __call__(self, token: torch.Tensor) -> None:
-        self.new.append(int(token[0]))
         from wiola.generation import find_stop
 
+        if self.ended:
+            return
+        token_id = int(token[0])
+        if token_id == self.eos:
+            self.ended = True
+            return
+        self.new.append(token_id)
         text = self.enc.decode(self.new)
         cut = find_stop(text, self.stops)
+        self.ended = cut is not None
         end = len(text) - max((len(s) - 1 for s in self.stops), default=0) if cut is None else cut
-        if not text.endswith("\ufffd") and end > self.printed:
+        if (cut is not None or not text.endswith("\ufffd")) and end > self.printed:
             sys.stdout.write(text[self.printed : end])
             sys.stdout.flush()
             self.printed = end
@@ -188,9 +203,12 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    check_sampling_flags(args.temperature, args.top_k, args.top_p, args.stop)  # before the model loads
     prompts = read_prompts(args.prompt_file) if args.prompt_file else [args.prompt]
     model, enc = load_model(args)
     model = quantize_model(model.eval(), getattr(args, "quantize", None))
+    from wiola.generation import check_generate_inputs
+
     if args.fast and torch.device(args.device).type == "cpu":  # which path decodes, in one line
         from wiola.fast.decode_step_cpu import describe
 
@@ -198,7 +216,9 @@ def _generate(args: argparse.Namespace) -> int:
         path = describe() if model.config.ffn == "butterfly" else f"PyTorch ({model.describe()})"
         print(f"CPU decoding: {path}{f', {scheme} weights' if scheme else ''}", file=sys.stderr)
     ids, mask, rows = encode_batch(enc, prompts, model.config.vocab_size, args.num_samples, args.device)
-    printer = _Printer(enc, args.stop or []) if len(rows) == 1 and not args.json else None
+    # generate's own checks (a prompt plus --max-new-tokens past max_seq_len), before the prompt is echoed
+    check_generate_inputs(model, ids, args.max_new_tokens, None if len(rows) == 1 else mask)
+    printer = _Printer(enc, args.stop or [], enc.eos_token_id) if len(rows) == 1 and not args.json else None
     if printer is not None and not args.no_echo:  # shown now, not with the first whole character
         sys.stdout.write(prompts[0])
         sys.stdout.flush()

@@ -20,5 +20,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_merge(args: argparse.Namespace) -> int:
     from wiola.train.finetune import merge_adapters
 
+    # merge_adapters checks --out (not a file, apart from the adapters and their base) before loading
     print(f"merged checkpoint: {merge_adapters(args.adapter, args.out, args.base)}")
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from wiola.cli.arguments import add_progress_flag
@@ -24,24 +25,46 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from wiola.tokenizer import train_tokenizer
-    from wiola.train.env import require
+    from wiola.tokenizer import SPECIAL_TOKENS, train_tokenizer
+    from wiola.train.env import Progress, draws_bars
+    from wiola.train.run_folder import check_output_folder
     from wiola.train.sources import iter_documents, resolve_source
 
     if args.max_documents is not None and args.max_documents < 1:
         raise ValueError(f"--max-documents must be >= 1, got {args.max_documents}")
-    tqdm = require("tqdm.auto", "showing progress").tqdm
+    smallest = len(SPECIAL_TOKENS) + 256
+    if args.vocab_size < smallest:
+        raise ValueError(f"--vocab-size {args.vocab_size} is too small: a byte-level BPE needs at least {smallest} ids")
+    check_output_folder(args.out, "--out")
     source = resolve_source(args.data)
     docs, total = iter_documents(source, "train")
     if args.max_documents is not None:
         total = args.max_documents if total is None else min(total, args.max_documents)
         docs = (d for _, d in zip(range(args.max_documents), docs))
-    bar = tqdm(docs, total=total, desc=f"reading {source.describe()}", unit="doc", disable=not args.progress)
-    tokenizer = train_tokenizer(bar, args.vocab_size, length=total, show_progress=args.progress)
-    bar.close()
+    progress = Progress(
+        total, f"reading {source.describe()}", "doc", show=args.progress, log=lambda m: print(m, file=sys.stderr)
+    )
+    seen = {"documents": 0, "text": 0}
+
+    def counted() -> Iterator[str]:
+        for doc in docs:
+            seen["documents"] += 1
+            seen["text"] += bool(doc.strip())
+            progress.update()
+            yield doc
+
+    tokenizer = train_tokenizer(counted(), args.vocab_size, length=total, show_progress=draws_bars(args.progress))
+    progress.close()
+    if not seen["text"]:  # a BPE of nothing would be the 260 specials and bytes alone
+        found = f"{seen['documents']:,} blank documents" if seen["documents"] else "no documents"
+        raise ValueError(f"--data {args.data}: its training split holds no text to train on ({found}); nothing written")
     out = Path(args.out)
     tokenizer.name = out.name
     tokenizer.save(out)
     print(f"tokenizer: {tokenizer.vocab_size:,} ids (<unk> 0, <s> 1, </s> 2, <pad> 3) written to {out}")
-    print(f"fingerprint {tokenizer.fingerprint[:16]}; train with it: wiola train --tokenizer {out}", file=sys.stderr)
+    print(
+        f"trained on {seen['documents']:,} documents; fingerprint {tokenizer.fingerprint[:16]}; "
+        f"train with it: wiola train --tokenizer {out}",
+        file=sys.stderr,
+    )
     return 0

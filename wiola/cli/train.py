@@ -34,8 +34,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recipe", choices=recipe_names(), help="a named recipe; 'paper' is the published 13M run")
     g.add_argument("--resume", metavar="DIR", help="continue exactly from a checkpoint or a run folder's latest one")
     g.add_argument(
-        "--out", dest="out_dir", help="run folder (default runs/wiola; with --resume, the checkpoint's run folder)"
-    )
+        "--out", dest="out_dir", help="run folder (default runs/wiola; with --resume, the checkpoint's run folder); "
+        "a folder that already holds a run is refused unless --resume or --overwrite is given",
+    )  # fmt: skip
+    g.add_argument(
+        "--overwrite", action="store_true",
+        help="start a new run in a --out folder that holds one: its metrics.jsonl, checkpoints and plots are deleted",
+    )  # fmt: skip
     g = p.add_argument_group("model")
     g.add_argument("--preset", choices=sorted(PRESETS))
     g.add_argument(
@@ -89,7 +94,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="recompute each block in the backward pass: less activation memory, ~1/3 more compute",
     )
     g.add_argument("--precision", choices=["auto", "bf16", "fp32"])
-    g.add_argument("--no-progress", dest="progress", action="store_const", const=False)
+    g.add_argument(
+        "--no-progress", dest="progress", action="store_const", const=False,
+        help="no progress bar (plain step lines instead; also what a pipe or log file gets)",
+    )  # fmt: skip
     g.add_argument("--num-threads", type=int, help="tokeniser threads")
     g.add_argument("--peak-flops", type=float, help="peak FLOP/s of one device, for MFU")
 
@@ -128,7 +136,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         settings.update(recipe(args.recipe))
     if args.config:
         settings.update(load_config_file(args.config))
-    skip = {"config", "recipe", "resume", "func", "command", "model"}
+    skip = {"config", "recipe", "resume", "overwrite", "func", "command", "model"}
     for key, value in vars(args).items():
         if key not in skip and value is not None:
             settings[key] = list(value) if isinstance(value, (list, tuple)) else value
@@ -141,7 +149,7 @@ def run_train(args: argparse.Namespace) -> int:
     from wiola.train import train
 
     cfg = config_from_args(args)
-    result = train(cfg, resume=args.resume)
+    result = train(cfg, resume=args.resume, overwrite=args.overwrite)
     if result.interrupted:
         return 130
     if result.eval is not None:

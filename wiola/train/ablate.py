@@ -20,9 +20,10 @@ A spec is a small TOML or JSON file (docs/SPEC.md, Ablations)::
 Variants set the model fields ``ffn``, ``gate``, ``gate_pre_rope`` and ``helix_alpha``. Every
 (variant, seed) is a run folder ``OUT/runs/<variant>/seed<k>/`` trained by ``wiola train
 --config OUT/runs/<variant>/seed<k>.json`` in a subprocess (``--resume`` when a checkpoint is
-there), so each resumes bit-exactly and a killed sweep continues where it stopped when run
-again. The seed sets both the initialisation and the data order (``BatchStream``), so variants
-see the same batches for the same seed and differences can be paired by seed. ``--jobs N`` runs
+there, ``--overwrite`` for a run stopped before its first checkpoint), so each resumes
+bit-exactly and a killed sweep continues where it stopped when run again. The seed sets both the
+initialisation and the data order (``BatchStream``), so variants see the same batches for the
+same seed and differences can be paired by seed. ``--jobs N`` runs
 N at a time (each with ``cores / N`` threads: a sweep's numbers are reproducible for a fixed N);
 ``--print-commands`` writes the configs and prints one command per run for a scheduler.
 The report (``wiola.train.ablate_report``) is written once every run has finished.
@@ -233,9 +234,15 @@ def run_step(run: PlannedRun) -> int | None:
 
 
 def train_arguments(run: PlannedRun) -> list[str]:
-    """The ``wiola train`` arguments that start the run, or continue it from its checkpoint."""
+    """The ``wiola train`` arguments that start the run, or continue it from its checkpoint. A run
+    stopped before its first checkpoint has nothing to continue from: it starts again with
+    ``--overwrite`` (its folder holds only that attempt's metrics)."""
     args = ["train", "--config", str(run.config_file)]
-    return args + (["--resume", str(run.run_dir)] if run_step(run) is not None else [])
+    if run_step(run) is not None:
+        return [*args, "--resume", str(run.run_dir)]
+    # No folder: nothing to replace. Damaged checkpoints: never deleted here (train refuses, naming them).
+    plain = not run.run_dir.is_dir() or (run.run_dir / "checkpoints").exists()
+    return args if plain else [*args, "--overwrite"]
 
 
 def commands(runs: list[PlannedRun], torchrun: int | None = None) -> list[str]:
@@ -268,6 +275,8 @@ def execute(runs: list[PlannedRun], jobs: int = 1, log: Log = print, progress: b
     is finished. Raises ``RuntimeError`` naming a run that failed (and its log)."""
     from tqdm.auto import tqdm
 
+    from wiola.train.env import draws_bars
+
     todo = [r for r in runs if (run_step(r) or 0) < r.config.steps]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // jobs))} if jobs > 1 else None
     live: dict[subprocess.Popen, PlannedRun] = {}
@@ -279,7 +288,7 @@ def execute(runs: list[PlannedRun], jobs: int = 1, log: Log = print, progress: b
             proc.send_signal(signal.SIGTERM)
 
     old = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
-    bar = tqdm(total=len(runs), initial=len(runs) - len(todo), unit="run", disable=not progress)
+    bar = tqdm(total=len(runs), initial=len(runs) - len(todo), unit="run", disable=not draws_bars(progress))
     try:
         while (todo and not stop["requested"]) or live:
             while todo and len(live) < jobs and not stop["requested"]:

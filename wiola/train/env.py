@@ -1,6 +1,6 @@
 """The environment a run executes in: the device, the precision (one autocast rule for training,
-evaluation and the demo), the data-parallel process group, the model class, and the training
-extra's packages.
+evaluation and the demo), the data-parallel process group, the model class, the training
+extra's packages, and how progress is shown (``Progress``).
 
 Precision: ``"auto"`` is bf16 autocast on CUDA and fp32 elsewhere; ``"bf16"`` is bf16 autocast on
 any device; ``"fp32"`` is no autocast. Parameters, optimizer state and the loss stay fp32.
@@ -11,8 +11,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import sys
+import time
+from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -139,3 +142,79 @@ def tokenizer_for(config: WiolaConfig, spec: str | os.PathLike | None) -> Tokeni
             f"{config.vocab_size:,}; set vocab_size to at least {tokenizer.vocab_size} (--model vocab_size=N)"
         )
     return tokenizer
+
+
+def draws_bars(progress: bool = True) -> bool:
+    """Whether a progress bar may be drawn: asked for (``progress``) and stderr is a terminal.
+    A pipe or a log file gets plain lines instead, since a bar there is a stream of carriage
+    returns."""
+    return progress and sys.stderr.isatty()
+
+
+class Progress:
+    """Progress of long work: a tqdm bar on stderr where ``draws_bars(show)``; elsewhere a plain
+    line through ``log`` at most every ``every`` seconds (nothing without ``log``), and one more
+    by ``close(summary)``.
+
+    ``update(n)`` counts ``n`` more ``unit``s of ``total`` (None: unknown); ``postfix`` sets the
+    bar's trailing fields (the plain lines show them too)."""
+
+    def __init__(
+        self,
+        total: int | None,
+        desc: str,
+        unit: str,
+        *,
+        show: bool = True,
+        log: Callable[[str], None] | None = None,
+        every: float = 30.0,
+        initial: int = 0,
+        leave: bool = True,
+    ) -> None:
+        self.total, self.desc, self.unit, self.log, self.every = total, desc, unit, log, every
+        self.n, self._last = initial, time.monotonic()
+        self.fields: dict[str, str] = {}
+        self.bar: Any = None
+        if draws_bars(show):
+            tqdm = require("tqdm.auto", "showing progress").tqdm
+            self.bar = tqdm(
+                total=total, initial=initial, desc=desc or None, unit=unit, leave=leave, dynamic_ncols=True,
+                file=sys.stderr,
+            )  # fmt: skip
+
+    @property
+    def drawn(self) -> bool:
+        """Whether a bar is on the terminal (else plain lines, if any, stand for it)."""
+        return self.bar is not None
+
+    def postfix(self, **fields: str) -> None:
+        """The bar's trailing fields (``loss=...``), kept for the plain lines too."""
+        self.fields = fields
+        if self.bar is not None:
+            self.bar.set_postfix(fields, refresh=False)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.bar is not None:
+            self.bar.update(n)
+        elif self.log is not None and (now := time.monotonic()) - self._last >= self.every:
+            self._last = now
+            self.log(self.line())
+
+    def line(self) -> str:
+        """The plain line of the count so far: ``desc: n/total units (p%), field value, ...``."""
+        done = (
+            f"{self.n:,}/{self.total:,} {self.unit}s ({self.n / self.total:.0%})"
+            if self.total
+            else f"{self.n:,} {self.unit}s"
+        )
+        fields = "".join(f", {k} {v}" for k, v in self.fields.items())
+        return f"{self.desc}: {done}{fields}" if self.desc else f"{done}{fields}"
+
+    def close(self, summary: str | None = None) -> None:
+        """Remove the bar (``leave=False``) or leave it; then ``summary``, if any, through ``log``."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if summary is not None and self.log is not None:
+            self.log(summary)

@@ -11,6 +11,7 @@ story, so the number is comparable across tokenizers, unlike the per-token loss.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +57,7 @@ def evaluate(
     precision: str = "auto",
     rank: int = 0,
     world_size: int = 1,
+    progress: Callable[[int], None] | None = None,
 ) -> EvalResult:
     """Loss, perplexity and bits per byte of ``model`` on the first ``max_windows`` windows of ``split``.
 
@@ -67,9 +69,17 @@ def evaluate(
         precision: ``"auto"``, ``"bf16"`` or ``"fp32"``, as in training (``wiola.train.env.autocast``).
         rank, world_size: under DDP every rank scores a disjoint share and the sums are
             all-reduced, so every rank returns the same result.
+        progress: called with the number of windows of each batch once it is scored.
 
-    Raises ``ValueError`` when the split holds less than one window.
+    Raises ``ValueError`` when the split holds less than one window, or ``batch_size`` or
+    ``max_windows`` is below 1 (no window would be scored, and the loss would read 0).
     """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if max_windows is not None and max_windows < 1:
+        raise ValueError(f"max_windows must be >= 1 or None (all), got {max_windows}")
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -87,6 +97,8 @@ def evaluate(
             nats += loss.double() * n
             counts[0] += n
             counts[1] += byte_lengths[x[:, 1:]].sum()
+            if progress is not None:
+                progress(x.shape[0])
     finally:
         model.train(was_training)
     if world_size > 1:

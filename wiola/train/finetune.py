@@ -26,8 +26,9 @@ from wiola.chat import add_role_tokens, resize_token_embeddings, with_chat_templ
 from wiola.checkpoint import load_checkpoint_tokenizer, resolve_checkpoint
 from wiola.model import ADAPTER_TARGETS
 from wiola.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, read_chat_template
-from wiola.train.env import autocast, model_class, require, resolve_device
+from wiola.train.env import Progress, autocast, model_class, require, resolve_device
 from wiola.train.optim import WarmupCosine
+from wiola.train.run_folder import check_apart, check_output_folder
 from wiola.train.sft import FORMATS, batches, collate, load_sft_data
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -62,7 +63,7 @@ class FinetuneConfig:
     progress: bool = True
 
     def check(self) -> None:
-        """Raise ``ValueError`` naming the first bad setting."""
+        """Raise ``ValueError`` naming the first bad setting (by its ``wiola finetune`` flag)."""
         if self.format not in FORMATS:
             raise ValueError(f"--format {self.format!r}: choose one of {', '.join(FORMATS)}")
         for name in ("steps", "batch_size", "log_every"):
@@ -70,6 +71,18 @@ class FinetuneConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a positive number, got {self.lr}")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0 steps, got {self.warmup}")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not (self.grad_clip > 0 and math.isfinite(self.grad_clip)):
+            raise ValueError(f"grad_clip must be a positive number, got {self.grad_clip}")
+        if not 0 <= self.lora_dropout < 1:  # p = 1 would zero every adapter input
+            raise ValueError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_alpha is not None and not (self.lora_alpha > 0 and math.isfinite(self.lora_alpha)):
+            raise ValueError(f"--lora-alpha must be a positive number, got {self.lora_alpha}")
         if self.lora_rank is not None:
             if self.lora_rank <= 0:
                 raise ValueError(f"--lora-rank must be positive, got {self.lora_rank}")
@@ -94,12 +107,18 @@ class FinetuneResult:
 
 def finetune(cfg: FinetuneConfig, log: Callable[[str], None] = print) -> FinetuneResult:
     """Run ``cfg``: load, encode the data, train, save into ``cfg.out``. Raises
-    ``ValueError``/``FileNotFoundError``/``RuntimeError`` naming bad settings, data or a
-    missing package before any training."""
+    ``ValueError``/``FileNotFoundError``/``RuntimeError`` naming bad settings, data, an output
+    folder that is a file or overlaps the ``init`` checkpoint, or a missing package before any
+    training.
+
+    Progress: a tqdm bar on stderr where stderr is a terminal and ``cfg.progress`` is set;
+    otherwise a plain line (``log``) every ``log_every`` steps. A summary line ends the run."""
     cfg.check()
-    tqdm = require("tqdm.auto", "fine-tuning").tqdm
+    require("tqdm.auto", "fine-tuning")
+    check_output_folder(cfg.out, "--out")
     device = resolve_device(cfg.device)
     init = checkpoint_dir(cfg.init)
+    check_apart(cfg.out, init, "--out", "--init checkpoint")
     model = model_class(cfg.fast).from_pretrained(init, device=device)
     tokenizer = with_chat_template(load_checkpoint_tokenizer(init))
     if cfg.add_role_tokens:
@@ -118,8 +137,8 @@ def finetune(cfg: FinetuneConfig, log: Callable[[str], None] = print) -> Finetun
     losses, total, count, start = [], 0.0, 0, time.perf_counter()
     torch.manual_seed(cfg.seed)
     model.train()
-    bar = tqdm(range(1, cfg.steps + 1), desc="finetune", disable=not cfg.progress, dynamic_ncols=True)
-    for step in bar:
+    bar = Progress(cfg.steps, "finetune", "step", show=cfg.progress)
+    for step in range(1, cfg.steps + 1):
         ids, mask, labels = (t.to(device) for t in collate(next(stream), pad))
         with autocast(device, cfg.precision):
             loss = model(ids, attention_mask=mask, labels=labels).loss
@@ -131,10 +150,12 @@ def finetune(cfg: FinetuneConfig, log: Callable[[str], None] = print) -> Finetun
         total, count = total + float(loss.detach()), count + 1
         if step % cfg.log_every == 0 or step == cfg.steps:
             losses.append((step, total / count))
-            bar.set_postfix(loss=f"{total / count:.3f}")
-            if not cfg.progress:
+            bar.postfix(loss=f"{total / count:.3f}")
+            if not bar.drawn:  # no bar (a pipe, a log file, --no-progress): a plain line instead
                 log(f"step {step}/{cfg.steps}: loss {total / count:.4f}")
             total, count = 0.0, 0
+        bar.update(1)
+    bar.close()
     model.eval()
     seconds = time.perf_counter() - start
     out = save_finetuned(model, tokenizer, cfg, init)
@@ -192,6 +213,19 @@ def is_adapter_folder(path: str | os.PathLike) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
+def adapter_base(path: str | os.PathLike) -> str:
+    """The base checkpoint a LoRA folder's ``adapter_config.json`` names; ``ValueError`` when it
+    names none (then ``--base`` gives it)."""
+    config = Path(path) / ADAPTER_CONFIG
+    try:
+        base = json.loads(config.read_text()).get("base_model_name_or_path")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"{config} is not a JSON object: {e}") from e
+    if not base:
+        raise ValueError(f"{config} names no base model: give it with --base")
+    return base
+
+
 def load_finetuned(
     path: str | os.PathLike, *, base: str | os.PathLike | None = None, fast: bool = False, device: str = "cpu"
 ) -> tuple[torch.nn.Module, Tokenizer]:
@@ -204,11 +238,7 @@ def load_finetuned(
         path = checkpoint_dir(path)
         return cls.from_pretrained(path, device=device).eval(), load_checkpoint_tokenizer(path)
     peft = require_peft()
-    if base is None:
-        base = json.loads((path / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
-        if not base:
-            raise ValueError(f"{path / ADAPTER_CONFIG} names no base model: give it with --base")
-    base_dir = resolve_checkpoint(base)
+    base_dir = resolve_checkpoint(adapter_base(path) if base is None else base)
     model = peft.PeftModel.from_pretrained(cls.from_pretrained(base_dir, device=device), str(path)).eval()
     tokenizer = load_checkpoint_tokenizer(base_dir)
     if (path / TOKENIZER_FILE).is_file():  # role tokens added: the folder's own tokenizer
@@ -224,7 +254,13 @@ def merge_adapters(path: str | os.PathLike, out: str | os.PathLike, base: str | 
     ``path`` holds no adapters."""
     if not is_adapter_folder(path):
         raise ValueError(f"{path} holds no {ADAPTER_CONFIG}: nothing to merge")
-    model, tokenizer = load_finetuned(path, base=base)
+    check_output_folder(out, "--out")
+    check_apart(out, path, "--out", "adapter folder")
+    if base is None:
+        base = adapter_base(path)
+    base_dir = resolve_checkpoint(base)
+    check_apart(out, base_dir, "--out", "base checkpoint")
+    model, tokenizer = load_finetuned(path, base=base_dir)
     merged = model.merge_and_unload()
     merged.save_pretrained(Path(out), tokenizer)
     return Path(out)

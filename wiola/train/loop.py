@@ -49,6 +49,7 @@ from wiola.train.data import (
     tokenizer_for,
 )
 from wiola.train.env import (
+    Progress,
     autocast,
     init_distributed,
     model_class,
@@ -62,6 +63,9 @@ from wiola.train.optim import build_optimizer, build_scheduler, schedule
 from wiola.train.run_folder import (
     METRICS_FILE,
     MetricsLog,
+    check_new_run,
+    check_output_folder,
+    clear_run,
     ensure_writable,
     find_checkpoint,
     read_optimizer_state,
@@ -93,6 +97,7 @@ def train(
     stop_at: int | None = None,
     log: Log | None = None,
     references: dict[str, float] | None = None,
+    overwrite: bool = False,
 ) -> TrainResult:
     """Train (or continue training) a Wiola model as ``cfg`` says.
 
@@ -105,12 +110,18 @@ def train(
             for tests and time-boxed runs.
         log: where messages go (rank 0 only); default ``tqdm.write`` (stdout, below the progress bar).
         references: named horizontal lines for the loss curve (e.g. the unigram entropy).
+        overwrite: start a new run in a folder that already holds one, deleting its metrics,
+            checkpoints and plots (``run_folder.clear_run``) once every check has passed;
+            without it such a folder is refused (``ValueError``), so no run is lost by accident.
 
     Under ``torchrun`` every rank calls ``train``; the process group comes from the environment
     (NCCL on GPU, gloo on CPU). Bad settings, a missing or empty corpus, a tokenizer that does
-    not fit the model, a non-writable output folder, a checkpoint of another configuration or a
-    missing package of the ``train`` extra raise ``ValueError``/``FileNotFoundError``/``RuntimeError``
-    before training starts.
+    not fit the model, a non-writable output folder, an output folder that holds another run, a
+    checkpoint of another configuration or a missing package of the ``train`` extra raise
+    ``ValueError``/``FileNotFoundError``/``RuntimeError`` before training starts.
+
+    Progress: a tqdm bar on stderr where stderr is a terminal and ``cfg.progress`` is set;
+    otherwise a plain line (``log``) at every logging step. A summary line ends the run.
     """
     tqdm = require("tqdm.auto", "training").tqdm
     if cfg.plots:
@@ -118,8 +129,8 @@ def train(
     rank, world, local_rank, own_group = init_distributed()
     say = (log or tqdm.write) if rank == 0 else (lambda msg: None)
     try:
-        run = _start(cfg, resume, say, references or {}, rank, world, local_rank)
-        return _loop(run, stop_at, tqdm)
+        run = _start(cfg, resume, say, references or {}, rank, world, local_rank, overwrite)
+        return _loop(run, stop_at)
     finally:
         if own_group:
             dist.destroy_process_group()
@@ -181,6 +192,7 @@ def _start(
     rank: int,
     world: int,
     local_rank: int,
+    overwrite: bool = False,
 ) -> _Run:
     """Check everything that can be wrong before any work, then build the data, model and optimizer."""
     device = resolve_device(cfg.device, local_rank)
@@ -191,10 +203,16 @@ def _start(
     model_config = read_config(init)[0] if init is not None else cfg.model_config()
     model_class(cfg.fast)  # --fast without wiola.fast raises here
     checkpoint = saved = None
+    if resume is not None and overwrite:
+        raise ValueError("--overwrite starts a new run and --resume continues one: give one of them")
     if resume is not None:
         checkpoint = find_checkpoint(resume)
         saved = read_trainer_state(checkpoint)
         _check_resume(saved, cfg, model_config, checkpoint)
+    check_output_folder(cfg.out_dir, "--out")
+    # A new run (or a resumed one written elsewhere) must not land on another run's folder.
+    if not overwrite and (checkpoint is None or Path(cfg.out_dir).resolve() != checkpoint.parent.parent.resolve()):
+        check_new_run(cfg.out_dir)
     if rank == 0:
         ensure_writable(Path(cfg.out_dir))
     if init is not None and cfg.tokenizer is None:
@@ -209,6 +227,10 @@ def _start(
             f"cannot resume {checkpoint} exactly: the tokenizer {tokenizer.name!r} changed since it was written"
         )
     grad_accum = cfg.batch_size // (micro * world)
+    if overwrite and rank == 0:
+        gone = clear_run(cfg.out_dir)
+        if gone:
+            log(f"--overwrite: deleted {', '.join(gone)} of the earlier run in {cfg.out_dir}")
     stream = BatchStream(
         data.train, cfg.seq_len, micro, grad_accum, rank=rank, world_size=world, shuffle=cfg.shuffle, seed=cfg.seed
     )
@@ -351,13 +373,12 @@ def _announce(run: _Run) -> None:
 
 
 # ------------------------------------------------------------------------------------- the loop
-def _loop(run: _Run, stop_at: int | None, tqdm: Any) -> TrainResult:
+def _loop(run: _Run, stop_at: int | None) -> TrainResult:
     cfg = run.cfg
-    bar = tqdm(
-        total=cfg.steps, initial=run.step, disable=not (run.main and cfg.progress), dynamic_ncols=True, unit="step"
-    )
+    bar = Progress(cfg.steps, "", "step", show=run.main and cfg.progress, initial=run.step)
     meter = _Meter(run)
     interrupted = False
+    first_step, start = run.step, time.perf_counter()
     with _StopFlag(run.log) as stop:
         while run.step < cfg.steps:
             lr, grad_norm = _optimizer_step(run, meter.loss_sum)
@@ -365,7 +386,9 @@ def _loop(run: _Run, stop_at: int | None, tqdm: Any) -> TrainResult:
             log_now = run.step % cfg.log_every == 0 or last
             want_stop = _stop_requested(run, stop, stop_at, log_now)
             if log_now or want_stop:
-                bar.set_postfix(meter.record(lr, grad_norm), refresh=False)
+                bar.postfix(**meter.record(lr, grad_norm))
+                if not bar.drawn:  # no bar (a pipe, a log file, --no-progress): a plain line instead
+                    run.log(f"step {run.step:,}/{cfg.steps:,}: " + ", ".join(f"{k} {v}" for k, v in bar.fields.items()))
             bar.update(1)
             if run.step % cfg.eval_every == 0 or last:
                 _evaluate(run)
@@ -376,6 +399,7 @@ def _loop(run: _Run, stop_at: int | None, tqdm: Any) -> TrainResult:
             if run.step % cfg.save_every == 0 or last:
                 _save(run)
     bar.close()
+    _summarise(run, first_step, time.perf_counter() - start)
     if run.main and cfg.plots and run.metrics.records and "loss_curve" not in run.plots:
         from wiola.train.plots import plot_loss_curve
 
@@ -389,6 +413,20 @@ def _loop(run: _Run, stop_at: int | None, tqdm: Any) -> TrainResult:
     return TrainResult(
         run.step, interrupted, run.out_dir, run.last_ckpt, run.train_loss, run.last_eval, run.losses, run.plots
     )
+
+
+def _summarise(run: _Run, first_step: int, seconds: float) -> None:
+    """One line at the end of the loop: the steps this process ran, their time and the last losses."""
+    steps = run.step - first_step
+    if steps == 0:
+        return
+    rate = steps * run.cfg.batch_size * run.cfg.seq_len / max(seconds, 1e-9)
+    parts = [f"trained steps {first_step + 1:,}-{run.step:,} in {seconds:.1f} s ({rate:,.0f} tokens/s)"]
+    if run.train_loss is not None:
+        parts.append(f"train loss {run.train_loss:.4f}")
+    if run.last_eval is not None:
+        parts.append(f"validation loss {run.last_eval.loss:.4f}")
+    run.log("; ".join(parts))
 
 
 def _optimizer_step(run: _Run, loss_sum: torch.Tensor) -> tuple[float, torch.Tensor | None]:

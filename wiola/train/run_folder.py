@@ -121,8 +121,73 @@ def read_trainer_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
     return state
 
 
+def check_output_folder(path: str | os.PathLike, name: str = "output folder") -> None:
+    """Check, without creating anything, that ``path`` can become a folder to write: it is a
+    folder already, or its nearest existing parent is a writable folder. ``ValueError`` naming
+    ``name`` (a flag such as ``--out``) when ``path`` or a parent is a file, or the parent is
+    not writable. Commands call it before their work, so a bad ``--out`` costs nothing."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{name} {str(path)!r} is a file, not a folder")
+    existing = path
+    while not existing.exists():  # the nearest existing parent (a relative path ends at ".")
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        raise ValueError(f"{name} {str(path)!r} lies under {str(existing)!r}, which is a file, not a folder")
+    if existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{name} {str(path)!r}: the folder {str(existing)!r} is not writable")
+
+
+def check_apart(out: str | os.PathLike, source: str | os.PathLike, out_name: str, source_name: str) -> None:
+    """``ValueError`` when the folder ``out`` is ``source``, lies inside it or holds it: writing
+    there would overwrite or change the files read from ``source`` (a checkpoint folder, a run
+    folder whose ``checkpoints/latest`` a new ``config.json`` above it would hide)."""
+    a, b = Path(out).resolve(), Path(source).resolve()
+    if a == b:
+        raise ValueError(f"{out_name} {str(out)!r} is the {source_name} itself; write to another folder")
+    if a.is_relative_to(b):
+        raise ValueError(f"{out_name} {str(out)!r} lies inside the {source_name} {str(source)!r}; write elsewhere")
+    if b.is_relative_to(a):
+        raise ValueError(f"{out_name} {str(out)!r} holds the {source_name} {str(source)!r}; write elsewhere")
+
+
+RUN_FILES = (METRICS_FILE, "checkpoints", "loss_curve.png", "gates.png")  # what a run writes in its folder
+
+
+def check_new_run(out_dir: str | os.PathLike) -> None:
+    """``ValueError`` when ``out_dir`` already holds a run (``metrics.jsonl`` or ``checkpoints/``):
+    a new run there would rewrite its metrics, repoint ``checkpoints/latest`` and rotate its
+    checkpoints away."""
+    out = Path(out_dir)
+    held = [name for name in (METRICS_FILE, "checkpoints") if (out / name).exists()]
+    if held:
+        raise ValueError(
+            f"--out {str(out)!r} already holds a run ({' and '.join(held)}); continue it with --resume {out}, "
+            "choose another --out, or pass --overwrite to delete it and start again"
+        )
+
+
+def clear_run(out_dir: str | os.PathLike) -> list[str]:
+    """Delete what a run wrote in ``out_dir`` (``RUN_FILES``; anything else stays); returns the
+    names deleted. For ``--overwrite``, once every check of the new run has passed."""
+    out, gone = Path(out_dir), []
+    for name in RUN_FILES:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        else:
+            continue
+        gone.append(name)
+    return gone
+
+
 def ensure_writable(directory: Path) -> None:
     """Create ``directory`` and check a file can be written there; ``ValueError`` if not."""
+    check_output_folder(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe = directory / f".write-test-{os.getpid()}"

@@ -4,9 +4,10 @@ Tokenisation uses the run's tokenizer (``--tokenizer``: ``gpt2``, ``gpt2-32k``, 
 ``tokenizer.json``; default: the tiktoken encoding matching the model vocabulary). Every document
 is framed by ``Tokenizer.document_prefix`` / ``document_suffix``: ``<|endoftext|>`` before it with
 GPT-2's, ``<s> ... </s>`` with a tokenizer that has a bos token. It runs in batches behind a tqdm
-bar and is cached as memmap shards (uint16 for up to 65,536 ids, uint32 beyond) plus a
-``manifest.json`` (source fingerprint, tokenizer fingerprint, counts), in a folder keyed by both:
-a second run opens the memmaps and skips tokenisation; a changed tokenizer never reuses them.
+bar on a terminal (a plain line every 30 s elsewhere) and is cached as memmap shards (uint16 for
+up to 65,536 ids, uint32 beyond) plus a ``manifest.json`` (source fingerprint, tokenizer
+fingerprint, counts), in a folder keyed by both: a second run opens the memmaps and skips
+tokenisation; a changed tokenizer never reuses them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from wiola.tokenizer import Tokenizer
-from wiola.train.env import require
+from wiola.train.env import Progress
 from wiola.train.sources import PIPELINE_VERSION, DataSource, iter_documents, source_fingerprint
 
 SHARD_TOKENS = 1 << 28  # 256 Mi tokens = 512 MiB per uint16 shard
@@ -125,12 +126,12 @@ def _tokenize_split(
     batch_docs: int,
     desc: str,
     progress: bool,
+    log: Callable[[str], None] | None = None,
 ) -> tuple[int, int, int]:
-    tqdm = require("tqdm.auto", "tokenising a corpus").tqdm
     prefix, suffix = tokenizer.document_prefix, tokenizer.document_suffix
     dtype = token_dtype(tokenizer.vocab_size)
     n_docs = n_tokens = n_bytes = 0
-    bar = tqdm(total=total, desc=desc, unit="doc", disable=not progress, dynamic_ncols=True)
+    bar = Progress(total, desc, "doc", show=progress, log=log)  # a bar on a terminal, else a line every 30 s
     batch: list[str] = []
 
     def flush() -> None:
@@ -236,6 +237,7 @@ def prepare_data(
                 batch_docs=batch_docs,
                 desc=f"tokenising {split} ({tokenizer.name})",
                 progress=progress,
+                log=log,
             )
             if n_docs == 0:
                 raise ValueError(f"the {split} split of {source.describe()} holds no documents (empty corpus)")
