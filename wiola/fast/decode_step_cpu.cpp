@@ -1840,9 +1840,11 @@ void product_reps(const int64_t* n, const void* W, const float* scale, int64_t N
 // reading no memory. With as many chains as the multiply-add's latency times its pipes (8 on the
 // x86 cores measured; wider ARM cores want more) this is the rate at which the variant issues
 // fp32 multiply-adds, a ceiling for every product of the step (each multiplies a weight by x
-// with one madd). Pinning each chain keeps it in a register: past the register file it spills, so
-// the caller takes the best of several C. a and b keep the chains near b / (1 - a) = 0.1, never
-// denormal. out[t]: thread t's sum of its chains (kept, so that no chain is dropped).
+// with one madd). GCC keeps the chains in registers (an empty asm pinning each one made it keep the
+// array on the stack: a store and a load per madd, half the rate on the Zen 5 EPYC); past the
+// register file they spill, so the caller takes the best of several C. a and b keep the chains
+// near b / (1 - a) = 0.1, never denormal. out[t]: thread t's sum of its chains (kept, so that no
+// chain is dropped).
 template <int C>
 void fma_chains(int64_t reps, int nth, float* out) {
   parallel(nth, [&](int tid, int) {
@@ -1851,10 +1853,7 @@ void fma_chains(int64_t reps, int nth, float* out) {
     for (int c = 0; c < C; ++c) acc[c] = vec{} + static_cast<float>(c + tid);
     for (int64_t r = 0; r < reps; ++r) {
 #pragma GCC unroll 32
-      for (int c = 0; c < C; ++c) {
-        acc[c] = madd(acc[c], a, b);
-        WIOLA_PIN(acc[c]);
-      }
+      for (int c = 0; c < C; ++c) acc[c] = madd(acc[c], a, b);
     }
     vec s = {};
     for (int c = 0; c < C; ++c) s += acc[c];
