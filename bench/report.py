@@ -240,8 +240,9 @@ def group_table(records: Sequence[dict[str, Any]]) -> tuple[list[str], list[list
     % of the roofline floor, % of the read floor where a record has one (a step's bytes read once a
     step at the rate the same run read that many bytes: ``bench/test_decode_cpu.py``), what bounds
     the step where a record says (``bound_by``: the read floor or the compute floor, and the % of
-    the larger reached: ``pct_roofline``), then one
-    column per baseline: its time and ``ours N×`` (baseline time / our time: above 1 means ours is
+    the larger reached: ``pct_roofline``), the most of the read floor a step reaches with its
+    multiply-adds at the CPU's fp32 multiply-add peak where a record has it (``read_ceiling_pct``),
+    then one column per baseline: its time and ``ours N×`` (baseline time / our time: above 1 means ours is
     faster).
     """
     baselines: list[str] = []
@@ -251,6 +252,7 @@ def group_table(records: Sequence[dict[str, Any]]) -> tuple[list[str], list[list
                 baselines.append(name)
     read = any("pct_read_floor" in r for r in records)
     bound = any("bound_by" in r for r in records)
+    ceiling = any("read_ceiling_pct" in r for r in records)
     if bound:  # torch comes with it: imported only for the tables that need it
         from wiola.fast.speed import bound_label
     header = [
@@ -263,6 +265,7 @@ def group_table(records: Sequence[dict[str, Any]]) -> tuple[list[str], list[list
         "% of floor",
         *(["% of read floor"] * read),
         *(["bound by (% of it)"] * bound),
+        *(["most at the FMA peak"] * ceiling),
         *baselines,
     ]
     rows, notes = [], []
@@ -282,6 +285,8 @@ def group_table(records: Sequence[dict[str, Any]]) -> tuple[list[str], list[list
         if bound:
             by = r.get("bound_by")
             row.append(f"{bound_label(by)} ({fmt_pct(r['pct_roofline'])})" if timed and by else "—")
+        if ceiling:
+            row.append(fmt_pct(r["read_ceiling_pct"]) if timed and "read_ceiling_pct" in r else "—")
         row += [_baseline_cell(r, _baseline(r, name), notes) for name in baselines]
         rows.append(row)
     return header, rows, notes

@@ -229,6 +229,26 @@ def test_cpu_runs_grouped_by_machine(tmp_path: Path) -> None:
     ], charts
 
 
+@pytest.mark.parametrize("ceiling, cell", [(129.4, "129%"), (7.25, "7.2%"), (None, "—")])
+def test_ceiling_column(tmp_path: Path, ceiling: float | None, cell: str) -> None:
+    """A tg record with the most of its read floor a step reaches at the multiply-add peak gets the
+    column; a record without it, a dash; a table where no record has it, no column."""
+    path = _cpu_run(tmp_path / "r", "2000-03-01T00:00:00Z", "AMD EPYC (family 26, model 2)", ZEN4_FLAGS, 4000.0, 31.0)
+    data = json.loads(path.read_text())
+    if ceiling is not None:
+        data["benchmarks"][0]["extra_info"].update(read_ceiling_pct=ceiling)
+    data["benchmarks"].append(json.loads(json.dumps(data["benchmarks"][0])))
+    data["benchmarks"][1]["extra_info"].update(read_ceiling_pct=24.0)
+    path.write_text(json.dumps(data))
+    out = tmp_path / "BENCHMARKS.md"
+    assert report.main([str(path), "--out", str(out), "--charts", str(tmp_path / "c")]) == 0
+    header, rows = _table_rows(out.read_text(), "decode greedy")
+    assert [dict(zip(header, row))["most at the FMA peak"] for row in rows] == [cell, "24%"], rows
+    plain = _cpu_run(tmp_path / "p", "2000-03-01T00:00:00Z", "AMD EPYC (family 26, model 2)", ZEN4_FLAGS, 4000.0, 31.0)
+    assert report.main([str(plain), "--out", str(out), "--charts", str(tmp_path / "c")]) == 0
+    assert "most at the FMA peak" not in _table_rows(out.read_text(), "decode greedy")[0]
+
+
 @pytest.mark.parametrize(
     "bound, pct, cell",
     [("the multiply-adds", 69.6, "compute (70%)"), ("reading the weights", 8.25, "read (8.2%)"), (None, None, "—")],
