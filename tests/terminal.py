@@ -55,3 +55,13 @@ class Terminal:
 
     def close(self) -> None:
         self._tmux("kill-server")
+
+
+def run_to_exit(command: str, record: Path, timeout: float = 240.0) -> str:
+    """Run ``command`` (a shell line) in a new ``Terminal`` recorded into ``record`` until it
+    exits; the screen then, which ends with ``EXIT=<status>``. The terminal is closed either way."""
+    term = Terminal(f"{command}; echo EXIT=$?; sleep 30", record)
+    try:
+        return term.wait_for(lambda s: "EXIT=" in s, "the end of the run", timeout=timeout)
+    finally:
+        term.close()

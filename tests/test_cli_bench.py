@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # bench/ is not an installed package
     sys.path.insert(0, str(ROOT))
 
-from terminal import Terminal  # noqa: E402
+from terminal import run_to_exit  # noqa: E402
 
 from bench import roofline  # noqa: E402
 
@@ -332,13 +332,7 @@ def test_in_a_terminal(step_available, checkpoint, tmp_path):
     so the test does not depend on the run lasting long enough to be seen between two looks."""
     cmd = [sys.executable, "-m", "wiola", "bench", "--checkpoint", str(checkpoint), "-p", "8", "-n", "4", "-r", "3"]
     record = tmp_path / "terminal.log"
-    term = Terminal(
-        f"cd {shlex.quote(str(ROOT))} && env TRITON_INTERPRET=0 {shlex.join(cmd)}; echo EXIT=$?; sleep 30", record
-    )
-    try:
-        screen = term.wait_for(lambda s: "EXIT=" in s, "the end of the run", timeout=240)
-    finally:
-        term.close()
+    screen = run_to_exit(f"cd {shlex.quote(str(ROOT))} && env TRITON_INTERPRET=0 {shlex.join(cmd)}", record)
     assert "EXIT=0" in screen, screen
     assert "CPU: " in screen and "| model | weights | size | batch | test | t/s | % of read floor |" in screen, screen
     assert sum(line.startswith(f"| {checkpoint} |") for line in screen.splitlines()) == 8, screen

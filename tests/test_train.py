@@ -635,20 +635,14 @@ def test_progress_on_a_terminal_is_a_bar(corpus, tmp_path) -> None:
     """On a terminal (tmux): tqdm bars while tokenising and training, and no plain step lines."""
     import shlex
 
-    from terminal import Terminal
+    from terminal import run_to_exit
 
     flags = _train_command(corpus, tmp_path / "c", tmp_path / "run", "--steps", "6", "--log-every", "2")
     flags.remove("--no-progress")
     cmd = [sys.executable, "-m", "wiola", *flags]
     record = tmp_path / "terminal.log"
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in os.environ.items() if k in ("WIOLA_BPE_FILE", "PYTHONPATH"))
-    term = Terminal(
-        f"cd {shlex.quote(str(ROOT))} && env OMP_NUM_THREADS=1 {env} {shlex.join(cmd)}; echo EXIT=$?; sleep 30", record
-    )
-    try:
-        screen = term.wait_for(lambda s: "EXIT=" in s, "the end of the run", timeout=240)
-    finally:
-        term.close()
+    screen = run_to_exit(f"cd {shlex.quote(str(ROOT))} && env OMP_NUM_THREADS=1 {env} {shlex.join(cmd)}", record)
     assert "EXIT=0" in screen, screen
     written = record.read_text(errors="replace")
     assert re.search(r"6/6 \[[^\r\n]*step", written), f"no training bar was drawn:\n{written}"

@@ -229,6 +229,11 @@ def is_stamped(model: torch.nn.Module, matrices: list[torch.Tensor] | None = Non
     return isinstance(stamp, Stamp) and stamp.keys == _keys(_matrices(model) if matrices is None else matrices)
 
 
+def _first_of(names: list[str]) -> str:
+    """The first of ``names`` and how many more, for a message."""
+    return names[0] + (f" (and {len(names) - 1} more matrices)" if len(names) > 1 else "")
+
+
 def require_current(model: torch.nn.Module, what: str) -> None:
     """Raise ``ValueError`` (starting with ``what``) when ``model`` is quantized and a matrix no
     longer holds the values its packed form stands for (see the module); nothing for an fp32 model.
@@ -239,10 +244,9 @@ def require_current(model: torch.nn.Module, what: str) -> None:
     stale = stale_matrices(model)
     if stale:
         raise ValueError(
-            f"{what}: the {model.quantization}-quantized model's {stale[0]}"
-            + (f" (and {len(stale) - 1} more matrices)" if len(stale) > 1 else "")
-            + " changed after quantize(): its packed matrices no longer stand for it. To run other fp32 weights "
-            "quantized, load them into an unquantized wiola.fast.WiolaModel and quantize that"
+            f"{what}: the {model.quantization}-quantized model's {_first_of(stale)} changed after quantize(): its "
+            "packed matrices no longer stand for it. To run other fp32 weights quantized, load them into an "
+            "unquantized wiola.fast.WiolaModel and quantize that"
         )
     model.quantized_from = Stamp(matrices)
 
@@ -262,10 +266,10 @@ def _refuse_other_matrices(module: torch.nn.Module, state_dict: dict, prefix: st
             changed.append(name)
     if changed:
         raise ValueError(
-            f"load_state_dict: this model is {module.quantization}-quantized, and the state dict's {changed[0]}"
-            + (f" (and {len(changed) - 1} more matrices)" if len(changed) > 1 else "")
-            + " differs from the weights its packed matrices stand for. To run these weights quantized, "
-            "load them into an unquantized wiola.fast.WiolaModel and quantize that (wiola.fast.quantize.quantize)"
+            f"load_state_dict: this model is {module.quantization}-quantized, and the state dict's "
+            f"{_first_of(changed)} differs from the weights its packed matrices stand for. To run these weights "
+            "quantized, load them into an unquantized wiola.fast.WiolaModel and quantize that "
+            "(wiola.fast.quantize.quantize)"
         )
 
 
