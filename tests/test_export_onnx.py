@@ -237,3 +237,65 @@ def test_a_folder_that_is_not_an_export_is_named(tmp_path: Path) -> None:
     (tmp_path / META_FILE).write_text(json.dumps({"format": "wiola-onnx", "format_version": 99}))
     with pytest.raises(ValueError, match="format version 99"):
         read_meta(tmp_path)
+
+
+def _checkpoint(tmp_path: Path) -> tuple[Path, object]:
+    tok = train_tokenizer(["The dog ran to the park and the sun was warm."] * 50, 300, show_progress=False)
+    _model().save_pretrained(tmp_path / "ckpt", tok)
+    return tmp_path / "ckpt", tok
+
+
+def test_cli_refuses_a_run_folder_and_names_flags(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """An --out that holds a training run is refused in either format (a model at its top would be
+    what --checkpoint reads from then on), nothing written; --int8-matmul on fp32 weights names
+    --quantize; the wiola13m format refuses quantized weights naming the format."""
+    ckpt, _ = _checkpoint(tmp_path)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("")
+    for fmt in ("wiola13m", "onnx"):
+        capsys.readouterr()
+        assert cli_main(["export", "--format", fmt, "--checkpoint", str(ckpt), "--out", str(run)]) == 2
+        assert "holds a training run" in capsys.readouterr().err
+        assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.jsonl"]
+    assert cli_main(["export", "--format", "onnx", "--checkpoint", str(ckpt), "--out", str(tmp_path / "x"), "--int8-matmul"]) == 2  # fmt: skip
+    assert "add --quantize int8" in capsys.readouterr().err
+    quantized = quantize(FastModel.from_pretrained(ckpt).eval().requires_grad_(False), "int8")
+    quantized.save_pretrained(tmp_path / "q8", _checkpoint(tmp_path / "t")[1])
+    assert cli_main(["export", "--checkpoint", str(tmp_path / "q8"), "--out", str(tmp_path / "hf")]) == 2
+    assert "int8 weights, which the wiola13m format cannot hold" in capsys.readouterr().err
+
+
+def test_cli_without_the_export_extra_exits_2(tmp_path: Path, capsys, monkeypatch) -> None:
+    """Without onnx installed, ``wiola export --format onnx`` says what to install, exit 2 (no traceback)."""
+    ckpt, _ = _checkpoint(tmp_path)
+    monkeypatch.setitem(sys.modules, "onnx", None)
+    assert cli_main(["export", "--format", "onnx", "--checkpoint", str(ckpt), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("wiola export: error:") and "pip install" in err, err
+
+
+def test_runner_text_stops_before_eos_and_bad_folders_exit_2(tmp_path: Path) -> None:
+    """``generate_text`` ends before the eos token (its text is not printed, as ``wiola generate``
+    leaves it out); a damaged model.onnx and a missing onnxruntime are exit 2 with a message."""
+    ckpt, tok = _checkpoint(tmp_path)
+    export_onnx(FastModel.from_pretrained(ckpt).eval().requires_grad_(False), tmp_path / "x", tok)
+    exported = OnnxModel(tmp_path / "x")
+    prompt = "The dog"
+    ids = tok.encode(prompt)
+    exported.meta["eos_token_id"] = None
+    free = exported.generate(np.array([ids]), 6)[0].tolist()
+    exported.meta["eos_token_id"] = free[len(ids) + 3]  # the 4th new token ends the row
+    got = exported.generate_text(prompt, 6)
+    cut = free.index(free[len(ids) + 3], len(ids))
+    assert got == exported.tokenizer.decode(free[:cut], skip_special_tokens=False), (got, free)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / META_FILE).write_text((tmp_path / "x" / META_FILE).read_text())
+    (bad / MODEL_FILE).write_text("garbage")
+    runner = str(tmp_path / "x" / "run_onnx.py")
+    done = subprocess.run([sys.executable, runner, str(bad)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "run_onnx: error: ONNX Runtime cannot load" in done.stderr, done.stderr
+    script = f"import sys; sys.modules['onnxruntime'] = None; sys.argv = ['run_onnx', {str(tmp_path / 'x')!r}]; exec(open({runner!r}).read())"  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "pip install onnxruntime" in done.stderr, done.stderr

@@ -56,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, RuntimeError, TypeError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError, TypeError, ImportError) as e:
+        # ImportError: an optional extra that the command needs is not installed (its message says
+        # which one to install)
         print(f"wiola {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -60,16 +60,41 @@ def run_export(args: argparse.Namespace) -> int:
     check_output_folder(out, "--out")
     path = resolve_checkpoint(args.checkpoint, args.revision)  # a run folder: its latest checkpoint
     check_apart(out, path, "--out", "checkpoint")  # a run folder's --out is refused too: it holds the checkpoint
+    _check_not_a_run(out)
     tokenizer = load_checkpoint_tokenizer(path)
     if args.format == "wiola13m":
-        from wiola import WiolaModel
-        from wiola.checkpoint import export_wiola13m
+        import json
 
+        from wiola import WiolaModel
+        from wiola.checkpoint import CONFIG_FILE, export_wiola13m
+
+        record = (
+            json.loads((path / CONFIG_FILE).read_text()).get("quantization") if (path / CONFIG_FILE).is_file() else None
+        )
+        if isinstance(record, dict):
+            raise ValueError(
+                f"{path} holds {record.get('scheme', 'quantized')} weights, which the wiola13m format cannot hold (its "
+                "weights are fp32): export the fp32 checkpoint it was made from, or use --format onnx"
+            )
         model = WiolaModel.from_pretrained(path)
         export_wiola13m(model, out, tokenizer)
         print(f"{path} -> {out} (wiola13m format, tokenizer {tokenizer.name!r}, {tokenizer.vocab_size:,} ids)")
         return 0
     return _export_onnx(path, out, tokenizer, args)
+
+
+def _check_not_a_run(out: Path) -> None:
+    """``ValueError`` when ``out`` holds a training run (``metrics.jsonl`` or ``checkpoints/``): a
+    model written at its top would be what ``--checkpoint`` of that folder reads from then on, in
+    place of the run's latest checkpoint."""
+    from wiola.train.run_folder import METRICS_FILE
+
+    held = [name for name in (METRICS_FILE, "checkpoints") if (out / name).exists()]
+    if held:
+        raise ValueError(
+            f"--out {str(out)!r} holds a training run ({' and '.join(held)}); a model exported there would hide its "
+            "checkpoints from --checkpoint: export to another folder"
+        )
 
 
 def _export_onnx(path: Path, out: Path, tokenizer: Tokenizer, args: argparse.Namespace) -> int:
@@ -84,6 +109,8 @@ def _export_onnx(path: Path, out: Path, tokenizer: Tokenizer, args: argparse.Nam
     held = getattr(model, "quantization", None)
     if args.quantize and held and args.quantize != held:
         raise ValueError(f"--quantize {args.quantize}: the checkpoint {path} is already {held}-quantized")
+    if args.int8_matmul and not (args.quantize or held):
+        raise ValueError("--int8-matmul needs int8 or int4 weights: add --quantize int8 (or int4)")
     if args.quantize and not held:
         quantize(model, args.quantize)
     t0 = time.perf_counter()

@@ -220,14 +220,15 @@ class OnnxModel:
         return self.driver.generate(input_ids, max_new_tokens, attention_mask=attention_mask, **kwargs)
 
     def generate_text(self, prompt: str, max_new_tokens: int = 100) -> str:
-        """The prompt's greedy continuation as text (the prompt included)."""
+        """The prompt's greedy continuation as text (the prompt included), up to eos: the eos token
+        and the padding after it are not part of the text (as ``wiola generate`` prints it)."""
         ids = self.tokenizer.encode(prompt).ids
         if not ids:
             raise ValueError("the prompt encodes to no tokens")
         out = self.generate(np.array([ids], dtype=np.int64), max_new_tokens)[0].tolist()
         eos = self.meta.get("eos_token_id")
-        if eos is not None and eos in out[len(ids) :]:  # stop at eos; what follows is padding
-            out = out[: len(ids) + out[len(ids) :].index(eos) + 1]
+        if eos is not None and eos in out[len(ids) :]:
+            out = out[: len(ids) + out[len(ids) :].index(eos)]
         return self.tokenizer.decode(out, skip_special_tokens=False)
 
 
@@ -243,9 +244,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         t0 = time.perf_counter()
         text = model.generate_text(args.prompt, args.max_new_tokens)
         dt = time.perf_counter() - t0
+    except ImportError as e:  # onnxruntime or tokenizers not installed
+        print(f"run_onnx: error: {e}; this runner needs: pip install onnxruntime tokenizers numpy", file=sys.stderr)
+        return 2
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"run_onnx: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # ONNX Runtime's own errors: a damaged or truncated model.onnx
+        if type(e).__module__.startswith("onnxruntime"):
+            print(f"run_onnx: error: ONNX Runtime cannot load or run {args.export}: {e}", file=sys.stderr)
+            return 2
+        raise
     print(text)
     m = model.meta
     print(
