@@ -94,6 +94,34 @@ def test_reader_errors(tmp_path) -> None:
         list(iter_documents(src, "train")[0])
 
 
+def _read_error(path) -> str:
+    with pytest.raises(ValueError) as info:
+        list(iter_documents(resolve_source(path), "train")[0])
+    return str(info.value)
+
+
+def test_bad_json_is_named_by_file_and_line(tmp_path) -> None:
+    bad = tmp_path / "d.jsonl"
+    bad.write_text(json.dumps({"text": "a"}) + "\n\n" + '{"text": broken\n')
+    assert _read_error(bad) == f"{bad}:3: not valid JSON (Expecting value at column 10)"
+    (tmp_path / "n.jsonl").write_text(json.dumps({"text": "a"}) + "\n" + json.dumps({"body": "x"}) + "\n")
+    assert _read_error(tmp_path / "n.jsonl").startswith(f"{tmp_path / 'n.jsonl'}:2: no text field")
+    (tmp_path / "l.json").write_text('[\n"a",\n]')
+    assert _read_error(tmp_path / "l.json").startswith(f"{tmp_path / 'l.json'}:3: not valid JSON")
+
+
+def test_text_that_is_not_utf8_is_named_by_file_and_offset(tmp_path) -> None:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.txt").write_text("Fine text.")
+    (tmp_path / "data" / "b.txt").write_bytes(b"abc\xffdef")
+    assert (
+        _read_error(tmp_path / "data")
+        == f"{tmp_path / 'data' / 'b.txt'}: not UTF-8 text (byte 0xff at offset 3: invalid start byte)"
+    )
+    (tmp_path / "d.jsonl").write_bytes(b'{"text": "a"}\n{"text": "\xfe"}\n')
+    assert "d.jsonl: not UTF-8 text (byte 0xfe at offset 24" in _read_error(tmp_path / "d.jsonl")
+
+
 def test_tinystories_unreachable_message(monkeypatch) -> None:
     def unavailable(*a, **k):
         raise ConnectionError("no network")

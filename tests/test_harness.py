@@ -85,6 +85,26 @@ def test_loglikelihood_equals_the_reference_model(checkpoint, quantize):
             assert greedy == want_greedy
 
 
+def test_scoring_bar_only_on_a_terminal_with_progress(checkpoint, capsys, monkeypatch):
+    """The ``wiola loglikelihood`` bar follows ``draws_bars``: none off a terminal (stderr is a
+    pipe here) even when lm-eval leaves its bars on, none with progress off, one on a terminal."""
+    import sys
+
+    pairs = _instances("loglikelihood", [(c, k) for c in CONTEXTS[:2] for k in CHOICES])
+
+    def bar_drawn(**kwargs: object) -> bool:
+        lm = WiolaLM(str(checkpoint), batch_size=3, device="cpu", **kwargs)
+        lm.model.use_kernels(False)
+        capsys.readouterr()
+        lm.loglikelihood(pairs, disable_tqdm=False)
+        return "wiola loglikelihood" in capsys.readouterr().err
+
+    assert not bar_drawn(), "a bar was drawn into a pipe"
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert not bar_drawn(progress=False), "a bar was drawn with progress off"
+    assert bar_drawn(), "no bar on a terminal: the test cannot see one"
+
+
 def test_wiola13m_folder_scores_as_ours(checkpoint, tmp_path):
     """The same weights and tokenizer written in the published package's format score the same."""
     from wiola.checkpoint import export_wiola13m
@@ -213,6 +233,7 @@ def test_wiola_eval_tasks_end_to_end(checkpoint, tmp_path):
     assert "exact_match,none" in results["wiola_local_gen"]
     assert results["wiola_local_ppl"]["word_perplexity,none"] > 1
     assert "wiola_local_mc" in done.stdout
+    assert "wiola loglikelihood" not in done.stderr, "the scoring bar was drawn into a pipe"
 
 
 def test_eval_tasks_bad_input(checkpoint, tmp_path):

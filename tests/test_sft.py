@@ -223,3 +223,38 @@ def test_cli_progress_off_a_terminal_is_step_lines(tmp_path, tiny_checkpoint, ca
     steps = [line.split(":")[0] for line in captured.out.splitlines() if line.startswith("step ")]
     assert steps == ["step 2/4", "step 4/4"], captured.out
     assert "4 steps in " in captured.out.splitlines()[-1], captured.out
+
+
+def test_cli_out_holding_a_model_or_adapters_is_refused_without_overwrite(
+    tmp_path, tiny_checkpoint, monkeypatch, capsys
+) -> None:
+    """finetune and merge into a folder holding adapters or a model: exit 2 before loading, the
+    folder unchanged; finetune --overwrite replaces the adapters, leaving none of their files."""
+    from wiola.train.finetune import load_finetuned
+
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_checkpoint)}))
+    (out / "adapter_model.safetensors").write_bytes(b"stale")
+    (out / "notes.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    data = _write(tmp_path / "d.jsonl", [{"messages": CHAT}])
+    args = ["finetune", "--init", str(tiny_checkpoint), "--data", str(data), "--out", str(out), "--steps", "1"]
+    with monkeypatch.context() as m:
+        _no_loading(m)
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "already holds a model or adapters (adapter_config.json" in err[0], err
+        merged = tmp_path / "merged"
+        merged.mkdir()
+        (merged / "config.json").write_text("{}")
+        assert main(["merge", "--adapter", str(out), "--out", str(merged)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "already holds a model or adapters (config.json)" in err[0] and "--overwrite" in err[0]
+        assert [p.name for p in merged.iterdir()] == ["config.json"]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before, "the refused run changed --out"
+    assert main([*args, "--batch-size", "1", "--no-progress", "--overwrite"]) == 0
+    assert not (out / "adapter_config.json").exists() and not (out / "adapter_model.safetensors").exists()
+    assert (out / "notes.txt").read_text() == "mine", "--overwrite deleted a file that is not the model's"
+    model, _ = load_finetuned(out)
+    assert type(model) is wiola.WiolaModel, "the stale adapters were loaded"

@@ -105,6 +105,32 @@ def test_resume_is_bitwise_exact(runs) -> None:
         assert torch.equal(a[name], b[name]), f"weight {name} differs after resume"
 
 
+def _metric_rows(run: Path) -> list[dict]:
+    """metrics.jsonl without the timing fields and the output folder, which no two runs share."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        r.pop("tokens_per_s", None), r.pop("mfu", None)
+        if r["kind"] == "run":
+            r["config"].pop("out_dir")
+    return rows
+
+
+def test_stop_between_log_steps_resumes_the_log_interval(corpus, cache, tmp_path) -> None:
+    """Stopped at step 4 with a log line every 3 steps: no off-schedule train row, and the
+    resumed run's step-6 loss is the mean over steps 4-6, bit for bit, as without the stop."""
+    cfg = dict(log_every=3, eval_every=3, steps=6)
+    lines: dict[str, list[str]] = {"full": [], "part": []}
+    full = train(_cfg(corpus, cache, tmp_path / "full", **cfg), log=lines["full"].append)
+    part = train(_cfg(corpus, cache, tmp_path / "part", **cfg), stop_at=4, log=_quiet)
+    assert part.interrupted and part.step == 4
+    assert [s for s, _ in _train_losses(tmp_path / "part")] == [3], "a train row was written at the stop"
+    rest = train(_cfg(corpus, cache, tmp_path / "part", **cfg), resume=tmp_path / "part", log=lines["part"].append)
+    assert _metric_rows(tmp_path / "part") == _metric_rows(tmp_path / "full"), "metrics.jsonl differs after resume"
+    assert rest.train_loss == full.train_loss
+    summary = {name: re.search(r"train loss \S+", got[-1]).group() for name, got in lines.items()}
+    assert summary["part"] == summary["full"], summary
+
+
 def test_run_folder_contents(runs) -> None:
     full, _, _ = runs
     ckpt = full.checkpoint
@@ -295,6 +321,35 @@ def test_a_new_run_in_a_run_folder_is_refused(runs, corpus, cache, tmp_path, cap
     assert sorted(p.name for p in (folder / "checkpoints").iterdir()) == ["latest", "step_0000002"]
     assert [s for s, _ in _train_losses(folder)] == [1, 2], "metrics.jsonl still holds the old run's lines"
     assert not (folder / "gates.png").exists() and not (folder / "loss_curve.png").exists(), "old plots kept"
+
+
+def test_init_takes_the_default_window_from_the_checkpoint(runs, corpus, cache, tmp_path, capsys) -> None:
+    """--init without --seq-len: the window fits the checkpoint's max_seq_len (64), not the default
+    preset's; a --seq-len past it is refused before any work, and nothing is written."""
+    from wiola.cli import main
+
+    quiet = ["--no-progress", "--no-plots", "--device", "cpu", "--batch-size", "4", "--eval-windows", "2"]
+    command = ["train", "--init", str(runs[0].checkpoint), "--data", str(corpus), "--steps", "1", *quiet]
+    fresh = tmp_path / "c"
+    bad = tmp_path / "bad" / "run"
+    assert main([*command, "--seq-len", "64", "--cache-dir", str(fresh), "--out", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "do not fit max_seq_len=64" in err[0], err
+    assert not (tmp_path / "bad").exists(), "the refused run created its --out folder"
+    assert _fresh_cache_untouched(fresh), "tokenisation started before the window was checked"
+    out = tmp_path / "run"
+    assert main([*command, "--cache-dir", str(cache), "--out", str(out)]) == 0, capsys.readouterr().err
+    trainer = json.loads((out / "checkpoints" / "step_0000001" / "trainer.json").read_text())
+    assert trainer["train_config"]["seq_len"] == 63
+
+
+def test_a_refused_run_leaves_no_out_folder(tmp_path, capsys) -> None:
+    from wiola.cli import main
+
+    out = tmp_path / "runs" / "x1"
+    assert main(_train_command(tmp_path / "nope", tmp_path / "c", out, "--steps", "1")) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists(), "the refused run created its --out folder"
 
 
 def test_plain_step_lines_without_a_bar(corpus, cache, tmp_path) -> None:

@@ -113,7 +113,9 @@ def run_tasks(args: argparse.Namespace) -> int:
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise ValueError(f"unknown lm-eval task(s) {unknown} (add --include-path DIR for local YAML tasks)")
-    lm = WiolaLM(args.checkpoint, batch_size=args.batch_size, device=args.device, quantize=args.quantize)
+    lm = WiolaLM(
+        args.checkpoint, batch_size=args.batch_size, device=args.device, quantize=args.quantize, progress=args.progress
+    )
     results = lm_eval.simple_evaluate(
         model=lm, tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit, task_manager=manager, log_samples=False
     )

@@ -27,6 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="chat: {'messages': [...]}; completion: {'prompt', 'completion'}",
     )
     p.add_argument("--out", default="runs/finetune", help="output folder (a checkpoint, or the adapters)")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace a model or adapters already in --out (deleting their files)"
+    )
     add_length_arguments(p, steps=200, batch_size=8, lr=3e-4)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--weight-decay", type=float, default=0.0)
@@ -72,7 +75,7 @@ def run_finetune(args: argparse.Namespace) -> int:
         fast=args.fast,
         progress=args.progress,
     )
-    finetune(cfg)
+    finetune(cfg, overwrite=args.overwrite)
     return 0
 
 

@@ -14,12 +14,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--adapter", required=True, metavar="DIR", help="a folder written by wiola finetune --lora-rank")
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--base", metavar="CHECKPOINT", help="the base checkpoint (default: the one the adapter names)")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace a model or adapters already in --out (deleting their files)"
+    )
     p.set_defaults(func=run_merge)
 
 
 def run_merge(args: argparse.Namespace) -> int:
     from wiola.train.finetune import merge_adapters
 
-    # merge_adapters checks --out (not a file, apart from the adapters and their base) before loading
-    print(f"merged checkpoint: {merge_adapters(args.adapter, args.out, args.base)}")
+    # merge_adapters checks --out (not a file, apart from the adapters and their base, holding no
+    # model unless --overwrite) before loading
+    print(f"merged checkpoint: {merge_adapters(args.adapter, args.out, args.base, overwrite=args.overwrite)}")
     return 0

@@ -41,6 +41,7 @@ class TrainConfig:
     val_fraction: float = 0.01
     cache_dir: str | None = None
     seq_len: int | None = None  # T: windows hold T + 1 <= max_seq_len tokens; None: min(512, max_seq_len - 1)
+    # (with ``init``, the checkpoint's max_seq_len: ``with_model`` fills it once the checkpoint is read)
     batch_size: int = 32  # global: windows per optimizer step over all ranks and micro-steps
     micro_batch: int | None = None  # windows per forward on one rank; None: batch_size / world_size
     shuffle: bool = True
@@ -74,7 +75,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         model_config = self.model_config()  # an unknown preset or model field raises here
-        if self.seq_len is None:
+        if self.seq_len is None and self.init is None:
             self.seq_len = default_seq_len(model_config)
         self._check_counts()
         if not self.lr > 0:
@@ -90,6 +91,20 @@ class TrainConfig:
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {self.precision!r}")
         self.betas = [float(b) for b in self.betas]
+        if self.init is None:  # with --init the model is the checkpoint's: ``with_model`` checks it
+            self._check_fit(model_config)
+
+    def with_model(self, model_config: WiolaConfig) -> TrainConfig:
+        """This configuration for ``model_config``, the model the run trains (an ``init``
+        checkpoint's, which the preset does not describe): an unset ``seq_len`` becomes
+        ``default_seq_len(model_config)``. ``ValueError`` when the windows do not fit the model."""
+        seq_len = default_seq_len(model_config) if self.seq_len is None else self.seq_len
+        cfg = dataclasses.replace(self, seq_len=seq_len)
+        cfg._check_fit(model_config)
+        return cfg
+
+    def _check_fit(self, model_config: WiolaConfig) -> None:
+        assert self.seq_len is not None
         if self.seq_len + 1 > model_config.max_seq_len:
             raise ValueError(
                 f"windows of seq_len + 1 = {self.seq_len + 1} tokens do not fit "
@@ -97,7 +112,8 @@ class TrainConfig:
             )
 
     def _check_counts(self) -> None:
-        positive = ("seq_len", "batch_size", "steps", "eval_every", "log_every", "save_every", "keep_checkpoints")
+        positive = ("batch_size", "steps", "eval_every", "log_every", "save_every", "keep_checkpoints")
+        positive += ("seq_len",) if self.seq_len is not None or self.init is None else ()
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -23,9 +23,17 @@ from typing import Any
 import torch
 
 from wiola.chat import add_role_tokens, resize_token_embeddings, with_chat_template
-from wiola.checkpoint import load_checkpoint_tokenizer, resolve_checkpoint
+from wiola.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint_tokenizer, resolve_checkpoint
 from wiola.model import ADAPTER_TARGETS
-from wiola.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, read_chat_template
+from wiola.tokenizer import (
+    CHAT_TEMPLATE_FILE,
+    SPECIAL_TOKENS_MAP_FILE,
+    TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
+    Tokenizer,
+    load_tokenizer,
+    read_chat_template,
+)
 from wiola.train.env import Progress, autocast, model_class, require, resolve_device
 from wiola.train.optim import WarmupCosine
 from wiola.train.run_folder import check_apart, check_output_folder
@@ -33,6 +41,11 @@ from wiola.train.sft import FORMATS, batches, collate, load_sft_data
 
 ADAPTER_CONFIG = "adapter_config.json"
 RUN_FILE = "finetune.json"
+# A folder holding any of these holds a model or adapters: a new one there is refused without
+# --overwrite, since files of the two would mix (load_finetuned prefers adapter_config.json).
+MODEL_FILES = (CONFIG_FILE, WEIGHTS_FILE, ADAPTER_CONFIG, "adapter_model.safetensors", "adapter_model.bin", RUN_FILE)
+# What --overwrite deletes first: the model and adapter files and the tokenizer saved beside them.
+OUTPUT_FILES = (*MODEL_FILES, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE, CHAT_TEMPLATE_FILE)
 
 
 @dataclass
@@ -105,11 +118,12 @@ class FinetuneResult:
     seconds: float
 
 
-def finetune(cfg: FinetuneConfig, log: Callable[[str], None] = print) -> FinetuneResult:
+def finetune(cfg: FinetuneConfig, log: Callable[[str], None] = print, *, overwrite: bool = False) -> FinetuneResult:
     """Run ``cfg``: load, encode the data, train, save into ``cfg.out``. Raises
     ``ValueError``/``FileNotFoundError``/``RuntimeError`` naming bad settings, data, an output
-    folder that is a file or overlaps the ``init`` checkpoint, or a missing package before any
-    training.
+    folder that is a file, overlaps the ``init`` checkpoint or already holds a model or adapters
+    (unless ``overwrite``: their files are then deleted before the new ones are written), or a
+    missing package before any training.
 
     Progress: a tqdm bar on stderr where stderr is a terminal and ``cfg.progress`` is set;
     otherwise a plain line (``log``) every ``log_every`` steps. A summary line ends the run."""
@@ -119,6 +133,7 @@ def finetune(cfg: FinetuneConfig, log: Callable[[str], None] = print) -> Finetun
     device = resolve_device(cfg.device)
     init = checkpoint_dir(cfg.init)
     check_apart(cfg.out, init, "--out", "--init checkpoint")
+    check_model_out(cfg.out, overwrite)
     model = model_class(cfg.fast).from_pretrained(init, device=device)
     tokenizer = with_chat_template(load_checkpoint_tokenizer(init))
     if cfg.add_role_tokens:
@@ -190,6 +205,7 @@ def require_peft() -> Any:
 def save_finetuned(model: torch.nn.Module, tokenizer: Tokenizer, cfg: FinetuneConfig, init: Path) -> Path:
     """Write a full checkpoint, or (a peft model) the adapters in PEFT's format with the base's path."""
     out = Path(cfg.out)
+    clear_model_out(out)  # finetune refused a folder holding a model unless --overwrite
     out.mkdir(parents=True, exist_ok=True)
     if cfg.lora_rank is None:
         model.save_pretrained(out, tokenizer)
@@ -198,6 +214,29 @@ def save_finetuned(model: torch.nn.Module, tokenizer: Tokenizer, cfg: FinetuneCo
     model.save_pretrained(str(out), save_embedding_layers=False)  # adapters only (the embedding is never one)
     tokenizer.save(out)  # its files (GPT-2's: the chat template alone); config.json is the base's
     return out
+
+
+def check_model_out(out: str | os.PathLike, overwrite: bool) -> None:
+    """``ValueError`` when ``out`` already holds a model or adapters (``MODEL_FILES``) and
+    ``overwrite`` is not set: writing there would replace it or mix two models' files."""
+    held = [name for name in MODEL_FILES if (Path(out) / name).exists()]
+    if held and not overwrite:
+        raise ValueError(
+            f"--out {str(out)!r} already holds a model or adapters ({', '.join(held)}); "
+            "choose another --out, or pass --overwrite to replace them"
+        )
+
+
+def clear_model_out(out: str | os.PathLike) -> list[str]:
+    """Delete the model, adapter and tokenizer files (``OUTPUT_FILES``) in ``out``, so a new model
+    there has no stale files beside it; anything else stays. Returns the names deleted."""
+    gone = []
+    for name in OUTPUT_FILES:
+        path = Path(out) / name
+        if path.is_file() or path.is_symlink():
+            path.unlink()
+            gone.append(name)
+    return gone
 
 
 def checkpoint_dir(path: str | os.PathLike) -> Path:
@@ -248,10 +287,17 @@ def load_finetuned(
     return model, tokenizer
 
 
-def merge_adapters(path: str | os.PathLike, out: str | os.PathLike, base: str | os.PathLike | None = None) -> Path:
+def merge_adapters(
+    path: str | os.PathLike,
+    out: str | os.PathLike,
+    base: str | os.PathLike | None = None,
+    *,
+    overwrite: bool = False,
+) -> Path:
     """Fold a LoRA folder's adapters into its base's weights and save a plain checkpoint in
     ``out`` (for the fast model, quantization and ONNX export). Raises ``ValueError`` when
-    ``path`` holds no adapters."""
+    ``path`` holds no adapters, or ``out`` already holds a model or adapters and ``overwrite``
+    is not set (with it, their files are deleted before the merged model is written)."""
     if not is_adapter_folder(path):
         raise ValueError(f"{path} holds no {ADAPTER_CONFIG}: nothing to merge")
     check_output_folder(out, "--out")
@@ -260,7 +306,9 @@ def merge_adapters(path: str | os.PathLike, out: str | os.PathLike, base: str | 
         base = adapter_base(path)
     base_dir = resolve_checkpoint(base)
     check_apart(out, base_dir, "--out", "base checkpoint")
+    check_model_out(out, overwrite)
     model, tokenizer = load_finetuned(path, base=base_dir)
     merged = model.merge_and_unload()
+    clear_model_out(out)
     merged.save_pretrained(Path(out), tokenizer)
     return Path(out)

@@ -67,8 +67,9 @@ def left_pad(rows: list[list[int]], pad: int, device: torch.device) -> tuple[tor
 class WiolaLM(TemplateLM):
     """lm-eval's ``wiola`` model (see the module). Arguments (``model_args``): ``pretrained``
     (required), ``batch_size`` (default 8; ``auto`` is 8 too), ``device``, ``quantize``
-    (``int8``/``bf16``), ``max_length`` (default the model's ``max_seq_len``); ``max_batch_size``
-    (which lm-eval passes along) is not used. ``model``/``tokenizer``: already loaded ones,
+    (``int8``/``bf16``), ``max_length`` (default the model's ``max_seq_len``), ``progress``
+    (default true: the scoring bar, drawn only where stderr is a terminal, as every wiola bar);
+    ``max_batch_size`` (which lm-eval passes along) is not used. ``model``/``tokenizer``: already loaded ones,
     instead of ``pretrained``. Unknown arguments raise ``ValueError``."""
 
     def __init__(
@@ -79,6 +80,7 @@ class WiolaLM(TemplateLM):
         quantize: str | None = None,
         max_length: int | None = None,
         max_batch_size: int | None = None,
+        progress: bool = True,
         model: Any = None,
         tokenizer: Any = None,
         **unknown: Any,
@@ -89,6 +91,7 @@ class WiolaLM(TemplateLM):
         if model is None:
             model, tokenizer = load_for_harness(pretrained, device, quantize)
         self.model, self.tok = model, tokenizer
+        self.progress = bool(progress)
         self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
         self.max_length = int(max_length or model.config.max_seq_len)
         if not 2 <= self.max_length <= model.config.max_seq_len:
@@ -127,8 +130,13 @@ class WiolaLM(TemplateLM):
         """For each ``(_, context ids, continuation ids)``: ``(Σ log p(continuation), all greedy)``."""
         from tqdm.auto import tqdm
 
+        from wiola.train.env import draws_bars
+
+        # lm-eval's disable_tqdm turns the bar off on other ranks; draws_bars keeps it off a pipe,
+        # a log file and --no-progress, as every other wiola bar.
+        disable = disable_tqdm or not draws_bars(self.progress)
         out: list[tuple[float, bool]] = []
-        for start in tqdm(range(0, len(requests), self.batch_size), disable=disable_tqdm, desc="wiola loglikelihood"):
+        for start in tqdm(range(0, len(requests), self.batch_size), disable=disable, desc="wiola loglikelihood"):
             out += self._score_batch([(c, k) for _, c, k in requests[start : start + self.batch_size]])
         return out
 

@@ -142,7 +142,7 @@ def instruct_demo(
         progress=progress,
         log_every=max(1, steps // 10),
     )
-    finetune(cfg, log=log)
+    finetune(cfg, log=log, overwrite=True)  # out/model is this demo's own: a rerun replaces the last one's
     model, tokenizer = load_finetuned(out / "model")
     results["after"] = follow_rate(model, tokenizer, held_out, seed=seed)
     log(f"after:  {_line(results['after'])}")

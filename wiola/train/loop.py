@@ -173,6 +173,7 @@ class _Run:
     losses: list[tuple[int, float]] = field(default_factory=list)
     plots: dict[str, Path] = field(default_factory=dict)
     layer_grad_norms: torch.Tensor | None = None  # (L,) of the latest step, before clipping
+    log_interval: dict[str, Any] | None = None  # the checkpoint's partial log interval (``_Meter.state_dict``)
 
     @property
     def main(self) -> bool:
@@ -201,6 +202,7 @@ def _start(
         raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of micro_batch {micro} × world_size {world}")
     init = _init_checkpoint(cfg)
     model_config = read_config(init)[0] if init is not None else cfg.model_config()
+    cfg = cfg.with_model(model_config)  # the default seq_len and the window check follow the trained model
     model_class(cfg.fast)  # --fast without wiola.fast raises here
     checkpoint = saved = None
     if resume is not None and overwrite:
@@ -213,8 +215,6 @@ def _start(
     # A new run (or a resumed one written elsewhere) must not land on another run's folder.
     if not overwrite and (checkpoint is None or Path(cfg.out_dir).resolve() != checkpoint.parent.parent.resolve()):
         check_new_run(cfg.out_dir)
-    if rank == 0:
-        ensure_writable(Path(cfg.out_dir))
     if init is not None and cfg.tokenizer is None:
         tokenizer = load_checkpoint_tokenizer(init)
     else:
@@ -227,6 +227,8 @@ def _start(
             f"cannot resume {checkpoint} exactly: the tokenizer {tokenizer.name!r} changed since it was written"
         )
     grad_accum = cfg.batch_size // (micro * world)
+    if rank == 0:  # created only now that every check has passed: a refused run leaves no folder
+        ensure_writable(Path(cfg.out_dir))
     if overwrite and rank == 0:
         gone = clear_run(cfg.out_dir)
         if gone:
@@ -320,6 +322,8 @@ def _restore(run: _Run, checkpoint: Path, saved: dict[str, Any]) -> None:
     set_rng_state(opt_state["rng"])
     run.stream.load_state_dict(saved["data"]["position"])
     run.step = int(saved["step"])
+    run.train_loss = saved.get("train_loss")
+    run.log_interval = saved.get("log_interval")
     run.log(f"resumed from {checkpoint} at step {run.step:,}")
     if run.step >= cfg.steps:
         run.log(
@@ -376,7 +380,7 @@ def _announce(run: _Run) -> None:
 def _loop(run: _Run, stop_at: int | None) -> TrainResult:
     cfg = run.cfg
     bar = Progress(cfg.steps, "", "step", show=run.main and cfg.progress, initial=run.step)
-    meter = _Meter(run)
+    meter = _Meter(run, run.log_interval)
     interrupted = False
     first_step, start = run.step, time.perf_counter()
     with _StopFlag(run.log) as stop:
@@ -385,7 +389,10 @@ def _loop(run: _Run, stop_at: int | None) -> TrainResult:
             last = run.step == cfg.steps
             log_now = run.step % cfg.log_every == 0 or last
             want_stop = _stop_requested(run, stop, stop_at, log_now)
-            if log_now or want_stop:
+            # Train rows only on the log schedule: a stop between log steps carries the partial
+            # interval into the checkpoint (``_Meter.state_dict``), so the resumed run logs the
+            # same rows as an uninterrupted one.
+            if log_now:
                 bar.postfix(**meter.record(lr, grad_norm))
                 if not bar.drawn:  # no bar (a pipe, a log file, --no-progress): a plain line instead
                     run.log(f"step {run.step:,}/{cfg.steps:,}: " + ", ".join(f"{k} {v}" for k, v in bar.fields.items()))
@@ -394,10 +401,10 @@ def _loop(run: _Run, stop_at: int | None) -> TrainResult:
                 _evaluate(run)
             if want_stop and not last:
                 interrupted = True
-                _save(run)
+                _save(run, meter)
                 break
             if run.step % cfg.save_every == 0 or last:
-                _save(run)
+                _save(run, meter)
     bar.close()
     _summarise(run, first_step, time.perf_counter() - start)
     if run.main and cfg.plots and run.metrics.records and "loss_curve" not in run.plots:
@@ -464,15 +471,38 @@ def _stop_requested(run: _Run, stop: _StopFlag, stop_at: int | None, log_now: bo
 
 
 class _Meter:
-    """The training loss, throughput and MFU of the steps since the last log line."""
+    """The training loss, throughput and MFU of the steps since the last log line.
 
-    def __init__(self, run: _Run) -> None:
+    The loss of the open interval (its per-rank sum and first step) goes into each checkpoint
+    (``state_dict``) and comes back on resume, so a run stopped between log steps logs the same
+    interval losses, bit for bit, as an uninterrupted one. Throughput counts only the steps this
+    process ran: time spent before the stop is not known after it.
+    """
+
+    def __init__(self, run: _Run, state: dict[str, Any] | None = None) -> None:
         self.run = run
         self.loss_sum = torch.zeros((), device=run.device)
         self.tokens_per_step = run.cfg.batch_size * run.cfg.seq_len
         self.flops_per_token = _training_flops(run.model_config, run.cfg.seq_len)
         self.peak = (run.cfg.peak_flops or peak_flops_per_device(run.device) or 0.0) * run.world
-        self.start_step, self.start = run.step, time.perf_counter()
+        self.start_step = run.step  # the first step of the interval is start_step + 1
+        if state is not None:
+            sums = state["loss_sums"]  # one per rank: each rank sums its own losses until the log step
+            if len(sums) != run.world:
+                raise ValueError(
+                    f"the checkpoint's open log interval was summed over {len(sums)} rank(s), this run has "
+                    f"{run.world}; resume with the same number of ranks"
+                )
+            self.loss_sum.fill_(sums[run.rank])
+            self.start_step = int(state["start_step"])
+        self.timed_step, self.start = run.step, time.perf_counter()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The open interval: its start step and every rank's loss sum (a collective under DDP)."""
+        sums = [self.loss_sum.clone() for _ in range(self.run.world)]
+        if self.run.world > 1:
+            dist.all_gather(sums, self.loss_sum)
+        return {"start_step": self.start_step, "loss_sums": [float(t) for t in sums]}
 
     def record(self, lr: float, grad_norm: torch.Tensor | None) -> dict[str, str]:
         """Write the interval's metrics line, start a new interval; returns the progress-bar postfix."""
@@ -482,7 +512,7 @@ class _Meter:
             self.loss_sum /= run.world
         steps = run.step - self.start_step
         run.train_loss = float(self.loss_sum) / steps
-        tok_s = steps * self.tokens_per_step / (time.perf_counter() - self.start)
+        tok_s = (run.step - self.timed_step) * self.tokens_per_step / (time.perf_counter() - self.start)
         record = {
             "kind": "train",
             "step": run.step,
@@ -503,7 +533,8 @@ class _Meter:
         run.metrics.write(record)
         run.losses.append((run.step, run.train_loss))
         self.loss_sum.zero_()
-        self.start_step, self.start = run.step, time.perf_counter()
+        self.start_step = self.timed_step = run.step
+        self.start = time.perf_counter()
         return postfix
 
 
@@ -538,11 +569,12 @@ def _evaluate(run: _Run) -> None:
         )
 
 
-def _save(run: _Run) -> None:
+def _save(run: _Run, meter: _Meter) -> None:
+    log_interval = meter.state_dict()  # every rank: it gathers the ranks' loss sums
     if run.main:
         run.last_ckpt = save_checkpoint(
             run.out_dir, run.raw_model, run.optimizer, run.scheduler, run.stream, run.cfg, run.model_config,
-            run.data, run.tokenizer, run.step, run.last_eval, run.train_loss,
+            run.data, run.tokenizer, run.step, run.last_eval, run.train_loss, log_interval,
         )  # fmt: skip
     if run.world > 1:
         dist.barrier()

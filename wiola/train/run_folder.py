@@ -238,8 +238,12 @@ def save_checkpoint(
     step: int,
     last_eval: EvalResult | None,
     train_loss: float | None,
+    log_interval: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``checkpoints/step_NNNNNNN`` atomically, point ``latest`` at it, prune old ones."""
+    """Write ``checkpoints/step_NNNNNNN`` atomically, point ``latest`` at it, prune old ones.
+
+    ``log_interval`` is the loss of the steps since the last log line (``loop._Meter.state_dict``),
+    kept so that a resumed run logs the interval's full loss."""
     root = out_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:07d}"
@@ -264,6 +268,7 @@ def save_checkpoint(
                 "position": stream.state_dict(),
             },
             "train_loss": train_loss,
+            "log_interval": log_interval,
             "eval": last_eval.to_dict() if last_eval is not None else None,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,9 +132,11 @@ def resolve_source(
 
 
 def _read_file(path: Path) -> Iterator[str]:
+    """The documents of one data file. ``ValueError`` naming the file (and the line of a JSONL
+    file, the byte offset of text that is not UTF-8) for content that cannot be read."""
     kind = TEXT_SUFFIXES[path.suffix.lower()]
     if kind == "text":
-        text = path.read_text(encoding="utf-8")
+        text = _decode(path.read_bytes(), path)
         for doc in text.split(EOT_TEXT) if EOT_TEXT in text else [text]:
             doc = doc.strip()
             if doc:
@@ -154,22 +156,61 @@ def _read_file(path: Path) -> Iterator[str]:
                     yield doc.strip()
         return
     if kind == "json":
-        records: Iterable[Any] = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            records = json.loads(_decode(path.read_bytes(), path))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
         if not isinstance(records, list):
             raise ValueError(f"{path}: a .json file must hold a list of records or strings")
-    else:
-        records = (json.loads(line) for line in path.open(encoding="utf-8") if line.strip())
-    for i, record in enumerate(records):
-        if isinstance(record, dict):
-            text = next((record[c] for c in TEXT_FIELDS if c in record), None)
-            if text is None:
-                raise ValueError(f"{path}: record {i} has no text field; expected one of {TEXT_FIELDS}")
-        else:
-            text = record
-        if not isinstance(text, str):
-            raise ValueError(f"{path}: record {i} holds {type(text).__name__}, not a string")
+        for i, record in enumerate(records):
+            text = _record_text(record, f"{path}: record {i}")
+            if text.strip():
+                yield text.strip()
+        return
+    for where, record in _jsonl_records(path):
+        text = _record_text(record, where)
         if text.strip():
             yield text.strip()
+
+
+def _decode(data: bytes, path: Path, offset: int = 0) -> str:
+    """``data`` (read from ``path`` at byte ``offset``) as UTF-8; ``ValueError`` naming the file
+    and the byte offset of the first byte that is not UTF-8."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {offset + e.start}: {e.reason})"
+        ) from e
+
+
+def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
+    """``("path:N", record)`` for each non-blank line N of a JSONL file, read one line at a time."""
+    offset = 0
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            line = _decode(raw, path, offset)
+            offset += len(raw)
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
+
+
+def _record_text(record: Any, where: str) -> str:
+    """The text of one record: a string, or a dict's first ``TEXT_FIELDS`` entry."""
+    if isinstance(record, dict):
+        text = next((record[c] for c in TEXT_FIELDS if c in record), None)
+        if text is None:
+            raise ValueError(f"{where}: no text field; expected one of {TEXT_FIELDS}")
+    else:
+        text = record
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: holds {type(text).__name__}, not a string")
+    return text
 
 
 def _hf_split(name: str, split: str) -> Any:
