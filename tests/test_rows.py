@@ -237,9 +237,9 @@ def test_leave_frees_at_once(plain_cpu):
     assert c == a, "the freed row was not reused first"
     with pytest.raises(ValueError, match=r"row 7 is not live \(live rows: \[0, 1\]\)"):
         rows.leave(7)
-    with pytest.raises(ValueError, match="row must be an int handle from join, got the bool True"):
+    with pytest.raises(ValueError, match=r"row \(a handle from join\) must be an int, got the bool True"):
         rows.leave(True)  # not row 1
-    with pytest.raises(ValueError, match="row must be an int handle from join, got str '1'"):
+    with pytest.raises(ValueError, match=r"row \(a handle from join\) must be an int, got str '1'"):
         rows.leave("1")
     assert rows.live == [a, b]
     rows.leave(b)

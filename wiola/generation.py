@@ -266,6 +266,17 @@ class _EagerSteps:
         return self._next(self.token.unsqueeze(1), None)
 
 
+def as_int(name: str, value: Any, error: type[Exception] = TypeError) -> int:
+    """``value`` as a Python ``int``: an int, or a numpy/torch integer scalar (``operator.index``).
+    A bool (Python's or a torch bool) or anything else raises ``error`` naming ``name`` and the value."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise error(f"{name} must be an int, got the bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise error(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+
+
 def token_id(name: str, value: Any, vocab_size: int) -> int:
     """``value`` as one token id: a Python ``int`` in ``[0, vocab_size)``. Integer scalars of numpy
     or torch (``np.int64(5)``, ``torch.tensor(5)``) are taken through ``operator.index``; a bool, a
@@ -274,12 +285,7 @@ def token_id(name: str, value: Any, vocab_size: int) -> int:
     step, which does not check them) unchanged, so they are checked here first."""
     if isinstance(value, list | tuple | set | frozenset) or (isinstance(value, torch.Tensor) and value.numel() != 1):
         raise TypeError(f"{name} must be a single int (a list of ids is not supported), got {value!r}")
-    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
-        raise TypeError(f"{name} must be an int, got the bool {value!r}")
-    try:
-        index = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    index = as_int(name, value)
     if not 0 <= index < vocab_size:
         raise ValueError(f"{name} {index} is outside [0, vocab_size={vocab_size})")
     return index

@@ -32,14 +32,13 @@ row is freed as soon as it emits ``eos_token_id`` (``finish_reason`` ``"stop"``)
 from __future__ import annotations
 
 import dataclasses
-import operator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from wiola.cache import Cache
-from wiola.generation import Sampling, resolve_sampling, sample_next, token_id
+from wiola.generation import Sampling, as_int, resolve_sampling, sample_next, token_id
 
 
 @dataclass
@@ -161,12 +160,7 @@ class Rows:
         """Free ``row`` at once (a client that went away); its tokens not yet returned are dropped.
         ``row`` is an int (or a numpy/torch integer scalar). Raises ``ValueError`` when it is not a
         live row's handle (a bool or another type included)."""
-        if isinstance(row, bool) or (isinstance(row, torch.Tensor) and row.dtype == torch.bool):
-            raise ValueError(f"row must be an int handle from join, got the bool {row!r}")
-        try:
-            index = operator.index(row)
-        except TypeError:
-            raise ValueError(f"row must be an int handle from join, got {type(row).__name__} {row!r}") from None
+        index = as_int("row (a handle from join)", row, ValueError)
         if not (0 <= index < self.max_rows and self._rows[index] is not None):
             raise ValueError(f"row {index} is not live (live rows: {self.live})")
         self._rows[index] = None
