@@ -388,11 +388,12 @@ def test_chat_logprobs_are_the_models_log_softmax(server, checkpoint, monkeypatc
     got = torch.tensor([e.logprob for e in content])
     torch.testing.assert_close(got, logp[torch.arange(len(new)), torch.tensor(new)], rtol=1e-5, atol=1e-5)
     assert new != best.indices[:, 0].tolist()  # sampled: not always the best token
-    for e, ids, values in zip(content, best.indices.tolist(), best.values, strict=True):
+    for e, t, ids, values in zip(content, new, best.indices.tolist(), best.values, strict=True):
         assert [t.token for t in e.top_logprobs] == [tok.decode([i]) for i in ids]
         torch.testing.assert_close(torch.tensor([t.logprob for t in e.top_logprobs]), values, rtol=1e-5, atol=1e-5)
-        for x in (e, *e.top_logprobs):
-            assert x.bytes == (None if "\ufffd" in x.token else list(x.token.encode()))
+        for x, i in zip((e, *e.top_logprobs), (t, *ids), strict=True):
+            assert x.bytes == list(tok.token_bytes(i))  # a byte-level vocabulary: every token's own bytes
+    assert bytes(b for e in content for b in e.bytes).decode("utf-8", errors="replace") == done.message.content
     legacy = httpx.post(server.url + "/v1/completions", timeout=60, json={
         "prompt": prompt_ids, "max_tokens": 12, "temperature": 1.0, "seed": 3, "logprobs": 0}).json()  # fmt: skip
     legacy = legacy["choices"][0]["logprobs"]

@@ -154,3 +154,32 @@ def test_bad_tokenizers_raise_clear_errors(bpe, tmp_path):
         t.check_ids(t.encode(TEXT + " zzqqxx " * 30), 300)
     with pytest.raises(ValueError, match=r"vocab_size 100 is too small"):
         train_tokenizer(STORIES, 100)
+
+
+def test_token_bytes_are_each_tokens_own_bytes(bpe):
+    """A token's bytes, part of a character or not, join to the text's bytes: for tiktoken, for the
+    same vocabulary as a ``tokenizer.json``, for a trained byte-level BPE, and for a byte-fallback
+    vocabulary; special tokens give their text, and a vocabulary whose decoding does not tell a
+    token's bytes gives ``None`` for a token that reads U+FFFD."""
+    text = "Zoë 🦊 naïve — 東京 x's" + TEXT
+    t = load_tokenizer("gpt2-32k")
+    for tokenizer in (t, t.to_hf(), load_tokenizer(bpe)):
+        ids = tokenizer.encode_batch([text])[0]
+        pieces = [tokenizer.token_bytes(i) for i in ids]
+        assert b"".join(pieces) == text.encode(), tokenizer
+        assert any(p.decode("utf-8", errors="replace") == "\ufffd" for p in pieces), "part of a character"
+    assert t.token_bytes(t.eos_token_id) == t.to_hf().token_bytes(t.eos_token_id) == b"<|endoftext|>"
+    assert load_tokenizer(bpe).token_bytes(1) == b"<s>"
+
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁a": 257}
+    fallback = HFTok(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    fallback.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    fb = HFTokenizer(fallback, "fallback", {"unk_token": "<unk>"})
+    assert [fb.token_bytes(1 + b) for b in b"\xe6\x9d\xb1"] == [b"\xe6", b"\x9d", b"\xb1"]
+    assert fb.token_bytes(257) == b" a"
+    plain = HFTok(models.WordLevel({"<unk>": 0, "x": 1, "\ufffd": 2}, unk_token="<unk>"))
+    assert HFTokenizer(plain, "plain", {}).token_bytes(1) == b"x"
+    assert HFTokenizer(plain, "plain", {}).token_bytes(2) is None

@@ -25,6 +25,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -156,6 +157,13 @@ class Tokenizer:
         """The UTF-8 bytes each id decodes to (``vocab_size`` entries); special tokens count 0."""
         raise NotImplementedError
 
+    def token_bytes(self, token: int) -> bytes | None:
+        """The bytes one token stands for (a special token: its text's UTF-8), which may be part of
+        a character; ``None`` where the tokenizer's decoding does not tell them (a token whose text
+        alone reads U+FFFD). This base reads them from ``decode``; byte-level vocabularies override it."""
+        text = self.decode([token])
+        return None if "\ufffd" in text else text.encode("utf-8")
+
     @property
     def fingerprint(self) -> str:
         """sha256 (hex) of everything that decides the ids: a changed tokenizer has another one."""
@@ -220,6 +228,9 @@ class TiktokenTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return self.encoding.decode(ids)
+
+    def token_bytes(self, token: int) -> bytes | None:
+        return self.encoding.decode_single_token_bytes(token)
 
     def token_byte_lengths(self) -> list[int]:
         enc = self.encoding
@@ -298,6 +309,12 @@ def _bytes_to_unicode() -> dict[int, str]:
             chars[b] = chr(256 + extra)
             extra += 1
     return chars
+
+
+@functools.lru_cache(maxsize=1)
+def _unicode_to_bytes() -> dict[str, int]:
+    """The inverse of ``_bytes_to_unicode``: a byte-level spelling's character -> its byte."""
+    return {c: b for b, c in _bytes_to_unicode().items()}
 
 
 def _token_text(value: Any) -> str | None:
@@ -390,6 +407,26 @@ class HFTokenizer(Tokenizer):
 
     def _special_ids(self) -> set[int]:
         return {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
+    @functools.cached_property
+    def _byte_fallback(self) -> bool:
+        return bool(getattr(self._tok.model, "byte_fallback", False))
+
+    def token_bytes(self, token: int) -> bytes | None:
+        """A byte-level vocabulary's token (GPT-2's, Wiola13M's) is spelled one character a byte
+        (``_bytes_to_unicode``), and a byte-fallback one reads ``<0xNN>``: their bytes are read from
+        the spelling, part of a character or not. Added tokens and other vocabularies: the base's."""
+        from tokenizers import decoders
+
+        spell = self._tok.id_to_token(token)
+        if spell is not None and token not in self._tok.get_added_tokens_decoder():
+            if isinstance(self._tok.decoder, decoders.ByteLevel):
+                byte_of = _unicode_to_bytes()
+                if all(c in byte_of for c in spell):
+                    return bytes(byte_of[c] for c in spell)
+            elif self._byte_fallback and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", spell):
+                return bytes([int(spell[3:5], 16)])
+        return super().token_bytes(token)
 
     def token_byte_lengths(self) -> list[int]:
         from tokenizers import decoders

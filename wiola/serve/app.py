@@ -142,16 +142,10 @@ class Server:
         top_logprobs: [{token, logprob, bytes}, ...]}``, the alternatives best first."""
 
         def one(t: int, lp: float) -> dict[str, Any]:
-            text = self.token_text(t)
-            return {"token": text, "logprob": lp, "bytes": _text_bytes(text)}
+            raw = self.tokenizer.token_bytes(t)  # part of a character too; None where unknown
+            return {"token": self.token_text(t), "logprob": lp, "bytes": None if raw is None else list(raw)}
 
         return {**one(token.token, token.logprob), "top_logprobs": [one(t, lp) for t, lp in token.top]}
-
-
-def _text_bytes(text: str) -> list[int] | None:
-    """The UTF-8 bytes of a token's text; None (OpenAI's "no bytes representation") for a token
-    that holds part of a character, whose text reads U+FFFD rather than its own bytes."""
-    return None if "\ufffd" in text else list(text.encode("utf-8"))
 
 
 async def read_json(request: Request, limit: int) -> Any:
