@@ -341,6 +341,13 @@ def test_init_takes_the_default_window_from_the_checkpoint(runs, corpus, cache, 
     assert main([*command, "--cache-dir", str(cache), "--out", str(out)]) == 0, capsys.readouterr().err
     trainer = json.loads((out / "checkpoints" / "step_0000001" / "trainer.json").read_text())
     assert trainer["train_config"]["seq_len"] == 63
+    before = _snapshot(out)  # --overwrite would delete the checkpoint --init reads; a run around it hides it
+    for init in (out, out / "checkpoints" / "step_0000001"):
+        again = [*command[:2], str(init), *command[3:], "--cache-dir", str(cache), "--out", str(out), "--overwrite"]
+        assert main(again) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--init checkpoint" in err[0], err
+        assert _snapshot(out) == before, "the refused run changed its --init checkpoint's folder"
 
 
 def test_a_refused_run_leaves_no_out_folder(tmp_path, capsys) -> None:

@@ -63,6 +63,7 @@ from wiola.train.optim import build_optimizer, build_scheduler, schedule
 from wiola.train.run_folder import (
     METRICS_FILE,
     MetricsLog,
+    check_apart,
     check_new_run,
     check_output_folder,
     clear_run,
@@ -212,6 +213,8 @@ def _start(
         saved = read_trainer_state(checkpoint)
         _check_resume(saved, cfg, model_config, checkpoint)
     check_output_folder(cfg.out_dir, "--out")
+    if init is not None:  # --overwrite would delete it, and a run written around it would hide it
+        check_apart(cfg.out_dir, init, "--out", "--init checkpoint")
     # A new run (or a resumed one written elsewhere) must not land on another run's folder.
     if not overwrite and (checkpoint is None or Path(cfg.out_dir).resolve() != checkpoint.parent.parent.resolve()):
         check_new_run(cfg.out_dir)
