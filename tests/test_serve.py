@@ -460,6 +460,9 @@ def test_serve_cli_bad_input_exits_2_with_one_line(server, checkpoint, tmp_path,
         (b'{"prompt": "a", "n": "two"}', 400, "n must be an integer"),
         (b'["prompt"]', 400, "must be a JSON object"),
         (b'{"max_tokens": 3}', 400, "prompt is required"),
+        (b'{"prompt": "a", "top_k": -2}', 400, "top_k must be 0 or -1 (no top-k filter) or a positive integer"),
+        (b'{"prompt": ["a", "the cat and the dog and the cat"], "max_tokens": 250}', 400, "prompt[1] has "),
+        (b'{"prompt": "the cat and the dog and the cat", "max_tokens": 250}', 400, "the prompt has "),
     ],
 )
 def test_bad_requests_are_clear_4xx(server, content, status, message):
@@ -467,6 +470,29 @@ def test_bad_requests_are_clear_4xx(server, content, status, message):
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert message in error["message"] and error["type"] == "invalid_request_error"
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_lone_surrogate_is_a_400_naming_where(server, stream):
+    """JSON may escape half of a UTF-16 pair (``"\\ud83d"``, an emoji cut in half): Python reads it
+    into a str that no tokenizer and no UTF-8 can take. Each endpoint refuses it with a 400 naming
+    the field, before any work; the server stays up."""
+    cases = [
+        ("/v1/completions", '{"prompt": "Smile \\ud83d please", "max_tokens": 3', "prompt", "prompt"),
+        ("/v1/completions", '{"prompt": ["a", "b \\udc00"], "max_tokens": 3', "prompt[1]", "prompt"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a \\ud800"}], "max_tokens": 3',
+         "messages[0].content", "messages"),
+        ("/tokenize", '{"prompt": "x \\ud800"', "prompt", "prompt"),
+    ]  # fmt: skip
+    for path, head, where, param in cases:
+        r = httpx.post(server.url + path, content=f'{head}, "stream": {str(stream).lower()}}}',
+                       headers={"Content-Type": "application/json"})  # fmt: skip
+        assert r.status_code == 400 and r.headers["content-type"] == "application/json", (path, r.text)
+        error = r.json()["error"]
+        assert error["message"].startswith(f"{where} holds a lone UTF-16 surrogate (\\u"), (path, error)
+        assert error["param"] == param and error["type"] == "invalid_request_error", (path, error)
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "a 🦊"}).status_code == 200  # a whole pair is fine
     assert httpx.get(server.url + "/health").status_code == 200
 
 
@@ -629,13 +655,19 @@ def test_sigterm_finishes_requests_in_flight_then_exits_0(checkpoint, tmp_path, 
 
 
 # ---------------------------------------------------------------------------- the playground
-def test_playground_streams_in_a_real_browser(server, tmp_path, solo):
-    """Headless chromium (apt's) types a prompt into the page at /, waits for the streamed text and
-    compares it with the server's greedy completion; the screenshot is saved under tmp_path."""
+def _chromium():
+    """playwright's sync API and apt's chromium, or a skip naming what is missing."""
     sync_api = pytest.importorskip("playwright.sync_api")
     chromium = next((p for p in ("/usr/bin/chromium", "/usr/bin/chromium-browser") if Path(p).exists()), None)
     if chromium is None:
         pytest.skip("no chromium at /usr/bin/chromium (apt-get install chromium)")
+    return sync_api, chromium
+
+
+def test_playground_streams_in_a_real_browser(server, tmp_path, solo):
+    """Headless chromium (apt's) types a prompt into the page at /, waits for the streamed text and
+    compares it with the server's greedy completion; the screenshot is saved under tmp_path."""
+    sync_api, chromium = _chromium()
     _, text, _ = solo("The cat", 40)
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
@@ -656,3 +688,80 @@ def test_playground_streams_in_a_real_browser(server, tmp_path, solo):
     assert shot.stat().st_size > 1000
     assert got == text, f"page: {got!r} != server greedy {text!r}"
     assert "tokens/s" in stats and "finish:" in stats, stats
+
+
+ESCAPE_AT_3 = """new MutationObserver((_, seen) => {
+    if (parseInt(document.getElementById("stats").textContent) >= 3) {
+        seen.disconnect(); document.dispatchEvent(new KeyboardEvent("keydown", {key: "Escape"}));
+    }
+}).observe(document.getElementById("stats"), {childList: true, characterData: true, subtree: true})"""
+
+
+def test_playground_checks_its_fields_and_shows_what_it_is_given_as_text(checkpoint, tmp_path):
+    """The page as a user meets it, in headless chromium: a model name holding HTML and a quote
+    shows as text (no script from it runs, the page's own still does); a field the browser finds
+    invalid (2.7 tokens, a seed past 2**53) is named and nothing is sent, while ``1e2`` is sent as
+    100; the defaults are valid; Ctrl+Enter generates; a stop string ends the text; the server's
+    400 for a lone surrogate is shown as its message; long words wrap at a phone's width; Stop
+    keeps the count."""
+    sync_api, chromium = _chromium()
+    name = 'my "model" </script><script>document.title="PWNED"</script>'
+    served = Served(checkpoint, tmp_path / "serve.log", "--model-name", name)
+    sent: list[dict] = []
+    try:
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+            try:
+                page = browser.new_page(viewport={"width": 375, "height": 800})
+                errors: list[str] = []
+                page.on("pageerror", lambda e: errors.append(str(e)))
+                page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+                page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/completions") else None)
+                page.goto(served.url + "/")
+                assert page.title() == "Wiola playground" and page.inner_text("#model") == name
+
+                def run(**fields: str) -> str:
+                    for field, value in fields.items():
+                        page.fill(f"#{field}", value)
+                    page.evaluate("delete document.getElementById('stats').dataset.done")
+                    page.click("#go")
+                    page.wait_for_selector("#stats[data-done]", timeout=60_000)
+                    return page.inner_text("#stats")
+
+                assert page.evaluate("[...document.querySelectorAll('input')].every((i) => i.checkValidity())")
+                for field, value, label in (("max_tokens", "2.7", "max tokens"), ("seed", "9007199254740993", "seed")):
+                    stats = run(**{field: value})
+                    assert stats.startswith(f"error: {label}: ") and not sent, (stats, sent)
+                    page.fill(f"#{field}", "" if field == "seed" else "64")
+                stats = run(max_tokens="1e2", temperature="0", top_k="0")
+                assert sent[-1]["max_tokens"] == 100 and sent[-1]["top_k"] == 0 and "seed" not in sent[-1], sent
+                assert "finish: length" in stats and stats.startswith("100 tokens in"), stats
+                plain = page.inner_text("#completion")
+                page.fill("#stop", plain[5:8].replace("\n", "\\n"))
+                page.fill("#max_tokens", "40")
+                page.focus("#prompt")
+                page.evaluate("delete document.getElementById('stats').dataset.done")
+                page.keyboard.press("Control+Enter")
+                page.wait_for_selector("#stats[data-done]", timeout=60_000)
+                assert sent[-1]["stop"] == plain[5:8] and page.inner_text("#completion") == plain[:5], sent[-1]
+                assert "finish: stop" in page.inner_text("#stats")
+                page.fill("#stop", "")
+                page.fill("#prompt", "https://example.com/" + "abcdefghij" * 8)
+                page.evaluate("document.getElementById('prompt').value += ' \\ud83d'")  # half an emoji
+                stats = run()
+                assert "error: prompt holds a lone UTF-16 surrogate (\\ud83d)" in stats, stats
+                assert page.evaluate("document.documentElement.scrollWidth <= document.documentElement.clientWidth")
+                page.fill("#prompt", "Once upon a time")
+                page.fill("#max_tokens", "200")
+                page.evaluate("delete document.getElementById('stats').dataset.done")
+                page.evaluate(ESCAPE_AT_3)  # in the page, so the stream cannot end first
+                page.click("#go")
+                page.wait_for_selector("#stats[data-done]", timeout=60_000)
+                stopped = page.inner_text("#stats")
+                page.screenshot(path=str(tmp_path / "playground-phone.png"), full_page=True)
+            finally:
+                browser.close()
+        assert stopped.startswith("stopped after ") and int(stopped.split()[2]) >= 3, stopped
+        assert errors == ["Failed to load resource: the server responded with a status of 400 (Bad Request)"], errors
+    finally:
+        assert served.stop() == 0, served.log.read_text()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import html
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -168,9 +169,36 @@ async def read_json(request: Request, limit: int) -> Any:
     if not text.strip():
         raise ApiError("the request body is empty: send a JSON object")
     try:
-        return json.loads(text)
+        body = json.loads(text)
     except json.JSONDecodeError as e:
         raise ApiError(f"the request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None
+    where = _lone_surrogate(body)
+    if where is not None:  # JSON's "\ud800" escape: a str that no tokenizer, and no UTF-8, can take
+        path, code = where
+        raise ApiError(
+            f"{path or 'the request body'} holds a lone UTF-16 surrogate ({code}): text must be valid Unicode",
+            None if path.startswith("a key") else path.split("[")[0].split(".")[0] or None,
+        )
+    return body
+
+
+def _lone_surrogate(value: Any, path: str = "") -> tuple[str, str] | None:
+    """``(where, "\\udXXX")`` for the first string in a JSON value holding a lone surrogate, e.g.
+    ``("messages[0].content", "\\ud83d")`` (a key: ``"a key in messages[0]"``); None when all are Unicode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:  # the only str UTF-8 refuses: one holding a surrogate
+            return path, f"\\u{ord(value[e.start]):04x}"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and (found := _lone_surrogate(key, f"a key in {path}" if path else "a key")):
+            return found
+        found = _lone_surrogate(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key)
+        if found is not None:
+            return found
+    return None
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -416,7 +444,7 @@ async def detokenize(request: Request) -> Response:
 
 async def playground(request: Request) -> Response:
     page = resources.files("wiola.serve").joinpath("static/index.html").read_text(encoding="utf-8")
-    return HTMLResponse(page.replace("{{MODEL}}", request.app.state.server.model_name))
+    return HTMLResponse(page.replace("{{MODEL}}", html.escape(request.app.state.server.model_name)))
 
 
 def create_app(server: Server) -> Starlette:

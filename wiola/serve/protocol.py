@@ -114,6 +114,12 @@ def _stop(body: dict) -> list[str]:
     return stops
 
 
+def _top_k(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value < -1:
+        raise ApiError(f"top_k must be 0 or -1 (no top-k filter) or a positive integer, got {value}", "top_k")
+    return _int({"top_k": value}, "top_k", None, 1)
+
+
 def parse_sampling(body: dict, *, default_max_tokens: int | None, logprobs: int | None) -> Sampling:
     """The settings both endpoints share. ``top_k`` of 0 or -1 means no top-k filter (vLLM's
     convention); ``seed`` seeds choice ``i`` with ``seed + i``."""
@@ -127,7 +133,7 @@ def parse_sampling(body: dict, *, default_max_tokens: int | None, logprobs: int 
         max_tokens=_int(body, "max_tokens", default_max_tokens, 0),
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", None, 0.0, 1.0, open_lo=True),
-        top_k=_int({"top_k": top_k}, "top_k", None, 1),
+        top_k=_top_k(top_k),
         seed=_int(body, "seed", None, -(2**63), 2**63 - 1),
         stop=_stop(body),
         n=_int(body, "n", 1, 1, MAX_N),
@@ -177,8 +183,9 @@ def parse_prompts(body: dict, encode, vocab_size: int) -> tuple[list[list[int]],
 def check_lengths(prompts: list[list[int]], max_tokens: int, max_len: int) -> None:
     for i, ids in enumerate(prompts):
         if len(ids) + max_tokens > max_len:
+            where = "the prompt" if len(prompts) == 1 else f"prompt[{i}]"
             raise ApiError(
-                f"prompt {i} has {len(ids)} tokens; with max_tokens={max_tokens} that is {len(ids) + max_tokens}, "
+                f"{where} has {len(ids)} tokens; with max_tokens={max_tokens} that is {len(ids) + max_tokens}, "
                 f"past the model's context of {max_len} tokens",
                 "max_tokens",
                 code="context_length_exceeded",
