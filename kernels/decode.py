@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from wiola_kernels._utils import FLOAT_DTYPES, LaunchConfig, empty, fail, sm_count
+from wiola_kernels.attention import SUPPORTED_HEAD_DIMS
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 16  # query rows per program (tl.dot needs >= 16; decoding has T = 1, so most are masked)
@@ -298,8 +299,8 @@ def _check(op: str, q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start) -> 
     B, T, H, D = q.shape
     if k.shape != q.shape or v.shape != q.shape:
         fail(op, f"k {tuple(k.shape)} and v {tuple(v.shape)} must match q {tuple(q.shape)}")
-    if D not in (16, 32, 64, 128):
-        fail(op, f"head width D={D} is not supported by the decode kernel (16, 32, 64 or 128)")
+    if D not in SUPPORTED_HEAD_DIMS:
+        fail(op, f"head width D={D} is not supported by the decode kernel (supported: {SUPPORTED_HEAD_DIMS})")
     if g.shape != (B, T, H) or g.dtype != torch.float32:
         fail(op, f"g must be float32 of shape {(B, T, H)}, got {g.dtype} {tuple(g.shape)}")
     if cos.shape != (B, T, D // 2) or sin.shape != cos.shape:

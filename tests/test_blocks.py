@@ -283,6 +283,18 @@ def test_derived_weights_follow_updates_and_stay_off_parameters():
     for p in model.parameters():  # in place: the version counter moves, the copies are rebuilt
         p.mul_(1.1)
     assert_close("decoded logits after an in-place update", full(), decode(), FP32)
+    with torch.enable_grad():  # a training step written through .data, which has no version counter
+        model(ids, labels=ids).loss.backward()
+    for p in model.parameters():
+        p.data.add_(p.grad, alpha=-0.5)
+        p.grad = None
+    decoded = decode()  # before full(), whose forward with gradients would rebuild the copies anyway
+    assert_close("decoded logits after a step through .data", full(), decoded, FP32)
+    for p in model.parameters():  # .data with no training step between: clear() is the documented way
+        p.data.mul_(1.1)
+    model.derived_weights.clear()
+    decoded = decode()
+    assert_close("decoded logits after .data and clear()", full(), decoded, FP32)
     clone = copy.deepcopy(model)
     assert len(clone.derived_weights) == 0, "a deep copy carried the derived weights"
     assert clone.layers[0].attn.derived is clone.derived_weights, "the copy's modules share another store"

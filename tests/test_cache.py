@@ -74,3 +74,24 @@ def test_cache_buffers_are_static(model_13m):
             model_13m(torch.randint(0, 32000, (1, 1)), cache=cache)
     assert ptrs == [cache.k.data_ptr(), cache.v.data_ptr(), cache.gate_sum.data_ptr()]
     assert cache.length == 8
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("n_layers", [1, 2])
+def test_backward_through_a_cached_forward_is_refused_by_name(fast, n_layers):
+    """Each layer writes the cache in place: a backward through a cached forward raises a message
+    that says so (not autograd's in-place error, nor, with one layer, gradients of the new tokens
+    only); the forward itself, and under no_grad, is unchanged."""
+    import wiola.fast
+
+    torch.manual_seed(0)
+    cfg = WiolaConfig(vocab_size=97, d_model=32, n_layers=n_layers, n_heads=2, d_ff=48, max_seq_len=32)
+    model = (wiola.fast.WiolaModel if fast else WiolaModel)(cfg)
+    ids = torch.randint(0, 97, (2, 9))
+    out = model(ids, labels=ids, cache=model.new_cache(2), return_logits=True)
+    with torch.no_grad():
+        plain = model(ids, cache=model.new_cache(2)).logits
+    assert torch.equal(out.logits.detach(), plain) and not plain.requires_grad
+    for t in (out.loss, out.logits.sum()):
+        with pytest.raises(RuntimeError, match="backward through a forward with a cache is not supported"):
+            t.backward(retain_graph=True)

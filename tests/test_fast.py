@@ -17,6 +17,7 @@ from numerics import DEVICE, TOL, assert_close, rel_err
 from wiola import WiolaConfig
 from wiola import WiolaModel as Reference
 from wiola.fast import WiolaModel as Fast
+from wiola.fast import ops as fast_ops
 from wiola.fast import use_kernels
 
 CONFIG = dict(vocab_size=1000, d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=256)
@@ -98,6 +99,27 @@ def test_gate_variants_match_reference(overrides):
     ids, mask = _batch(2, 9, "left")
     with torch.no_grad():
         assert_close("logits", ref(ids, attention_mask=mask).logits, fast(ids, attention_mask=mask).logits, FP32)
+
+
+@pytest.mark.parametrize("n_heads", [8, 2], ids=["head-width-8", "head-width-32"])
+def test_head_widths_the_attention_kernels_lack_run_the_torch_attention(n_heads):
+    """d_model 64 with 8 heads is a head width of 8, which the attention kernels are not built for:
+    attention (and decoding's) runs the PyTorch path, the other kernels stay, and the model still
+    matches the reference forward, backward and in cached decoding (32 runs every kernel)."""
+    ref, fast = _models(n_heads=n_heads)
+    assert (ref.config.head_dim in fast_ops.ATTENTION_HEAD_DIMS) == (n_heads == 2)
+    ids, mask = _batch(3, 17, "left")
+    r, f = ref(ids, attention_mask=mask, labels=ids), fast(ids, attention_mask=mask, labels=ids)
+    assert_close("loss[fused]", r.loss.detach(), f.loss.detach(), FP32)
+    r.loss.backward()
+    f.loss.backward()
+    _assert_grads_equal(ref, fast, FP32)
+    with torch.no_grad():
+        full = ref(ids, attention_mask=mask).logits
+        cache = fast.new_cache(3, 32)
+        got = torch.cat([fast(ids[:, :9], attention_mask=mask[:, :9], cache=cache).logits,
+                         fast(ids[:, 9:], attention_mask=mask, cache=cache).logits], dim=1)  # fmt: skip
+    assert_close("cached logits", full[mask.bool()], got[mask.bool()], FP32)
 
 
 @torch.no_grad()
@@ -344,16 +366,17 @@ def _within_reference_error(name: str, exact: torch.Tensor, ref: torch.Tensor, f
     )
 
 
-@cuda
 @pytest.mark.parametrize("B,T", [(3, 17), (2, 130)], ids=["B3-T17", "B2-T130"])
-def test_cuda_bf16_autocast_matches_reference(B, T):
+def test_bf16_autocast_matches_reference(B, T):
+    """On a GPU the kernels under bf16 autocast; on a CPU (Triton's interpreter, whose NumPy has no
+    bfloat16, so the fast model takes the PyTorch path there) the same check."""
     ref, fast = _models()
     exact = Reference(ref.config).to(DEVICE, torch.float64)
     exact.load_state_dict(ref.state_dict())
     ids, mask = _batch(B, T, "left")
     e = exact(ids, attention_mask=mask, labels=ids)
     e.loss.backward()
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
         r = ref(ids, attention_mask=mask, labels=ids)
         f = fast(ids, attention_mask=mask, labels=ids)
         with torch.no_grad():

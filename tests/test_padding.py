@@ -82,3 +82,24 @@ def test_right_padding_gives_the_loss_of_the_unpadded_rows():
         total += -logp.gather(1, r[1:, None]).sum().item()
         count += len(r) - 1
     assert abs(padded.item() - total / count) < 1e-5
+
+
+def test_left_padding_gives_the_loss_of_the_unpadded_rows():
+    """A left-padded row's first real token is predicted from padding, which the row alone never
+    does: that term is left out, so the batch's loss is the rows' alone (both classes; the fast
+    model's fused loss without logits too)."""
+    import wiola.fast
+
+    model, rows = model_and_rows()
+    ids, mask = left_pad(rows, pad_id=7)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for r in rows:
+            logp = torch.log_softmax(model(r[None]).logits[0, :-1].double(), -1)
+            total += -logp.gather(1, r[1:, None]).sum().item()
+            count += len(r) - 1
+        fast = wiola.fast.WiolaModel(model.config).eval()
+        fast.load_state_dict(model.state_dict())
+        for m, return_logits in ((model, True), (fast, True), (fast, False)):
+            loss = m(ids, attention_mask=mask, labels=ids, return_logits=return_logits).loss.item()
+            assert abs(loss - total / count) < 1e-5, (type(m).__module__, return_logits, loss, total / count)

@@ -75,11 +75,14 @@ class DerivedWeights:
     that CPU decoding reads (and, in ``wiola.fast``, the C++ step bound to a cache). Not part of
     the state dict; copies and pickles of the model start empty.
 
-    ``get(key, build, *sources)`` is plain ``build()`` with gradients on and while tracing. In
-    inference (CPU or GPU) it returns the value built earlier for ``key`` while every source
-    keeps its storage and version counter; in-place updates (optimizer steps,
-    ``load_state_dict``) bump the counter, and the sources are referenced so that a freed
-    storage's address cannot come back as a false match. Sources without a version counter
+    ``get(key, build, *sources)`` is plain ``build()`` with gradients on and while tracing; with
+    gradients on (a training forward) it also forgets every value kept. In inference (CPU or GPU) it returns the value built
+    earlier for ``key`` while every source keeps its storage and version counter; in-place updates
+    (optimizer steps, ``load_state_dict``) bump the counter, and the sources are referenced so that
+    a freed storage's address cannot come back as a false match. A write through ``p.data`` does
+    not bump ``p``'s counter: a training step (a forward with gradients) between such writes and
+    inference makes ``get`` build again; other ``.data`` writes (an EMA copy, ``p.data.mul_``) need
+    ``clear()`` before the next inference forward. Sources without a version counter
     (made under ``torch.inference_mode``) are never cached. During CUDA-graph capture a value
     that is missing or stale is built (into the graph) but not kept: values are built outside
     capture (the capture's warm-up steps), so a captured graph reads a tensor that stays put.
@@ -91,6 +94,8 @@ class DerivedWeights:
 
     def get(self, key: Hashable, build: Callable[[], Any], *sources: torch.Tensor, extra: tuple = ()) -> Any:
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            if not torch.compiler.is_compiling():
+                self._tensors.clear()  # a training step: the weights may change through .data
             return build()
         if any(t.is_inference() for t in sources):
             return build()
@@ -445,6 +450,25 @@ class Block(nn.Module):
         return self.ffn(x), residual
 
 
+class _NoBackwardThroughCache(torch.autograd.Function):
+    """The identity, whose backward refuses by name: a forward with a cache writes each layer's
+    keys and values into the cache's tensors in place, after earlier layers' attention saved
+    views of them for their backward, so autograd would otherwise fail with a message about an
+    in-place change (or, with one layer, differentiate the new tokens only)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(
+            "backward through a forward with a cache is not supported: the cache is written in place "
+            "layer by layer. Train without a cache (labels over the whole sequence), or run cached "
+            "forwards under torch.no_grad()"
+        )
+
+
 class WiolaModel(nn.Module):
     """Wiola language model. ``forward``, ``generate``, ``save_pretrained``/``from_pretrained``.
 
@@ -588,6 +612,8 @@ class WiolaModel(nn.Module):
             labels: ``(B, T)`` aligned with ``input_ids`` and shifted inside (position ``t``
                 predicts ``labels[t + 1]``); ``-100`` and padding positions are ignored.
             cache: a ``Cache``; the new tokens are appended and attend to everything cached.
+                Inference only: a backward pass through a forward with a cache raises (each
+                layer writes the cache in place, changing what earlier layers saved for it).
             return_logits: compute the ``(B, T, V)`` logits. Defaults to True here; the fast
                 model defaults to False when labels are given (fused loss, no logits).
             logits_to_keep: if positive, logits only for the last ``logits_to_keep`` positions
@@ -614,6 +640,9 @@ class WiolaModel(nn.Module):
         with context:
             x = self._hidden_states(input_ids, attention_mask, cache)
             logits, loss = self._head(x, input_ids, attention_mask, labels, return_logits, logits_to_keep)
+        if cache is not None and torch.is_grad_enabled():
+            logits, loss = (_NoBackwardThroughCache.apply(t) if t is not None and t.requires_grad else t
+                            for t in (logits, loss))  # fmt: skip
         return ModelOutput(logits=logits, loss=loss, cache=cache)
 
     def _hidden_states(
@@ -707,7 +736,9 @@ class WiolaModel(nn.Module):
     def _shifted_labels(
         self, labels: torch.Tensor, attention_mask: torch.Tensor | None, input_ids: torch.Tensor
     ) -> torch.Tensor:
-        """``labels[:, 1:]`` with padding positions set to -100: ``(B, T - 1)`` int64."""
+        """``labels[:, 1:]`` with -100 where the target or the position predicting it is padding:
+        ``(B, T - 1)`` int64. A left-padded row's first real token is predicted from padding, which
+        the row alone never does, so its loss is the row's alone."""
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} does not match input_ids {tuple(input_ids.shape)}")
         if labels.dtype.is_floating_point or labels.dtype == torch.bool:
@@ -721,6 +752,8 @@ class WiolaModel(nn.Module):
                 raise ValueError(
                     f"label {int(labels[bad][0])} is outside [0, vocab_size={self.config.vocab_size}) and is not -100"
                 )
+        if attention_mask is not None:
+            return labels[:, 1:].masked_fill(~attention_mask[:, :-1], -100)
         return labels[:, 1:]
 
     # ------------------------------------------------------------- decoding

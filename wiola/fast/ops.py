@@ -84,6 +84,13 @@ else:  # pragma: no cover - an install without kernels/ still gets the torch pat
         return False
 
 
+# The head widths the attention kernels (training, prefill and decoding) are built for; another
+# width (d_model 48 with 2 heads: 24) runs those ops on the PyTorch path, the other kernels stay.
+if "attention" in KERNELS:
+    from wiola_kernels.attention import SUPPORTED_HEAD_DIMS as ATTENTION_HEAD_DIMS
+else:
+    ATTENTION_HEAD_DIMS: tuple[int, ...] = ()
+
 _KERNELS_ON: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "wiola_fast_kernels", default=os.environ.get("WIOLA_FAST_KERNELS", "1") not in ("0", "")
 )
@@ -119,6 +126,8 @@ _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def _kernel(name: str, t: torch.Tensor) -> Callable[..., Any] | None:
     if t.dtype in _KERNEL_DTYPES and kernels_usable(t) and kernels_on():
+        if not t.is_cuda and torch.bfloat16 in (t.dtype, autocast_dtype(t)):
+            return None  # Triton's interpreter runs on NumPy, which has no bfloat16: the results would be wrong
         return KERNELS.get(name)
     return None
 
@@ -222,7 +231,7 @@ class _Ops:
     ) -> torch.Tensor:
         """``wiola.ops.attention``: the fused helical-RoPE gated flash-attention kernel where usable,
         else SDPA on the rotated, gate-scaled queries."""
-        kernel = self._kernel("attention", q)
+        kernel = self._kernel("attention", q) if q.shape[-1] in ATTENTION_HEAD_DIMS else None
         if kernel is not None:
             return kernel(q, k, v, g, cos, sin, attention_mask)
         q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -258,7 +267,7 @@ class _Ops:
         attention variant (``mask=None``) and does not read ``key_mask``.
         """
         T = q.shape[1]
-        decode = self._kernel("decode_attention", q)
+        decode = self._kernel("decode_attention", q) if q.shape[-1] in ATTENTION_HEAD_DIMS else None
         if decode is not None:
             flash = self._kernel("attention", q)
             if flash is not None and isinstance(start, int) and start == 0 and T > 1:
