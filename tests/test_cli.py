@@ -143,3 +143,19 @@ def test_chat_checks_sampling_flags_before_loading(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(wiola.train.finetune, "load_finetuned", lambda *_, **__: pytest.fail("loaded first"))
     _refuses(["chat", "--checkpoint", str(tmp_path), "--top-k", "0"], capsys, "--top-k 0: top_k must be a positive")
     _refuses(["chat", "--checkpoint", str(tmp_path), "--temperature", "inf"], capsys, "--temperature inf:")
+
+
+def test_tokenizer_train_says_when_the_corpus_gives_fewer_ids_than_asked(tmp_path, capsys):
+    """BPE stops when no pair is left to merge: a --vocab-size the text cannot fill is not met
+    silently; the note names both sizes and the vocabulary a model for it needs."""
+    from wiola.cli import main
+    from wiola.tokenizer import load_tokenizer
+
+    (tmp_path / "c.txt").write_text("abc abd\n")
+    out = tmp_path / "tok"
+    assert main(["tokenizer", "train", "--data", str(tmp_path / "c.txt"), "--vocab-size", "5000", "--out", str(out),
+                 "--no-progress"]) == 0  # fmt: skip
+    n = load_tokenizer(out).vocab_size
+    err = capsys.readouterr().err
+    assert n < 5000 and "--vocab-size 5,000 asked for more ids than this corpus gives" in err, err
+    assert f"vocab_size >= {n:,}" in err, err

@@ -62,6 +62,12 @@ def run_train(args: argparse.Namespace) -> int:
     tokenizer.name = out.name
     tokenizer.save(out)
     print(f"tokenizer: {tokenizer.vocab_size:,} ids (<unk> 0, <s> 1, </s> 2, <pad> 3) written to {out}")
+    if tokenizer.vocab_size < args.vocab_size:  # BPE stops when no pair is left to merge
+        print(
+            f"note: --vocab-size {args.vocab_size:,} asked for more ids than this corpus gives: its text has no "
+            f"pair left to merge after {tokenizer.vocab_size:,}; a model for it needs vocab_size >= {tokenizer.vocab_size:,}",
+            file=sys.stderr,
+        )
     print(
         f"trained on {seen['documents']:,} documents; fingerprint {tokenizer.fingerprint[:16]}; "
         f"train with it: wiola train --tokenizer {out}",
