@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 import torch
 
@@ -65,6 +68,54 @@ def test_flops_by_hand_for_a_small_shape():
 def test_invalid_configs_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         WiolaConfig.preset("tiny", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(gate="False"), "gate must be true or false, got 'False'"),
+        (dict(gate_pre_rope=1), "gate_pre_rope must be true or false, got 1"),
+        (dict(n_layers=True), "n_layers must be an int, got True"),
+        (dict(rope_base=math.inf), "rope_base must be a finite number, got inf"),
+        (dict(helix_alpha=math.nan), "helix_alpha must be a finite number, got nan"),
+        (dict(norm_eps=math.nan), "norm_eps must be a finite number, got nan"),
+        (dict(init_std="0.02"), "init_std must be a finite number, got '0.02'"),
+        (dict(rope_base=10**400), f"rope_base must be a finite number, got {10**400!r}"),
+        (dict(eos_token_id="2"), "eos_token_id must be an int or None, got '2'"),
+        (dict(pad_token_id=1.0), "pad_token_id must be an int or None, got 1.0"),
+        (dict(ffn=None), "ffn must be a string, got None"),
+        (dict(width=3), "unknown WiolaConfig fields: ['width']"),
+    ],
+    ids=lambda v: str(v)[:30],
+)
+def test_fields_of_the_wrong_kind_are_refused_by_name(kwargs, message):
+    """A value of another kind (a config file's "False", a NaN) is refused with the field's name,
+    not stored (the string "False" is truthy: a gated model) or left to fail inside the model."""
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        WiolaConfig.preset("tiny", **kwargs)
+    if "width" not in kwargs:
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            WiolaConfig.from_dict({**WiolaConfig().to_dict(), **kwargs})
+
+
+def test_an_int_where_a_float_goes_is_stored_as_a_float():
+    cfg = WiolaConfig.preset("tiny", rope_base=20000, helix_alpha=0)
+    assert (cfg.rope_base, cfg.helix_alpha) == (20000.0, 0.0)
+    assert type(cfg.rope_base) is float and type(cfg.helix_alpha) is float
+
+
+def test_check_field_types_refuses_a_type_it_does_not_know():
+    """A field of a type the check has no rule for fails loudly, rather than going unchecked."""
+    import dataclasses
+
+    from wiola.config import check_field_types
+
+    @dataclasses.dataclass
+    class Pair:
+        sizes: tuple[int, int] = (1, 2)
+
+    with pytest.raises(TypeError, match=r"Pair.sizes: check_field_types does not know the type tuple\[int, int\]"):
+        check_field_types(Pair())
 
 
 def test_presets_and_dict_round_trip():

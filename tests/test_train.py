@@ -21,6 +21,7 @@ from wiola.config import PRESETS, WiolaConfig
 from wiola.train import TrainConfig, train
 from wiola.train.corpus import write_sample_corpus
 from wiola.train.env import model_class
+from wiola.train.loop import TrainingDiverged
 from wiola.train.optim import WarmupCosine, build_optimizer
 
 pytestmark = pytest.mark.usefixtures("one_thread", "offline_tokenizer")
@@ -350,6 +351,55 @@ def test_init_takes_the_default_window_from_the_checkpoint(runs, corpus, cache, 
         assert _snapshot(out) == before, "the refused run changed its --init checkpoint's folder"
 
 
+def test_an_init_run_writes_its_run_record(runs, corpus, cache, tmp_path) -> None:
+    """A run started from --init opens metrics.jsonl with its run record, as a fresh run does
+    (settings, model, parameters, data; ``init``: the folder the weights came from), then its
+    reference lines."""
+    full = runs[0]
+    init = str(full.out_dir)  # a run folder: its latest checkpoint
+    cfg = _cfg(corpus, cache, tmp_path / "run", init=init, model={}, steps=1, eval_every=100)
+    result = train(cfg, log=_quiet, references={"unigram entropy": 7.5})
+    rows = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in rows] == ["run", "reference", "train", "eval"]
+    record, fresh = rows[0], _metric_rows(full.out_dir)[0]
+    assert record["init"] == str(full.checkpoint) and record["config"]["init"] == init
+    assert (record["model_config"], record["parameters"], record["data"]) == (
+        fresh["model_config"],
+        fresh["parameters"],
+        fresh["data"],
+    )
+    assert fresh["init"] is None, "a fresh run's record says it was not initialised from a checkpoint"
+    assert rows[1] == {"kind": "reference", "step": 0, "name": "unigram entropy", "value": 7.5}
+
+
+def test_resume_with_nothing_to_do_says_so_last(runs, corpus, cache, tmp_path) -> None:
+    """Resuming a finished run: the model line, then "nothing to do" as the last word."""
+    folder = tmp_path / "run"
+    shutil.copytree(runs[0].out_dir, folder)
+    lines: list[str] = []
+    result = train(_cfg(corpus, cache, folder), resume=folder, log=lines.append)
+    assert result.step == 6 and not result.interrupted
+    assert lines[-2].startswith("model: "), lines
+    assert lines[-1] == "the checkpoint is at step 6 and the run has 6 steps: nothing to do (raise --steps)", lines
+
+
+def test_an_init_run_resumes_after_its_init_checkpoint_is_gone(runs, corpus, cache, tmp_path, capsys) -> None:
+    """A run started with --init resumes from its own checkpoint: its model and tokenizer are read
+    there, so the --init folder may since have been moved or deleted."""
+    from wiola.cli import main
+
+    source = tmp_path / "source"
+    shutil.copytree(runs[0].checkpoint, source)
+    quiet = ["--no-progress", "--no-plots", "--device", "cpu", "--batch-size", "4", "--eval-windows", "2"]
+    out = tmp_path / "run"
+    command = ["train", "--data", str(corpus), "--cache-dir", str(cache), *quiet]
+    assert main([*command, "--init", str(source), "--steps", "1", "--out", str(out)]) == 0, capsys.readouterr().err
+    shutil.rmtree(source)
+    assert main([*command, "--resume", str(out), "--steps", "2"]) == 0, capsys.readouterr().err
+    trainer = json.loads((out / "checkpoints" / "step_0000002" / "trainer.json").read_text())
+    assert trainer["step"] == 2
+
+
 def test_a_refused_run_leaves_no_out_folder(tmp_path, capsys) -> None:
     from wiola.cli import main
 
@@ -388,6 +438,170 @@ def test_bad_settings() -> None:
         TrainConfig(betas=[0.9])
     with pytest.raises(ValueError, match="unknown training settings"):
         TrainConfig.from_dict({"learning_rate": 1.0})
+
+
+# A setting of the wrong kind or out of range (a config file's value, a flag's NaN) and the message
+# that refuses it; NaN and infinity pass comparisons such as ``lr > 0``, so they are named too.
+WRONG_SETTINGS = [
+    ({"lr": math.inf}, "lr must be a finite number, got inf"),
+    ({"lr": math.nan}, "lr must be a finite number, got nan"),
+    ({"lr": "abc"}, "lr must be a finite number, got 'abc'"),
+    ({"grad_clip": math.nan}, "grad_clip must be a finite number, got nan"),
+    ({"weight_decay": math.nan}, "weight_decay must be a finite number, got nan"),
+    ({"warmup": math.nan}, "warmup must be a finite number, got nan"),
+    ({"eps": math.nan}, "eps must be a finite number, got nan"),
+    ({"eps": 0}, "eps must be positive, got 0.0"),
+    ({"min_lr_ratio": -math.inf}, "min_lr_ratio must be a finite number, got -inf"),
+    ({"val_fraction": math.nan}, "val_fraction must be a finite number, got nan"),
+    ({"peak_flops": math.inf}, "peak_flops must be a finite number or None, got inf"),
+    ({"peak_flops": -1}, "peak_flops (FLOP/s of one device, for MFU) must be positive, got -1"),
+    ({"peak_flops": 0}, "peak_flops (FLOP/s of one device, for MFU) must be positive, got 0"),
+    ({"num_threads": 0}, "num_threads (tokeniser threads) must be a positive int, got 0"),
+    ({"shuffle": "false"}, "shuffle must be true or false, got 'false'"),
+    ({"plots": 0}, "plots must be true or false, got 0"),
+    ({"betas": 0.9}, "betas must be a list of finite numbers, got 0.9"),
+    ({"betas": [0.9, math.nan]}, "betas must be a list of finite numbers, got [0.9, nan]"),
+    ({"steps": 5.5}, "steps must be an int, got 5.5"),
+    ({"seq_len": "64"}, "seq_len must be an int or None, got '64'"),
+    ({"seed": -1}, "seed must be an int in [0, 2**64), got -1"),
+    ({"device": "tpu"}, "device must be cpu, cuda or cuda:N (N the GPU's index), got 'tpu'"),
+    ({"device": "cuda:x"}, "device must be cpu, cuda or cuda:N (N the GPU's index), got 'cuda:x'"),
+    ({"model": [1]}, "model must be a JSON object (a dict), got [1]"),
+    ({"model": {"gate": "False"}}, "gate must be true or false, got 'False'"),
+    ({"model": {"width": 3}}, "unknown WiolaConfig fields: ['width']"),
+]
+
+
+@pytest.mark.parametrize("settings, message", WRONG_SETTINGS, ids=lambda v: str(v)[:40])
+def test_wrong_settings_are_refused_by_name(settings, message) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        TrainConfig.from_dict(settings)
+
+
+def test_settings_of_a_near_kind_are_stored_as_their_field_s() -> None:
+    """An int where a float goes and a tuple of betas: accepted and stored as float and list, so
+    the checkpoint's JSON and a resumption's comparison see one kind."""
+    cfg = TrainConfig.from_dict({"lr": 1, "betas": (0.9, 0.99), "peak_flops": 10**15, "device": "cuda:1"})
+    assert (cfg.lr, cfg.betas, cfg.peak_flops) == (1.0, [0.9, 0.99], 1e15)
+    assert type(cfg.lr) is float and type(cfg.peak_flops) is float and type(cfg.betas) is list
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize(
+    "flags, file_settings, message",
+    [
+        (["--lr", "inf"], None, "lr must be a finite number, got inf"),
+        (["--grad-clip", "nan"], None, "grad_clip must be a finite number, got nan"),
+        (["--weight-decay", "nan"], None, "weight_decay must be a finite number, got nan"),
+        (["--warmup", "nan"], None, "warmup must be a finite number, got nan"),
+        (["--eps", "nan"], None, "eps must be a finite number, got nan"),
+        (["--peak-flops", "-1"], None, "peak_flops (FLOP/s of one device, for MFU) must be positive, got -1"),
+        (["--num-threads", "0"], None, "num_threads (tokeniser threads) must be a positive int, got 0"),
+        (["--device", "tpu"], None, "device must be cpu, cuda or cuda:N (N the GPU's index), got 'tpu'"),
+        (["--model", "gate=yes"], None, "gate must be true or false, got 'yes'"),
+        (["--model", "d_model=wide"], None, "d_model must be an int, got 'wide'"),
+        ([], {"shuffle": "false"}, "shuffle must be true or false, got 'false'"),
+        ([], {"lr": "abc"}, "lr must be a finite number, got 'abc'"),
+        ([], {"betas": 0.9}, "betas must be a list of finite numbers, got 0.9"),
+        ([], {"model": [1]}, "model must be a JSON object (a dict), got [1]"),
+    ],
+    ids=lambda v: str(v)[:40],
+)
+def test_cli_refuses_wrong_settings_before_any_work(flags, file_settings, message, corpus, tmp_path, capsys) -> None:
+    """Exit 2 with one line naming the setting; nothing tokenised and no --out folder made."""
+    from wiola.cli import main
+
+    if file_settings is not None:
+        (tmp_path / "c.json").write_text(json.dumps(file_settings))
+        flags = [*flags, "--config", str(tmp_path / "c.json")]
+    fresh, out = tmp_path / "c", tmp_path / "runs" / "x"
+    assert main([*_train_command(corpus, fresh, out, "--steps", "2"), *flags]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"wiola train: error: {message}"]
+    assert not (tmp_path / "runs").exists(), "the refused run created its --out folder"
+    assert _fresh_cache_untouched(fresh), "tokenisation started before the settings were checked"
+
+
+def test_model_flags_take_true_and_false_in_any_case() -> None:
+    from wiola.cli.train import config_from_args
+
+    flags = ["--model", "gate=False", "--model", "gate_pre_rope=TRUE", "--model", "ffn=gelu"]
+    cfg = config_from_args(_parse(["train", "--preset", "tiny", *flags, "--model", "rope_base=5e3"]))
+    assert cfg.model == {"gate": False, "gate_pre_rope": True, "ffn": "gelu", "rope_base": 5e3}
+    model = cfg.model_config()
+    assert model.gate is False and model.gate_pre_rope is True and model.rope_base == 5000.0
+
+
+# ------------------------------------------------------------------------------------- divergence
+def _strict_json(text: str) -> dict:
+    """``text`` as JSON proper: Python's json writes and reads NaN and Infinity, which are not JSON
+    (other readers refuse the whole line)."""
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON: {text}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _strict_json_lines(path: Path) -> list[dict]:
+    return [_strict_json(line) for line in path.read_text().splitlines()]
+
+
+def test_a_diverging_run_stops_with_exit_1_and_keeps_its_good_checkpoint(corpus, cache, tmp_path, capsys) -> None:
+    """--lr 1e6: the weights turn NaN in step 3, so the loss of the step-4 log line is NaN. The run
+    stops there, exit 1, with one line saying what to change and where the last checkpoint is;
+    metrics.jsonl stays JSON, and the step-2 checkpoint stays the latest (a step-4 one would have
+    rotated it out: --keep 1)."""
+    from wiola.cli import main
+
+    out = tmp_path / "run"
+    flags = ["--lr", "1e6", "--warmup", "0", "--steps", "8", "--log-every", "2", "--save-every", "2", "--keep", "1"]
+    assert main(_train_command(corpus, cache, out, *flags, "--eval-every", "100")) == 1
+    good = out / "checkpoints" / "step_0000002"
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "wiola train: error: the training loss is nan at step 4: the run diverged; lower --lr (now 1e+06), then "
+        f"start again or go on from the last checkpoint before it, step 2, with --init {good} and a new --out "
+        "(without --model)"
+    ]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_0000002"]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_0000002"
+    assert all(bool(w.isfinite().all()) for w in _weights(good).values())
+    assert _strict_json((good / "trainer.json").read_text())["step"] == 2
+    assert [(r["kind"], r["step"]) for r in _strict_json_lines(out / "metrics.jsonl")] == [("run", 0), ("train", 2)]
+
+
+@pytest.mark.parametrize(
+    "every, message",
+    [
+        # The gradient of step 3 is NaN; its loss, computed before it, is not.
+        ({"log_every": 1}, "the gradient norm is nan at step 3"),
+        ({"log_every": 1, "grad_clip": 0.0}, "the gradient norm of layer 0 is nan at step 3"),
+        ({"eval_every": 1}, "the validation loss is nan at step 3"),
+        ({"save_every": 1}, "the model's weights are not finite at step 3"),
+    ],
+    ids=["log", "log-no-clip", "eval", "save"],
+)
+def test_divergence_is_caught_where_the_numbers_reach_the_host(every, message, corpus, cache, tmp_path) -> None:
+    """The weights turn NaN in step 3 (lr 1e6). A log line catches it in the gradient norm, an
+    evaluation in the validation loss, a checkpoint in the weights; none of them writes it."""
+    settings = {"lr": 1e6, "warmup": 0, "steps": 8, "log_every": 100, "eval_every": 100, "save_every": 100, **every}
+    out = tmp_path / "run"
+    with pytest.raises(TrainingDiverged) as caught:
+        train(_cfg(corpus, cache, out, **settings), log=_quiet)
+    clip = "" if settings.get("grad_clip", 1.0) else " or clip the gradients (--grad-clip 1)"
+    saved = every.get("save_every") == 1
+    good = out / "checkpoints" / "step_0000002"
+    way_on = (
+        f"start again or go on from the last checkpoint before it, step 2, with --init {good} and a new --out "
+        "(without --model)"
+        if saved
+        else "start again (no checkpoint was saved before it)"
+    )
+    assert str(caught.value) == f"{message}: the run diverged; lower --lr (now 1e+06){clip}, then {way_on}"
+    assert caught.value.step == 3 and caught.value.checkpoint == (good if saved else None)
+    kept = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+    assert kept == (["step_0000001", "step_0000002"] if saved else []), kept
+    rows = _strict_json_lines(out / "metrics.jsonl")
+    assert all(r["step"] < 3 for r in rows), "a line of the diverged step was written"
 
 
 def test_batch_and_window_checks(corpus, tmp_path) -> None:
@@ -584,6 +798,26 @@ def test_demo_again_replaces_its_own_folder_and_no_other(tmp_path, monkeypatch, 
     assert "already holds a run" in capsys.readouterr().err
     assert (other / "metrics.jsonl").read_bytes() == before
     assert main(["demo", *flags, "--out", str(other), "--overwrite"]) == 0
+
+
+def test_demo_that_diverges_exits_1_with_one_line(tmp_path, monkeypatch, capsys) -> None:
+    """The demo has no --lr to lower: a diverged run (its learning rate raised here) ends with exit
+    1 and one line naming the step, not the train command's advice or a traceback."""
+    import wiola.cli.demo
+    from wiola.cli import main
+
+    build = wiola.cli.demo._demo_config
+
+    def diverging(args, device):
+        cfg = build(args, device)
+        cfg.lr = 1e6
+        return cfg
+
+    monkeypatch.setattr(wiola.cli.demo, "_demo_config", diverging)
+    flags = ["--steps", "6", "--samples", "1", "--cache-dir", str(tmp_path / "c"), "--no-progress", "--device", "cpu"]
+    assert main(["demo", *flags, "--out", str(tmp_path / "d")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("wiola demo: error: the demo's training diverged at step "), err
 
 
 def test_demo_tokenizer_error_says_what_to_set(monkeypatch) -> None:

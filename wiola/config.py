@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -34,6 +38,79 @@ def dataclass_from_dict(cls: type[_Settings], data: dict[str, Any], unknown_mess
     return cls(**data)
 
 
+_WRONG = object()  # what ``_checked`` returns for a value of another kind
+_KIND_NAMES: dict[Any, str] = {
+    bool: "true or false",
+    int: "an int",
+    float: "a finite number",
+    str: "a string",
+    list[float]: "a list of finite numbers",
+    dict: "a JSON object (a dict)",
+}
+
+
+def check_field_types(settings: Any) -> None:
+    """Check every field of the dataclass instance ``settings`` against its declared type.
+
+    ``bool`` takes only ``True``/``False`` (not ``"false"``, not 0); ``int`` an int that is not a
+    bool; ``float`` a finite int or float (stored as a float: a comparison such as ``lr > 0`` lets
+    NaN and infinity through); ``str`` a string; ``list[float]`` a list or tuple of those floats
+    (stored as a list); ``dict[...]`` a dict; ``X | None`` also ``None``. Raises ``ValueError``
+    naming the first field that does not fit, so a JSON file or a flag holding the wrong kind of
+    value is refused with its name rather than a ``TypeError`` from deep inside."""
+    for name, kind in _field_kinds(type(settings)).items():
+        value = getattr(settings, name)
+        optional = type(None) in typing.get_args(kind)
+        if optional and value is None:
+            continue
+        if optional:
+            kind = next(k for k in typing.get_args(kind) if k is not type(None))
+        checked = _checked(value, kind)
+        if checked is _WRONG:
+            expected = _KIND_NAMES.get(kind) or _KIND_NAMES[dict]
+            raise ValueError(f"{name} must be {expected}{' or None' if optional else ''}, got {value!r}")
+        setattr(settings, name, checked)
+
+
+@functools.cache
+def _field_kinds(cls: type) -> dict[str, Any]:
+    """The declared type of each field of the dataclass ``cls`` (its string annotations resolved)."""
+    hints = typing.get_type_hints(cls)
+    kinds = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    for name, kind in kinds.items():
+        if isinstance(kind, types.UnionType):
+            inner = [k for k in typing.get_args(kind) if k is not type(None)]
+            kind = inner[0] if len(inner) == 1 else None
+        if kind not in _KIND_NAMES and typing.get_origin(kind) is not dict:
+            raise TypeError(f"{cls.__name__}.{name}: check_field_types does not know the type {hints[name]}")
+    return kinds
+
+
+def _checked(value: Any, kind: Any) -> Any:
+    """``value`` as a ``kind`` (an int as a float, a tuple as a list), or ``_WRONG``."""
+    if kind is bool:
+        return value if isinstance(value, bool) else _WRONG
+    if kind is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else _WRONG
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return _WRONG
+        try:
+            value = float(value)
+        except OverflowError:  # an int past the float range
+            return _WRONG
+        return value if math.isfinite(value) else _WRONG
+    if kind is str:
+        return value if isinstance(value, str) else _WRONG
+    if typing.get_origin(kind) is dict:
+        return value if isinstance(value, dict) else _WRONG
+    (item,) = typing.get_args(kind)  # list[float]
+    if not isinstance(value, (list, tuple)):
+        return _WRONG
+    items = [_checked(v, item) for v in value]
+    return _WRONG if any(v is _WRONG for v in items) else items
+
+
 @dataclass
 class WiolaConfig:
     """Hyper-parameters of a Wiola model (docs/SPEC.md notation in brackets)."""
@@ -56,10 +133,9 @@ class WiolaConfig:
     ffn: str = "butterfly"  # feed-forward block: "butterfly" (the paper's), "swiglu" or "gelu" (FFN_KINDS)
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # every field's kind; the ranges follow
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name} must be an int, got {value!r}")
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         if self.d_model % self.n_heads:
@@ -90,7 +166,7 @@ class WiolaConfig:
         """A named configuration (``13m``, ``micro``, ``small``, ``tiny``), optionally overridden."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
+        return cls.from_dict({**PRESETS[name], **overrides})  # an unknown field is named, not a TypeError
 
     def require_butterfly(self, what: str) -> None:
         """Raise ``ValueError`` naming ``what`` (a path that implements only the paper's block)

@@ -6,8 +6,9 @@ Sub-commands: ``budget`` (``wiola.cli.budget``), ``generate`` (``wiola.cli.gener
 (``wiola.cli.ablate``), ``finetune``, ``merge``, ``chat``, ``serve``, ``bench`` (each
 ``wiola.cli.<name>``).
 ``wiola --version`` prints the package version.
-Every handler takes the parsed arguments and returns an exit code (0 done, 2 bad input, 130
-interrupted: Ctrl-C, with a checkpoint saved where training). Bad input is one line on stderr,
+Every handler takes the parsed arguments and returns an exit code (0 done, 1 a training run
+that diverged: a non-finite loss, gradient or weight, its earlier checkpoints kept; 2 bad input;
+130 interrupted: Ctrl-C, with a checkpoint saved where training). Bad input is one line on stderr,
 ``wiola <command>: error: ...``, no traceback; so is an argument argparse rejects.
 """
 

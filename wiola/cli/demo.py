@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from wiola.train import train
+    from wiola.train import TrainingDiverged, train
     from wiola.train.env import resolve_device
     from wiola.train.evaluate import unigram_entropy
     from wiola.train.run_folder import check_new_run, check_output_folder
@@ -73,7 +73,12 @@ def run_demo(args: argparse.Namespace) -> int:
     cfg.steps = _demo_steps(args, cfg, device, len(data.train))
     cfg.eval_every = max(1, cfg.steps // 4)
     t_train = time.perf_counter()
-    result = train(cfg, references={"unigram entropy": entropy}, overwrite=overwrite)
+    try:
+        result = train(cfg, references={"unigram entropy": entropy}, overwrite=overwrite)
+    except TrainingDiverged as e:  # the demo's settings are fixed: no flag to change, so the step and checkpoint
+        where = "no checkpoint was saved" if e.checkpoint is None else f"the last checkpoint before it: {e.checkpoint}"
+        print(f"wiola demo: error: the demo's training diverged at step {e.step:,} ({where})", file=sys.stderr)
+        return 1
     train_seconds = time.perf_counter() - t_train
     if result.interrupted or result.checkpoint is None:
         return 130

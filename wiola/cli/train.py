@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from wiola.train.config import TrainConfig
@@ -103,14 +104,23 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _parse_model_overrides(items: list[str] | None) -> dict[str, Any]:
+    """``--model KEY=VALUE`` flags as ``WiolaConfig`` overrides. A VALUE is read as JSON (``64``,
+    ``1e4``, ``null``) or else kept as a string (``ffn=gelu``); a bool field also takes ``True``
+    and ``False`` in any case. ``WiolaConfig`` then refuses a value of the wrong kind by name
+    (``gate=yes``: not a bool), so no flag silently means something else."""
+    import typing
+
     from wiola.config import WiolaConfig
 
-    fields = WiolaConfig.__dataclass_fields__
+    fields = typing.get_type_hints(WiolaConfig)
     out: dict[str, Any] = {}
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep or key not in fields:
             raise ValueError(f"--model {item!r}: expected KEY=VALUE with KEY one of {sorted(fields)}")
+        if fields[key] is bool and value.lower() in ("true", "false"):
+            out[key] = value.lower() == "true"
+            continue
         try:
             out[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -140,16 +150,25 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     for key, value in vars(args).items():
         if key not in skip and value is not None:
             settings[key] = list(value) if isinstance(value, (list, tuple)) else value
-    if args.model:
-        settings["model"] = {**settings.get("model", {}), **_parse_model_overrides(args.model)}
+    overrides = _parse_model_overrides(args.model)
+    if overrides and isinstance(settings.get("model", {}), dict):  # else TrainConfig refuses the file's "model"
+        settings["model"] = {**settings.get("model", {}), **overrides}
     return TrainConfig.from_dict(settings)
 
 
 def run_train(args: argparse.Namespace) -> int:
+    """Train as the flags say. Exit codes: 0 done, 1 the run diverged (a non-finite loss, gradient
+    or weight: one line naming the step and what to change; the checkpoints written before it are
+    kept), 2 bad input (raised, printed by ``wiola.cli.main``), 130 interrupted."""
     from wiola.train import train
+    from wiola.train.loop import TrainingDiverged
 
     cfg = config_from_args(args)
-    result = train(cfg, resume=args.resume, overwrite=args.overwrite)
+    try:
+        result = train(cfg, resume=args.resume, overwrite=args.overwrite)
+    except TrainingDiverged as e:
+        print(f"wiola train: error: {e}", file=sys.stderr)
+        return 1
     if result.interrupted:
         return 130
     if result.eval is not None:

@@ -8,6 +8,6 @@ and ``run_folder`` (checkpoints and metrics). Needs the ``train`` extra
 """
 
 from wiola.train.config import TrainConfig, recipe, recipe_names
-from wiola.train.loop import TrainResult, build_model, train
+from wiola.train.loop import TrainingDiverged, TrainResult, build_model, train
 
-__all__ = ["TrainConfig", "TrainResult", "build_model", "recipe", "recipe_names", "train"]
+__all__ = ["TrainConfig", "TrainResult", "TrainingDiverged", "build_model", "recipe", "recipe_names", "train"]

@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from wiola.config import WiolaConfig, dataclass_from_dict
+from wiola.config import WiolaConfig, check_field_types, dataclass_from_dict
 
 DEFAULT_SEQ_LEN = 512  # the paper's T, where the model allows it
 
@@ -74,6 +75,9 @@ class TrainConfig:
     peak_flops: float | None = None  # per device, for MFU; None: looked up from the GPU name
 
     def __post_init__(self) -> None:
+        # Every field's kind first (a bool is a bool, a float finite), so a config file's
+        # {"shuffle": "false"} or a NaN flag is refused by name before any work.
+        check_field_types(self)
         model_config = self.model_config()  # an unknown preset or model field raises here
         if self.seq_len is None and self.init is None:
             self.seq_len = default_seq_len(model_config)
@@ -86,11 +90,22 @@ class TrainConfig:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
-        if self.weight_decay < 0 or self.grad_clip < 0 or self.eps <= 0:
-            raise ValueError("weight_decay and grad_clip must be >= 0 and eps > 0")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip}")
+        if not self.eps > 0:
+            raise ValueError(f"eps must be positive, got {self.eps}")
+        if not 0 <= self.seed < 2**64:  # torch.manual_seed's range; numpy refuses negative seeds
+            raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed}")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {self.precision!r}")
-        self.betas = [float(b) for b in self.betas]
+        if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be cpu, cuda or cuda:N (N the GPU's index), got {self.device!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads (tokeniser threads) must be a positive int, got {self.num_threads}")
+        if self.peak_flops is not None and not self.peak_flops > 0:
+            raise ValueError(f"peak_flops (FLOP/s of one device, for MFU) must be positive, got {self.peak_flops:g}")
         if self.init is None:  # with --init the model is the checkpoint's: ``with_model`` checks it
             self._check_fit(model_config)
 

@@ -18,11 +18,18 @@ uninterrupted one. SIGINT/SIGTERM stop after the current step with a checkpoint 
 after the next logging step, where the ranks agree). On resumption ``steps`` may be raised (the
 cosine then stretches to the new end) and ``micro_batch`` changed (the same global batch,
 accumulated differently); settings that change the numbers otherwise must match.
+
+A run that diverges stops with ``TrainingDiverged``: a non-finite training loss or gradient norm at
+a logging step, a non-finite validation loss, or non-finite weights or loss when a checkpoint is
+due. Those are the points where the numbers reach the host anyway, so the check adds no sync to
+the steps between them; no checkpoint (and no metrics line) holds a non-finite number, so the
+checkpoints written before the divergence stay the run's latest.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import time
@@ -90,6 +97,17 @@ class TrainResult:
     plots: dict[str, Path]
 
 
+class TrainingDiverged(RuntimeError):
+    """The run stopped at a non-finite loss, gradient norm or weight (see the module docstring).
+
+    ``step`` is the step it was found at; ``checkpoint`` the last checkpoint written before it
+    (or resumed from), None when there is none. The message names both and what to change."""
+
+    def __init__(self, message: str, step: int, checkpoint: Path | None) -> None:
+        super().__init__(message)
+        self.step, self.checkpoint = step, checkpoint
+
+
 # --------------------------------------------------------------------------------------- train
 def train(
     cfg: TrainConfig,
@@ -114,6 +132,9 @@ def train(
         overwrite: start a new run in a folder that already holds one, deleting its metrics,
             checkpoints and plots (``run_folder.clear_run``) once every check has passed;
             without it such a folder is refused (``ValueError``), so no run is lost by accident.
+
+    Raises ``TrainingDiverged`` (a ``RuntimeError``) when the loss, a gradient norm or the weights
+    stop being finite; the checkpoints written before stay as they were.
 
     Under ``torchrun`` every rank calls ``train``; the process group comes from the environment
     (NCCL on GPU, gloo on CPU). Bad settings, a missing or empty corpus, a tokenizer that does
@@ -175,6 +196,10 @@ class _Run:
     plots: dict[str, Path] = field(default_factory=dict)
     layer_grad_norms: torch.Tensor | None = None  # (L,) of the latest step, before clipping
     log_interval: dict[str, Any] | None = None  # the checkpoint's partial log interval (``_Meter.state_dict``)
+    init: Path | None = None  # the --init checkpoint the weights came from
+    # (step, folder) of the newest checkpoint of finite numbers: the last one saved, or the one
+    # resumed from; the folder is None on ranks other than 0, which do not write it
+    last_good: tuple[int, Path | None] | None = None
 
     @property
     def main(self) -> bool:
@@ -201,16 +226,18 @@ def _start(
     micro = cfg.micro_batch or max(1, cfg.batch_size // world)
     if cfg.batch_size % (micro * world):
         raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of micro_batch {micro} × world_size {world}")
-    init = _init_checkpoint(cfg)
-    model_config = read_config(init)[0] if init is not None else cfg.model_config()
-    cfg = cfg.with_model(model_config)  # the default seq_len and the window check follow the trained model
-    model_class(cfg.fast)  # --fast without wiola.fast raises here
-    checkpoint = saved = None
     if resume is not None and overwrite:
         raise ValueError("--overwrite starts a new run and --resume continues one: give one of them")
-    if resume is not None:
-        checkpoint = find_checkpoint(resume)
-        saved = read_trainer_state(checkpoint)
+    checkpoint = find_checkpoint(resume) if resume is not None else None
+    saved = read_trainer_state(checkpoint) if checkpoint is not None else None
+    # An --init run's model (config, tokenizer) is its checkpoint's; a resumed one reads them from
+    # the checkpoint it resumes, so the --init folder may since have moved or been deleted.
+    init = _init_checkpoint(cfg, checkpoint)
+    model_source = init if checkpoint is None else checkpoint if cfg.init is not None else None
+    model_config = read_config(model_source)[0] if model_source is not None else cfg.model_config()
+    cfg = cfg.with_model(model_config)  # the default seq_len and the window check follow the trained model
+    model_class(cfg.fast)  # --fast without wiola.fast raises here
+    if saved is not None:
         _check_resume(saved, cfg, model_config, checkpoint)
     check_output_folder(cfg.out_dir, "--out")
     if init is not None:  # --overwrite would delete it, and a run written around it would hide it
@@ -218,8 +245,8 @@ def _start(
     # A new run (or a resumed one written elsewhere) must not land on another run's folder.
     if not overwrite and (checkpoint is None or Path(cfg.out_dir).resolve() != checkpoint.parent.parent.resolve()):
         check_new_run(cfg.out_dir)
-    if init is not None and cfg.tokenizer is None:
-        tokenizer = load_checkpoint_tokenizer(init)
+    if model_source is not None and cfg.tokenizer is None:
+        tokenizer = load_checkpoint_tokenizer(model_source)
     else:
         tokenizer = tokenizer_for(model_config, cfg.tokenizer)
     data = _load_data(cfg, tokenizer, rank, world, log)
@@ -248,25 +275,32 @@ def _start(
         raw_model, raw_model, optimizer, scheduler,
         MetricsLog(Path(cfg.out_dir) / METRICS_FILE, rank == 0, None if checkpoint is None else int(saved["step"])),
     )  # fmt: skip
+    run.init = init
     if checkpoint is not None:
         _restore(run, checkpoint, saved)
-    elif init is not None:
-        raw_model.load_state_dict(load_pretrained(model_class(cfg.fast), init, device=device).state_dict())
-        log(f"initialised from {init}")
-    elif run.main:
-        _write_run_record(run, references)
+    else:
+        if init is not None:
+            raw_model.load_state_dict(load_pretrained(model_class(cfg.fast), init, device=device).state_dict())
+            log(f"initialised from {init}")
+        if run.main:
+            _write_run_record(run, references)
     run.model = _wrap(raw_model, cfg, world, device)
     _announce(run)
+    if run.step >= cfg.steps:
+        log(
+            f"the checkpoint is at step {run.step:,} and the run has {cfg.steps:,} steps: nothing to do (raise --steps)"
+        )
     return run
 
 
-def _init_checkpoint(cfg: TrainConfig) -> Path | None:
-    """The model folder of ``cfg.init`` (a folder, a run folder's latest checkpoint, a Hub id)."""
+def _init_checkpoint(cfg: TrainConfig, resumed: Path | None = None) -> Path | None:
+    """The model folder of ``cfg.init`` (a folder, a run folder's latest checkpoint, a Hub id);
+    None without --init, and when resuming (``resumed``: the weights come from that checkpoint)."""
     if cfg.init is None:
         return None
     if cfg.model:
         raise ValueError("--init takes the model configuration from the checkpoint; drop --model")
-    return resolve_checkpoint(cfg.init)
+    return None if resumed is not None else resolve_checkpoint(cfg.init)
 
 
 def _load_data(cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int, log: Log) -> TokenData:
@@ -327,11 +361,8 @@ def _restore(run: _Run, checkpoint: Path, saved: dict[str, Any]) -> None:
     run.step = int(saved["step"])
     run.train_loss = saved.get("train_loss")
     run.log_interval = saved.get("log_interval")
+    run.last_good = (run.step, checkpoint)
     run.log(f"resumed from {checkpoint} at step {run.step:,}")
-    if run.step >= cfg.steps:
-        run.log(
-            f"the checkpoint is at step {run.step:,} and the run has {cfg.steps:,} steps: nothing to do (raise --steps)"
-        )
 
 
 def _wrap(raw_model: torch.nn.Module, cfg: TrainConfig, world: int, device: torch.device) -> torch.nn.Module:
@@ -347,6 +378,9 @@ def _wrap(raw_model: torch.nn.Module, cfg: TrainConfig, world: int, device: torc
 
 
 def _write_run_record(run: _Run, references: dict[str, float]) -> None:
+    """The first lines of a new run's ``metrics.jsonl``: its settings, model, data and where the
+    weights start from (``init``: the --init checkpoint's folder; None: a fresh initialisation),
+    then the named reference lines of the loss curve."""
     run.metrics.write(
         {
             "kind": "run",
@@ -358,6 +392,7 @@ def _write_run_record(run: _Run, references: dict[str, float]) -> None:
             "micro_batch": run.micro,
             "parameters": run.raw_model.num_parameters(),
             "data": run.data.manifest["source"],
+            "init": None if run.init is None else str(run.init),
         }
     )
     for name, value in references.items():
@@ -386,29 +421,35 @@ def _loop(run: _Run, stop_at: int | None) -> TrainResult:
     meter = _Meter(run, run.log_interval)
     interrupted = False
     first_step, start = run.step, time.perf_counter()
-    with _StopFlag(run.log) as stop:
-        while run.step < cfg.steps:
-            lr, grad_norm = _optimizer_step(run, meter.loss_sum)
-            last = run.step == cfg.steps
-            log_now = run.step % cfg.log_every == 0 or last
-            want_stop = _stop_requested(run, stop, stop_at, log_now)
-            # Train rows only on the log schedule: a stop between log steps carries the partial
-            # interval into the checkpoint (``_Meter.state_dict``), so the resumed run logs the
-            # same rows as an uninterrupted one.
-            if log_now:
-                bar.postfix(**meter.record(lr, grad_norm))
-                if not bar.drawn:  # no bar (a pipe, a log file, --no-progress): a plain line instead
-                    run.log(f"step {run.step:,}/{cfg.steps:,}: " + ", ".join(f"{k} {v}" for k, v in bar.fields.items()))
-            bar.update(1)
-            if run.step % cfg.eval_every == 0 or last:
-                _evaluate(run)
-            if want_stop and not last:
-                interrupted = True
-                _save(run, meter)
-                break
-            if run.step % cfg.save_every == 0 or last:
-                _save(run, meter)
-    bar.close()
+    try:
+        with _StopFlag(run.log) as stop:
+            while run.step < cfg.steps:
+                lr, grad_norm = _optimizer_step(run, meter.loss_sum)
+                last = run.step == cfg.steps
+                log_now = run.step % cfg.log_every == 0 or last
+                want_stop = _stop_requested(run, stop, stop_at, log_now)
+                # Train rows only on the log schedule: a stop between log steps carries the partial
+                # interval into the checkpoint (``_Meter.state_dict``), so the resumed run logs the
+                # same rows as an uninterrupted one.
+                if log_now:
+                    bar.postfix(**meter.record(lr, grad_norm))
+                    if not bar.drawn:  # no bar (a pipe, a log file, --no-progress): a plain line instead
+                        fields = ", ".join(f"{k} {v}" for k, v in bar.fields.items())
+                        run.log(f"step {run.step:,}/{cfg.steps:,}: {fields}")
+                bar.update(1)
+                if run.step % cfg.eval_every == 0 or last:
+                    _evaluate(run)
+                if want_stop and not last:
+                    interrupted = True
+                    _save(run, meter)
+                    break
+                if run.step % cfg.save_every == 0 or last:
+                    _save(run, meter)
+    except TrainingDiverged:
+        run.metrics.close()
+        raise
+    finally:
+        bar.close()
     _summarise(run, first_step, time.perf_counter() - start)
     if run.main and cfg.plots and run.metrics.records and "loss_curve" not in run.plots:
         from wiola.train.plots import plot_loss_curve
@@ -514,7 +555,17 @@ class _Meter:
             dist.all_reduce(self.loss_sum)
             self.loss_sum /= run.world
         steps = run.step - self.start_step
-        run.train_loss = float(self.loss_sum) / steps
+        loss = float(self.loss_sum) / steps
+        _check_finite(run, "the training loss", loss)
+        # A non-finite gradient has already made the weights non-finite (clipping scales by NaN,
+        # AdamW divides inf by inf), though this interval's loss was computed before it.
+        if grad_norm is not None:
+            grad_norm = float(grad_norm)
+            _check_finite(run, "the gradient norm", grad_norm)
+        layer_norms = None if run.layer_grad_norms is None else run.layer_grad_norms.tolist()
+        for layer, norm in enumerate(layer_norms or []):
+            _check_finite(run, f"the gradient norm of layer {layer}", norm)
+        run.train_loss = loss
         tok_s = (run.step - self.timed_step) * self.tokens_per_step / (time.perf_counter() - self.start)
         record = {
             "kind": "train",
@@ -526,9 +577,9 @@ class _Meter:
             "epoch": run.stream.epoch,
         }
         if grad_norm is not None:
-            record["grad_norm"] = float(grad_norm)
-        if run.layer_grad_norms is not None:
-            record["layer_grad_norms"] = run.layer_grad_norms.tolist()
+            record["grad_norm"] = grad_norm
+        if layer_norms is not None:
+            record["layer_grad_norms"] = layer_norms
         postfix = {"loss": f"{run.train_loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tok_s:,.0f}"}
         if self.peak:
             record["mfu"] = tok_s * self.flops_per_token / self.peak
@@ -556,6 +607,7 @@ def _evaluate(run: _Run) -> None:
         rank=run.rank,
         world_size=run.world,
     )
+    _check_finite(run, "the validation loss", run.last_eval.loss)  # every rank: the loss is all-reduced
     if not run.main:
         return
     first = next(iter(eval_batches(run.data.val, cfg.seq_len, min(8, eval_batch), max_windows=min(8, eval_batch))))
@@ -573,14 +625,50 @@ def _evaluate(run: _Run) -> None:
 
 
 def _save(run: _Run, meter: _Meter) -> None:
+    """A checkpoint of this step, once its numbers are known to be finite (``_check_finite``)."""
     log_interval = meter.state_dict()  # every rank: it gathers the ranks' loss sums
+    steps = run.step - log_interval["start_step"]
+    if steps:  # the open interval since the last log line (at a log step it is empty)
+        _check_finite(run, "the training loss", sum(log_interval["loss_sums"]) / run.world / steps)
+    # The loss of a step is computed before its update: a step whose gradient broke the weights
+    # still has a finite loss. The ranks hold the same weights, so they agree here.
+    params = [p.detach() for p in run.raw_model.parameters()]
+    if not bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):
+        raise _diverged(run, "the model's weights are not finite")
     if run.main:
         run.last_ckpt = save_checkpoint(
             run.out_dir, run.raw_model, run.optimizer, run.scheduler, run.stream, run.cfg, run.model_config,
             run.data, run.tokenizer, run.step, run.last_eval, run.train_loss, log_interval,
         )  # fmt: skip
+    run.last_good = (run.step, run.last_ckpt)
     if run.world > 1:
         dist.barrier()
+
+
+def _check_finite(run: _Run, what: str, value: float) -> None:
+    """Raise ``TrainingDiverged`` when ``value`` (``what``, e.g. "the training loss") is NaN or infinite."""
+    if not math.isfinite(value):
+        raise _diverged(run, f"{what} is {value}")
+
+
+def _diverged(run: _Run, what: str) -> TrainingDiverged:
+    """The error that stops a diverged run: ``what`` went wrong at this step, what to change, and
+    the last checkpoint before it (finite, though not always healthy: a run can blow its weights up
+    before they overflow). ``--resume`` would repeat the same steps bit for bit (and refuses another
+    --lr), so the way on is a lower --lr from the start or from that checkpoint's weights."""
+    cfg = run.cfg
+    change = f"lower --lr (now {cfg.lr:g})" + ("" if cfg.grad_clip else " or clip the gradients (--grad-clip 1)")
+    if run.last_good is None:
+        way_on = "then start again (no checkpoint was saved before it)"
+        checkpoint = None
+    else:
+        step, checkpoint = run.last_good
+        init = "--init" if checkpoint is None else f"--init {checkpoint}"
+        way_on = (
+            f"then start again or go on from the last checkpoint before it, step {step:,}, "
+            f"with {init} and a new --out (without --model)"
+        )
+    return TrainingDiverged(f"{what} at step {run.step:,}: the run diverged; {change}, {way_on}", run.step, checkpoint)
 
 
 def _training_flops(config: WiolaConfig, seq_len: int) -> float:
