@@ -65,11 +65,54 @@ def test_grid_plan_matches_parameters_and_pairs_seeds(tmp_path):
         ({"grid": {"ffn": ["gelu"]}, "seeds": [1, 1]}, "distinct ints"),
         ({"grid": {"ffn": ["gelu"]}, "steps": 3}, "unknown keys"),
         ({"variants": [{"name": "a b", "ffn": "gelu"}]}, "letters, digits"),
+        # Seeds the runs would refuse one by one, each after its folder was made.
+        ({"grid": {"ffn": ["gelu"]}, "seeds": [-1]}, r"distinct ints in \[0, 2\*\*64\), got \[-1\]"),
+        ({"grid": {"ffn": ["gelu"]}, "seeds": [True]}, "distinct ints in"),
+        # Variant values of the wrong kind: "false" is a true string (it trained a gated model as no-gate).
+        ({"grid": {"gate": ["false"]}}, "variant 'false': gate must be true or false, got 'false'"),
+        ({"variants": [{"name": "no-gate", "gate": "no"}]}, "variant 'no-gate': gate must be true or false"),
+        ({"grid": {"gate_pre_rope": [1]}}, "variant 'gate_pre_rope=1': gate_pre_rope must be true or false"),
+        ({"grid": {"helix_alpha": ["big"]}}, "variant 'big': helix_alpha must be a finite number, got 'big'"),
+        ({"grid": {"helix_alpha": [True]}}, "variant 'helix_alpha=true': helix_alpha must be a finite number"),
+        ({"grid": {"helix_alpha": [math.nan]}}, "variant 'helix_alpha=nan': helix_alpha must be a finite number"),
+        ({"grid": {"helix_alpha": [-1]}}, "variant 'helix_alpha=-1': helix_alpha must be >= 0"),
+        ({"grid": {"ffn": [3]}}, "variant 'ffn=3': ffn must be a string, got 3"),
+        # The sweep's own settings, by name: neither coerced (bool("false") is True) nor failing inside.
+        ({"grid": {"ffn": ["gelu"]}, "match_params": "false"}, "match_params must be true or false, got 'false'"),
+        ({"grid": {"ffn": ["gelu"]}, "position_bucket": 2.7}, "position_bucket must be an int >= 1"),
+        ({"grid": {"ffn": ["gelu"]}, "position_bucket": "x"}, "position_bucket must be an int >= 1"),
+        ({"grid": {"ffn": ["gelu"]}, "position_bucket": True}, "position_bucket must be an int >= 1"),
+        ({"grid": {"ffn": ["gelu"]}, "gate_threshold": "abc"}, r"gate_threshold must be a number in \[0, 1\]"),
+        ({"grid": {"ffn": ["gelu"]}, "gate_threshold": -1}, r"gate_threshold must be a number in \[0, 1\]"),
+        ({"grid": {"ffn": ["gelu"]}, "gate_threshold": math.nan}, "gate_threshold must be a number in"),
+        ({"grid": {"ffn": ["gelu"]}, "base": 3}, "base must be a table of TrainConfig fields, got 3"),
+        ({"grid": {"ffn": ["gelu"]}, "base": {**BASE, "model": 3}}, "base.model must be a table"),
+        ({"variants": [3]}, r"variants\[0\] must be a table \(name and model keys\), got 3"),
+        ({"variants": ["abc"]}, r"variants\[0\] must be a table"),
+        ({"variants": 3}, "variants must be a non-empty list of tables"),
+        ({"variants": [{"name": 3}]}, "a variant's name must be a string, got 3"),
+        ({"grid": {"ffn": ["gelu"]}, "name": 3}, "name \\(the report's title\\) must be a string"),
     ],
 )
 def test_bad_specs_are_refused(change, message):
     with pytest.raises(ValueError, match=message):
         parse_spec(_spec(**change))
+
+
+def test_spec_file_types(tmp_path):
+    """The extension decides the parser in any case; another file type or a folder is named."""
+    from wiola.train.ablate import load_spec
+
+    upper = tmp_path / "S.TOML"
+    upper.write_text('seeds = [0]\n[base]\npreset = "tiny"\n[grid]\nffn = ["gelu"]\n')
+    assert load_spec(upper).variants[0].name == "gelu"
+    yaml = tmp_path / "s.yaml"
+    yaml.write_text("seeds: [0]\n")
+    with pytest.raises(ValueError, match=r"is a \.yaml file; a spec is a \.toml or a \.json file"):
+        load_spec(yaml)
+    (tmp_path / "d.toml").mkdir()
+    with pytest.raises(ValueError, match="is a folder, not a spec file"):
+        load_spec(tmp_path / "d.toml")
 
 
 def test_mean_ci_is_the_t_interval():
@@ -93,6 +136,146 @@ def test_print_commands_and_bad_spec_exit_code(tmp_path, capsys):
     spec.write_text("{not json")
     assert main(["ablate", str(spec)]) == 2
     assert capsys.readouterr().err.startswith("wiola ablate: error: ")
+
+
+def _write_spec(path: Path, **change) -> Path:
+    path.write_text(json.dumps(_spec(**change)))
+    return path
+
+
+def _fake_checkpoints(spec: Path, out: Path, step: int) -> None:
+    """A checkpoint at ``step`` in every run folder of ``spec`` under ``out``, holding the settings
+    the spec plans (what ``wiola train`` writes in ``trainer.json``; no weights are needed here)."""
+    from wiola.train.ablate import load_spec
+
+    for run in plan(load_spec(spec), out):
+        checkpoint = run.run_dir / "checkpoints" / f"step_{step:07d}"
+        checkpoint.mkdir(parents=True)
+        settings = {"train_config": run.config.to_dict(), "model_config": run.config.model_config().to_dict()}
+        (checkpoint / "trainer.json").write_text(json.dumps({"step": step, **settings}))
+        (checkpoint.parent / "latest").write_text(checkpoint.name + "\n")
+        (run.run_dir / "metrics.jsonl").write_text('{"kind": "run", "step": 0}\n')
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"base": {**BASE, "lr": 0.0001}}, "lr 0.003 → 0.0001"),
+        ({"base": {**BASE, "steps": 6}}, "steps 12 → 6 (and 1 more)"),  # and the checkpoint is past steps = 6
+        ({"base": {**BASE, "steps": 18}}, "steps 12 → 18"),  # a continued run would follow another schedule
+        ({"variants": [{"ffn": "butterfly"}, {"name": "no-gate", "gate": True}]}, "model.gate false → true"),
+    ],
+)
+def test_a_sweep_folder_of_another_spec_is_refused_before_anything_is_written(tmp_path, capsys, change, message):
+    """A sweep folder whose runs were trained with other settings is neither continued nor
+    reported (every number would be the old spec's): exit 2 naming the run and the first
+    difference, nothing written; --overwrite deletes the runs and starts again."""
+    variants = [{"ffn": "butterfly"}, {"name": "no-gate", "gate": False}]
+    old, out = _write_spec(tmp_path / "old.json", variants=variants), tmp_path / "sweep"
+    _fake_checkpoints(old, out, 12)
+    assert main(["ablate", str(old), "--out", str(out), "--print-commands"]) == 0  # the same spec: all finished
+    assert [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")] == []
+    before = _snapshot(out)
+    new = _write_spec(tmp_path / "new.json", **{"variants": variants, **change})
+    for extra in ([], ["--print-commands"]):
+        assert main(["ablate", str(new), "--out", str(out), *extra]) == 2
+        err = capsys.readouterr().err
+        run = "no-gate seed 0" if "gate" in message else "butterfly seed 0"
+        assert f"already holds run {run}" in err and f"trained with other settings: {message}" in err, err
+        assert "pass --overwrite to delete the sweep's runs and start again" in err
+        assert _snapshot(out) == before  # configs, checkpoints: untouched; no spec.json
+    assert main(["ablate", str(new), "--out", str(out), "--print-commands", "--overwrite"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    assert len(lines) == 4 and not any("--resume" in line or "--overwrite" in line for line in lines)
+    assert not list(out.glob("runs/*/seed*/")), "--overwrite keeps no old run folder"
+
+
+def test_a_moved_sweep_of_the_same_spec_continues(tmp_path, capsys):
+    """Paths are not settings: a sweep folder copied elsewhere continues its runs (--resume)."""
+    spec = _write_spec(tmp_path / "s.json", grid={"ffn": ["butterfly"]})
+    _fake_checkpoints(spec, tmp_path / "a", 6)
+    (tmp_path / "a").rename(tmp_path / "b")
+    assert main(["ablate", str(spec), "--out", str(tmp_path / "b"), "--print-commands"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    assert len(lines) == 2 and all("--resume" in line for line in lines)
+
+
+def test_a_checkpoint_past_steps_is_refused(tmp_path, capsys):
+    spec = _write_spec(tmp_path / "s.json", grid={"ffn": ["butterfly"]})
+    _fake_checkpoints(spec, tmp_path / "out", 15)  # the same settings, trained further by hand
+    assert main(["ablate", str(spec), "--out", str(tmp_path / "out"), "--print-commands"]) == 2
+    assert "its checkpoint is at step 15, past steps = 12" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--out", "{f}"], "--out '{f}' is a file, not a folder"),
+        (["--out", "{f}/sub"], "--out '{f}/sub' lies under '{f}', which is a file, not a folder"),
+        (["--out", "{f}", "--print-commands"], "--out '{f}' is a file, not a folder"),
+        (["--out", ""], "--out must name a folder, got an empty name"),
+        (
+            ["--out", "{d}", "--print-commands", "--torchrun", "0"],
+            "--torchrun must be >= 1 (processes per node), got 0",
+        ),
+        (["--out", "{d}", "--print-commands", "--torchrun", "-1"], "--torchrun must be >= 1"),
+        (["--out", "{d}", "--print-commands", "--jobs", "2"], "--jobs goes with a local sweep"),
+        (["--out", "{d}", "--jobs", "0"], "--jobs must be >= 1, got 0"),
+    ],
+)
+def test_bad_flags_exit_2_and_write_nothing(tmp_path, capsys, flags, message):
+    spec = _write_spec(tmp_path / "s.json", grid={"ffn": ["butterfly"]})
+    afile, folder = tmp_path / "afile", tmp_path / "new"
+    afile.write_text("hi\n")
+    fill = {"f": str(afile), "d": str(folder)}
+    assert main(["ablate", str(spec), *[flag.format(**fill) for flag in flags]]) == 2
+    assert f"wiola ablate: error: {message.format(**fill)}" in capsys.readouterr().err
+    assert afile.read_text() == "hi\n" and not folder.exists() and sorted(tmp_path.iterdir()) == [afile, spec]
+
+
+def test_the_report_hint_is_shell_quoted(tmp_path, capsys):
+    import shlex
+
+    spec = _write_spec(tmp_path / "my spec.json", grid={"ffn": ["butterfly"]})
+    out = tmp_path / "the sweep"
+    assert main(["ablate", str(spec), "--out", str(out), "--print-commands"]) == 0
+    hint = capsys.readouterr().out.splitlines()[-1]
+    assert hint.startswith(f"# then: {shlex.join(['wiola', 'ablate', str(spec), '--out', str(out)])}   (")
+
+
+def test_report_wording_and_figures(tmp_path):
+    """One seed is "1 seed"; a no-gate variant's share of switched-off heads is not measured (—);
+    grad_norms.png wraps variants into rows of GRAD_NORM_COLUMNS panels instead of growing wide."""
+    from wiola.train.ablate_report import write_report
+
+    def variant(gate: bool) -> dict:
+        stat = mean_ci([4.0])
+        run = {
+            "model_config": {"gate": gate},
+            "val_loss": [[6, 5.0], [12, 4.0]],
+            "gate_share_under": [[6, 0.0], [12, 0.0]],
+            "layer_grad_norms": [[3, [1.0, 0.5]], [12, [0.5, 0.25]]],
+            "positions": [{"start": 0, "end": 16, "loss": 4.0}],
+        }
+        entry = {"d_ff": 64, "parameters": 1000, "final": {"loss": stat, "bits_per_byte": stat}, "seeds": {"0": run}}
+        return {**entry, "paired_vs_baseline": {"loss": mean_ci([0.0]), "bits_per_byte": mean_ci([0.0])}}
+
+    names = ["butterfly", "swiglu", "gelu", "no-gate", "rope"]
+    results = {
+        "name": "ci", "baseline": "butterfly", "seeds": [0], "gate_threshold": 0.1, "position_bucket": 16,
+        "variants": {name: variant(name != "no-gate") for name in names},
+    }  # fmt: skip
+    del results["variants"]["butterfly"]["paired_vs_baseline"]
+    text = write_report(None, results, tmp_path).read_text()
+    assert "1 seed (0) per variant" in text
+    assert "| no-gate (no gate) | — | — |" in text and "| swiglu | 0.000 | 0.000 |" in text
+    png = (tmp_path / "grad_norms.png").read_bytes()
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    assert width < 3.2 * 4 * 110 and height > 2 * 3 * 110, (width, height)  # 3 columns, 2 rows at 110 dpi
 
 
 def test_a_run_stopped_before_its_first_checkpoint_starts_again(tmp_path):

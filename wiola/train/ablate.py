@@ -21,19 +21,26 @@ Variants set the model fields ``ffn``, ``gate``, ``gate_pre_rope`` and ``helix_a
 (variant, seed) is a run folder ``OUT/runs/<variant>/seed<k>/`` trained by ``wiola train
 --config OUT/runs/<variant>/seed<k>.json`` in a subprocess (``--resume`` when a checkpoint is
 there, ``--overwrite`` for a run stopped before its first checkpoint), so each resumes
-bit-exactly and a killed sweep continues where it stopped when run again. The seed sets both the
-initialisation and the data order (``BatchStream``), so variants see the same batches for the
-same seed and differences can be paired by seed. ``--jobs N`` runs
-N at a time (each with ``cores / N`` threads: a sweep's numbers are reproducible for a fixed N);
-``--print-commands`` writes the configs and prints one command per run for a scheduler.
+bit-exactly and a killed sweep continues where it stopped when run again. A run folder whose
+checkpoint holds other settings than the spec plans (the spec changed since) is refused before
+anything is written, since its numbers are not the spec's; ``--overwrite`` deletes the planned
+runs and the report and starts again. The seed sets both the initialisation and the data order
+(``BatchStream``), so variants see the same batches for the same seed and differences can be
+paired by seed. ``--jobs N`` runs N at a time (each with ``cores / N`` threads: a sweep's
+numbers are reproducible for a fixed N); ``--print-commands`` writes the configs and prints one
+command per run for a scheduler.
 The report (``wiola.train.ablate_report``) is written once every run has finished.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import json
+import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,9 +48,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
-from wiola.config import FFN_KINDS
+from wiola.config import FFN_KINDS, WiolaConfig
 from wiola.train.config import TrainConfig, recipe
 
 VARIANT_KEYS = ("ffn", "gate", "gate_pre_rope", "helix_alpha")
@@ -58,6 +65,7 @@ SPEC_KEYS = {
     "grid",
     "variants",
 }
+SPEC_FORMATS = {".toml": "TOML", ".json": "JSON"}  # file extension (any case) -> parser
 Log = Callable[[str], None]
 
 
@@ -99,59 +107,115 @@ class PlannedRun:
 
 # ----------------------------------------------------------------------------------- the spec
 def load_spec(path: str | os.PathLike) -> AblationSpec:
-    """Read and check a spec file (``.toml`` or ``.json``). Raises ``FileNotFoundError`` for a
-    missing file and ``ValueError`` naming the problem for a malformed one."""
+    """Read and check a spec file (``.toml`` or ``.json``, in any case). Raises
+    ``FileNotFoundError`` for a missing file and ``ValueError`` naming the problem for a folder,
+    another file type or a malformed spec."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"spec {str(path)!r} is a folder, not a spec file (a .toml or .json file)")
     if not path.is_file():
         raise FileNotFoundError(f"spec file {str(path)!r} does not exist")
-    text = path.read_text()
+    kind = SPEC_FORMATS.get(path.suffix.lower())
+    if kind is None:
+        got = f"a {path.suffix} file" if path.suffix else "a file without an extension"
+        raise ValueError(f"spec {str(path)!r} is {got}; a spec is a .toml or a .json file")
     try:
-        if path.suffix == ".toml":
+        text = path.read_text()
+        if kind == "TOML":
             import tomllib
 
             raw = tomllib.loads(text)
         else:
             raw = json.loads(text)
-    except (ValueError, json.JSONDecodeError) as e:  # tomllib.TOMLDecodeError is a ValueError
-        raise ValueError(f"spec {path}: not valid {path.suffix.lstrip('.').upper() or 'JSON'}: {e}") from e
-    if not isinstance(raw, dict):
-        raise ValueError(f"spec {path}: expected a table of settings")
+    except OSError as e:
+        raise ValueError(f"spec {path}: cannot be read: {e}") from e
+    except ValueError as e:  # tomllib.TOMLDecodeError, json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"spec {path}: not valid {kind}: {e}") from e
     return parse_spec(raw, str(path))
 
 
 def parse_spec(raw: dict[str, Any], where: str = "spec") -> AblationSpec:
-    """An ``AblationSpec`` from the parsed file; ``ValueError`` names a bad key or value."""
+    """An ``AblationSpec`` from the parsed file; ``ValueError`` names a bad key or value.
+
+    Every value is checked for its kind here (TOML and JSON hand over strings, numbers and
+    tables as written), so ``match_params = "false"`` or ``gate = "no"`` is refused by name
+    rather than coerced into the opposite setting."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: expected a table of settings, got {raw!r}")
     unknown = sorted(set(raw) - SPEC_KEYS)
     if unknown:
         raise ValueError(f"{where}: unknown keys {unknown}; known: {sorted(SPEC_KEYS)}")
-    base = dict(raw.get("base", {}))
+    base = raw.get("base", {})
+    if not isinstance(base, dict):
+        raise ValueError(f"{where}: base must be a table of TrainConfig fields, got {base!r}")
+    base = dict(base)
     if "recipe" in base:
         base = {**recipe(base.pop("recipe")), **base}
     for key in ("seed", "out_dir"):
         if key in base:
             raise ValueError(f"{where}: base.{key} is set by the sweep (seeds, --out)")
+    if not isinstance(base.get("model", {}), dict):
+        raise ValueError(f"{where}: base.model must be a table of model fields, got {base['model']!r}")
     if set(base.get("model", {})) & set(VARIANT_KEYS):
         raise ValueError(f"{where}: base.model may not set {VARIANT_KEYS}: vary them in grid or variants")
     variants = _variants(raw, where)
     seeds = raw.get("seeds", [0])
+    # The range of TrainConfig.seed (torch.manual_seed's; numpy refuses a negative seed).
     if (
         not isinstance(seeds, list)
         or not seeds
-        or not all(type(s) is int for s in seeds)
+        or not all(type(s) is int and 0 <= s < 2**64 for s in seeds)
         or len(set(seeds)) < len(seeds)
     ):
-        raise ValueError(f"{where}: seeds must be a non-empty list of distinct ints, got {seeds!r}")
+        raise ValueError(f"{where}: seeds must be a non-empty list of distinct ints in [0, 2**64), got {seeds!r}")
+    name = raw.get("name", "ablation")
+    if not isinstance(name, str):
+        raise ValueError(f"{where}: name (the report's title) must be a string, got {name!r}")
     baseline = raw.get("baseline", variants[0].name)
     if baseline not in [v.name for v in variants]:
         raise ValueError(f"{where}: baseline {baseline!r} is not one of the variants {[v.name for v in variants]}")
-    spec = AblationSpec(
-        base, variants, seeds, baseline, str(raw.get("name", "ablation")), bool(raw.get("match_params", True)),
-        float(raw.get("gate_threshold", 0.1)), int(raw.get("position_bucket", 64)), raw,
-    )  # fmt: skip
-    if spec.position_bucket < 1:
-        raise ValueError(f"{where}: position_bucket must be >= 1")
-    plan(spec, Path("."))  # every run's TrainConfig is checked now
+    match = raw.get("match_params", True)
+    if not isinstance(match, bool):
+        raise ValueError(f"{where}: match_params must be true or false, got {match!r}")
+    threshold = raw.get("gate_threshold", 0.1)
+    # A gate is a sigmoid, in (0, 1): a threshold outside [0, 1] counts every head or none.
+    if not _is_number(threshold) or not 0 <= threshold <= 1:
+        raise ValueError(f"{where}: gate_threshold must be a number in [0, 1] (a mean gate), got {threshold!r}")
+    bucket = raw.get("position_bucket", 64)
+    if type(bucket) is not int or bucket < 1:
+        raise ValueError(f"{where}: position_bucket must be an int >= 1 (tokens per bucket), got {bucket!r}")
+    spec = AblationSpec(base, variants, seeds, baseline, name, match, float(threshold), bucket, raw)
+    try:
+        plan(spec, Path("."))  # every run's TrainConfig is checked now
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
     return spec
+
+
+def _is_number(value: Any) -> bool:
+    """A finite int or float; a bool is not a number here (``True`` would read as 1)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _fits(value: Any, kind: Any) -> bool:
+    """Whether ``value`` is of the declared type ``kind`` of a ``WiolaConfig`` field as a spec
+    may write it: ``bool`` only true/false, ``int`` an int that is not a bool, ``float`` a finite
+    number that is not a bool, ``str`` a string, ``X | None`` also None."""
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return _is_number(value)
+    if kind is str:
+        return isinstance(value, str)
+    args = getattr(kind, "__args__", ())  # X | None
+    return bool(args) and any(value is None if a is type(None) else _fits(value, a) for a in args)
+
+
+def _kind_name(kind: Any) -> str:
+    names = {bool: "true or false", int: "an int", float: "a finite number", str: "a string"}
+    return names.get(kind) or " or ".join("null" if a is type(None) else _kind_name(a) for a in kind.__args__)
 
 
 def _variants(raw: dict[str, Any], where: str) -> list[Variant]:
@@ -163,15 +227,26 @@ def _variants(raw: dict[str, Any], where: str) -> list[Variant]:
             raise ValueError(f"{where}: grid must map variant keys to non-empty lists")
         items = [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())]
     else:
-        items = [dict(v) for v in raw["variants"]] if isinstance(raw["variants"], list) else []
-        if not items:
-            raise ValueError(f"{where}: variants must be a non-empty list of tables")
+        tables = raw["variants"]
+        if not isinstance(tables, list) or not tables:
+            raise ValueError(f"{where}: variants must be a non-empty list of tables, got {tables!r}")
+        for i, table in enumerate(tables):
+            if not isinstance(table, dict):
+                raise ValueError(f"{where}: variants[{i}] must be a table (name and model keys), got {table!r}")
+        items = [dict(v) for v in tables]
+    kinds = get_type_hints(WiolaConfig)  # each variant key's declared type
     out = []
     for item in items:
-        name = str(item.pop("name", "") or _auto_name(item))
+        name = item.pop("name", "")
+        if not isinstance(name, str):
+            raise ValueError(f"{where}: a variant's name must be a string, got {name!r}")
+        name = name or _auto_name(item)
         bad = sorted(set(item) - set(VARIANT_KEYS))
         if bad:
             raise ValueError(f"{where}: variant {name!r}: unknown keys {bad}; a variant sets {list(VARIANT_KEYS)}")
+        for key, value in item.items():
+            if not _fits(value, kinds[key]):
+                raise ValueError(f"{where}: variant {name!r}: {key} must be {_kind_name(kinds[key])}, got {value!r}")
         if "ffn" in item and item["ffn"] not in FFN_KINDS:
             raise ValueError(f"{where}: variant {name!r}: ffn must be one of {FFN_KINDS}, got {item['ffn']!r}")
         if not name.replace("=", "").replace(",", "").replace("-", "").replace(".", "").replace("_", "").isalnum():
@@ -191,21 +266,139 @@ def _auto_name(item: dict[str, Any]) -> str:
 
 
 def plan(spec: AblationSpec, out: Path) -> list[PlannedRun]:
-    """Every (variant, seed) run of ``spec`` under ``out``, variants outer, seeds inner."""
+    """Every (variant, seed) run of ``spec`` under ``out``, variants outer, seeds inner.
+    ``ValueError`` names ``base`` or the variant whose settings ``TrainConfig`` refuses."""
     from wiola.budget import match_params
 
-    base_cfg = TrainConfig.from_dict({**spec.base, "out_dir": str(out)})
-    base_model = base_cfg.model_config()
+    try:
+        base_cfg = TrainConfig.from_dict({**spec.base, "out_dir": str(out)})
+        base_model = base_cfg.model_config()
+    except (ValueError, TypeError) as e:  # TypeError: a value of the wrong kind met a comparison
+        raise ValueError(f"base: {e}") from e
     runs = []
     for variant in spec.variants:
         model = {**spec.base.get("model", {}), **variant.model}
-        config = TrainConfig.from_dict({**spec.base, "model": model, "out_dir": str(out)}).model_config()
-        if spec.match_params:
-            model["d_ff"] = match_params(config, base_model).d_ff
-        for seed in spec.seeds:
-            settings = {"progress": False, **spec.base, "model": model, "seed": seed}
-            settings["out_dir"] = str(out / "runs" / variant.name / f"seed{seed}")
-            runs.append(PlannedRun(variant.name, seed, TrainConfig.from_dict(settings)))
+        try:
+            config = TrainConfig.from_dict({**spec.base, "model": model, "out_dir": str(out)}).model_config()
+            if spec.match_params:
+                model["d_ff"] = match_params(config, base_model).d_ff
+            for seed in spec.seeds:
+                settings = {"progress": False, **spec.base, "model": model, "seed": seed}
+                settings["out_dir"] = str(out / "runs" / variant.name / f"seed{seed}")
+                runs.append(PlannedRun(variant.name, seed, TrainConfig.from_dict(settings)))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"variant {variant.name!r}: {e}") from e
+    return runs
+
+
+# ------------------------------------------------------------------------- the sweep folder
+# Settings that change no number of the report (where files go, what is kept or printed): a run
+# may differ from the plan in these and still be continued or reported.
+NO_RESULT_SETTINGS = {"out_dir", "cache_dir", "progress", "num_threads", "peak_flops", "plots"}
+NO_RESULT_SETTINGS |= {"save_every", "keep_checkpoints"}
+
+
+def settings_differences(run: PlannedRun) -> list[str]:
+    """How the run folder's latest checkpoint differs from the planned run, one
+    ``"lr 0.003 → 0.0001"`` (old → new) per setting: the variant's model keys first, then the
+    rest of the model, then the training settings (``NO_RESULT_SETTINGS`` left out), and a
+    checkpoint past ``steps``. Empty when the checkpoint is the plan's, or when there is none: a
+    run without a checkpoint starts from scratch with the planned settings (``train_arguments``)."""
+    from wiola.train.run_folder import find_checkpoint, read_trainer_state
+
+    step = run_step(run)
+    if step is None:
+        return []
+    saved = read_trainer_state(find_checkpoint(run.run_dir))
+    # A key a checkpoint lacks (an older version wrote it) reads as the default it was loaded with.
+    old_model = {**dataclasses.asdict(WiolaConfig()), **(saved.get("model_config") or {})}
+    new_model = run.config.model_config().to_dict()
+    keys = [*VARIANT_KEYS, *(k for k in new_model if k not in VARIANT_KEYS)]
+    diffs = [
+        f"model.{k} {_show(old_model.get(k))} → {_show(new_model[k])}" for k in keys if old_model.get(k) != new_model[k]
+    ]
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
+    old_train, new_train = {**defaults, **(saved.get("train_config") or {})}, run.config.to_dict()
+    skip = NO_RESULT_SETTINGS | {"preset", "model"}  # the model is compared above, field by field
+    diffs += [
+        f"{k} {_show(old_train.get(k))} → {_show(v)}"
+        for k, v in new_train.items()
+        if k not in skip and old_train.get(k) != v
+    ]
+    if step > run.config.steps:
+        diffs.append(f"its checkpoint is at step {step}, past steps = {run.config.steps}")
+    return diffs
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value)  # as a spec writes it: true, null, "gelu"
+
+
+def check_runs_match(runs: list[PlannedRun], out: Path) -> None:
+    """``ValueError`` naming the first planned run whose folder under ``out`` holds a checkpoint
+    trained with other settings (``settings_differences``) and the first difference: continuing
+    it, or reporting it as finished, would put another spec's numbers in this spec's report."""
+    for run in runs:
+        diffs = settings_differences(run)
+        if diffs:
+            more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
+            raise ValueError(
+                f"--out {str(out)!r} already holds run {run.variant} seed {run.seed} ({run.run_dir}) "
+                f"trained with other settings: {diffs[0]}{more}. Its numbers are not this spec's: choose "
+                "another --out, or pass --overwrite to delete the sweep's runs and start again"
+            )
+
+
+def clear_runs(runs: list[PlannedRun], out: Path) -> int:
+    """Delete each planned run's folder, config and log, and the report of ``out`` (for
+    ``--overwrite``); returns the number of run folders deleted. Runs of variants or seeds the spec
+    no longer plans, and anything else in ``out``, stay."""
+    from wiola.train.ablate_report import REPORT_FILES
+
+    def remove(path: Path) -> bool:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        else:
+            return False
+        return True
+
+    deleted = 0
+    for run in runs:
+        deleted += remove(run.run_dir)
+        remove(run.config_file)
+        remove(run.run_dir.parent / f"seed{run.seed}.log")
+        with contextlib.suppress(OSError):  # the variant's folder, when nothing else is left in it
+            run.run_dir.parent.rmdir()
+    for name in ("spec.json", *REPORT_FILES):
+        remove(out / name)
+    return deleted
+
+
+def prepare_sweep(spec: AblationSpec, out: Path, *, overwrite: bool = False, log: Log = print) -> list[PlannedRun]:
+    """The planned runs of ``spec`` under ``out``, with their configs written, after the checks
+    that come before writing anything: ``out`` can be a folder, and no run folder there holds a
+    checkpoint of other settings (``check_runs_match``). With ``overwrite`` the planned runs and
+    the report are deleted instead (``clear_runs``). ``ValueError`` names the problem."""
+    from wiola.train.run_folder import check_output_folder, ensure_writable
+
+    check_output_folder(out, "--out")
+    runs = plan(spec, out)
+    if not overwrite:
+        check_runs_match(runs, out)
+    try:
+        ensure_writable(out)
+    except ValueError as e:  # its own message names no flag: give the OSError behind it
+        raise ValueError(f"--out {str(out)!r} cannot be created or written: {e.__cause__ or e}") from e
+    try:
+        if overwrite:
+            n = clear_runs(runs, out)
+            if n:
+                log(f"--overwrite: deleted {n} run folder{'s' * (n != 1)} of the sweep in {out}")
+        write_configs(runs)
+    except OSError as e:  # a file where a variant's folder goes, a read-only run folder
+        raise ValueError(f"--out {str(out)!r}: cannot write the sweep's run folders: {e}") from e
     return runs
 
 
@@ -293,7 +486,8 @@ def execute(runs: list[PlannedRun], jobs: int = 1, log: Log = print, progress: b
         while (todo and not stop["requested"]) or live:
             while todo and len(live) < jobs and not stop["requested"]:
                 run = todo.pop(0)
-                log(f"{'continuing' if run_step(run) else 'starting'} {run.variant} seed {run.seed}")
+                with tqdm.external_write_mode(file=sys.stderr):  # above a drawn bar, not over it
+                    log(f"{'continuing' if run_step(run) else 'starting'} {run.variant} seed {run.seed}")
                 with (run.run_dir.parent / f"seed{run.seed}.log").open("a") as out:
                     cmd = [sys.executable, "-m", "wiola", *train_arguments(run)]
                     live[subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)] = run
@@ -348,17 +542,24 @@ def ensure_positions(run: PlannedRun, bucket: int) -> dict[str, Any]:
 
 
 def run_sweep(
-    spec: AblationSpec, out: str | os.PathLike, *, jobs: int = 1, log: Log = print, progress: bool = False
+    spec: AblationSpec,
+    out: str | os.PathLike,
+    *,
+    jobs: int = 1,
+    log: Log = print,
+    progress: bool = False,
+    overwrite: bool = False,
 ) -> Path | None:
     """Run (or continue) every run of ``spec`` under ``out`` and write the report; returns the
-    ``report.md`` path, or None when the sweep was interrupted (run it again to continue)."""
+    ``report.md`` path, or None when the sweep was interrupted (run it again to continue).
+    ``ValueError`` before anything is written for a bad ``out`` or a run folder there trained with
+    other settings (``prepare_sweep``); ``overwrite`` deletes the planned runs and starts again."""
     from wiola.train.ablate_report import collect, write_report
 
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     out = Path(out)
-    runs = plan(spec, out)
-    write_configs(runs)
+    runs = prepare_sweep(spec, out, overwrite=overwrite, log=log)
     (out / "spec.json").write_text(json.dumps(spec.source, indent=2, sort_keys=True) + "\n")
     prepare_all(runs, log)
     if not execute(runs, jobs, log, progress):

@@ -25,6 +25,9 @@ import numpy as np
 from wiola.train.plots import _figure, _save
 
 RESULTS_FILE, REPORT_FILE = "results.json", "report.md"
+FIGURES = ("loss_curves.png", "gates.png", "grad_norms.png", "positions.png")
+REPORT_FILES = (RESULTS_FILE, REPORT_FILE, *FIGURES)  # what ``write_report`` writes
+GRAD_NORM_COLUMNS = 3  # panels per row of grad_norms.png: more variants wrap into rows
 
 
 def mean_ci(values: list[float], level: float = 0.95) -> dict[str, Any]:
@@ -126,6 +129,9 @@ def _claims(results: dict[str, Any]) -> list[str]:
     lines = ["", "## Gates (implicit head selection)", "", f"Share of heads whose mean gate is under {thr}:", ""]
     lines += ["| variant | first evaluation | last evaluation |", "|---|---:|---:|"]
     for name, v in results["variants"].items():
+        if not _gated(v):  # every gate is 1 by construction: nothing was measured
+            lines.append(f"| {name} (no gate) | — | — |")
+            continue
         first = mean_ci([r["gate_share_under"][0][1] for r in v["seeds"].values()])
         last = mean_ci([r["gate_share_under"][-1][1] for r in v["seeds"].values()])
         lines.append(f"| {name} | {_pm(first, 3)} | {_pm(last, 3)} |")
@@ -146,6 +152,11 @@ def _claims(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _gated(variant: dict[str, Any]) -> bool:
+    """Whether a variant's model has gates (``gate = false`` builds none: every gate is 1)."""
+    return all(r["model_config"].get("gate", True) for r in variant["seeds"].values())
+
+
 def write_report(spec: Any, results: dict[str, Any], out: str | os.PathLike) -> Path:
     """Write ``results.json``, the PNG figures and ``report.md`` into ``out``; returns the report's path."""
     out = Path(out)
@@ -155,8 +166,9 @@ def write_report(spec: Any, results: dict[str, Any], out: str | os.PathLike) -> 
     os.replace(tmp, out / RESULTS_FILE)
     figures = plot_all(results, out)
     lines = [f"# Ablation: {results['name']}", ""]
+    n = len(results["seeds"])
     lines += [
-        f"{len(results['seeds'])} seeds ({', '.join(map(str, results['seeds']))}) per variant, the same data order "
+        f"{n} seed{'s' * (n != 1)} ({', '.join(map(str, results['seeds']))}) per variant, the same data order "
         "per seed; mean ± 95% t-interval over seeds; Δ paired by seed against the baseline. Figures: "
         + ", ".join(f"[{p.stem}]({p.name})" for p in figures),
         "",
@@ -189,13 +201,23 @@ def plot_all(results: dict[str, Any], out: Path) -> list[Path]:
     paths.append(_save(fig, out / "loss_curves.png"))
     fig = _figure(6, 4)
     ax = fig.subplots()
-    for name, v in variants.items():
+    gated = {name: v for name, v in variants.items() if _gated(v)}  # a no-gate variant has nothing to show
+    for name, v in gated.items():
         _band(ax, [r["gate_share_under"] for r in v["seeds"].values()], name)
-    ax.set(title=f"share of heads with mean gate < {results['gate_threshold']}", xlabel="step", ylim=(-0.02, 1.02))
-    ax.legend()
+    left_out = " (no-gate variants left out)" if len(gated) < len(variants) else ""
+    title = f"share of heads with mean gate < {results['gate_threshold']}{left_out}"
+    ax.set(title=title, xlabel="step", ylabel="share of heads (of layers × heads)", ylim=(-0.02, 1.02))
+    if gated:
+        ax.legend()
     paths.append(_save(fig, out / "gates.png"))
-    fig = _figure(4 * len(variants), 3.5)
-    for ax, (name, v) in zip(np.atleast_1d(fig.subplots(1, len(variants), sharey=True)), variants.items()):
+    cols = min(len(variants), GRAD_NORM_COLUMNS)
+    rows = math.ceil(len(variants) / cols)
+    fig = _figure(4 * cols, 3.5 * rows)
+    fig.set_layout_engine("constrained")  # a row's step labels clear of the next row's titles
+    axes = fig.subplots(rows, cols, sharey=True, squeeze=False).ravel()
+    for ax in axes[len(variants) :]:  # the empty panels of the last row
+        ax.set_visible(False)
+    for ax, (name, v) in zip(axes, variants.items()):
         runs = [r["layer_grad_norms"] for r in v["seeds"].values()]
         for layer in range(len(runs[0][0][1])):
             _band(ax, [[[s, n[layer]] for s, n in r] for r in runs], f"layer {layer}")
