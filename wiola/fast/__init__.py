@@ -80,17 +80,30 @@ class WiolaModel(ReferenceModel):
         super().__init__(config)
         self.kernels = True  # this model's switch (use_kernels); see kernels_enabled
         self.cuda_graphs = GraphSteps()
-        if config.ffn != "butterfly":
+        if config.ffn != "butterfly" or not self._attention_kernels():
             warnings.warn(self.describe(), stacklevel=2)
 
+    def _attention_kernels(self) -> bool:
+        """Whether the attention kernels are built for this head width (or no kernels are installed)."""
+        return not ops.ATTENTION_HEAD_DIMS or self.config.head_dim in ops.ATTENTION_HEAD_DIMS
+
     def describe(self) -> str:
-        """One line: what computes this model's feed-forward block (and whether the C++ CPU step can run)."""
-        if self.config.ffn == "butterfly":
+        """One line: what computes this model's feed-forward block and attention (and whether the
+        C++ CPU step can run)."""
+        parts = []
+        if self.config.ffn != "butterfly":
+            parts.append(
+                f"ffn={self.config.ffn!r} has no fused kernel and no C++ CPU step; its feed-forward "
+                f"block runs on PyTorch (wiola.ops.mlp), one-token CPU steps too"
+            )
+        if not self._attention_kernels():
+            parts.append(
+                f"head width {self.config.head_dim} has no attention kernel (built for {ops.ATTENTION_HEAD_DIMS}); "
+                "attention and decoding attention run on PyTorch (SDPA) on a GPU"
+            )
+        if not parts:
             return "wiola.fast: every op on its fused kernel where usable (the butterfly included)"
-        return (
-            f"wiola.fast: ffn={self.config.ffn!r} has no fused kernel and no C++ CPU step; its feed-forward "
-            f"block runs on PyTorch (wiola.ops.mlp), one-token CPU steps too"
-        )
+        return "wiola.fast: " + "; ".join(parts)
 
     def use_kernels(self, enabled: bool = True) -> WiolaModel:
         """Run this model on the kernels (default) or, with ``False``, on the PyTorch path; returns
