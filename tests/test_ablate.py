@@ -67,6 +67,7 @@ def test_grid_plan_matches_parameters_and_pairs_seeds(tmp_path):
         ({"variants": [{"name": "a b", "ffn": "gelu"}]}, "letters, digits"),
         # Seeds the runs would refuse one by one, each after its folder was made.
         ({"grid": {"ffn": ["gelu"]}, "seeds": [-1]}, r"distinct ints in \[0, 2\*\*64\), got \[-1\]"),
+        ({"grid": {"ffn": ["gelu"]}, "base": {**BASE, "init": "ckpt"}}, "base.init is not for a sweep"),
         ({"grid": {"ffn": ["gelu"]}, "seeds": [True]}, "distinct ints in"),
         # Variant values of the wrong kind: "false" is a true string (it trained a gated model as no-gate).
         ({"grid": {"gate": ["false"]}}, "variant 'false': gate must be true or false, got 'false'"),

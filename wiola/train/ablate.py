@@ -154,6 +154,8 @@ def parse_spec(raw: dict[str, Any], where: str = "spec") -> AblationSpec:
     for key in ("seed", "out_dir"):
         if key in base:
             raise ValueError(f"{where}: base.{key} is set by the sweep (seeds, --out)")
+    if base.get("init") is not None:  # --init takes the checkpoint's model, which the variants would change
+        raise ValueError(f"{where}: base.init is not for a sweep: each variant trains its own model from its seed")
     if not isinstance(base.get("model", {}), dict):
         raise ValueError(f"{where}: base.model must be a table of model fields, got {base['model']!r}")
     if set(base.get("model", {})) & set(VARIANT_KEYS):
