@@ -33,7 +33,8 @@ values, so a quantized model keeps them so (``require_current``):
   packed weights beside the new ones. The check compares each matrix's address and version
   counter with those it had when last found equal to its packed form, and compares the values
   themselves when they differ (a copy, a pickle, a move to another device and back: still
-  current when the values are).
+  current when the values are). A write through ``p.data`` moves no version counter and is not
+  seen: change a quantized model's matrices through the parameter itself, under ``torch.no_grad()``.
 
 ``save_pretrained`` of a quantized model writes the packed tensors (int8 and int4 with a
 ``<name>.scale`` tensor, or bf16) into ``model.safetensors`` and ``{"quantization": {"scheme":
