@@ -127,6 +127,25 @@ def test_head_widths_the_attention_kernels_lack_run_the_torch_attention(n_heads)
     assert_close("cached logits", full[mask.bool()], got[mask.bool()], FP32)
 
 
+def test_a_training_forward_moves_the_graph_stamp():
+    """A captured CUDA graph reads the derived weights built at capture; writes through ``p.data``
+    move no version counter, so a training forward (which forgets the derived weights) and
+    ``derived_weights.clear()`` move the stamp the graphs are kept by, and an inference forward does not."""
+    from wiola.fast.generation import _stamp
+
+    _, fast = _models()
+    ids, _ = _batch(1, 5, None)
+    stamp = _stamp(fast)
+    with torch.no_grad():
+        fast(ids)
+    assert _stamp(fast) == stamp
+    fast(ids, labels=ids).loss.backward()
+    assert _stamp(fast) != stamp
+    stamp = _stamp(fast)
+    fast.derived_weights.clear()
+    assert _stamp(fast) != stamp
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("B,chunks", [(1, (10, 1, 6)), (3, (5, 11, 1))])
 def test_cached_decoding_equals_full_pass(B, chunks):

@@ -76,7 +76,8 @@ class DerivedWeights:
     the state dict; copies and pickles of the model start empty.
 
     ``get(key, build, *sources)`` is plain ``build()`` with gradients on and while tracing; with
-    gradients on (a training forward) it also forgets every value kept. In inference (CPU or GPU) it returns the value built
+    gradients on (a training forward) it also forgets every value kept and moves ``epoch``, which
+    a captured CUDA graph's stamp holds (``wiola.fast.generation``). In inference (CPU or GPU) it returns the value built
     earlier for ``key`` while every source keeps its storage and version counter; in-place updates
     (optimizer steps, ``load_state_dict``) bump the counter, and the sources are referenced so that
     a freed storage's address cannot come back as a false match. A write through ``p.data`` does
@@ -89,13 +90,15 @@ class DerivedWeights:
     """
 
     def __init__(self) -> None:
+        self.epoch = 0  # moves at each clear(): what was built from the weights before is forgotten
         self._tensors: dict[Hashable, tuple[tuple, tuple[torch.Tensor, ...], Any]] = {}
         self._bound: weakref.WeakKeyDictionary[Any, dict[Hashable, Any]] = weakref.WeakKeyDictionary()
 
     def get(self, key: Hashable, build: Callable[[], Any], *sources: torch.Tensor, extra: tuple = ()) -> Any:
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
-            if not torch.compiler.is_compiling():
-                self._tensors.clear()  # a training step: the weights may change through .data
+            if not torch.compiler.is_compiling():  # a training step: the weights may change through .data
+                self._tensors.clear()
+                self.epoch += 1
             return build()
         if any(t.is_inference() for t in sources):
             return build()
@@ -123,6 +126,7 @@ class DerivedWeights:
     def clear(self) -> None:
         self._tensors.clear()
         self._bound.clear()
+        self.epoch += 1
 
     def __len__(self) -> int:
         return len(self._tensors) + sum(len(v) for v in self._bound.values())

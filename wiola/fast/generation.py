@@ -126,11 +126,13 @@ def graphs_usable(model: WiolaModel, input_ids: torch.Tensor) -> bool:
 def _stamp(model: WiolaModel) -> tuple:
     """What a captured graph depends on: parameter storage, version and dtype, autocast, kernel
     switch. The version: a graph reads the derived weights (fused QKV, casts) built from the
-    parameters' values at capture, so an in-place update (an optimizer step) recaptures."""
+    parameters' values at capture, so an in-place update (an optimizer step) recaptures; so does
+    a training forward (``DerivedWeights.epoch``: writes through ``p.data`` move no version)."""
     # Inference tensors (a model made under inference_mode) have no version: nothing is derived
     # from them (DerivedWeights builds per call), so the graph reads them live.
     params = tuple((p.data_ptr(), 0 if p.is_inference() else p._version, p.dtype) for p in model.parameters())
-    return (params, torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"), model.kernels_enabled)
+    derived = model.derived_weights.epoch
+    return (params, derived, torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"), model.kernels_enabled)
 
 
 def _advance(step: _Captured, logits: torch.Tensor, mode: _Mode) -> torch.Tensor:
