@@ -122,12 +122,18 @@ kernels_on._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Kernels whose bf16 matrix products Triton's interpreter (NumPy, which has no bfloat16) gets wrong:
+# the training attention and the butterfly (a model under CPU bf16 autocast gave gradients 1e12x off
+# with them; with the norms, gate, loss and decoding kernels alone it stays within the reference's
+# bf16 error). Under the interpreter, bf16 runs these two on the PyTorch path. The launch-count
+# tests, which count kernels rather than read their numbers, empty it.
+INTERPRETER_BF16_WRONG: frozenset[str] = frozenset({"attention", "butterfly"})
 
 
 def _kernel(name: str, t: torch.Tensor) -> Callable[..., Any] | None:
     if t.dtype in _KERNEL_DTYPES and kernels_usable(t) and kernels_on():
-        if not t.is_cuda and torch.bfloat16 in (t.dtype, autocast_dtype(t)):
-            return None  # Triton's interpreter runs on NumPy, which has no bfloat16: the results would be wrong
+        if name in INTERPRETER_BF16_WRONG and not t.is_cuda and torch.bfloat16 in (t.dtype, autocast_dtype(t)):
+            return None
         return KERNELS.get(name)
     return None
 
