@@ -58,18 +58,25 @@ def check_field_types(settings: Any) -> None:
     (stored as a list); ``dict[...]`` a dict; ``X | None`` also ``None``. Raises ``ValueError``
     naming the first field that does not fit, so a JSON file or a flag holding the wrong kind of
     value is refused with its name rather than a ``TypeError`` from deep inside."""
-    for name, kind in _field_kinds(type(settings)).items():
-        value = getattr(settings, name)
-        optional = type(None) in typing.get_args(kind)
-        if optional and value is None:
-            continue
-        if optional:
-            kind = next(k for k in typing.get_args(kind) if k is not type(None))
-        checked = _checked(value, kind)
-        if checked is _WRONG:
-            expected = _KIND_NAMES.get(kind) or _KIND_NAMES[dict]
-            raise ValueError(f"{name} must be {expected}{' or None' if optional else ''}, got {value!r}")
-        setattr(settings, name, checked)
+    for name in _field_kinds(type(settings)):
+        setattr(settings, name, check_field(type(settings), name, getattr(settings, name)))
+
+
+def check_field(cls: type, name: str, value: Any) -> Any:
+    """``value`` checked against the declared type of field ``name`` of the dataclass ``cls``, by
+    ``check_field_types``' rules, and returned as stored (an int as a float, a tuple as a list).
+    Raises ``ValueError`` ``"{name} must be ..., got ..."``."""
+    kind = _field_kinds(cls)[name]
+    optional = type(None) in typing.get_args(kind)
+    if optional and value is None:
+        return None
+    if optional:
+        kind = next(k for k in typing.get_args(kind) if k is not type(None))
+    checked = _checked(value, kind)
+    if checked is _WRONG:
+        expected = _KIND_NAMES.get(kind) or _KIND_NAMES[dict]
+        raise ValueError(f"{name} must be {expected}{' or None' if optional else ''}, got {value!r}")
+    return checked
 
 
 @functools.cache

@@ -48,9 +48,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any
 
-from wiola.config import FFN_KINDS, WiolaConfig
+from wiola.config import FFN_KINDS, WiolaConfig, check_field
 from wiola.train.config import TrainConfig, recipe
 
 VARIANT_KEYS = ("ffn", "gate", "gate_pre_rope", "helix_alpha")
@@ -199,27 +199,6 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _fits(value: Any, kind: Any) -> bool:
-    """Whether ``value`` is of the declared type ``kind`` of a ``WiolaConfig`` field as a spec
-    may write it: ``bool`` only true/false, ``int`` an int that is not a bool, ``float`` a finite
-    number that is not a bool, ``str`` a string, ``X | None`` also None."""
-    if kind is bool:
-        return isinstance(value, bool)
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind is float:
-        return _is_number(value)
-    if kind is str:
-        return isinstance(value, str)
-    args = getattr(kind, "__args__", ())  # X | None
-    return bool(args) and any(value is None if a is type(None) else _fits(value, a) for a in args)
-
-
-def _kind_name(kind: Any) -> str:
-    names = {bool: "true or false", int: "an int", float: "a finite number", str: "a string"}
-    return names.get(kind) or " or ".join("null" if a is type(None) else _kind_name(a) for a in kind.__args__)
-
-
 def _variants(raw: dict[str, Any], where: str) -> list[Variant]:
     if ("grid" in raw) == ("variants" in raw):
         raise ValueError(f"{where}: give exactly one of grid (a table of lists) or variants (a list of tables)")
@@ -236,7 +215,6 @@ def _variants(raw: dict[str, Any], where: str) -> list[Variant]:
             if not isinstance(table, dict):
                 raise ValueError(f"{where}: variants[{i}] must be a table (name and model keys), got {table!r}")
         items = [dict(v) for v in tables]
-    kinds = get_type_hints(WiolaConfig)  # each variant key's declared type
     out = []
     for item in items:
         name = item.pop("name", "")
@@ -247,8 +225,10 @@ def _variants(raw: dict[str, Any], where: str) -> list[Variant]:
         if bad:
             raise ValueError(f"{where}: variant {name!r}: unknown keys {bad}; a variant sets {list(VARIANT_KEYS)}")
         for key, value in item.items():
-            if not _fits(value, kinds[key]):
-                raise ValueError(f"{where}: variant {name!r}: {key} must be {_kind_name(kinds[key])}, got {value!r}")
+            try:
+                check_field(WiolaConfig, key, value)  # gate = "false" is not a bool
+            except ValueError as e:
+                raise ValueError(f"{where}: variant {name!r}: {e}") from None
         if "ffn" in item and item["ffn"] not in FFN_KINDS:
             raise ValueError(f"{where}: variant {name!r}: ffn must be one of {FFN_KINDS}, got {item['ffn']!r}")
         if not name.replace("=", "").replace(",", "").replace("-", "").replace(".", "").replace("_", "").isalnum():
