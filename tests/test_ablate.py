@@ -205,6 +205,23 @@ def test_a_moved_sweep_of_the_same_spec_continues(tmp_path, capsys):
     assert len(lines) == 2 and all("--resume" in line for line in lines)
 
 
+def test_a_sweep_whose_checkpoints_saved_a_relative_data_path_continues(tmp_path, monkeypatch, capsys):
+    """Older checkpoints saved ``data`` as typed (``corpus.txt``); the plan now holds it absolute.
+    The same file from the same folder is the same setting: the runs continue (--resume)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus.txt").write_text("Once upon a time.<|endoftext|>A cat sat.\n")
+    spec = _write_spec(tmp_path / "s.json", grid={"ffn": ["butterfly"]}, base={**BASE, "data": "corpus.txt"})
+    _fake_checkpoints(spec, tmp_path / "out", 6)
+    for trainer in (tmp_path / "out").rglob("trainer.json"):
+        saved = json.loads(trainer.read_text())
+        assert saved["train_config"]["data"] == str(tmp_path / "corpus.txt")
+        saved["train_config"]["data"] = "corpus.txt"
+        trainer.write_text(json.dumps(saved))
+    assert main(["ablate", str(spec), "--out", str(tmp_path / "out"), "--print-commands"]) == 0, capsys.readouterr()
+    lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    assert len(lines) == 2 and all("--resume" in line for line in lines)
+
+
 def test_a_checkpoint_past_steps_is_refused(tmp_path, capsys):
     spec = _write_spec(tmp_path / "s.json", grid={"ffn": ["butterfly"]})
     _fake_checkpoints(spec, tmp_path / "out", 15)  # the same settings, trained further by hand

@@ -290,3 +290,184 @@ def test_unigram_entropy_against_float64() -> None:
     ref = -sum(c / 5000 * math.log(c / 5000) for c in counts.values())
     assert abs(unigram_entropy(tokens, 100) - ref) < 1e-12, "unigram entropy"
     assert unigram_entropy(np.zeros(10, dtype=np.int64), 4) == 0.0
+
+
+# ------------------------------------------------------------- the validation split alone, paths
+def _recording_tokeniser(monkeypatch) -> list[str]:
+    """The ``desc`` of every split ``token_cache`` tokenises from here on."""
+    seen: list[str] = []
+    real = token_cache._tokenize_split
+
+    def recording(*a, **k):
+        seen.append(k["desc"].split()[1])
+        return real(*a, **k)
+
+    monkeypatch.setattr(token_cache, "_tokenize_split", recording)
+    return seen
+
+
+def test_val_only_cache_matches_the_full_one_and_tokenises_no_train(tmp_path, enc, monkeypatch) -> None:
+    from wiola.train.corpus import generate_stories
+    from wiola.train.token_cache import VAL_ONLY_SUFFIX, prepare_val_data
+
+    docs = generate_stories(12, seed=4)
+    (tmp_path / "all.txt").write_text(f"\n{EOT}\n".join(docs))
+    src = resolve_source(tmp_path / "all.txt", val_fraction=0.25)  # every 4th document held out
+    tok = TiktokenTokenizer(enc)
+    full = prepare_data(src, tok, tmp_path / "full", progress=False, log=_quiet)  # today's path, its own cache
+    seen = _recording_tokeniser(monkeypatch)
+    val = prepare_val_data(src, tok, tmp_path / "cache", progress=False, log=_quiet)
+    assert seen == ["val"], f"tokenised {seen}, not the validation split alone"
+    assert np.array_equal(val.val.tokens(), full.val.tokens()), "the held-out split differs from the full cache's"
+    assert enc.decode(val.val.tokens().tolist()) == "".join(EOT + d for d in docs[3::4]), "held-out documents"
+    assert len(val.train) == 0 and set(val.manifest["splits"]) == {"val"}
+    assert val.directory.name == full.directory.name + VAL_ONLY_SUFFIX, "the val cache is not beside the full one"
+    assert (val.val.documents, val.val.text_bytes) == (full.val.documents, full.val.text_bytes)
+    # Training never takes the val-only cache for a complete one: it tokenises both splits.
+    again = prepare_data(src, tok, tmp_path / "cache", progress=False, log=_quiet)
+    assert seen == ["val", "train", "val"] and again.directory == val.directory.with_name(full.directory.name)
+    assert np.array_equal(again.train.tokens(), full.train.tokens()), "training's cache lost its train split"
+    # ... and scoring opens training's complete cache, with no tokenising.
+    reused = prepare_val_data(src, tok, tmp_path / "cache", progress=False, log=_quiet)
+    assert seen == ["val", "train", "val"] and reused.directory == again.directory
+    assert np.array_equal(reused.val.tokens(), full.val.tokens())
+
+
+def test_validation_source_alone_and_an_empty_train_file(tmp_path, enc, monkeypatch) -> None:
+    from wiola.train.sources import validation_source
+    from wiola.train.token_cache import prepare_val_data
+
+    write_sample_corpus(tmp_path / "c", n_train=8, n_val=3, seed=2)
+    (tmp_path / "empty.txt").write_text("")
+    tok = TiktokenTokenizer(enc)
+    c = tmp_path / "c"
+    full = prepare_data(
+        resolve_source(c / "train.txt", c / "validation.txt"), tok, tmp_path / "full", progress=False, log=_quiet
+    )
+    seen = _recording_tokeniser(monkeypatch)
+    alone = prepare_val_data(validation_source(c / "validation.txt"), tok, tmp_path / "a", progress=False, log=_quiet)
+    empty = prepare_val_data(
+        resolve_source(tmp_path / "empty.txt", c / "validation.txt"), tok, tmp_path / "e", progress=False, log=_quiet
+    )
+    assert seen == ["val", "val"], f"tokenised {seen}"
+    for name, data in (("--val-data alone", alone), ("an empty train file", empty)):
+        assert np.array_equal(data.val.tokens(), full.val.tokens()), f"{name}: validation tokens differ"
+    assert alone.manifest["source"].endswith("(1 validation file(s))"), alone.manifest["source"]
+    with pytest.raises(FileNotFoundError, match="validation data path"):
+        validation_source(tmp_path / "missing.txt")
+    with pytest.raises(ValueError, match=r"the val split .* holds no documents .*separated by <\|endoftext\|>"):
+        prepare_val_data(validation_source(tmp_path / "empty.txt"), tok, tmp_path / "x", progress=False, log=_quiet)
+
+
+def test_val_only_tinystories_tokenises_its_validation_split_alone(tmp_path, enc, monkeypatch) -> None:
+    """The default of a checkpoint without a training config: TinyStories' validation split,
+    without tokenising its 2 M training stories (here a stand-in for ``datasets``)."""
+    from wiola.train import sources
+    from wiola.train.corpus import generate_stories
+    from wiola.train.token_cache import prepare_val_data
+
+    class Split:
+        def __init__(self, docs: list[str], fingerprint: str) -> None:
+            self.docs, self._fingerprint, self.column_names = docs, fingerprint, ["text"]
+
+        def __getitem__(self, column: str) -> list[str]:
+            return self.docs
+
+        def __len__(self) -> int:
+            return len(self.docs)
+
+    splits = {"train": Split(generate_stories(9, seed=5), "t1"), "validation": Split(generate_stories(3, seed=6), "v1")}
+    monkeypatch.setattr(sources, "_hf_split", lambda name, split: splits[split])
+    tok = TiktokenTokenizer(enc)
+    full = prepare_data(resolve_source("tinystories"), tok, tmp_path / "full", progress=False, log=_quiet)
+    seen = _recording_tokeniser(monkeypatch)
+    val = prepare_val_data(resolve_source("tinystories"), tok, tmp_path / "cache", progress=False, log=_quiet)
+    assert seen == ["val"], f"tokenised {seen}, not the validation split alone"
+    assert np.array_equal(val.val.tokens(), full.val.tokens()) and val.val.documents == 3
+
+
+def test_training_paths_are_kept_absolute(tmp_path, monkeypatch) -> None:
+    from wiola.train.config import TrainConfig
+    from wiola.train.sources import absolute_data_path
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for named in (None, "tinystories", "roneneldan/TinyStories", "sample", "sample:50", "SAMPLE:7"):
+        assert absolute_data_path(named) == named, f"{named!r} is a corpus name, not a path"
+    assert absolute_data_path("d/../train.txt") == str(tmp_path / "train.txt")
+    assert absolute_data_path("~/x.txt") == str(tmp_path / "home" / "x.txt")
+    cfg = TrainConfig(preset="tiny", data="train.txt", val_data="./v/val.txt", cache_dir="cache")
+    assert (cfg.data, cfg.val_data, cfg.cache_dir) == (
+        str(tmp_path / "train.txt"),
+        str(tmp_path / "v" / "val.txt"),
+        str(tmp_path / "cache"),
+    )
+    assert TrainConfig(preset="tiny", data="sample:20").data == "sample:20"
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg, "saved settings change when read back"
+    # Resuming an older checkpoint: its relative spelling stays where it names the same file here.
+    old = {**cfg.to_dict(), "data": "train.txt", "val_data": "v/val.txt"}
+    kept = cfg.with_saved_paths(old)
+    assert (kept.data, kept.val_data) == ("train.txt", "v/val.txt")
+    other = cfg.with_saved_paths({**old, "data": "elsewhere/train.txt"})
+    assert (other.data, other.val_data) == (str(tmp_path / "train.txt"), "v/val.txt")
+
+
+def _trainer_state(run) -> dict:
+    from wiola.train.run_folder import find_checkpoint, read_trainer_state
+
+    return read_trainer_state(find_checkpoint(run))
+
+
+def test_resume_with_absolute_and_older_relative_data_paths(tmp_path, monkeypatch, capsys) -> None:
+    """A run started with relative paths saves them absolute and resumes from anywhere; a
+    checkpoint of an older version (relative paths, and a data fingerprint keyed by them) still
+    resumes from the folder it was trained in."""
+    import shutil
+
+    from wiola.cli import main
+    from wiola.train import TrainConfig, train
+    from wiola.train.corpus import generate_stories
+    from wiola.train.sources import source_fingerprint
+
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    root.mkdir()
+    (root / "train.txt").write_text(f"\n{EOT}\n".join(generate_stories(20, seed=1)))
+    (root / "val.txt").write_text(f"\n{EOT}\n".join(generate_stories(4, seed=2)))
+    monkeypatch.chdir(root)
+    model = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 32, "max_seq_len": 32}
+    cfg = TrainConfig(
+        preset="tiny", model=model, data="train.txt", val_data="val.txt", cache_dir="cache", seq_len=16,
+        batch_size=2, steps=1, eval_windows=2, out_dir="run", progress=False, plots=False, device="cpu",
+    )  # fmt: skip
+    train(cfg, log=_quiet)
+    saved = _trainer_state(root / "run")["train_config"]
+    assert (saved["data"], saved["val_data"], saved["cache_dir"]) == tuple(
+        str(root / n) for n in ("train.txt", "val.txt", "cache")
+    ), "the run saved its paths as typed"
+
+    legacy = root / "legacy"
+    shutil.copytree(root / "run", legacy)
+    monkeypatch.chdir(elsewhere)
+    assert main(["train", "--resume", str(root / "run"), "--steps", "2", "--no-progress"]) == 0, capsys.readouterr().err
+    monkeypatch.chdir(root)
+    flags = ["--data", "train.txt", "--val-data", "./val.txt", "--no-progress"]
+    assert main(["train", "--resume", "run", "--steps", "3", *flags]) == 0, capsys.readouterr().err
+    assert _trainer_state(root / "run")["step"] == 3
+
+    # An older checkpoint: the paths as typed, and the fingerprint the older version computed from them.
+    checkpoint = next((legacy / "checkpoints").glob("step_*"))
+    state = json.loads((checkpoint / "trainer.json").read_text())
+    state["train_config"].update(data="train.txt", val_data="val.txt")
+    state["data"]["fingerprint"] = source_fingerprint(resolve_source("train.txt", "val.txt"))
+    (checkpoint / "trainer.json").write_text(json.dumps(state))
+    assert main(["train", "--resume", "legacy", "--steps", "2", "--no-progress"]) == 0, capsys.readouterr().err
+    resumed = _trainer_state(legacy)
+    assert resumed["step"] == 2 and resumed["train_config"]["data"] == "train.txt", "the older spelling was not kept"
+    assert resumed["data"]["fingerprint"] == state["data"]["fingerprint"]
+    # From elsewhere its relative path names nothing: refused, naming the setting, before any step.
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(legacy), "--steps", "3", "--data", str(root / "train.txt")]) == 2
+    assert "data: checkpoint 'train.txt'" in capsys.readouterr().err
+    assert _trainer_state(legacy)["step"] == 2

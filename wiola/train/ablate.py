@@ -300,7 +300,9 @@ def settings_differences(run: PlannedRun) -> list[str]:
         f"model.{k} {_show(old_model.get(k))} → {_show(new_model[k])}" for k in keys if old_model.get(k) != new_model[k]
     ]
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
-    old_train, new_train = {**defaults, **(saved.get("train_config") or {})}, run.config.to_dict()
+    saved_train = saved.get("train_config") or {}
+    # A path an older version saved as typed (train.txt) names the same file as the plan's absolute one.
+    old_train, new_train = {**defaults, **saved_train}, run.config.with_saved_paths(saved_train).to_dict()
     skip = NO_RESULT_SETTINGS | {"preset", "model"}  # the model is compared above, field by field
     diffs += [
         f"{k} {_show(old_train.get(k))} → {_show(v)}"

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from wiola.config import WiolaConfig, check_field_types, dataclass_from_dict
+from wiola.train.sources import absolute_data_path
 
 DEFAULT_SEQ_LEN = 512  # the paper's T, where the model allows it
 
@@ -37,7 +38,9 @@ class TrainConfig:
     init: str | None = None  # start from this checkpoint's model, weights and tokenizer (folder, run or Hub id)
     activation_checkpointing: bool = False  # recompute each block in the backward pass (less memory)
     # data
-    data: str | None = "tinystories"  # "tinystories", "sample", or a path
+    # Paths are kept absolute (``__post_init__``): a checkpoint's settings name the same files
+    # from any working directory (``wiola eval``, ``--resume``).
+    data: str | None = "tinystories"  # "tinystories", "sample", "sample:N", or a path
     val_data: str | None = None
     val_fraction: float = 0.01
     cache_dir: str | None = None
@@ -78,6 +81,9 @@ class TrainConfig:
         # Every field's kind first (a bool is a bool, a float finite), so a config file's
         # {"shuffle": "false"} or a NaN flag is refused by name before any work.
         check_field_types(self)
+        self.data = absolute_data_path(self.data)  # a named corpus ("tinystories", "sample:N") stays a name
+        self.val_data = None if self.val_data is None else _absolute_path(self.val_data)
+        self.cache_dir = None if self.cache_dir is None else _absolute_path(self.cache_dir)
         model_config = self.model_config()  # an unknown preset or model field raises here
         if self.seq_len is None and self.init is None:
             self.seq_len = default_seq_len(model_config)
@@ -118,6 +124,18 @@ class TrainConfig:
         cfg._check_fit(model_config)
         return cfg
 
+    def with_saved_paths(self, saved: dict[str, Any]) -> TrainConfig:
+        """This configuration with the ``data`` and ``val_data`` of ``saved`` (the ``train_config``
+        of the checkpoint it resumes) where they are spelled otherwise but name the same paths from
+        this working directory. Older versions saved a path as typed (``train.txt``), and the
+        checkpoint's data fingerprint and token cache are keyed by that spelling: resuming keeps it."""
+        cfg = dataclasses.replace(self)
+        for name in ("data", "val_data"):
+            old, now = saved.get(name), getattr(cfg, name)
+            if isinstance(old, str) and old != now and _absolute_path(old) == now:
+                setattr(cfg, name, old)  # not through __post_init__, which would make it absolute again
+        return cfg
+
     def _check_fit(self, model_config: WiolaConfig) -> None:
         assert self.seq_len is not None
         if self.seq_len + 1 > model_config.max_seq_len:
@@ -151,6 +169,10 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         return dataclass_from_dict(cls, data, "unknown training settings {unknown}; known: {known}")
+
+
+def _absolute_path(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
 
 
 # Settings that may differ between a run and its resumption: the rest would change the numbers.

@@ -19,9 +19,12 @@ from wiola.train.sources import (
     TEXT_SUFFIXES,
     VAL_NAMES,
     DataSource,
+    absolute_data_path,
+    is_named_source,
     iter_documents,
     resolve_source,
     source_fingerprint,
+    validation_source,
 )
 from wiola.train.token_cache import (
     SHARD_TOKENS,
@@ -29,6 +32,7 @@ from wiola.train.token_cache import (
     TokenSplit,
     default_cache_dir,
     prepare_data,
+    prepare_val_data,
     token_dtype,
 )
 
@@ -44,17 +48,21 @@ __all__ = [
     "DataSource",
     "TokenData",
     "TokenSplit",
+    "absolute_data_path",
     "check_split",
     "default_cache_dir",
     "eval_batches",
     "eval_windows",
+    "is_named_source",
     "iter_documents",
     "num_windows",
     "prepare_data",
+    "prepare_val_data",
     "resolve_source",
     "source_fingerprint",
     "token_byte_lengths",
     "token_dtype",
     "tokenizer_for",
     "unigram_entropy",
+    "validation_source",
 ]

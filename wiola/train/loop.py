@@ -238,6 +238,7 @@ def _start(
     cfg = cfg.with_model(model_config)  # the default seq_len and the window check follow the trained model
     model_class(cfg.fast)  # --fast without wiola.fast raises here
     if saved is not None:
+        cfg = cfg.with_saved_paths(saved["train_config"])  # an older checkpoint's relative data paths
         _check_resume(saved, cfg, model_config, checkpoint)
     check_output_folder(cfg.out_dir, "--out")
     if init is not None:  # --overwrite would delete it, and a run written around it would hide it

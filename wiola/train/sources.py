@@ -11,6 +11,9 @@
   when given; else the files of a folder whose names say ``val``/``valid``/``validation``; else
   every ``1/val_fraction``-th document.
 
+A training run keeps its paths as absolute ones (``absolute_data_path``), so that its checkpoint's
+settings name the same files from any working directory. ``validation_source`` is the source of
+``--val-data`` alone (``wiola eval``: a validation split and no training files).
 ``source_fingerprint`` keys the token cache (``wiola.train.token_cache``).
 """
 
@@ -53,6 +56,8 @@ class DataSource:
     sample_size: tuple[int, int, int] = (1000, 100, 0)  # sample corpus: n_train, n_val, seed
 
     def describe(self) -> str:
+        if self.kind == "files" and not self.train_files:
+            return f"{self.name} ({len(self.val_files)} validation file(s))"
         if self.kind == "files":
             val = f"{len(self.val_files)} validation file(s)" if self.val_files else f"1/{self.holdout_every} held out"
             return f"{self.name} ({len(self.train_files)} training file(s), {val})"
@@ -78,6 +83,32 @@ def _data_files(path: Path) -> list[Path]:
 def _is_val_file(path: Path) -> bool:
     words = path.stem.lower().replace("-", "_").replace(".", "_").split("_")
     return any(w in VAL_NAMES for w in words)
+
+
+def is_named_source(data: str | os.PathLike | None) -> bool:
+    """Whether a ``--data`` value names a corpus (None, ``tinystories``, ``sample``, ``sample:N``)
+    rather than a path: ``resolve_source`` reads these without looking at the file system."""
+    text = str(data).lower()
+    return data is None or text in ("tinystories", DEFAULT_HF_DATASET.lower(), "sample") or text.startswith("sample:")
+
+
+def absolute_data_path(data: str | os.PathLike | None) -> str | None:
+    """A ``--data`` value with its path made absolute (``~`` expanded, ``..`` folded, symlinks
+    kept); a named corpus (``is_named_source``) as it is. A path that does not exist stays a
+    path: ``resolve_source`` says so."""
+    if data is None or is_named_source(data):
+        return None if data is None else str(data)
+    return os.path.abspath(os.path.expanduser(os.fspath(data)))
+
+
+def validation_source(val_data: str | os.PathLike) -> DataSource:
+    """The source of ``--val-data`` alone: its files are the validation split, the training split
+    is empty. The validation documents are those ``resolve_source(DATA, val_data)`` gives for any
+    ``DATA``, so their numbers are the same. Raises as ``resolve_source`` does."""
+    path = Path(val_data).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"validation data path {str(path)!r} does not exist")
+    return DataSource("files", str(path), [], _data_files(path))
 
 
 def resolve_source(

@@ -8,6 +8,10 @@ bar on a terminal (a plain line every 30 s elsewhere) and is cached as memmap sh
 up to 65,536 ids, uint32 beyond) plus a ``manifest.json`` (source fingerprint, tokenizer
 fingerprint, counts), in a folder keyed by both: a second run opens the memmaps and skips
 tokenisation; a changed tokenizer never reuses them.
+
+Scoring needs the validation split alone (``prepare_val_data``, ``wiola eval``): it opens a
+training run's cache when there is one, else tokenises that split only, into a folder of its own
+(``<the training cache's folder>.val``) that ``prepare_data`` never opens.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from wiola.train.env import Progress
 from wiola.train.sources import PIPELINE_VERSION, DataSource, iter_documents, source_fingerprint
 
 SHARD_TOKENS = 1 << 28  # 256 Mi tokens = 512 MiB per uint16 shard
+SPLITS = ("train", "val")
+VAL_ONLY_SUFFIX = ".val"  # the folder of a cache of the validation split alone: <cache folder>.val
 
 
 def default_cache_dir() -> Path:
@@ -73,7 +79,8 @@ class TokenSplit:
 
 @dataclass
 class TokenData:
-    """Both splits of a tokenised source, and the manifest that describes them."""
+    """Both splits of a tokenised source, and the manifest that describes them (the train split
+    is empty, and absent from the manifest's ``splits``, in a cache of the validation split alone)."""
 
     train: TokenSplit
     val: TokenSplit
@@ -173,8 +180,11 @@ def _open_cache(directory: Path) -> TokenData:
     manifest = json.loads((directory / "manifest.json").read_text())
     dtype = np.dtype(manifest.get("dtype", "uint16"))
     splits = {}
-    for split in ("train", "val"):
-        info = manifest["splits"][split]
+    for split in SPLITS:
+        info = manifest["splits"].get(split)
+        if info is None:  # a cache of the validation split alone holds no train split
+            splits[split] = TokenSplit([], 0, 0)
+            continue
         shards = []
         for shard in info["shards"]:
             path = directory / shard["file"]
@@ -185,6 +195,29 @@ def _open_cache(directory: Path) -> TokenData:
             shards.append(np.memmap(path, dtype=dtype, mode="r") if shard["tokens"] else np.zeros(0, dtype))
         splits[split] = TokenSplit(shards, info["documents"], info["bytes"])
     return TokenData(splits["train"], splits["val"], manifest, directory)
+
+
+def _cache_folder(source: DataSource, tokenizer: Tokenizer, cache_dir: str | os.PathLike | None) -> tuple[Path, str]:
+    """The training cache's folder for ``source`` and ``tokenizer``, and the source's fingerprint."""
+    fingerprint = source_fingerprint(source)
+    slug = {"hf": "tinystories", "sample": "sample"}.get(source.kind) or Path(source.name).name.replace(".", "_")[:40]
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    key = hashlib.sha256(f"{fingerprint} {tokenizer.fingerprint}".encode()).hexdigest()
+    name = re.sub(r"[^\w.-]", "_", tokenizer.name)[:40]
+    return root / "tokens" / f"{slug}-{name}-{key[:16]}", fingerprint
+
+
+def _open_if_cached(
+    directory: Path, fingerprint: str, tokenizer: Tokenizer, splits: tuple[str, ...]
+) -> TokenData | None:
+    """The cache in ``directory`` when it holds ``splits`` of this source and tokenizer, else None."""
+    if not (directory / "manifest.json").is_file():
+        return None
+    data = _open_cache(directory)
+    manifest = data.manifest
+    if (manifest.get("fingerprint"), manifest.get("tokenizer_fingerprint")) != (fingerprint, tokenizer.fingerprint):
+        return None
+    return data if set(splits) <= set(manifest["splits"]) else None
 
 
 def prepare_data(
@@ -204,28 +237,79 @@ def prepare_data(
     is built in a temporary folder and renamed into place, so an interrupted run leaves no half
     cache. Raises ``ValueError`` when a split is empty.
     """
-    fingerprint = source_fingerprint(source)
-    slug = {"hf": "tinystories", "sample": "sample"}.get(source.kind) or Path(source.name).name.replace(".", "_")[:40]
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    key = hashlib.sha256(f"{fingerprint} {tokenizer.fingerprint}".encode()).hexdigest()
-    name = re.sub(r"[^\w.-]", "_", tokenizer.name)[:40]
-    directory = root / "tokens" / f"{slug}-{name}-{key[:16]}"
-    if (directory / "manifest.json").is_file():
-        data = _open_cache(directory)
-        if (data.manifest.get("fingerprint"), data.manifest.get("tokenizer_fingerprint")) == (
-            fingerprint,
-            tokenizer.fingerprint,
-        ):
-            log(f"tokens: cached in {directory} ({len(data.train):,} train / {len(data.val):,} val)")
-            return data
+    directory, fingerprint = _cache_folder(source, tokenizer, cache_dir)
+    data = _open_if_cached(directory, fingerprint, tokenizer, SPLITS)
+    if data is not None:
+        log(f"tokens: cached in {directory} ({len(data.train):,} train / {len(data.val):,} val)")
+        return data
+    t0 = time.time()
+    data = _build_cache(
+        directory, source, fingerprint, tokenizer, SPLITS, num_threads, batch_docs, shard_tokens, progress, log
+    )
+    log(
+        f"tokens: {len(data.train):,} train / {len(data.val):,} val with {tokenizer.name} in {time.time() - t0:.1f}s, cached in {directory}"
+    )
+    return data
+
+
+def prepare_val_data(
+    source: DataSource,
+    tokenizer: Tokenizer,
+    cache_dir: str | os.PathLike | None = None,
+    *,
+    num_threads: int | None = None,
+    batch_docs: int = 1024,
+    shard_tokens: int = SHARD_TOKENS,
+    progress: bool = True,
+    log: Any = print,
+) -> TokenData:
+    """``prepare_data`` for the validation split alone: the same tokens, without tokenising (or
+    needing) the training split.
+
+    Opens ``prepare_data``'s cache of ``source`` when there is one (its train split comes along);
+    else the cache of the validation split alone, ``<that folder>.val``, built the first time. Its
+    ``TokenData.train`` is empty, and its manifest's ``splits`` holds ``val`` only, so
+    ``prepare_data`` never takes it for a complete cache (nor opens its folder). The documents are
+    those of ``iter_documents(source, "val")``: a held-out share is still chosen by reading every
+    document in order. Raises ``ValueError`` when the validation split is empty.
+    """
+    directory, fingerprint = _cache_folder(source, tokenizer, cache_dir)
+    data = _open_if_cached(directory, fingerprint, tokenizer, SPLITS)
+    if data is None:
+        directory = directory.with_name(directory.name + VAL_ONLY_SUFFIX)
+        data = _open_if_cached(directory, fingerprint, tokenizer, ("val",))
+    if data is not None:
+        log(f"tokens: cached in {directory} ({len(data.val):,} val)")
+        return data
+    t0 = time.time()
+    data = _build_cache(
+        directory, source, fingerprint, tokenizer, ("val",), num_threads, batch_docs, shard_tokens, progress, log
+    )
+    log(f"tokens: {len(data.val):,} val with {tokenizer.name} in {time.time() - t0:.1f}s, cached in {directory}")
+    return data
+
+
+def _build_cache(
+    directory: Path,
+    source: DataSource,
+    fingerprint: str,
+    tokenizer: Tokenizer,
+    splits: tuple[str, ...],
+    num_threads: int | None,
+    batch_docs: int,
+    shard_tokens: int,
+    progress: bool,
+    log: Any,
+) -> TokenData:
+    """Tokenise ``splits`` of ``source`` into ``directory`` (through a temporary folder) and open it."""
     tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     threads = num_threads or min(8, os.cpu_count() or 1)
-    splits: dict[str, Any] = {}
+    written: dict[str, Any] = {}
     t0 = time.time()
     try:
-        for split in ("train", "val"):
+        for split in splits:
             docs, total = iter_documents(source, split)
             writer = _ShardWriter(tmp, split, shard_tokens)
             n_docs, n_tokens, n_bytes = _tokenize_split(
@@ -240,8 +324,13 @@ def prepare_data(
                 log=log,
             )
             if n_docs == 0:
-                raise ValueError(f"the {split} split of {source.describe()} holds no documents (empty corpus)")
-            splits[split] = {"shards": writer.shards, "documents": n_docs, "tokens": n_tokens, "bytes": n_bytes}
+                hint = ""
+                if source.kind == "files" and any(f.suffix == ".txt" for f in source.train_files + source.val_files):
+                    hint = (
+                        "; in a .txt file documents are separated by <|endoftext|> (a file without it is one document)"
+                    )
+                raise ValueError(f"the {split} split of {source.describe()} holds no documents (empty corpus){hint}")
+            written[split] = {"shards": writer.shards, "documents": n_docs, "tokens": n_tokens, "bytes": n_bytes}
         manifest = {
             "format": PIPELINE_VERSION,
             "source": source.describe(),
@@ -252,7 +341,7 @@ def prepare_data(
             "document_prefix": tokenizer.document_prefix,
             "document_suffix": tokenizer.document_suffix,
             "dtype": np.dtype(token_dtype(tokenizer.vocab_size)).name,
-            "splits": splits,
+            "splits": written,
             "seconds": round(time.time() - t0, 3),
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
@@ -262,8 +351,4 @@ def prepare_data(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    data = _open_cache(directory)
-    log(
-        f"tokens: {len(data.train):,} train / {len(data.val):,} val with {tokenizer.name} in {time.time() - t0:.1f}s, cached in {directory}"
-    )
-    return data
+    return _open_cache(directory)
