@@ -305,3 +305,80 @@ def test_infinite_temperature_is_refused_by_the_api(checkpoint):
     for value in (float("inf"), float("nan")):
         with pytest.raises(ValueError, match="temperature must be >= 0 and finite"):
             model.generate(ids, 2, temperature=value, top_k=5)
+
+
+# ------------------------------------------------ tokenizers that do not match the model; quantized
+@pytest.fixture(scope="module", params=["bpe", "tiktoken"])
+def padded_checkpoint(request, tmp_path_factory) -> tuple[Path, object]:
+    """A model with 64 embedding rows past its tokenizer's ids (a 300-id BPE; GPT-2's 32k tiktoken,
+    whose decode raises on such an id), those rows scaled up so that sampling (seed 0) reaches them."""
+    from wiola.tokenizer import load_tokenizer
+
+    if request.param == "bpe":
+        tok, scale = train_tokenizer(TEXTS, 300, show_progress=False), 10
+    else:
+        request.getfixturevalue("offline_tokenizer")
+        tok, scale = load_tokenizer("gpt2-32k"), 20
+    n = tok.vocab_size
+    torch.manual_seed(0)
+    model = WiolaModel(WiolaConfig(vocab_size=n + 64, d_model=64, n_layers=2, n_heads=4, d_ff=96, max_seq_len=128))
+    with torch.no_grad():
+        model.embed.weight[n:] *= scale
+    folder = tmp_path_factory.mktemp(f"padded_{request.param}")
+    model.save_pretrained(folder, tok)
+    return folder, tok
+
+
+def test_generated_ids_past_the_tokenizer_are_left_out_with_a_warning(padded_checkpoint, capsys):
+    """Ids the model generates past its tokenizer's (padded rows) have no text: they stay in --json's
+    ids, are left out of the text (not a tiktoken KeyError), and one warning line says so."""
+    folder, tok = padded_checkpoint
+    args = ["generate", "--checkpoint", str(folder), "--prompt", PROMPTS[0], "--max-new-tokens", "12",
+            "--temperature", "1", "--top-p", "1", "--device", "cpu"]  # fmt: skip
+    assert main([*args, "--json"]) == 0
+    captured = capsys.readouterr()
+    (record,) = [json.loads(line) for line in captured.out.splitlines()]
+    past = [i for i in record["ids"] if i >= tok.vocab_size]
+    assert past, f"no id past the tokenizer's: the test shows nothing ({record['ids']})"
+    assert record["text"] == tok.decode([i for i in record["ids"] if i < tok.vocab_size])
+    warnings = [line for line in captured.err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1, captured.err
+    want = f"warning: {len(past)} generated token(s) (first id {past[0]}) lie past the {tok.vocab_size:,} ids of "
+    assert warnings[0].startswith(want), warnings
+    assert warnings[0].endswith("so have no text and are left out of it: does this tokenizer belong to this model?")
+    assert main(args) == 0  # streamed: the same text
+    captured = capsys.readouterr()
+    assert captured.out == PROMPTS[0] + record["text"] + "\n" and want in captured.err, captured
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused(checkpoint, offline_tokenizer, capsys):
+    """--tokenizer with more ids than the model has rows: exit 2 before generating, in check_ids'
+    words, even for a prompt whose ids happen to fit (the model's ids would be decoded as another
+    tokenizer's text)."""
+    code = main(["generate", "--checkpoint", str(checkpoint), "--tokenizer", "gpt2-32k", "--prompt", "a",
+                 "--max-new-tokens", "4", "--device", "cpu"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "", captured
+    assert captured.err == (
+        "wiola generate: error: tokenizer 'gpt2-32k' has 32,000 ids, more than the model's vocabulary of 300: "
+        "this tokenizer does not belong to this model\n"
+    ), captured.err
+
+
+def test_reference_on_a_quantized_checkpoint_is_refused_naming_the_flag(checkpoint, tmp_path, monkeypatch, capsys):
+    """A quantized checkpoint runs on wiola.fast only: --reference is refused before anything loads."""
+    import wiola.model
+    from wiola.checkpoint import load_checkpoint_tokenizer
+    from wiola.fast import WiolaModel as FastModel
+    from wiola.fast.quantize import quantize
+
+    model = FastModel.from_pretrained(checkpoint).eval().requires_grad_(False)
+    quantize(model, "int8").save_pretrained(tmp_path / "q8", load_checkpoint_tokenizer(checkpoint))
+    monkeypatch.setattr(wiola.model, "load_pretrained", lambda *_, **__: pytest.fail("loaded before the check"))
+    code = main(["generate", "--checkpoint", str(tmp_path / "q8"), "--reference", "--device", "cpu"])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "", captured
+    assert captured.err == (
+        f"wiola generate: error: drop --reference: {tmp_path / 'q8'} holds int8-quantized weights, which run on "
+        "the fast model\n"
+    ), captured.err

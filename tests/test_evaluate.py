@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -199,3 +200,327 @@ def test_loss_curve_png(tmp_path) -> None:
     img = _png(plot_loss_curve(records, tmp_path / "loss.png"))
     assert img.shape[0] > 200 and img.shape[1] > 300, f"loss curve size {img.shape}"
     assert not list(tmp_path.glob(".*tmp*")), "temporary PNG left behind"
+
+
+# ------------------------------------------------- wiola eval: the data it scores, the split alone
+EVAL_RUN_MODEL = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 32, "max_seq_len": 32}
+
+
+@pytest.fixture(scope="module")
+def relative_run(tmp_path_factory, offline_tokenizer):
+    """A one-step run trained from its folder with relative paths: ``run/`` beside ``train.txt``,
+    ``val.txt``, ``all.txt`` (12 documents, every 4th held out) and ``empty.txt``."""
+    from wiola.train import TrainConfig, train
+    from wiola.train.sources import EOT_TEXT
+
+    root = tmp_path_factory.mktemp("relative_run")
+    for name, n, seed in (("train.txt", 20, 1), ("val.txt", 5, 2), ("all.txt", 12, 3)):
+        (root / name).write_text(f"\n{EOT_TEXT}\n".join(generate_stories(n, seed=seed)))
+    (root / "empty.txt").write_text("")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
+        cfg = TrainConfig(
+            preset="tiny", model=EVAL_RUN_MODEL, data="train.txt", val_data="val.txt", val_fraction=0.25,
+            cache_dir="cache", seq_len=16, batch_size=2, steps=1, eval_windows=2, out_dir="run", progress=False,
+            plots=False, device="cpu",
+        )  # fmt: skip
+        train(cfg, log=lambda m: None)
+    return root
+
+
+def _tokenised_splits(monkeypatch) -> list[str]:
+    """The splits ``token_cache`` tokenises from here on."""
+    from wiola.train import token_cache
+
+    seen: list[str] = []
+    real = token_cache._tokenize_split
+
+    def recording(*a, **k):
+        seen.append(k["desc"].split()[1])
+        return real(*a, **k)
+
+    monkeypatch.setattr(token_cache, "_tokenize_split", recording)
+    return seen
+
+
+def _eval_json(capsys, *argv: str) -> dict:
+    from wiola.cli import main
+
+    code = main(["eval", *argv, "--json", "--no-progress", "--device", "cpu"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return json.loads(captured.out.strip().splitlines()[-1])
+
+
+def _full_path_numbers(run, source, cache, windows: int) -> dict:
+    """The numbers of the run's checkpoint on ``source``'s validation split as ``wiola eval`` computed
+    them before it tokenised that split alone: ``prepare_data`` of both splits, then ``evaluate``."""
+    from wiola.checkpoint import load_checkpoint_tokenizer
+    from wiola.train.run_folder import find_checkpoint
+    from wiola.train.token_cache import prepare_data
+
+    checkpoint = find_checkpoint(run)
+    tokenizer = load_checkpoint_tokenizer(checkpoint)
+    data = prepare_data(source, tokenizer, cache, progress=False, log=lambda m: None)
+    model = WiolaModel.from_pretrained(checkpoint, device="cpu").eval()
+    return evaluate(
+        model, data.val, token_byte_lengths(tokenizer), 16, batch_size=8, max_windows=windows, precision="auto"
+    ).to_dict()
+
+
+def test_eval_data_of_a_run_scored_from_another_folder(relative_run, tmp_path, monkeypatch, capsys) -> None:
+    from wiola.train.run_folder import find_checkpoint, read_trainer_state
+    from wiola.train.sources import resolve_source
+
+    saved = read_trainer_state(find_checkpoint(relative_run / "run"))["train_config"]
+    assert (saved["data"], saved["val_data"]) == (str(relative_run / "train.txt"), str(relative_run / "val.txt"))
+    monkeypatch.chdir(tmp_path)
+    seen = _tokenised_splits(monkeypatch)
+    got = _eval_json(capsys, "--checkpoint", str(relative_run / "run"), "--eval-windows", "3")
+    assert seen == [], f"tokenised {seen}: the run's token cache was not reused"
+    assert [p.name for p in (relative_run / "cache" / "tokens").iterdir() if ".val" in p.name] == []
+    source = resolve_source(relative_run / "train.txt", relative_run / "val.txt")
+    expected = _full_path_numbers(relative_run / "run", source, tmp_path / "full", 3)
+    assert {k: got[k] for k in expected} == expected, "wiola eval's numbers differ from the full pipeline's"
+
+
+@pytest.mark.parametrize(
+    "flags, data, val_data",
+    [
+        (["--val-data", "val.txt"], "train.txt", "val.txt"),
+        (["--data", "empty.txt", "--val-data", "val.txt"], "train.txt", "val.txt"),
+        (["--data", "all.txt"], "all.txt", None),
+    ],
+    ids=["val-data-alone", "empty-train-file", "held-out-share"],
+)
+def test_eval_data_tokenises_the_validation_split_alone(
+    relative_run, tmp_path, monkeypatch, capsys, flags, data, val_data
+) -> None:
+    from wiola.train.sources import resolve_source
+
+    monkeypatch.chdir(relative_run)
+    seen = _tokenised_splits(monkeypatch)
+    got = _eval_json(capsys, "--checkpoint", "run", "--cache-dir", str(tmp_path / "c"), *flags)
+    assert seen == ["val"], f"tokenised {seen}, not the validation split alone"
+    source = resolve_source(relative_run / data, val_data and relative_run / val_data, val_fraction=0.25)
+    expected = _full_path_numbers(relative_run / "run", source, tmp_path / "full", None)
+    assert got["windows"] > 3 and {k: got[k] for k in expected} == expected, "numbers differ from the full pipeline's"
+
+
+def test_eval_data_paths_of_the_training_config_that_are_gone(relative_run, tmp_path, monkeypatch, capsys) -> None:
+    """An older run saved its paths as typed: read from elsewhere they name nothing, and the error
+    says where they came from and what to pass; its validation files alone are enough."""
+    import shutil
+
+    from wiola.cli import main
+    from wiola.train.run_folder import find_checkpoint
+    from wiola.train.sources import resolve_source
+
+    checkpoint = tmp_path / "old"
+    shutil.copytree(find_checkpoint(relative_run / "run"), checkpoint)
+    state = json.loads((checkpoint / "trainer.json").read_text())
+    state["train_config"].update(data="train.txt", val_data=None)
+    (checkpoint / "trainer.json").write_text(json.dumps(state))
+    monkeypatch.chdir(tmp_path)
+    seen = _tokenised_splits(monkeypatch)
+    assert main(["eval", "--checkpoint", str(checkpoint), "--no-progress", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"data path 'train.txt' (from the training config of checkpoint {checkpoint}" in err, err
+    assert "pass --data PATH" in err and seen == [], err
+    state["train_config"].update(val_data=str(relative_run / "val.txt"))
+    (checkpoint / "trainer.json").write_text(json.dumps(state))
+    got = _eval_json(capsys, "--checkpoint", str(checkpoint), "--cache-dir", str(tmp_path / "c"))
+    assert seen == ["val"], f"tokenised {seen}, not the validation split alone"
+    source = resolve_source(relative_run / "train.txt", relative_run / "val.txt")
+    expected = _full_path_numbers(relative_run / "run", source, tmp_path / "full", None)
+    assert {k: got[k] for k in expected} == expected, "numbers differ from the full pipeline's"
+
+
+def test_eval_data_too_long_seq_len_is_refused_before_tokenising(relative_run, tmp_path, monkeypatch, capsys) -> None:
+    from wiola.cli import main
+
+    seen = _tokenised_splits(monkeypatch)
+    cache = tmp_path / "c"
+    argv = ["eval", "--checkpoint", str(relative_run / "run"), "--val-data", str(relative_run / "val.txt")]
+    assert main([*argv, "--seq-len", "32", "--cache-dir", str(cache), "--no-progress", "--device", "cpu"]) == 2
+    assert "windows of 33 tokens exceed max_seq_len=32" in capsys.readouterr().err
+    assert seen == [] and not cache.exists(), "the data was tokenised before --seq-len was checked"
+
+
+# ----------------------------------- wiola eval/gates: flags checked first, quantized and Hub checkpoints
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    """A model of 300 ids saved with its own 300-id BPE, beside training and validation text files
+    (the flags that score them: ``data``)."""
+    from types import SimpleNamespace
+
+    from wiola.tokenizer import train_tokenizer
+    from wiola.train.sources import EOT_TEXT
+
+    root = tmp_path_factory.mktemp("small_model")
+    stories = generate_stories(40, seed=1)
+    tok = train_tokenizer(stories, 300, show_progress=False)
+    (root / "train.txt").write_text(f"\n{EOT_TEXT}\n".join(stories[:30]))
+    (root / "val.txt").write_text(f"\n{EOT_TEXT}\n".join(stories[30:]))
+    torch.manual_seed(0)
+    config = WiolaConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=64)
+    WiolaModel(config).save_pretrained(root / "model", tok)
+    data = ["--data", str(root / "train.txt"), "--val-data", str(root / "val.txt")]
+    return SimpleNamespace(root=root, model=root / "model", tok=tok, config=config, data=data)
+
+
+def _one_line_error(capsys, argv: list[str], message: str, after_work: bool = False) -> None:
+    """``wiola ARGV`` exits 2 with one ``wiola <command>: error:`` line holding ``message`` and nothing
+    on stdout; the only line on stderr, unless ``after_work`` (then the last, after the work's log)."""
+    from wiola.cli import main
+
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "", captured
+    err = captured.err if not after_work else captured.err.splitlines(keepends=True)[-1]
+    assert err.startswith(f"wiola {argv[0]}: error: ") and message in err and err.count("\n") == 1, captured.err
+    assert "Traceback" not in captured.err, captured.err
+
+
+def test_eval_and_gates_flags_are_checked_before_anything_loads(small_model, tmp_path, monkeypatch, capsys) -> None:
+    """Each mode's flags are refused by name in the other mode (none is silently ignored), --limit
+    and --num-fewshot are checked, and an --output/--out where no file can be written is refused,
+    all before a model or lm-eval loads."""
+    import os
+
+    import wiola.cli.evaluate as evaluate
+
+    monkeypatch.setattr(evaluate, "_load_for_eval", lambda *_: pytest.fail("loaded before the flags were checked"))
+    monkeypatch.setattr(evaluate, "run_tasks", lambda *_: pytest.fail("lm-eval ran before the flags were checked"))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (tmp_path / "file").write_text("x")
+    tasks = ["--tasks", "some_task"]
+    cases = [
+        ([*tasks, "--limit", "0"], "--limit must be > 0 (documents per task, or a fraction of them when < 1), got 0"),
+        ([*tasks, "--limit", "-1"], "--limit must be > 0 (documents per task, or a fraction of them when < 1), got -1"),
+        ([*tasks, "--limit", "nan"], "--limit must be > 0"),
+        ([*tasks, "--limit", "2.5"], "--limit 2.5: a number of documents is whole (a fraction is < 1)"),
+        ([*tasks, "--num-fewshot", "-1"], "--num-fewshot must be >= 0, got -1"),
+        ([*tasks, "--data", "x.txt"], "--data does not go with --tasks: the tasks bring their own documents"),
+        ([*tasks, "--val-data", "x.txt"], "--val-data does not go with --tasks"),
+        ([*tasks, "--cache-dir", "c"], "--cache-dir does not go with --tasks"),
+        ([*tasks, "--eval-windows", "3"], "--eval-windows does not go with --tasks"),
+        ([*tasks, "--precision", "bf16"], "--precision does not go with --tasks: tasks score in fp32"),
+        ([*tasks, "--output", str(folder)], f"--output {str(folder)!r} is a folder; give the file's path"),
+        ([*tasks, "--output", str(tmp_path / "file" / "r.json")], "the folder of --output"),
+        (["--limit", "3"], "--limit goes with --tasks"),
+        (["--num-fewshot", "1"], "--num-fewshot goes with --tasks"),
+        (["--include-path", str(folder)], "--include-path goes with --tasks"),
+        (["--output", str(tmp_path / "r.json")], "--output goes with --tasks"),
+        (["--quantize", "int8"], "--quantize goes with --tasks"),
+    ]
+    for flags, message in cases:
+        _one_line_error(capsys, ["eval", "--checkpoint", str(small_model.model), *flags], message)
+    _one_line_error(capsys, ["gates", "--checkpoint", str(small_model.model), "--out", str(folder)], "is a folder")
+    if os.path.isdir("/proc/self"):  # passes the permission checks as root, yet takes no new file
+        for argv in (["eval", *tasks, "--output", "/proc/r.json"], ["gates", "--out", "/proc/g.png"]):
+            _one_line_error(capsys, [*argv, "--checkpoint", str(small_model.model)], "'/proc'")
+    assert list(folder.iterdir()) == [] and not (tmp_path / "r.json").exists()
+
+
+def test_gates_png_that_fails_to_write_is_one_line(small_model, tmp_path, monkeypatch, capsys) -> None:
+    """A write that fails after the work (a disk that turned read-only) is the one-line error too."""
+    import errno
+
+    import wiola.train.plots
+
+    def fails(*_, **__):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(wiola.train.plots, "plot_gate_heatmap", fails)
+    png = tmp_path / "g.png"
+    argv = ["gates", "--checkpoint", str(small_model.model), *small_model.data, "--cache-dir", str(tmp_path / "c")]
+    argv += ["--seq-len", "16", "--windows", "2", "--out", str(png), "--device", "cpu", "--no-progress"]
+    _one_line_error(capsys, argv, f"--out {str(png)!r} could not be written: Read-only file system", after_work=True)
+
+
+def test_gates_of_a_hub_id_writes_to_the_working_folder(small_model, tmp_path, monkeypatch, capsys) -> None:
+    """A Hub id's folder is a snapshot in the Hugging Face cache: the default PNG goes to the working
+    folder, not into the cache, and the plot is titled with the repo id, not the commit hash."""
+    import shutil
+
+    import wiola.checkpoint
+    import wiola.train.plots
+    from wiola.cli import main
+
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / ("ab" * 20)
+    shutil.copytree(small_model.model, snapshot)
+    real_resolve, real_plot = wiola.checkpoint.resolve_checkpoint, wiola.train.plots.plot_gate_heatmap
+    monkeypatch.setattr(
+        wiola.checkpoint,
+        "resolve_checkpoint",
+        lambda n, r=None: snapshot if str(n) == "org/tiny" else real_resolve(n, r),
+    )
+    titles = []
+
+    def plot(gates, path, title):
+        titles.append(title)
+        return real_plot(gates, path, title=title)
+
+    monkeypatch.setattr(wiola.train.plots, "plot_gate_heatmap", plot)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    argv = ["gates", "--checkpoint", "org/tiny", *small_model.data, "--cache-dir", str(tmp_path / "c")]
+    code = main([*argv, "--seq-len", "16", "--windows", "2", "--device", "cpu", "--no-progress"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert (work / "gates.png").read_bytes()[:4] == b"\x89PNG" and "gate heat map: gates.png" in captured.out
+    assert not (snapshot / "gates.png").exists(), "wrote into the Hub cache's snapshot"
+    assert titles == ["mean gate per layer × head (org/tiny)"], titles
+
+
+def test_eval_and_gates_of_a_quantized_checkpoint_run_on_wiola_fast(small_model, tmp_path, plain_cpu, capsys) -> None:
+    """A checkpoint saved quantized loads only as wiola.fast: eval and gates pick it without
+    --fast, and int8 scores within 1% of the fp32 weights it was made from."""
+    from wiola.cli import main
+    from wiola.fast import WiolaModel as FastModel
+    from wiola.fast.quantize import quantize
+
+    model = FastModel.from_pretrained(small_model.model).eval().requires_grad_(False)
+    quantize(model, "int8").save_pretrained(tmp_path / "q8", small_model.tok)
+    argv = [
+        *small_model.data,
+        "--cache-dir",
+        str(tmp_path / "c"),
+        "--seq-len",
+        "16",
+        "--device",
+        "cpu",
+        "--no-progress",
+    ]
+    losses = {}
+    for name, folder in (("fp32", small_model.model), ("int8", tmp_path / "q8")):
+        code = main(["eval", "--checkpoint", str(folder), *argv, "--eval-windows", "4", "--json"])
+        captured = capsys.readouterr()
+        assert code == 0, captured.err
+        losses[name] = json.loads(captured.out.strip().splitlines()[-1])["loss"]
+    assert abs(losses["int8"] - losses["fp32"]) <= 0.01 * losses["fp32"], losses
+    code = main(
+        ["gates", "--checkpoint", str(tmp_path / "q8"), *argv, "--windows", "2", "--out", str(tmp_path / "g.png")]
+    )
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert (tmp_path / "g.png").is_file() and "    1  " in captured.out, captured.out
+
+
+def test_eval_and_gates_refuse_a_tokenizer_larger_than_the_model(small_model, tmp_path, capsys) -> None:
+    """A tokenizer with more ids than the model's embedding rows is refused before any text is
+    tokenised with it (the token cache stays empty), in check_ids' words."""
+    import dataclasses
+
+    torch.manual_seed(0)
+    config = dataclasses.replace(small_model.config, vocab_size=280)
+    WiolaModel(config).save_pretrained(tmp_path / "m280", small_model.tok)
+    cache = tmp_path / "c"
+    message = "has 300 ids, more than the model's vocabulary of 280: this tokenizer does not belong to this model"
+    for command in ("eval", "gates"):
+        argv = [command, "--checkpoint", str(tmp_path / "m280"), *small_model.data, "--cache-dir", str(cache)]
+        _one_line_error(capsys, [*argv, "--seq-len", "16", "--device", "cpu", "--no-progress"], message)
+    assert not cache.exists() or not any(cache.rglob("*")), "the data was tokenised before the check"

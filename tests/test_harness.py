@@ -259,3 +259,156 @@ def test_registered_and_model_args(checkpoint):
         WiolaLM.create_from_arg_string(f"pretrained={checkpoint},temperature=1")
     with pytest.raises(ValueError, match="max_length must be in"):
         WiolaLM(str(checkpoint), max_length=4096)
+
+
+# ------------------------------------------- limits: long continuations, max_gen_toks, tokenizers, bars
+def _small_tokenizer():
+    """A byte-level BPE of 300 ids (with an end-of-text token), far fewer than the models' 32,000."""
+    from wiola.tokenizer import train_tokenizer
+
+    return train_tokenizer([" ".join(CONTEXTS + CHOICES)] * 20, 300, show_progress=False)
+
+
+def test_a_continuation_longer_than_max_length_is_refused_before_scoring(checkpoint, monkeypatch):
+    """One forward cannot score it whole (lm-eval's HF model fails on it with a shape error): a
+    ValueError naming both lengths, before any forward runs."""
+    lm = WiolaLM(str(checkpoint), batch_size=2, device="cpu", max_length=8)
+    lm.model.use_kernels(False)
+    monkeypatch.setattr(lm.model, "forward", lambda *_, **__: pytest.fail("scored before the lengths were checked"))
+    long = " and the dog ran" * 4
+    n = len(lm.tok_encode(long))
+    assert n > 8
+    with pytest.raises(ValueError, match=f"a continuation of {n} tokens, longer than max_length=8"):
+        lm.loglikelihood(_instances("loglikelihood", [("Once", " park"), ("Once", long)]), disable_tqdm=True)
+
+
+def test_default_max_gen_toks_fits_a_short_model(checkpoint, capsys):
+    """lm-eval's default of 256 new tokens on a model of max_seq_len 48: at most 24 new tokens after
+    the last 24 of the context (as model.generate of that), said once on stderr."""
+    lm = WiolaLM(str(checkpoint), batch_size=2, device="cpu")
+    lm.model.use_kernels(False)
+    assert lm.max_length == 48
+    ref = WiolaModel.from_pretrained(checkpoint)
+    enc = encoding_for_vocab(ref.config.vocab_size)
+    context = " ".join(CONTEXTS * 4)
+    got = lm.generate_until(_instances("generate_until", [(c, {"until": []}) for c in (context, "Lily said")]))
+    for c, text in zip((context, "Lily said"), got):
+        prompt = torch.tensor([enc.encode(c)[-24:]])
+        new = ref.generate(prompt, 24, temperature=0, eos_token_id=lm.eot_token_id)[0, prompt.shape[1] :].tolist()
+        new = new[: new.index(lm.eot_token_id)] if lm.eot_token_id in new else new
+        assert text == enc.decode(new), c
+    err = capsys.readouterr().err
+    assert err.count("max_gen_toks 256 leaves no context within max_length=48: generating at most 24") == 1, err
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused(checkpoint, tmp_path):
+    """Both ways in: a checkpoint saved with it, and model=/tokenizer= given."""
+    model = WiolaModel(WiolaConfig.preset("tiny", vocab_size=280, d_model=32, n_layers=1, n_heads=2, max_seq_len=48))
+    tok = _small_tokenizer()
+    model.save_pretrained(tmp_path / "m", tok)
+    message = "has 300 ids, more than the model's vocabulary of 280: this tokenizer does not belong to this model"
+    with pytest.raises(ValueError, match=message):
+        WiolaLM(str(tmp_path / "m"), device="cpu")
+    with pytest.raises(ValueError, match=message):
+        WiolaLM("", model=model, tokenizer=tok)
+
+
+def test_generated_ids_past_the_tokenizer_are_left_out_with_a_warning(checkpoint, capsys):
+    """A tokenizer of fewer ids than the model (padded rows) scores fine; the ids the model
+    generates past it have no text, are left out of it, and a warning says so, once."""
+    from wiola.fast import WiolaModel as FastModel
+
+    model = FastModel.from_pretrained(checkpoint).eval().requires_grad_(False)
+    model.use_kernels(False)
+    tok = _small_tokenizer()
+    lm = WiolaLM("", model=model, tokenizer=tok, batch_size=2)
+    requests = _instances("generate_until", [(c, {"until": [], "max_gen_toks": 6}) for c in CONTEXTS[:2]])
+    got = lm.generate_until(requests)
+    ref = WiolaModel.from_pretrained(checkpoint)
+    past = []
+    for c, text in zip(CONTEXTS[:2], got):
+        prompt = torch.tensor([tok.encode(c)])
+        new = ref.generate(prompt, 6, temperature=0, eos_token_id=lm.eot_token_id)[0, prompt.shape[1] :].tolist()
+        new = new[: new.index(lm.eot_token_id)] if lm.eot_token_id in new else new
+        past += [t for t in new if t >= 300]
+        assert text == tok.decode([t for t in new if t < 300]), c
+    assert past, "the model generated no id past the tokenizer's: the test shows nothing"
+    err = capsys.readouterr().err
+    assert err.count("warning: the model generated token ids past the 300 of tokenizer") == 1, err
+
+
+def test_eval_tasks_json_seq_len_and_no_bars(checkpoint, tmp_path, monkeypatch, capsys):
+    """With --tasks: --json prints lm-eval's results as JSON (stdout holds nothing else), --seq-len
+    is the harness's max_length, a whole --limit reaches lm-eval as an int, --output makes its
+    folder, and no bar is drawn into a pipe (ours, lm-eval's request building, its "Tokenizing inputs")."""
+    import lm_eval
+
+    from wiola.cli import main
+
+    tasks = _task_folder(tmp_path)
+    seen = {}
+    real = lm_eval.simple_evaluate
+
+    def spy(**kwargs):
+        seen.update(max_length=kwargs["model"].max_length, limit=kwargs["limit"])
+        return real(**kwargs)
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", spy)
+    code = main(["eval", "--checkpoint", str(checkpoint), "--device", "cpu", "--tasks", "wiola_local_mc",
+                 "--include-path", str(tasks), "--limit", "2", "--seq-len", "8", "--json",
+                 "--output", str(tmp_path / "new" / "r.json")])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    results = json.loads(captured.out)["results"]
+    assert json.loads((tmp_path / "new" / "r.json").read_text())["results"] == results
+    assert 0 <= results["wiola_local_mc"]["acc,none"] <= 1
+    assert seen == {"max_length": 8, "limit": 2} and type(seen["limit"]) is int, seen
+    for bar in ("it/s]", "Tokenizing inputs", "wiola loglikelihood"):
+        assert bar not in captured.err, f"{bar!r} drawn into a pipe:\n{captured.err}"
+    for seq_len in ("1", "49"):
+        assert main(["eval", "--checkpoint", str(checkpoint), "--device", "cpu", "--tasks", "wiola_local_mc",
+                     "--include-path", str(tasks), "--seq-len", seq_len]) == 2  # fmt: skip
+        err = capsys.readouterr().err
+        want = (
+            f"--seq-len {seq_len}: with --tasks it is the context one forward sees and must be in [2, max_seq_len=48]"
+        )
+        assert err == f"wiola eval: error: {want}\n", err
+
+
+def test_lm_eval_bars_are_put_back(monkeypatch):
+    import lm_eval.api.task as task_module
+
+    from wiola.train.harness import lm_eval_bars
+
+    bar = task_module.tqdm
+    with lm_eval_bars(progress=False):
+        assert task_module.tqdm is not bar and task_module.tqdm(range(3)).disable
+    assert task_module.tqdm is bar
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    with lm_eval_bars(progress=True):
+        assert task_module.tqdm is bar, "a terminal with progress on keeps lm-eval's bars"
+
+
+def test_eval_task_whose_dataset_is_on_the_hub_offline(checkpoint, tmp_path):
+    """A task whose dataset is not cached, the Hub unreachable: one line saying what to do, no traceback."""
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "hub.yaml").write_text(textwrap.dedent("""\
+        task: wiola_hub_only
+        dataset_path: wiola-tests/not-cached
+        test_split: test
+        output_type: loglikelihood
+        doc_to_text: "{{context}}"
+        doc_to_target: "{{choice}}"
+        metric_list:
+          - metric: acc
+        """))  # fmt: skip
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    cmd = [sys.executable, "-m", "wiola", "eval", "--checkpoint", str(checkpoint), "--device", "cpu",
+           "--tasks", "wiola_hub_only", "--include-path", str(tasks), "--limit", "2"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert last.startswith("wiola eval: error: a task's dataset must come from the Hugging Face Hub"), last
+    assert "(HF_DATASETS_OFFLINE is set)" in last and "wiola-tests/not-cached" in last, last
+    assert last.endswith("Run once with network (the dataset is then cached) or use --include-path with a local task")

@@ -752,12 +752,15 @@ def test_playground_checks_its_fields_and_shows_what_it_is_given_as_text(checkpo
                 assert "error: prompt holds a lone UTF-16 surrogate (\\ud83d)" in stats, stats
                 assert page.evaluate("document.documentElement.scrollWidth <= document.documentElement.clientWidth")
                 page.fill("#prompt", "Once upon a time")
-                page.fill("#max_tokens", "200")
-                page.evaluate("delete document.getElementById('stats').dataset.done")
-                page.evaluate(ESCAPE_AT_3)  # in the page, so the stream cannot end first
-                page.click("#go")
-                page.wait_for_selector("#stats[data-done]", timeout=60_000)
-                stopped = page.inner_text("#stats")
+                page.fill("#max_tokens", "240")
+                for _ in range(3):  # a loaded machine may hand the page the whole stream in one read: again
+                    page.evaluate("delete document.getElementById('stats').dataset.done")
+                    page.evaluate(ESCAPE_AT_3)
+                    page.click("#go")
+                    page.wait_for_selector("#stats[data-done]", timeout=60_000)
+                    stopped = page.inner_text("#stats")
+                    if stopped.startswith("stopped after "):
+                        break
                 page.screenshot(path=str(tmp_path / "playground-phone.png"), full_page=True)
             finally:
                 browser.close()

@@ -192,6 +192,19 @@ def _read_json(path: Path) -> dict[str, Any]:
     return raw
 
 
+def quantization_of(checkpoint: str | Path) -> str | None:
+    """The scheme (``int8``, ``int4``, ``bf16``) of the ``quantization`` record in a checkpoint
+    folder's ``config.json`` (``wiola.fast.quantize``); None for fp32 weights, a ``wiola13m``
+    folder or a ``config.json`` that does not read (the loader then says what is wrong)."""
+    try:
+        record = json.loads((Path(checkpoint) / "config.json").read_text()).get("quantization")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not record:
+        return None
+    return str(record.get("scheme", "quantized")) if isinstance(record, dict) else "quantized"
+
+
 def read_config(directory: str | Path) -> tuple[WiolaConfig, str]:
     """The config of a checkpoint directory and its flavour (``"wiola"`` or ``"wiola13m"``)."""
     directory = Path(directory)

@@ -200,6 +200,17 @@ class Tokenizer:
                 setattr(out, f"{role}_token_id", value)
         return out
 
+    def check_fits(self, model_vocab_size: int) -> None:
+        """``ValueError`` when this tokenizer has more ids than the model's ``model_vocab_size``
+        embedding rows, in ``check_ids``' words: its higher ids would otherwise fail only once some
+        text (a prompt, a whole data set) is tokenised. Fewer ids are fine (padded embedding rows,
+        as the published Wiola13M has); what a model generates past them has no text."""
+        if self.vocab_size > model_vocab_size:
+            raise ValueError(
+                f"tokenizer {self.name!r} has {self.vocab_size:,} ids, more than the model's vocabulary of "
+                f"{model_vocab_size:,}: this tokenizer does not belong to this model"
+            )
+
     def check_ids(self, ids: list[int], model_vocab_size: int) -> None:
         """Raise ``ValueError`` naming the first id the model has no embedding row for."""
         bad = [i for i in ids if not 0 <= i < model_vocab_size]

@@ -57,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def load_model(args: argparse.Namespace):
     """(model, tokenizer) of ``--checkpoint`` (``--revision``, ``--tokenizer``, ``--device``, ``--fast``) (or a random ``--preset`` model and its tiktoken encoding)."""
     from wiola import WiolaConfig, WiolaModel
-    from wiola.checkpoint import load_checkpoint_tokenizer, resolve_checkpoint
+    from wiola.checkpoint import load_checkpoint_tokenizer, quantization_of, resolve_checkpoint
     from wiola.tokenizer import TiktokenTokenizer, encoding_for_vocab, load_tokenizer
 
     cls = WiolaModel
@@ -65,13 +65,17 @@ def load_model(args: argparse.Namespace):
         from wiola.fast import WiolaModel as cls
     if args.checkpoint:
         path = resolve_checkpoint(args.checkpoint, args.revision)  # a run folder: its latest checkpoint
+        scheme = quantization_of(path)
+        if scheme is not None and not getattr(args, "fast", False):
+            raise ValueError(f"drop --reference: {path} holds {scheme}-quantized weights, which run on the fast model")
         model = cls.from_pretrained(path, device=args.device)
+        c = model.config
         if args.tokenizer:
-            c = model.config
-            return model, load_tokenizer(args.tokenizer).with_special_ids(
-                c.bos_token_id, c.eos_token_id, c.pad_token_id
-            )
-        return model, load_checkpoint_tokenizer(path)
+            tokenizer = load_tokenizer(args.tokenizer).with_special_ids(c.bos_token_id, c.eos_token_id, c.pad_token_id)
+        else:
+            tokenizer = load_checkpoint_tokenizer(path)
+        tokenizer.check_fits(c.vocab_size)
+        return model, tokenizer
     torch.manual_seed(args.seed)
     print(f"no --checkpoint: a randomly initialised {args.preset!r} model (its text is noise)", file=sys.stderr)
     model = cls(WiolaConfig.preset(args.preset)).to(args.device)
@@ -167,6 +171,18 @@ def finish(row: list[int], eos: int | None, enc, stops: list[str]) -> tuple[list
     return row, enc.decode(row), reason
 
 
+class _Decoder:
+    """``enc.decode`` over the ids ``enc`` has: an id past ``enc.vocab_size``, which a model with more
+    embedding rows than its tokenizer has ids may still sample, has no text and is left out (where
+    tiktoken would raise and ``tokenizers`` drops it without a word); ``_report`` warns of them."""
+
+    def __init__(self, enc) -> None:
+        self.enc = enc
+
+    def decode(self, ids: list[int]) -> str:
+        return self.enc.decode([i for i in ids if i < self.enc.vocab_size])
+
+
 class _Printer:
     """Streams one row's text to stdout as tokens arrive (waiting out partial UTF-8 characters),
     holding back the text that could still become a stop string. The row ends at eos (whose text,
@@ -218,7 +234,8 @@ def _generate(args: argparse.Namespace) -> int:
     ids, mask, rows = encode_batch(enc, prompts, model.config.vocab_size, args.num_samples, args.device)
     # generate's own checks (a prompt plus --max-new-tokens past max_seq_len), before the prompt is echoed
     check_generate_inputs(model, ids, args.max_new_tokens, None if len(rows) == 1 else mask)
-    printer = _Printer(enc, args.stop or [], enc.eos_token_id) if len(rows) == 1 and not args.json else None
+    decoder = _Decoder(enc)
+    printer = _Printer(decoder, args.stop or [], enc.eos_token_id) if len(rows) == 1 and not args.json else None
     if printer is not None and not args.no_echo:  # shown now, not with the first whole character
         sys.stdout.write(prompts[0])
         sys.stdout.flush()
@@ -233,7 +250,7 @@ def _generate(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_token_id=enc.eos_token_id,
         pad_token_id=enc.pad_token_id, generator=torch.Generator(device=args.device).manual_seed(args.seed),
         streamer=printer if progress is None else (lambda _: progress.update()),
-        stop_strings=args.stop, tokenizer=enc,
+        stop_strings=args.stop, tokenizer=decoder,
     )  # fmt: skip
     elapsed = time.perf_counter() - start
     if progress is not None:
@@ -242,11 +259,13 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _report(args, prompts: list[str], rows: list[list[int]], new_rows, enc, elapsed: float, printer) -> int:
-    """Print each sample (its text, or one JSON object a line with ``--json``), then the summary on stderr."""
-    total = 0
+    """Print each sample (its text, or one JSON object a line with ``--json``), then the summary on
+    stderr, after a warning when the model generated ids the tokenizer has no text for."""
+    total, textless = 0, []
     for i, row in enumerate(new_rows):
-        new, text, reason = finish(row, enc.eos_token_id, enc, args.stop or [])
+        new, text, reason = finish(row, enc.eos_token_id, _Decoder(enc), args.stop or [])
         total += len(new)
+        textless += [t for t in new if t >= enc.vocab_size]
         index = i // args.num_samples
         if args.json:
             record = {
@@ -259,6 +278,13 @@ def _report(args, prompts: list[str], rows: list[list[int]], new_rows, enc, elap
             sys.stdout.write(text[printer.printed :] + "\n")
         else:
             print(("" if args.no_echo else prompts[index]) + text)
+    if textless:  # left out of the text (_Decoder): said, not dropped silently
+        print(
+            f"warning: {len(textless)} generated token(s) (first id {textless[0]}) lie past the {enc.vocab_size:,} ids "
+            f"of tokenizer {enc.name!r}, so have no text and are left out of it: does this tokenizer belong to this "
+            "model?",
+            file=sys.stderr,
+        )
     rate = total / elapsed if elapsed > 0 else 0.0
     print(f"[{total} tokens in {elapsed:.2f} s, {rate:.1f} tokens/s, {len(new_rows)} samples]", file=sys.stderr)
     return 0
