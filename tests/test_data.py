@@ -9,6 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from token_splits import record_tokenised_splits
 
 from wiola.tokenizer import TiktokenTokenizer
 from wiola.train import token_cache
@@ -293,19 +294,6 @@ def test_unigram_entropy_against_float64() -> None:
 
 
 # ------------------------------------------------------------- the validation split alone, paths
-def _recording_tokeniser(monkeypatch) -> list[str]:
-    """The ``desc`` of every split ``token_cache`` tokenises from here on."""
-    seen: list[str] = []
-    real = token_cache._tokenize_split
-
-    def recording(*a, **k):
-        seen.append(k["desc"].split()[1])
-        return real(*a, **k)
-
-    monkeypatch.setattr(token_cache, "_tokenize_split", recording)
-    return seen
-
-
 def test_val_only_cache_matches_the_full_one_and_tokenises_no_train(tmp_path, enc, monkeypatch) -> None:
     from wiola.train.corpus import generate_stories
     from wiola.train.token_cache import VAL_ONLY_SUFFIX, prepare_val_data
@@ -315,7 +303,7 @@ def test_val_only_cache_matches_the_full_one_and_tokenises_no_train(tmp_path, en
     src = resolve_source(tmp_path / "all.txt", val_fraction=0.25)  # every 4th document held out
     tok = TiktokenTokenizer(enc)
     full = prepare_data(src, tok, tmp_path / "full", progress=False, log=_quiet)  # today's path, its own cache
-    seen = _recording_tokeniser(monkeypatch)
+    seen = record_tokenised_splits(monkeypatch)
     val = prepare_val_data(src, tok, tmp_path / "cache", progress=False, log=_quiet)
     assert seen == ["val"], f"tokenised {seen}, not the validation split alone"
     assert np.array_equal(val.val.tokens(), full.val.tokens()), "the held-out split differs from the full cache's"
@@ -344,7 +332,7 @@ def test_validation_source_alone_and_an_empty_train_file(tmp_path, enc, monkeypa
     full = prepare_data(
         resolve_source(c / "train.txt", c / "validation.txt"), tok, tmp_path / "full", progress=False, log=_quiet
     )
-    seen = _recording_tokeniser(monkeypatch)
+    seen = record_tokenised_splits(monkeypatch)
     alone = prepare_val_data(validation_source(c / "validation.txt"), tok, tmp_path / "a", progress=False, log=_quiet)
     empty = prepare_val_data(
         resolve_source(tmp_path / "empty.txt", c / "validation.txt"), tok, tmp_path / "e", progress=False, log=_quiet
@@ -380,7 +368,7 @@ def test_val_only_tinystories_tokenises_its_validation_split_alone(tmp_path, enc
     monkeypatch.setattr(sources, "_hf_split", lambda name, split: splits[split])
     tok = TiktokenTokenizer(enc)
     full = prepare_data(resolve_source("tinystories"), tok, tmp_path / "full", progress=False, log=_quiet)
-    seen = _recording_tokeniser(monkeypatch)
+    seen = record_tokenised_splits(monkeypatch)
     val = prepare_val_data(resolve_source("tinystories"), tok, tmp_path / "cache", progress=False, log=_quiet)
     assert seen == ["val"], f"tokenised {seen}, not the validation split alone"
     assert np.array_equal(val.val.tokens(), full.val.tokens()) and val.val.documents == 3

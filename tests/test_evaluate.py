@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from token_splits import record_tokenised_splits
 
 import wiola.ops as ops
 from wiola import WiolaConfig, WiolaModel
@@ -228,21 +229,6 @@ def relative_run(tmp_path_factory, offline_tokenizer):
     return root
 
 
-def _tokenised_splits(monkeypatch) -> list[str]:
-    """The splits ``token_cache`` tokenises from here on."""
-    from wiola.train import token_cache
-
-    seen: list[str] = []
-    real = token_cache._tokenize_split
-
-    def recording(*a, **k):
-        seen.append(k["desc"].split()[1])
-        return real(*a, **k)
-
-    monkeypatch.setattr(token_cache, "_tokenize_split", recording)
-    return seen
-
-
 def _eval_json(capsys, *argv: str) -> dict:
     from wiola.cli import main
 
@@ -275,7 +261,7 @@ def test_eval_data_of_a_run_scored_from_another_folder(relative_run, tmp_path, m
     saved = read_trainer_state(find_checkpoint(relative_run / "run"))["train_config"]
     assert (saved["data"], saved["val_data"]) == (str(relative_run / "train.txt"), str(relative_run / "val.txt"))
     monkeypatch.chdir(tmp_path)
-    seen = _tokenised_splits(monkeypatch)
+    seen = record_tokenised_splits(monkeypatch)
     got = _eval_json(capsys, "--checkpoint", str(relative_run / "run"), "--eval-windows", "3")
     assert seen == [], f"tokenised {seen}: the run's token cache was not reused"
     assert [p.name for p in (relative_run / "cache" / "tokens").iterdir() if ".val" in p.name] == []
@@ -299,7 +285,7 @@ def test_eval_data_tokenises_the_validation_split_alone(
     from wiola.train.sources import resolve_source
 
     monkeypatch.chdir(relative_run)
-    seen = _tokenised_splits(monkeypatch)
+    seen = record_tokenised_splits(monkeypatch)
     got = _eval_json(capsys, "--checkpoint", "run", "--cache-dir", str(tmp_path / "c"), *flags)
     assert seen == ["val"], f"tokenised {seen}, not the validation split alone"
     source = resolve_source(relative_run / data, val_data and relative_run / val_data, val_fraction=0.25)
@@ -322,7 +308,7 @@ def test_eval_data_paths_of_the_training_config_that_are_gone(relative_run, tmp_
     state["train_config"].update(data="train.txt", val_data=None)
     (checkpoint / "trainer.json").write_text(json.dumps(state))
     monkeypatch.chdir(tmp_path)
-    seen = _tokenised_splits(monkeypatch)
+    seen = record_tokenised_splits(monkeypatch)
     assert main(["eval", "--checkpoint", str(checkpoint), "--no-progress", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert f"data path 'train.txt' (from the training config of checkpoint {checkpoint}" in err, err
@@ -339,7 +325,7 @@ def test_eval_data_paths_of_the_training_config_that_are_gone(relative_run, tmp_
 def test_eval_data_too_long_seq_len_is_refused_before_tokenising(relative_run, tmp_path, monkeypatch, capsys) -> None:
     from wiola.cli import main
 
-    seen = _tokenised_splits(monkeypatch)
+    seen = record_tokenised_splits(monkeypatch)
     cache = tmp_path / "c"
     argv = ["eval", "--checkpoint", str(relative_run / "run"), "--val-data", str(relative_run / "val.txt")]
     assert main([*argv, "--seq-len", "32", "--cache-dir", str(cache), "--no-progress", "--device", "cpu"]) == 2
