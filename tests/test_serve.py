@@ -737,13 +737,18 @@ def test_playground_checks_its_fields_and_shows_what_it_is_given_as_text(checkpo
                 assert sent[-1]["max_tokens"] == 100 and sent[-1]["top_k"] == 0 and "seed" not in sent[-1], sent
                 assert "finish: length" in stats and stats.startswith("100 tokens in"), stats
                 plain = page.inner_text("#completion")
-                page.fill("#stop", plain[5:8].replace("\n", "\\n"))
-                page.fill("#max_tokens", "40")
+                # A stop string of whole characters (a token holding part of one reads U+FFFD until the
+                # rest comes) whose first place in the text is where it was taken from.
+                at = next(i for i in range(2, len(plain) - 3)
+                          if "\ufffd" not in plain[i : i + 3] and plain.find(plain[i : i + 3]) == i)  # fmt: skip
+                stop = plain[at : at + 3]
+                page.fill("#stop", stop.replace("\n", "\\n"))
+                page.fill("#max_tokens", "100")  # the same tokens as plain's, to the stop
                 page.focus("#prompt")
                 page.evaluate("delete document.getElementById('stats').dataset.done")
                 page.keyboard.press("Control+Enter")
                 page.wait_for_selector("#stats[data-done]", timeout=60_000)
-                assert sent[-1]["stop"] == plain[5:8] and page.inner_text("#completion") == plain[:5], sent[-1]
+                assert sent[-1]["stop"] == stop and page.inner_text("#completion") == plain[:at], (sent[-1], plain)
                 assert "finish: stop" in page.inner_text("#stats")
                 page.fill("#stop", "")
                 page.fill("#prompt", "https://example.com/" + "abcdefghij" * 8)
