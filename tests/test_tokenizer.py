@@ -183,3 +183,15 @@ def test_token_bytes_are_each_tokens_own_bytes(bpe):
     plain = HFTok(models.WordLevel({"<unk>": 0, "x": 1, "\ufffd": 2}, unk_token="<unk>"))
     assert HFTokenizer(plain, "plain", {}).token_bytes(1) == b"x"
     assert HFTokenizer(plain, "plain", {}).token_bytes(2) is None
+
+
+def test_ids_past_the_vocabulary_have_no_text_in_every_backend(bpe):
+    """A model with padded embedding rows may sample an id past its tokenizer's: ``decode`` leaves
+    it out (tiktoken itself raises a KeyError, ``tokenizers`` drops it) and it has no bytes, so a
+    server's text, logprobs and /detokenize do not fail on it."""
+    t = load_tokenizer("gpt2-32k")
+    for tokenizer in (t, t.to_hf(), load_tokenizer(bpe)):
+        n = tokenizer.vocab_size
+        ids = tokenizer.encode_batch(["Once upon a time"])[0]
+        assert tokenizer.decode([*ids[:2], n, n + 63, *ids[2:]]) == tokenizer.decode(ids), tokenizer
+        assert tokenizer.decode([n]) == "" and tokenizer.token_bytes(n) is None, tokenizer

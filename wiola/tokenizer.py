@@ -150,7 +150,8 @@ class Tokenizer:
         raise NotImplementedError
 
     def decode(self, ids: list[int]) -> str:
-        """The text of ``ids``, special tokens included."""
+        """The text of ``ids``, special tokens included. An id past ``vocab_size`` (a model with
+        padded embedding rows may sample one) has no text and is left out, in every backend."""
         raise NotImplementedError
 
     def token_byte_lengths(self) -> list[int]:
@@ -160,7 +161,8 @@ class Tokenizer:
     def token_bytes(self, token: int) -> bytes | None:
         """The bytes one token stands for (a special token: its text's UTF-8), which may be part of
         a character; ``None`` where the tokenizer's decoding does not tell them (a token whose text
-        alone reads U+FFFD). This base reads them from ``decode``; byte-level vocabularies override it."""
+        alone reads U+FFFD, or an id past ``vocab_size``). This base reads them from ``decode``;
+        byte-level vocabularies override it."""
         text = self.decode([token])
         return None if "\ufffd" in text else text.encode("utf-8")
 
@@ -238,10 +240,10 @@ class TiktokenTokenizer(Tokenizer):
         return self.encoding.encode_ordinary_batch(texts, num_threads=num_threads)
 
     def decode(self, ids: list[int]) -> str:
-        return self.encoding.decode(ids)
+        return self.encoding.decode([i for i in ids if i < self.vocab_size])  # tiktoken raises on the rest
 
     def token_bytes(self, token: int) -> bytes | None:
-        return self.encoding.decode_single_token_bytes(token)
+        return self.encoding.decode_single_token_bytes(token) if 0 <= token < self.vocab_size else None
 
     def token_byte_lengths(self) -> list[int]:
         enc = self.encoding
@@ -429,6 +431,8 @@ class HFTokenizer(Tokenizer):
         the spelling, part of a character or not. Added tokens and other vocabularies: the base's."""
         from tokenizers import decoders
 
+        if not 0 <= token < self.vocab_size:
+            return None
         spell = self._tok.id_to_token(token)
         if spell is not None and token not in self._tok.get_added_tokens_decoder():
             if isinstance(self._tok.decoder, decoders.ByteLevel):

@@ -171,18 +171,6 @@ def finish(row: list[int], eos: int | None, enc, stops: list[str]) -> tuple[list
     return row, enc.decode(row), reason
 
 
-class _Decoder:
-    """``enc.decode`` over the ids ``enc`` has: an id past ``enc.vocab_size``, which a model with more
-    embedding rows than its tokenizer has ids may still sample, has no text and is left out (where
-    tiktoken would raise and ``tokenizers`` drops it without a word); ``_report`` warns of them."""
-
-    def __init__(self, enc) -> None:
-        self.enc = enc
-
-    def decode(self, ids: list[int]) -> str:
-        return self.enc.decode([i for i in ids if i < self.enc.vocab_size])
-
-
 class _Printer:
     """Streams one row's text to stdout as tokens arrive (waiting out partial UTF-8 characters),
     holding back the text that could still become a stop string. The row ends at eos (whose text,
@@ -234,8 +222,7 @@ def _generate(args: argparse.Namespace) -> int:
     ids, mask, rows = encode_batch(enc, prompts, model.config.vocab_size, args.num_samples, args.device)
     # generate's own checks (a prompt plus --max-new-tokens past max_seq_len), before the prompt is echoed
     check_generate_inputs(model, ids, args.max_new_tokens, None if len(rows) == 1 else mask)
-    decoder = _Decoder(enc)
-    printer = _Printer(decoder, args.stop or [], enc.eos_token_id) if len(rows) == 1 and not args.json else None
+    printer = _Printer(enc, args.stop or [], enc.eos_token_id) if len(rows) == 1 and not args.json else None
     if printer is not None and not args.no_echo:  # shown now, not with the first whole character
         sys.stdout.write(prompts[0])
         sys.stdout.flush()
@@ -250,7 +237,7 @@ def _generate(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_token_id=enc.eos_token_id,
         pad_token_id=enc.pad_token_id, generator=torch.Generator(device=args.device).manual_seed(args.seed),
         streamer=printer if progress is None else (lambda _: progress.update()),
-        stop_strings=args.stop, tokenizer=decoder,
+        stop_strings=args.stop, tokenizer=enc,
     )  # fmt: skip
     elapsed = time.perf_counter() - start
     if progress is not None:
@@ -263,7 +250,7 @@ def _report(args, prompts: list[str], rows: list[list[int]], new_rows, enc, elap
     stderr, after a warning when the model generated ids the tokenizer has no text for."""
     total, textless = 0, []
     for i, row in enumerate(new_rows):
-        new, text, reason = finish(row, enc.eos_token_id, _Decoder(enc), args.stop or [])
+        new, text, reason = finish(row, enc.eos_token_id, enc, args.stop or [])
         total += len(new)
         textless += [t for t in new if t >= enc.vocab_size]
         index = i // args.num_samples
@@ -278,7 +265,7 @@ def _report(args, prompts: list[str], rows: list[list[int]], new_rows, enc, elap
             sys.stdout.write(text[printer.printed :] + "\n")
         else:
             print(("" if args.no_echo else prompts[index]) + text)
-    if textless:  # left out of the text (_Decoder): said, not dropped silently
+    if textless:  # left out of the text (Tokenizer.decode): said, not dropped silently
         print(
             f"warning: {len(textless)} generated token(s) (first id {textless[0]}) lie past the {enc.vocab_size:,} ids "
             f"of tokenizer {enc.name!r}, so have no text and are left out of it: does this tokenizer belong to this "
