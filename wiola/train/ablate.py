@@ -40,7 +40,6 @@ import itertools
 import json
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -338,15 +337,7 @@ def clear_runs(runs: list[PlannedRun], out: Path) -> int:
     ``--overwrite``); returns the number of run folders deleted. Runs of variants or seeds the spec
     no longer plans, and anything else in ``out``, stay."""
     from wiola.train.ablate_report import REPORT_FILES
-
-    def remove(path: Path) -> bool:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        elif path.exists() or path.is_symlink():
-            path.unlink()
-        else:
-            return False
-        return True
+    from wiola.train.run_folder import remove_path as remove
 
     deleted = 0
     for run in runs:

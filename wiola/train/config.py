@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from wiola.config import WiolaConfig, check_field_types, dataclass_from_dict
-from wiola.train.sources import absolute_data_path
+from wiola.train.sources import absolute_data_path, absolute_path
 
 DEFAULT_SEQ_LEN = 512  # the paper's T, where the model allows it
 
@@ -82,8 +82,8 @@ class TrainConfig:
         # {"shuffle": "false"} or a NaN flag is refused by name before any work.
         check_field_types(self)
         self.data = absolute_data_path(self.data)  # a named corpus ("tinystories", "sample:N") stays a name
-        self.val_data = None if self.val_data is None else _absolute_path(self.val_data)
-        self.cache_dir = None if self.cache_dir is None else _absolute_path(self.cache_dir)
+        self.val_data = None if self.val_data is None else absolute_path(self.val_data)
+        self.cache_dir = None if self.cache_dir is None else absolute_path(self.cache_dir)
         model_config = self.model_config()  # an unknown preset or model field raises here
         if self.seq_len is None and self.init is None:
             self.seq_len = default_seq_len(model_config)
@@ -132,7 +132,7 @@ class TrainConfig:
         cfg = dataclasses.replace(self)
         for name in ("data", "val_data"):
             old, now = saved.get(name), getattr(cfg, name)
-            if isinstance(old, str) and old != now and _absolute_path(old) == now:
+            if isinstance(old, str) and old != now and absolute_path(old) == now:
                 setattr(cfg, name, old)  # not through __post_init__, which would make it absolute again
         return cfg
 
@@ -169,10 +169,6 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         return dataclass_from_dict(cls, data, "unknown training settings {unknown}; known: {known}")
-
-
-def _absolute_path(path: str) -> str:
-    return os.path.abspath(os.path.expanduser(path))
 
 
 # Settings that may differ between a run and its resumption: the rest would change the numbers.

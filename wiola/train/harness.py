@@ -261,9 +261,7 @@ class WiolaLM(TemplateLM):
         for row in out[:, ids.shape[1] :].tolist():
             if self._eot in row:
                 row = row[: row.index(self._eot)]
-            textless = [t for t in row if t >= self.tok.vocab_size]
-            if textless:  # no text to give them (tiktoken would raise): left out, said once
-                row = [t for t in row if t < self.tok.vocab_size]
+            if any(t >= self.tok.vocab_size for t in row):  # no text: decode leaves them out; said once
                 self._note(
                     f"warning: the model generated token ids past the {self.tok.vocab_size:,} of tokenizer "
                     f"{self.tokenizer_name!r}: they have no text and are left out of it"

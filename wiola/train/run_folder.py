@@ -172,17 +172,20 @@ def check_new_run(out_dir: str | os.PathLike) -> None:
 def clear_run(out_dir: str | os.PathLike) -> list[str]:
     """Delete what a run wrote in ``out_dir`` (``RUN_FILES``; anything else stays); returns the
     names deleted. For ``--overwrite``, once every check of the new run has passed."""
-    out, gone = Path(out_dir), []
-    for name in RUN_FILES:
-        path = out / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        elif path.exists() or path.is_symlink():
-            path.unlink()
-        else:
-            continue
-        gone.append(name)
-    return gone
+    out = Path(out_dir)
+    return [name for name in RUN_FILES if remove_path(out / name)]
+
+
+def remove_path(path: Path) -> bool:
+    """Delete ``path``: a folder with what it holds, a file or a link (not what it points to).
+    Returns whether there was anything to delete."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+    else:
+        return False
+    return True
 
 
 def ensure_writable(directory: Path) -> None:

@@ -98,7 +98,12 @@ def absolute_data_path(data: str | os.PathLike | None) -> str | None:
     path: ``resolve_source`` says so."""
     if data is None or is_named_source(data):
         return None if data is None else str(data)
-    return os.path.abspath(os.path.expanduser(os.fspath(data)))
+    return absolute_path(data)
+
+
+def absolute_path(path: str | os.PathLike) -> str:
+    """``path`` absolute, ``~`` expanded and ``..`` folded, symlinks kept."""
+    return os.path.abspath(os.path.expanduser(os.fspath(path)))
 
 
 def validation_source(val_data: str | os.PathLike) -> DataSource:

@@ -225,68 +225,54 @@ def prepare_data(
     tokenizer: Tokenizer,
     cache_dir: str | os.PathLike | None = None,
     *,
+    splits: tuple[str, ...] = SPLITS,
     num_threads: int | None = None,
     batch_docs: int = 1024,
     shard_tokens: int = SHARD_TOKENS,
     progress: bool = True,
     log: Any = print,
 ) -> TokenData:
-    """Tokenise ``source`` with ``tokenizer`` (or open the cache of an earlier run) and return both splits.
+    """Tokenise ``source`` with ``tokenizer`` (or open the cache of an earlier run) and return its splits.
 
     The cache folder is ``cache_dir/tokens/<source>-<tokenizer>-<hash of both fingerprints>``; it
     is built in a temporary folder and renamed into place, so an interrupted run leaves no half
-    cache. Raises ``ValueError`` when a split is empty.
+    cache. ``splits=("val",)`` (``prepare_val_data``) opens that cache when it is there (its train
+    split comes along), else tokenises the validation split alone into ``<that folder>.val``: its
+    ``TokenData.train`` is empty and its manifest's ``splits`` holds ``val`` only, so a request for
+    both splits never takes it for a complete cache (nor opens its folder). Raises ``ValueError``
+    when a split is empty.
     """
+    if splits not in (SPLITS, ("val",)):
+        raise ValueError(f"splits must be {SPLITS} or ('val',), got {splits!r}")
     directory, fingerprint = _cache_folder(source, tokenizer, cache_dir)
-    data = _open_if_cached(directory, fingerprint, tokenizer, SPLITS)
+    data = _open_if_cached(directory, fingerprint, tokenizer, SPLITS)  # a complete cache serves either
+    if data is None and splits != SPLITS:
+        directory = directory.with_name(directory.name + VAL_ONLY_SUFFIX)
+        data = _open_if_cached(directory, fingerprint, tokenizer, splits)
     if data is not None:
-        log(f"tokens: cached in {directory} ({len(data.train):,} train / {len(data.val):,} val)")
+        log(f"tokens: cached in {directory} ({_counts(data, splits)})")
         return data
     t0 = time.time()
     data = _build_cache(
-        directory, source, fingerprint, tokenizer, SPLITS, num_threads, batch_docs, shard_tokens, progress, log
+        directory, source, fingerprint, tokenizer, splits, num_threads, batch_docs, shard_tokens, progress, log
     )
-    log(
-        f"tokens: {len(data.train):,} train / {len(data.val):,} val with {tokenizer.name} in {time.time() - t0:.1f}s, cached in {directory}"
-    )
+    log(f"tokens: {_counts(data, splits)} with {tokenizer.name} in {time.time() - t0:.1f}s, cached in {directory}")
     return data
 
 
 def prepare_val_data(
-    source: DataSource,
-    tokenizer: Tokenizer,
-    cache_dir: str | os.PathLike | None = None,
-    *,
-    num_threads: int | None = None,
-    batch_docs: int = 1024,
-    shard_tokens: int = SHARD_TOKENS,
-    progress: bool = True,
-    log: Any = print,
+    source: DataSource, tokenizer: Tokenizer, cache_dir: str | os.PathLike | None = None, **options: Any
 ) -> TokenData:
-    """``prepare_data`` for the validation split alone: the same tokens, without tokenising (or
-    needing) the training split.
+    """``prepare_data`` of the validation split alone (``wiola eval``): the same tokens, without
+    tokenising (or needing) the training split. The documents are those of
+    ``iter_documents(source, "val")``: a held-out share is still chosen by reading every document
+    in order. ``options``: ``prepare_data``'s keywords."""
+    return prepare_data(source, tokenizer, cache_dir, splits=("val",), **options)
 
-    Opens ``prepare_data``'s cache of ``source`` when there is one (its train split comes along);
-    else the cache of the validation split alone, ``<that folder>.val``, built the first time. Its
-    ``TokenData.train`` is empty, and its manifest's ``splits`` holds ``val`` only, so
-    ``prepare_data`` never takes it for a complete cache (nor opens its folder). The documents are
-    those of ``iter_documents(source, "val")``: a held-out share is still chosen by reading every
-    document in order. Raises ``ValueError`` when the validation split is empty.
-    """
-    directory, fingerprint = _cache_folder(source, tokenizer, cache_dir)
-    data = _open_if_cached(directory, fingerprint, tokenizer, SPLITS)
-    if data is None:
-        directory = directory.with_name(directory.name + VAL_ONLY_SUFFIX)
-        data = _open_if_cached(directory, fingerprint, tokenizer, ("val",))
-    if data is not None:
-        log(f"tokens: cached in {directory} ({len(data.val):,} val)")
-        return data
-    t0 = time.time()
-    data = _build_cache(
-        directory, source, fingerprint, tokenizer, ("val",), num_threads, batch_docs, shard_tokens, progress, log
-    )
-    log(f"tokens: {len(data.val):,} val with {tokenizer.name} in {time.time() - t0:.1f}s, cached in {directory}")
-    return data
+
+def _counts(data: TokenData, splits: tuple[str, ...]) -> str:
+    """``"N train / M val"`` (the counts of ``splits``) for the cache's log line."""
+    return " / ".join(f"{len(getattr(data, split)):,} {split}" for split in splits)
 
 
 def _build_cache(
