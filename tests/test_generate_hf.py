@@ -154,3 +154,41 @@ def test_stop_strings_end_a_row_after_the_token_that_completes_one(model, tokeni
         model.generate(p[:1], 4, stop_strings=["x"], pad_token_id=3)
     with pytest.raises(ValueError, match="empty"):
         model.generate(p[:1], 4, stop_strings=[""], tokenizer=tokenizer, pad_token_id=3)
+
+
+class _Recorder:
+    """A ``transformers``-style streamer that records what it is given."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls.append(tuple(value.shape))
+
+    def end(self) -> None:
+        self.calls.append("end")
+
+
+def test_a_refused_call_streams_no_prompt(model, tokenizer):
+    """Arguments are checked before the streamer gets the prompt: a refused call puts nothing
+    (only ``end``, so that a reader waiting on it finishes); a bad generator or streamer is named."""
+    p = _prompt(tokenizer)
+    for kwargs, error, match in (
+        ({"temperature": -1.0}, ValueError, "temperature must be >= 0"),
+        ({"temperature": "0.7"}, TypeError, "temperature must be a number, got str"),
+        ({"top_p": True}, TypeError, "top_p must be a number, got bool"),
+        ({"temperature": 1e39}, ValueError, "finite in float32"),
+        ({"generator": 123}, TypeError, "generator must be a torch.Generator or None, got int 123"),
+    ):
+        streamer = _Recorder()
+        with pytest.raises(error, match=match):
+            model.generate(p, 3, streamer=streamer, **kwargs)
+        assert streamer.calls == ["end"], kwargs
+    with pytest.raises(TypeError, match="streamer must be a callable or a transformers streamer"):
+        model.generate(p, 3, streamer=123)
+    streamer = _Recorder()
+    model.generate(p, 2, streamer=streamer)
+    assert streamer.calls == [tuple(p.shape), (1,), (1,), "end"]
+    streamer = _Recorder()
+    model.generate(p, 0, streamer=streamer)  # no new tokens: the prompt alone
+    assert streamer.calls == [tuple(p.shape), "end"]

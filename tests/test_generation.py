@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -129,8 +130,18 @@ def test_resolve_sampling():
     assert resolve_sampling(0, 5, 0.9, 100) == Sampling(0.0)
     with pytest.raises(ValueError, match="temperature"):
         resolve_sampling(float("nan"), None, None, 100)
-    with pytest.raises(ValueError, match="temperature"):
+    with pytest.raises(TypeError, match="temperature must be a number, got bool True"):
         resolve_sampling(True, None, None, 100)
+    with pytest.raises(TypeError, match="top_p must be a number, got str '0.9'"):
+        resolve_sampling(None, None, "0.9", 100)
+    with pytest.raises(ValueError, match="top_k must be a positive int or None, got True"):
+        resolve_sampling(None, True, None, 100)
+    # Past float32's largest value the fp32 logits divided by it are all 0 (a uniform draw), and
+    # the C++ sampler's float32 setting overflows: refused.
+    assert resolve_sampling(3.4e38, None, None, 100) == Sampling(3.4e38)
+    with pytest.raises(ValueError, match="finite in float32"):
+        resolve_sampling(3.5e38, None, None, 100)
+    assert resolve_sampling(np.float32(0.5), np.int64(3), torch.tensor(0.5), 100) == Sampling(0.5, 3, 0.5)
 
 
 @pytest.mark.parametrize("cls", ["reference", "fast"])

@@ -49,6 +49,7 @@ def _requests(config: wiola.WiolaConfig, n: int, seed: int) -> list[RowRequest]:
         {"temperature": 0.9, "top_p": 0.7},
         {"temperature": 1.0, "top_k": 40, "top_p": 0.9},
         {"temperature": 0.0, "top_k": 3},  # greedy: the filter is ignored, as in generate
+        {"top_k": 7},  # no temperature: sampling at 1.0, as in generate
     ]
     out = []
     for i in range(n):
@@ -67,7 +68,7 @@ def _requests(config: wiola.WiolaConfig, n: int, seed: int) -> list[RowRequest]:
 
 
 def _generate(model, r: RowRequest) -> list[int]:
-    gen = torch.Generator().manual_seed(r.seed)
+    gen = None if r.seed is None else torch.Generator().manual_seed(r.seed)
     out = model.generate(
         torch.tensor([r.prompt]), r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
         eos_token_id=r.eos_token_id, generator=gen,
@@ -224,6 +225,8 @@ def test_row_alone_equals_row_3_of_8_bitwise(scheme, config, isa, plain_cpu):
 
 @torch.inference_mode()
 def test_leave_frees_at_once(plain_cpu):
+    """``leave`` frees the row at once; handles are never reused, so a late ``leave`` of a row
+    that finished is refused rather than freeing the request that took its place."""
     model = _model(SMALL)
     rows = Rows(model, max_rows=3, max_len=40)
     a = rows.join(RowRequest([1, 2, 3], 10))
@@ -234,18 +237,26 @@ def test_leave_frees_at_once(plain_cpu):
     assert rows.live == [b] and rows.free == 2
     assert [t.row for t in rows.step()] == [b], "a row that left still got a token"
     c = rows.join(RowRequest([5, 6], 10))
-    assert c == a, "the freed row was not reused first"
-    with pytest.raises(ValueError, match=r"row 7 is not live \(live rows: \[0, 1\]\)"):
+    assert c not in (a, b), "a handle was given twice"
+    assert rows._index[c] == 0, "the freed row was not reused first"
+    with pytest.raises(ValueError, match=rf"row {a} is not live \(live rows: \[{b}, {c}\]\)"):
+        rows.leave(a)  # its row now holds c
+    with pytest.raises(ValueError, match=r"row 7 is not live"):
         rows.leave(7)
     with pytest.raises(ValueError, match=r"row \(a handle from join\) must be an int, got the bool True"):
         rows.leave(True)  # not row 1
     with pytest.raises(ValueError, match=r"row \(a handle from join\) must be an int, got str '1'"):
         rows.leave("1")
-    assert rows.live == [a, b]
+    assert rows.live == [b, c]
     rows.leave(b)
-    with pytest.raises(ValueError, match="row 1 is not live"):
+    with pytest.raises(ValueError, match=f"row {b} is not live"):
         rows.leave(b)
     assert rows.step()[0].row == c
+    d = rows.join(RowRequest([1], 1))
+    assert [(t.row, t.finish_reason) for t in rows.step()] == [(c, None), (d, "length")]
+    with pytest.raises(ValueError, match=f"row {d} is not live"):
+        rows.leave(d)
+    assert rows.live == [c]
 
 
 @torch.inference_mode()
@@ -267,7 +278,14 @@ def test_bad_input_is_named(plain_cpu):
         "top_p must be in": RowRequest([1], 4, temperature=1.0, top_p=1.5),
         "top_k must be a positive int": RowRequest([1], 4, top_k=0),
         "seed must be an int": RowRequest([1], 4, seed="x"),
+        r"seed must be in \[-2\*\*63, 2\*\*64\)": RowRequest([1], 4, seed=2**64),
         "logprobs must be an int in": RowRequest([1], 4, logprobs=-2),
+        "temperature must be a number, got str '0.5'": RowRequest([1], 4, temperature="0.5"),
+        "top_p must be a number, got str": RowRequest([1], 4, temperature=1.0, top_p="0.9"),
+        "top_p must be a number, got bool": RowRequest([1], 4, top_p=True),
+        # A temperature past float32 would overflow the C++ sampler's setting in every step.
+        "temperature must be >= 0 and finite in float32": RowRequest([1], 4, temperature=1e39),
+        "max_new_tokens must be an int, got float": RowRequest([1], 4.0),
     }
     for match, request in bad.items():
         with pytest.raises(ValueError, match=match):
@@ -282,9 +300,15 @@ def test_bad_input_is_named(plain_cpu):
     for args, match in (
         ((0,), "max_rows must be a positive int"),
         ((2, 97), r"max_len must be an int in \[1, max_seq"),
+        ((2, 1.5), "max_len must be an int, got float"),
     ):
         with pytest.raises(ValueError, match=match):
             Rows(model, *args)
+    for m in (model, wiola.WiolaModel(SMALL)):  # the reference model too, which never binds the step
+        with pytest.raises(ValueError, match="isa='bogus' is not one of auto"):
+            Rows(m, 2, isa="bogus")
+    big = Rows(model, np.int64(2), np.int32(30))  # numpy integers are the ints they hold
+    assert (big.max_rows, big.max_len) == (2, 30)
 
 
 @torch.inference_mode()
@@ -297,8 +321,8 @@ def test_numpy_and_torch_integer_ids_are_ints(plain_cpu):
     want = [t.token for t in _drain(rows)]
     assert want == model.generate(torch.tensor([[3, 14, 15]]), 6)[0, 3:].tolist()
     eos = want[2]
-    row = rows.join(RowRequest([np.int64(3), torch.tensor(14), np.int32(15)], 6, eos_token_id=np.int64(eos)))
-    assert row == plain
+    row = rows.join(RowRequest([np.int64(3), torch.tensor(14), np.int32(15)], np.int64(6), eos_token_id=np.int64(eos)))
+    assert row != plain
     got = _drain(rows)
     assert [t.token for t in got] == want[: want.index(eos) + 1] and got[-1].finish_reason == "stop"
     row = rows.join(RowRequest([3], 6))
@@ -335,3 +359,124 @@ def test_logprobs_are_the_unfiltered_log_softmax(plain_cpu):
         assert [i for i, _ in t.top] == torch.topk(want, 4).indices.tolist()
         assert all(a[1] >= b[1] for a, b in zip(t.top, t.top[1:], strict=False))
         seq.append(t.token)
+
+
+def _finish(rows: Rows, got: dict[int, list[int]], reasons: dict[int, str]) -> None:
+    while rows.live:
+        for t in rows.step():
+            got[t.row].append(t.token)
+            if t.finish_reason is not None:
+                reasons[t.row] = t.finish_reason
+
+
+@torch.no_grad()  # not inference mode, in which the in-place change below would move no version counter
+@pytest.mark.parametrize("backend", ["C++", "PyTorch"])
+def test_a_step_that_raises_changes_nothing(backend, plain_cpu):
+    """A ``step`` that raises loses no token and moves no generator: once the cause is gone the
+    rows go on exactly as ``generate`` decodes them. C++: a quantized model whose matrix changed
+    (its binding is refused); PyTorch: a forward that fails for the second of three rows, after
+    the first row's cache has taken its token."""
+    requests = [
+        RowRequest([5, 6, 7], 6, temperature=1.0, seed=1),
+        RowRequest([8], 2, temperature=0.9, top_p=0.8, seed=2),  # its last token comes in the failed step
+        RowRequest([9, 10], 5),  # greedy
+    ]
+    if backend == "C++":
+        model = _model(SMALL, "int8")
+    else:
+        model = _model(SMALL, cls=wiola.WiolaModel)
+    rows = Rows(model, max_rows=3, max_len=40)
+    assert rows.backend == backend
+    handles = [rows.join(r) for r in requests]
+    got: dict[int, list[int]] = {h: [] for h in handles}
+    reasons: dict[int, str] = {}
+    for t in rows.step():
+        got[t.row].append(t.token)
+    if backend == "C++":
+        weight = model.layers[0].attn.q_proj.weight
+        saved = weight.clone()
+        weight.add_(1.0)
+        with pytest.raises(ValueError, match="int8"):
+            rows.step()
+        weight.copy_(saved)
+    else:
+        calls = []
+
+        def fail_second(module, args):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected failure")
+
+        hook = model.register_forward_pre_hook(fail_second)
+        with pytest.raises(RuntimeError, match="injected failure"):
+            rows.step()
+        hook.remove()
+    assert rows.live == handles, "a failed step freed a row"
+    _finish(rows, got, reasons)
+    for h, r in zip(handles, requests, strict=True):
+        assert got[h] == _generate(model, r), f"{backend}: request {r} lost or repeated a token"
+        assert reasons[h] == "length"
+
+
+@torch.inference_mode()
+def test_rows_move_to_pytorch_where_the_step_stops_applying(plain_cpu):
+    """A C++ ``Rows`` whose model the step can no longer compute goes on on the PyTorch backend,
+    each live row's cache carried over: a weight replaced by a non-contiguous one (the same
+    values: the tokens of ``generate``), the model moved to float64 (the rows finish, and a row
+    that joins after decodes as ``generate`` on the float64 model)."""
+    model = _model(SMALL)
+    request = RowRequest([3, 14, 15], 8)
+    want = _generate(model, request)
+    rows = Rows(model, max_rows=2, max_len=40)
+    h = rows.join(request)
+    got: dict[int, list[int]] = {h: [t.token for t in rows.step()]}
+    proj = model.layers[0].attn.q_proj
+    proj.weight = torch.nn.Parameter(proj.weight.detach().t().contiguous().t(), requires_grad=False)
+    _finish(rows, got, {})
+    assert rows.backend == "PyTorch" and got[h] == want
+
+    model = _model(SMALL)
+    rows = Rows(model, max_rows=2, max_len=40)
+    first = rows.join(RowRequest([3, 14, 15], 8, temperature=0.9, seed=3))
+    rows.step()
+    model.double()
+    late = RowRequest([4, 5], 6)
+    h = rows.join(late)
+    got = {first: [], h: []}
+    reasons: dict[int, str] = {}
+    _finish(rows, got, reasons)
+    assert rows.backend == "PyTorch" and reasons == {first: "length", h: "length"}
+    assert got[h] == _generate(model, late)
+
+
+@torch.inference_mode()
+def test_rows_made_before_adapters_decode_with_them(plain_cpu):
+    """LoRA adapters attached after the ``Rows`` was made: the C++ step reads the base weights
+    only, so the rows move to the PyTorch backend, and a row decodes as ``generate`` with the
+    adapters."""
+    peft = pytest.importorskip("peft")
+    model = _model(SMALL)
+    rows = Rows(model, max_rows=2, max_len=40)
+    assert rows.backend == "C++"
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
+    model = peft.inject_adapter_in_model(lora, model)
+    request = RowRequest([5, 6, 7], 10)
+    h = rows.join(request)
+    got: dict[int, list[int]] = {h: []}
+    _finish(rows, got, {})
+    assert rows.backend == "PyTorch"
+    assert got[h] == _generate(model, request)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("which", ["C++", "PyTorch"])
+def test_tied_logprobs_list_the_lower_id_first(which, plain_cpu):
+    """Equal logits (every embedding row the same: the tied head gives every id one logit): the
+    ``logprobs`` best are the lowest ids, in order, for the prefill's token as for the steps'."""
+    model = _model(SMALL, cls=wiola.fast.WiolaModel if which == "C++" else wiola.WiolaModel)
+    model.embed.weight.copy_(model.embed.weight[0].expand_as(model.embed.weight))
+    rows = Rows(model, max_rows=2, max_len=40)
+    assert rows.backend == which
+    rows.join(RowRequest([1, 2], 3, logprobs=4))
+    for t in _drain(rows):
+        assert [i for i, _ in t.top] == [0, 1, 2, 3], t

@@ -426,6 +426,37 @@ def test_chat_without_a_template_is_a_400(checkpoint):
     assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
 
 
+def test_a_step_that_fails_fails_its_jobs_and_frees_their_rows(checkpoint):
+    """A step that raises (here a forward hook, on the PyTorch backend) ends every job in flight
+    with the error, and the rows are free for the next requests, which then decode normally."""
+    from starlette.testclient import TestClient
+
+    from wiola.checkpoint import load_checkpoint_tokenizer
+    from wiola.serve.app import Server, create_app
+    from wiola.serve.engine import Engine
+
+    tok = load_checkpoint_tokenizer(checkpoint)
+    model = wiola.WiolaModel.from_pretrained(checkpoint).eval()
+    calls = []
+
+    def fail_the_fourth_forward(module, args):
+        calls.append(1)
+        if len(calls) == 4:  # two prefills, then the first step's second row
+            raise RuntimeError("injected failure")
+
+    body = {"prompt": "The cat", "max_tokens": 6, "temperature": 0}
+    with TestClient(create_app(Server(Engine(model, 2), tok, "plain", MAX_SEQ))) as client:
+        want = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        hook = model.register_forward_pre_hook(fail_the_fourth_forward)
+        r = client.post("/v1/completions", json={**body, "n": 2})
+        assert r.status_code == 500 and "injected failure" in r.text
+        hook.remove()
+        for _ in range(2):  # the engine's two rows were freed: n=2 joins at once
+            r = client.post("/v1/completions", json={**body, "n": 2})
+            assert r.status_code == 200, r.text
+            assert [c["text"] for c in r.json()["choices"]] == [want, want]
+
+
 def test_models_health_tokenize_detokenize(server):
     models = httpx.get(server.url + "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny-wiola"

@@ -11,6 +11,7 @@ from the filtered softmax exactly and needs no host sync, so the CUDA-graph loop
 from __future__ import annotations
 
 import inspect
+import numbers
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,24 +51,57 @@ class Sampling:
 
 
 def resolve_sampling(temperature: float | None, top_k: int | None, top_p: float | None, vocab_size: int) -> Sampling:
-    """Check the sampling arguments (``ValueError`` for settings that mean nothing) and resolve
-    them: without ``temperature``, greedy unless ``top_k`` or ``top_p`` is given (then 1.0)."""
-    if temperature is not None and (isinstance(temperature, bool) or not 0 <= temperature < float("inf")):
-        # inf would flatten every logit to 0 and sample uniformly, past any top-k or top-p filter
-        raise ValueError(f"temperature must be >= 0 and finite (0 is greedy) or None, got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+    """Check the sampling arguments (``TypeError`` for a value that is not a number,
+    ``ValueError`` for settings that mean nothing, each naming the argument) and resolve them:
+    without ``temperature``, greedy unless ``top_k`` or ``top_p`` is given (then 1.0). Integer
+    settings take numpy/torch integer scalars; real ones any real number but a bool."""
+    if temperature is not None:
+        temperature = _real("temperature", temperature)
+        # Past float32's largest value the logits (fp32) divided by it are all 0: a uniform
+        # draw past any top-k or top-p filter, as for inf.
+        if not 0 <= temperature <= FLOAT32_MAX:
+            raise ValueError(
+                f"temperature must be >= 0 and finite in float32 (at most {FLOAT32_MAX:.4g}; 0 is greedy) or None, "
+                f"got {temperature!r}"
+            )
+    if top_k is not None:
+        try:
+            k = as_int("top_k", top_k)
+        except TypeError:
+            k = 0
+        if k < 1:
+            raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+        top_k = k
+    if top_p is not None:
+        top_p = _real("top_p", top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
     if temperature is None:
         temperature = 0.0 if top_k is None and top_p is None else 1.0
     if temperature == 0:
         return Sampling(0.0)
     return Sampling(
-        float(temperature),
+        temperature,
         None if top_k is None or top_k >= vocab_size else top_k,
-        None if top_p is None or top_p >= 1.0 else float(top_p),
+        None if top_p is None or top_p >= 1.0 else top_p,
     )
+
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _real(name: str, value: Any) -> float:
+    """``value`` as a Python float: a real number (numpy and 0-d torch floats included), not a
+    bool, not a string; ``TypeError`` naming ``name`` otherwise."""
+    if isinstance(value, bool) or (
+        isinstance(value, torch.Tensor) and (value.numel() != 1 or value.dtype == torch.bool)
+    ):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if isinstance(value, torch.Tensor):
+        return float(value.item())
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    return float(value)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | torch.Tensor | None) -> torch.Tensor:
@@ -198,6 +232,12 @@ class GenerateArgs:
         sampling, eos and the pad id resolved."""
         sampling = check_generate_inputs(model, input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p)
         eos, pad = resolve_token_ids(model, eos_token_id, pad_token_id)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(
+                f"generator must be a torch.Generator or None, got {type(generator).__name__} {generator!r}"
+            )
+        if streamer is not None and not callable(streamer):
+            raise TypeError(f"streamer must be callable or None, got {type(streamer).__name__} {streamer!r}")
         return cls(input_ids, max_new_tokens, attention_mask, sampling, eos, pad, generator, streamer)
 
 
@@ -362,8 +402,10 @@ class _Front:
     """The per-step callback of ``hf_generate``: collects the new tokens, feeds the caller's streamer
     (a callable or a ``TokenStreamer``), tracks stop strings and eos per row."""
 
-    def __init__(self, B: int, streamer, stops: list[str], tokenizer, eos: int | None) -> None:
+    def __init__(self, prompt: torch.Tensor, streamer, stops: list[str], tokenizer, eos: int | None) -> None:
         self.streamer, self.stops, self.tokenizer, self.eos = streamer, stops, tokenizer, eos
+        B = prompt.shape[0]
+        self.prompt: torch.Tensor | None = prompt  # put to a TokenStreamer with the first tokens
         self.tokens: list[torch.Tensor] = []
         self.new: list[list[int]] = [[] for _ in range(B)]
         self.stopped_at = [-1] * B  # step at which a row's text first contained a stop string
@@ -373,7 +415,11 @@ class _Front:
         step = len(self.tokens)
         self.tokens.append(token)
         if self.streamer is not None:
-            self.streamer.put(token.cpu()) if hasattr(self.streamer, "put") else self.streamer(token)
+            if hasattr(self.streamer, "put"):
+                self.open()
+                self.streamer.put(token.cpu())
+            else:
+                self.streamer(token)
         if not self.stops and self.eos is None:
             return
         host = token.tolist()
@@ -389,6 +435,13 @@ class _Front:
                     self.ended[row] = True
         if self.stops and bool(self.ended.all()):
             raise _AllStopped
+
+    def open(self) -> None:
+        """Give a ``TokenStreamer`` the prompt, once: with the first tokens, so that a call its
+        loop refuses streams nothing."""
+        if self.prompt is not None:
+            self.streamer.put(self.prompt.cpu())
+            self.prompt = None
 
 
 @torch.inference_mode()
@@ -421,15 +474,19 @@ def hf_generate(
         raise ValueError("stop_strings need tokenizer= (anything with decode(ids)) to read the text")
     if stops and pad is None:
         raise ValueError("stop_strings need pad_token_id or eos_token_id for the slots after a stop")
+    if streamer is not None and not (callable(streamer) or hasattr(streamer, "put")):
+        raise TypeError(
+            f"streamer must be a callable or a transformers streamer (put/end), got {type(streamer).__name__} {streamer!r}"
+        )
     if streamer is None and not stops:
         front = None
     else:
-        front = _Front(input_ids.shape[0], streamer, stops, tokenizer, eos_token_id)
-    if hasattr(streamer, "put"):
-        streamer.put(input_ids.cpu())
+        front = _Front(input_ids, streamer, stops, tokenizer, eos_token_id)
     kwargs = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id)
     try:
         out = loop(model, input_ids, max_new_tokens, pad_token_id=pad, streamer=front, **kwargs, **options)
+        if hasattr(streamer, "put"):
+            front.open()  # no new tokens (max_new_tokens 0): the prompt alone
     except _AllStopped:
         out = torch.full((input_ids.shape[0], input_ids.shape[1] + max_new_tokens), pad, dtype=torch.int64)
         out = out.to(input_ids.device)
@@ -437,7 +494,7 @@ def hf_generate(
         new = torch.stack(front.tokens, dim=1)
         out[:, input_ids.shape[1] : input_ids.shape[1] + new.shape[1]] = new
     finally:
-        if hasattr(streamer, "end"):
+        if hasattr(streamer, "end"):  # also for a refused call, which put nothing: a reader waiting on it ends
             streamer.end()
     if front is not None:
         for row, step in enumerate(front.stopped_at):

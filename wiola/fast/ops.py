@@ -367,20 +367,11 @@ def cpu_decode_step(
     for another model, a quantized model whose weights changed after ``quantize``).
     """
     if (
-        not model.kernels_enabled
-        or model.config.ffn != "butterfly"  # the C++ step implements the paper's block only
-        or input_ids.device.type != "cpu"
+        input_ids.device.type != "cpu"
         or input_ids.dim() != 2
         or input_ids.shape[1] != 1
-        or torch.is_grad_enabled()
         or kernels_usable(input_ids)
-        or torch.is_autocast_enabled("cpu")
-        or torch.compiler.is_compiling()
-        or cache.dtype != torch.float32
-        or cache.device.type != "cpu"
-        or getattr(cache, "device_slot", False)
-        or model.embed.weight.dtype != torch.float32
-        or has_adapters(model)  # the C++ step reads the base weights, never a LoRA adapter
+        or not cpu_step_applies(model, cache)
     ):
         return None
     from wiola.fast import decode_step_cpu
@@ -397,6 +388,26 @@ def cpu_decode_step(
 
     step = model.derived_weights.bound("cpu_decode_step", cache, bind, lambda s: s is not False and s.is_current())
     return step or None
+
+
+def cpu_step_applies(model: Any, cache: Any) -> bool:
+    """Whether the C++ step may compute ``model`` on ``cache`` in this context (the conditions of
+    ``cpu_decode_step`` that are not about the input): the model's kernels on, the paper's
+    butterfly block, an fp32 model and CPU cache, gradients and CPU autocast off, not tracing,
+    no LoRA adapter (the step reads the base weights only)."""
+    return not (
+        not model.kernels_enabled
+        or model.config.ffn != "butterfly"  # the C++ step implements the paper's block only
+        or torch.is_grad_enabled()
+        or torch.is_autocast_enabled("cpu")
+        or torch.compiler.is_compiling()
+        or cache.dtype != torch.float32
+        or cache.device.type != "cpu"
+        or getattr(cache, "device_slot", False)
+        or model.embed.weight.dtype != torch.float32
+        or model.embed.weight.device.type != "cpu"
+        or has_adapters(model)  # the C++ step reads the base weights, never a LoRA adapter
+    )
 
 
 def _plain_cpu(t: torch.Tensor) -> bool:

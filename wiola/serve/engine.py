@@ -114,17 +114,24 @@ class Engine:
                 self._deliver(token)
 
     def _tick(self, joins: list[Job], leaves: list[int]) -> tuple[list[tuple[Job, int | Exception]], list[RowToken]]:
-        """In the worker thread: rows leave, jobs join, one step for every live row."""
+        """In the worker thread: rows leave, jobs join, one step for every live row. Where a
+        join or the step raises otherwise than for a bad request, every row leaves: the loop
+        fails every job it holds, and the rows stay free for the next ones."""
         for row in leaves:
             with contextlib.suppress(ValueError):  # finished in the step that raced the cancel
                 self.rows.leave(row)
         joined: list[tuple[Job, int | Exception]] = []
-        for job in joins:
-            try:
-                joined.append((job, self.rows.join(job.request)))
-            except ValueError as e:
-                joined.append((job, e))
-        tokens = self.rows.step() if self.rows.live else []
+        try:
+            for job in joins:
+                try:
+                    joined.append((job, self.rows.join(job.request)))
+                except ValueError as e:
+                    joined.append((job, e))
+            tokens = self.rows.step() if self.rows.live else []
+        except Exception:
+            for row in self.rows.live:
+                self.rows.leave(row)
+            raise
         self.steps += 1
         return joined, tokens
 
