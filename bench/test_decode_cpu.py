@@ -493,7 +493,7 @@ def test_tg128_cpu(cpu_bench, model, hf_model, batch: int, scheme: str, monkeypa
         cost=roofline.decode(model.config, batch, PROMPT, new - 1, torch.float32, weights),
         shape={"B": batch, "P": PROMPT, "N": new},
         dtype=torch.float32,
-        tokens=batch * new,
+        tokens=batch * (new - 1),  # the timed steps' tokens: the first comes from the untimed prefill
         baselines=baselines,
         notes=[
             f"tg{new}: 13m preset, random weights, {scheme} weights ({weights / 1e6:.1f} MB read a step, and "

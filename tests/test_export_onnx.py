@@ -237,6 +237,40 @@ def test_a_folder_that_is_not_an_export_is_named(tmp_path: Path) -> None:
     (tmp_path / META_FILE).write_text(json.dumps({"format": "wiola-onnx", "format_version": 99}))
     with pytest.raises(ValueError, match="format version 99"):
         read_meta(tmp_path)
+    sizes = {"n_layers": 2, "n_heads": 4, "head_dim": 16, "vocab_size": 320, "max_seq_len": 64}
+    for damage, match in (
+        ({"n_layers": None}, "n_layers must be a positive int, got None"),
+        ({"vocab_size": 0}, "vocab_size must be a positive int, got 0"),
+        ({"head_dim": "16"}, "head_dim must be a positive int, got '16'"),
+        ({"eos_token_id": 320}, r"eos_token_id 320 is outside \[0, vocab_size=320\)"),
+        ({"pad_token_id": 1.5}, "pad_token_id must be a single int or None, got float 1.5"),
+    ):
+        meta = {"format": "wiola-onnx", "format_version": 1, **sizes, **damage}
+        (tmp_path / META_FILE).write_text(json.dumps({k: v for k, v in meta.items() if v is not None}))
+        with pytest.raises(ValueError, match=match):
+            read_meta(tmp_path)
+
+
+def test_runner_checks_eos_pad_and_threads(exports: dict[str, Path]) -> None:
+    """eos and pad ids are checked as ``generate`` checks them (an id outside the vocabulary
+    would be written into the output), and so is the thread count."""
+    exported = OnnxModel(exports["fp32"])
+    ids = np.array([[5, 6, 7]])
+    for kwargs, error, match in (
+        ({"eos_token_id": 9, "pad_token_id": -7}, ValueError, r"pad_token_id -7 is outside \[0, vocab_size=320\)"),
+        ({"eos_token_id": -5}, ValueError, "eos_token_id -5 is outside"),
+        ({"eos_token_id": "x"}, TypeError, "eos_token_id must be a single int or None, got str 'x'"),
+        ({"eos_token_id": True}, TypeError, "eos_token_id must be a single int or None, got bool"),
+    ):
+        with pytest.raises(error, match=match):
+            exported.generate(ids, 4, **kwargs)
+    np.testing.assert_array_equal(
+        exported.generate(ids, 4, eos_token_id=np.int64(9), pad_token_id=np.int32(3)),
+        exported.generate(ids, 4, eos_token_id=9, pad_token_id=3),
+    )
+    for threads in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="threads must be a positive int or None"):
+            OnnxModel(exports["fp32"], threads=threads)
 
 
 def _checkpoint(tmp_path: Path) -> tuple[Path, object]:
@@ -264,6 +298,40 @@ def test_cli_refuses_a_run_folder_and_names_flags(tmp_path: Path, capsys: pytest
     quantized.save_pretrained(tmp_path / "q8", _checkpoint(tmp_path / "t")[1])
     assert cli_main(["export", "--checkpoint", str(tmp_path / "q8"), "--out", str(tmp_path / "hf")]) == 2
     assert "int8 weights, which the wiola13m format cannot hold" in capsys.readouterr().err
+
+
+def test_cli_refuses_an_out_that_holds_a_model_unless_overwrite(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """An --out that already holds a checkpoint or an export is refused (nothing in it changed),
+    in either format; --overwrite replaces the whole model, so no file of the old one stays
+    beside the new one (an ONNX export over a wiola13m one, and back)."""
+    ckpt, _ = _checkpoint(tmp_path)
+    other = tmp_path / "other"
+    torch.manual_seed(1)
+    WiolaModel(WiolaConfig(**SMALL)).save_pretrained(other)
+    before = {p.name: p.read_bytes() for p in other.iterdir()}
+    for fmt in ("wiola13m", "onnx"):
+        capsys.readouterr()
+        assert cli_main(["export", "--format", fmt, "--checkpoint", str(ckpt), "--out", str(other)]) == 2
+        err = capsys.readouterr().err
+        assert "already holds a model (config.json, model.safetensors): pass --overwrite" in err, err
+        assert {p.name: p.read_bytes() for p in other.iterdir()} == before
+    out = tmp_path / "out"
+    assert cli_main(["export", "--checkpoint", str(ckpt), "--out", str(out)]) == 0
+    args = ["export", "--format", "onnx", "--checkpoint", str(ckpt), "--out", str(out), "--overwrite"]
+    assert cli_main(args) == 0
+    assert not (out / "config.json").exists() and not (out / "model.safetensors").exists()
+    assert (out / MODEL_FILE).is_file() and (out / "tokenizer.json").is_file()
+    assert cli_main(["export", "--checkpoint", str(ckpt), "--out", str(out), "--overwrite"]) == 0
+    assert not (out / MODEL_FILE).exists() and not (out / META_FILE).exists() and not (out / "run_onnx.py").exists()
+    got, want = WiolaModel.from_pretrained(out).state_dict(), WiolaModel.from_pretrained(ckpt).state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    (out / "notes.txt").write_text("mine")  # a file of the user's is not part of a model: kept
+    assert cli_main(["export", "--checkpoint", str(ckpt), "--out", str(out), "--overwrite"]) == 0
+    assert (out / "notes.txt").read_text() == "mine"
+    spaced = tmp_path / "with space"
+    capsys.readouterr()
+    assert cli_main(["export", "--format", "onnx", "--checkpoint", str(ckpt), "--out", str(spaced)]) == 0
+    assert f"run it: python '{spaced / 'run_onnx.py'}' '{spaced}'" in capsys.readouterr().out
 
 
 def test_cli_without_the_export_extra_exits_2(tmp_path: Path, capsys, monkeypatch) -> None:

@@ -15,6 +15,7 @@ that diverged: a non-finite loss, gradient or weight, its earlier checkpoints ke
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import NoReturn
 
@@ -65,3 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"wiola {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (`wiola bench --json | head -1`)
+        # Point stdout at /dev/null so that the flush at exit does not fail again, and end as a
+        # process that SIGPIPE ended would (128 + 13), without a traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141

@@ -100,11 +100,15 @@ def _timed(run: Any, reps: int, bar: Any, between: Any = None) -> list[float]:
 
 
 def _row(model_name: str, form: str, nbytes: int, test: str, tokens: int, times: list[float]) -> dict[str, Any]:
+    """One row: ``tokens`` (those the timed calls compute) over the median time, so that the rate
+    and the % of a floor (``seconds``) describe the same call; the spread is the standard
+    deviation of the calls' rates (None for one call: unknown)."""
+    seconds = statistics.median(times)
     rates = [tokens / t for t in times]
     return {
         "model": model_name, "weights": form, "bytes": nbytes, "test": test, "tokens": tokens,
-        "tok_s": statistics.median(rates), "tok_s_stdev": statistics.stdev(rates) if len(rates) > 1 else 0.0,
-        "seconds": statistics.median(times), "reps": len(times),
+        "tok_s": tokens / seconds, "tok_s_stdev": statistics.stdev(rates) if len(rates) > 1 else None,
+        "seconds": seconds, "reps": len(times),
     }  # fmt: skip
 
 
@@ -124,9 +128,10 @@ def table(rows: list[dict[str, Any]]) -> str:
         if "bound_by" in r:
             by = f"{speed.bound_label(r['bound_by'])} ({r['pct_roofline']:.0f}%)"
         most = f"{r['read_ceiling_pct']:.0f}%" if "read_ceiling_pct" in r else "—"
+        spread = "" if r["tok_s_stdev"] is None else f" ± {r['tok_s_stdev']:,.0f}"
         lines.append(
             f"| {r['model']} | {r['weights']} | {r['bytes'] / 1e6:.1f} MB | {r['batch']} | {r['test']} | "
-            f"{r['tok_s']:,.0f} ± {r['tok_s_stdev']:,.0f} | {pct} | {by} | {most} |"
+            f"{r['tok_s']:,.0f}{spread} | {pct} | {by} | {most} |"
         )
     return "\n".join(lines)
 
@@ -137,6 +142,8 @@ def _bench(args: argparse.Namespace) -> int:
     from wiola.fast import WiolaModel, decode_step_cpu, prefill, speed
     from wiola.fast.quantize import quantize
 
+    if args.revision is not None and not args.checkpoint:
+        raise ValueError(f"--revision {args.revision!r} applies to a Hub id --checkpoint; none was given")
     if args.checkpoint:
         base = WiolaModel.from_pretrained(resolve_checkpoint(args.checkpoint, args.revision), device="cpu")
         model_name = args.checkpoint
@@ -199,7 +206,9 @@ def _bench(args: argparse.Namespace) -> int:
                     speed.fma_peak(step, speed.PRODUCT_BETWEEN)
 
                 times = _timed(tg, args.reps, bar, between)
-                row = _row(model_name, form, nbytes, tg_test, B * args.new_tokens, times)
+                # The timed call's n - 1 steps compute n - 1 tokens a row; the first comes from the
+                # untimed prefill's logits (llama-bench's tg counts one token a timed decode too).
+                row = _row(model_name, form, nbytes, tg_test, B * (args.new_tokens - 1), times)
                 read = speed.read_floor(read_bytes, 1)
                 row["read_bytes"] = read_bytes
                 row["read_floor_gbs"] = read_bytes / read["s"] / 1e9
@@ -225,8 +234,11 @@ def _bench(args: argparse.Namespace) -> int:
     else:
         print(table(rows))
         print(
-            f"\n{cpu['name']}, {torch.get_num_threads()} threads; t/s: median of {args.reps} ± their standard "
-            "deviation; tg after a 16-token prompt, not timed; % of read floor: the tg call's steps each reading "
+            f"\n{cpu['name']}, {torch.get_num_threads()} threads; t/s: the tokens over the median time of "
+            f"{args.reps} run{'s' * (args.reps != 1)}"
+            + (" ± the standard deviation of their rates" if args.reps > 1 else "")
+            + f"; tg{args.new_tokens}: {args.new_tokens - 1} timed steps a row after a 16-token prompt, not timed, "
+            "whose logits give the first token; % of read floor: the tg call's steps each reading "
             "the weights and the cache's keys and values once at the best rate this process read as many bytes "
             "between the timed calls; bound "
             "by: the longer of that read floor and the compute floor (the products' multiply-adds at the rate "

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,7 +45,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="onnx with int8 or int4 weights: ONNX Runtime's MatMulNBits products (activations rounded to int8 too)",
     )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the model a folder already holds (a checkpoint or an export); without it such an --out is refused",
+    )
     p.set_defaults(func=run_export)
+
+
+# What a checkpoint or an export of either format consists of: an --out holding one of the model
+# files holds a model; --overwrite deletes all of these before writing, so that no file of the old
+# model stays beside the new one (a tokenizer, the other format's weights).
+MODEL_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", "model.onnx", "wiola_onnx.json")
+EXPORT_FILES = (*MODEL_FILES, "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "run_onnx.py")
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -61,6 +74,12 @@ def run_export(args: argparse.Namespace) -> int:
     path = resolve_checkpoint(args.checkpoint, args.revision)  # a run folder: its latest checkpoint
     check_apart(out, path, "--out", "checkpoint")  # a run folder's --out is refused too: it holds the checkpoint
     _check_not_a_run(out)
+    held = _held_model_files(out)
+    if held and not args.overwrite:
+        raise ValueError(
+            f"--out {str(out)!r} already holds a model ({', '.join(held)}): pass --overwrite to replace it, or "
+            "export to another folder"
+        )
     tokenizer = load_checkpoint_tokenizer(path)
     if args.format == "wiola13m":
         import json
@@ -77,10 +96,30 @@ def run_export(args: argparse.Namespace) -> int:
                 "weights are fp32): export the fp32 checkpoint it was made from, or use --format onnx"
             )
         model = WiolaModel.from_pretrained(path)
+        _clear(out, held)
         export_wiola13m(model, out, tokenizer)
         print(f"{path} -> {out} (wiola13m format, tokenizer {tokenizer.name!r}, {tokenizer.vocab_size:,} ids)")
         return 0
     return _export_onnx(path, out, tokenizer, args)
+
+
+def _held_model_files(out: Path) -> list[str]:
+    """The model files of a checkpoint or an export that ``out`` holds (ONNX external data too)."""
+    if not out.is_dir():
+        return []
+    return sorted(f.name for f in out.iterdir() if f.name in MODEL_FILES or f.name.startswith("model.onnx"))
+
+
+def _clear(out: Path, held: list[str]) -> None:
+    """Delete what a checkpoint or an export left in ``out`` (``--overwrite``; only where ``held``
+    says it holds a model), once the new model has loaded."""
+    from wiola.train.run_folder import remove_path
+
+    if not held:
+        return
+    for f in list(out.iterdir()):
+        if f.name in EXPORT_FILES or f.name.startswith("model.onnx"):
+            remove_path(f)
 
 
 def _check_not_a_run(out: Path) -> None:
@@ -113,6 +152,7 @@ def _export_onnx(path: Path, out: Path, tokenizer: Tokenizer, args: argparse.Nam
         raise ValueError("--int8-matmul needs int8 or int4 weights: add --quantize int8 (or int4)")
     if args.quantize and not held:
         quantize(model, args.quantize)
+    _clear(out, _held_model_files(out))
     t0 = time.perf_counter()
     meta = export_onnx(model, out, tokenizer, int8_matmul=args.int8_matmul)
     size = sum(f.stat().st_size for f in out.glob(MODEL_FILE + "*"))
@@ -120,6 +160,6 @@ def _export_onnx(path: Path, out: Path, tokenizer: Tokenizer, args: argparse.Nam
     print(
         f"{path} -> {out}/{MODEL_FILE} (ONNX opset {meta['opset']}, {weights}, {size / 1e6:.1f} MB, "
         f"{time.perf_counter() - t0:.1f} s), tokenizer {tokenizer.name!r}\n"
-        f"run it: python {out}/run_onnx.py {out} --prompt 'Once upon a time'"
+        f"run it: python {shlex.quote(str(out / 'run_onnx.py'))} {shlex.quote(str(out))} --prompt 'Once upon a time'"
     )
     return 0

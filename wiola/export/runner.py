@@ -101,6 +101,8 @@ class StepDriver:
         decoding ends once every row has. ``logits_out``: a list that receives every position's
         ``(B, V)`` float32 logits (prompt positions included)."""
         ids, mask = self.check(input_ids, attention_mask, max_new_tokens)
+        eos_token_id = _token_id("eos_token_id", eos_token_id, self.vocab_size)
+        pad_token_id = _token_id("pad_token_id", pad_token_id, self.vocab_size)
         B, T = ids.shape
         L, H, D = self.shape
         S = T + max_new_tokens
@@ -152,6 +154,22 @@ class StepDriver:
         return out
 
 
+def _token_id(name: str, value: Any, vocab_size: int) -> int | None:
+    """``value`` (None, an int or a numpy integer) as an id in ``[0, vocab_size)``;
+    ``TypeError``/``ValueError`` naming ``name`` otherwise (as ``wiola.generation`` checks it)."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a single int or None, got {type(value).__name__} {value!r}")
+    if not 0 <= int(value) < vocab_size:
+        raise ValueError(f"{name} {int(value)} is outside [0, vocab_size={vocab_size})")
+    return int(value)
+
+
+# The sizes an export's wiola_onnx.json must give (positive ints).
+META_SIZES = ("n_layers", "n_heads", "head_dim", "vocab_size", "max_seq_len")
+
+
 def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
     """An export's ``wiola_onnx.json``; ``FileNotFoundError``/``ValueError`` naming the problem."""
     directory = Path(directory)
@@ -168,6 +186,15 @@ def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"{path} does not describe a Wiola ONNX export (format {FORMAT!r})")
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: format version {meta.get('format_version')!r}; this runner reads {FORMAT_VERSION}")
+    for key in META_SIZES:
+        value = meta.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{path}: {key} must be a positive int, got {value!r} (a damaged export: export it again)")
+    for key in ("eos_token_id", "pad_token_id"):
+        try:
+            _token_id(key, meta.get(key), meta["vocab_size"])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: {e} (a damaged export: export it again)") from None
     return meta
 
 
@@ -179,10 +206,12 @@ class OnnxModel:
     def __init__(self, directory: str | os.PathLike, *, threads: int | None = None) -> None:
         import onnxruntime as ort
 
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads must be a positive int or None (ONNX Runtime's default), got {threads!r}")
         self.directory = Path(directory)
         self.meta = read_meta(self.directory)
         options = ort.SessionOptions()
-        if threads:
+        if threads is not None:
             options.intra_op_num_threads = threads
         self.session = ort.InferenceSession(
             str(self.directory / MODEL_FILE), options, providers=["CPUExecutionProvider"]
@@ -213,8 +242,8 @@ class OnnxModel:
     def generate(
         self, input_ids: np.ndarray, max_new_tokens: int, *, attention_mask: np.ndarray | None = None, **kwargs: Any
     ) -> np.ndarray:
-        """Greedy continuation of ``input_ids`` ``(B, T)`` (see ``StepDriver.generate``); eos and
-        pad default to the export's."""
+        """Greedy continuation of ``input_ids`` ``(B, T)`` (see ``StepDriver.generate``; greedy
+        only: this runner has no sampler); eos and pad default to the export's."""
         kwargs.setdefault("eos_token_id", self.meta.get("eos_token_id"))
         kwargs.setdefault("pad_token_id", self.meta.get("pad_token_id"))
         return self.driver.generate(input_ids, max_new_tokens, attention_mask=attention_mask, **kwargs)
