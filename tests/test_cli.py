@@ -67,6 +67,23 @@ def test_shared_flags_keep_each_command_s_defaults():
         assert (args.checkpoint, args.revision) == ("org/name", "v1"), command
 
 
+@pytest.mark.parametrize(
+    "command, flag",
+    [
+        *[(c, f) for c in (["bench"], ["export", "--out", "o"], ["generate"]) for f in ("--checkpoint", "--revision")],
+        (["eval"], "--checkpoint"),
+        (["gates"], "--checkpoint"),
+    ],
+)
+def test_an_empty_checkpoint_or_revision_is_refused(command, flag, capsys):
+    """``--checkpoint ''`` read as the current folder (or, for bench, as no checkpoint: the random
+    preset); now refused by argparse, exit 2, naming the flag."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, flag, " "])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: is empty" in capsys.readouterr().err
+
+
 def test_export_and_serve_require_a_checkpoint(capsys):
     for command in (["export", "--out", "o"], ["serve"]):
         with pytest.raises(SystemExit) as exit_info:

@@ -209,6 +209,9 @@ def test_what_cannot_be_exported_is_refused(tmp_path: Path, capsys: pytest.Captu
         export_onnx(WiolaModel(WiolaConfig(**SMALL)).to("meta"), tmp_path / "m")
     with pytest.raises(TypeError, match="expected a WiolaModel"):
         export_onnx(torch.nn.Linear(2, 2), tmp_path / "d")  # type: ignore[arg-type]
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        export_onnx(_model(), tmp_path / "file")
     odd = quantize(FastModel(WiolaConfig(**{**SMALL, "d_model": 72, "n_heads": 4, "d_ff": 100})).eval().requires_grad_(False), "int8")  # fmt: skip
     with pytest.raises(ValueError, match="72 inputs.*multiple of 16"):
         export_onnx(odd, tmp_path / "e", int8_matmul=True)

@@ -9,8 +9,16 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser, *, help: str, required:
     """``--checkpoint`` (a model folder, a run folder or a Hub id, described by ``help``) and
     ``--revision`` (a Hub id's branch, tag or commit); ``wiola.checkpoint.resolve_checkpoint``
     reads the pair."""
-    p.add_argument("--checkpoint", required=required, help=help)
-    p.add_argument("--revision", help="with a Hub id: a branch, tag or commit")
+    p.add_argument("--checkpoint", type=non_empty, required=required, help=help)
+    p.add_argument("--revision", type=non_empty, help="with a Hub id: a branch, tag or commit")
+
+
+def non_empty(value: str) -> str:
+    """An argparse ``type`` for a path or name that must not be empty (``--checkpoint ''`` would
+    otherwise read as the current folder, or as no checkpoint at all)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("is empty: give a path or a Hub id")
+    return value
 
 
 def add_length_arguments(p: argparse.ArgumentParser, *, steps: int, batch_size: int, lr: float) -> None:

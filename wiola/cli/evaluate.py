@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from wiola.cli.arguments import add_progress_flag
+from wiola.cli.arguments import add_progress_flag, non_empty
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -46,7 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--checkpoint", required=True, help="a model folder (config.json + weights), a run folder or a Hub id"
+        "--checkpoint",
+        type=non_empty,
+        required=True,
+        help="a model folder (config.json + weights), a run folder or a Hub id",
     )
     p.add_argument("--data", help="default: the data the checkpoint was trained on (TinyStories if unknown)")
     p.add_argument("--val-data")

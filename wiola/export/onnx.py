@@ -239,9 +239,11 @@ def export_onnx(
             raise ImportError(f"export to ONNX needs {package}: pip install 'wiola-slm[export]'") from e
     if accuracy_level not in (0, 1, 2, 3, 4):
         raise ValueError(f"export: accuracy_level must be one of MatMulNBits' 0-4, got {accuracy_level!r}")
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"export: {str(directory)!r} is a file, not a folder to write the export into")
     step = decode_step(model, int8_matmul=int8_matmul)
     c = model.config
-    directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     batch = torch.export.Dim("batch", min=1, max=4096)
     slots = torch.export.Dim("slots", min=1, max=c.max_seq_len)
