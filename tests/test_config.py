@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -196,3 +197,8 @@ def test_foreign_caches_odd_id_dtypes_and_negative_logits_to_keep_are_named(cls,
     with pytest.raises(ValueError, match=r"cache max_len must be an int in \[1, max_seq_len=12\], got 0"):
         model.new_cache(1, 0)
     assert model.new_cache(1).max_len == 12 and model.new_cache(1, None).max_len == 12
+    cache = model.new_cache(np.int64(2), np.int32(5))  # numpy integers are the ints they hold
+    assert (cache.batch_size, cache.max_len) == (2, 5) and type(cache.batch_size) is int
+    for bad in (True, 2.0, "2"):
+        with pytest.raises(ValueError, match=rf"batch_size must be a positive int, got {bad!r}"):
+            model.new_cache(bad, 5)

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from wiola.config import WiolaConfig
+
+
+def _integer(value: object) -> int | None:
+    """``value`` as a Python int (an int, or a numpy/torch integer scalar), None for anything else
+    (a bool included)."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 class Cache:
@@ -31,10 +44,12 @@ class Cache:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        B, S = _integer(batch_size), _integer(max_len)  # numpy/torch integers: the ints they hold
+        if B is None or B <= 0:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        if isinstance(max_len, bool) or not isinstance(max_len, int) or not 0 < max_len <= config.max_seq_len:
+        if S is None or not 0 < S <= config.max_seq_len:
             raise ValueError(f"cache max_len must be an int in [1, max_seq_len={config.max_seq_len}], got {max_len!r}")
+        batch_size, max_len = B, S
         L, H, D = config.n_layers, config.n_heads, config.head_dim
         self.batch_size, self.max_len = batch_size, max_len
         self.k = torch.zeros(L, batch_size, H, max_len, D, device=device, dtype=dtype)
