@@ -3,7 +3,10 @@ folder, the template survives save/load, role tokens and the embedding resize.""
 
 from __future__ import annotations
 
+import io
 import json
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,9 +16,12 @@ from wiola.chat import (
     ROLE_TOKENS,
     add_role_tokens,
     apply_chat_template,
+    check_chat_template,
     check_messages,
     render_chat,
     resize_token_embeddings,
+    stream_reply,
+    turn_end_marker,
     with_chat_template,
 )
 from wiola.tokenizer import HFTokenizer, TiktokenTokenizer, load_tokenizer, train_tokenizer
@@ -171,3 +177,181 @@ def test_exported_folder_gives_our_ids_in_transformers(tmp_path) -> None:
     assert main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")]) == 0
     ours = apply_chat_template(load_checkpoint_tokenizer(tmp_path / "ckpt"), MESSAGES)
     assert ours == _transformers_ids(tmp_path / "hf", MESSAGES, True)
+
+
+# --------------------------------------------------------------------------- end-of-turn markers
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+BROKEN = "{% for m in messages %}{{ m['content'] }"
+
+
+def _with_template(template: str | None):
+    tok = load_tokenizer("gpt2-32k")
+    tok.chat_template = template
+    return tok
+
+
+@pytest.mark.parametrize(
+    "template, marker",
+    [
+        (None, None),  # wiola's own: turns end with eos
+        (CHATML, "<|im_end|>"),
+        (CHATML.replace("<|im_end|>\n", "<|im_end|>{{ eos_token }}"), "<|im_end|>"),  # the marker, then eos
+        ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n\n{% endfor %}", None),  # whitespace only
+        ("{{ raise_exception('no') }}", None),  # cannot render the probe
+    ],
+)
+def test_turn_end_marker_is_what_follows_the_reply_unless_eos(template, marker) -> None:
+    assert turn_end_marker(_with_template(template)) == marker
+
+
+def test_a_template_that_does_not_compile_is_named() -> None:
+    check_chat_template(_with_template(CHATML))
+    with pytest.raises(ValueError, match=r"the chat template does not compile: unexpected '}' \(line 1\)"):
+        check_chat_template(_with_template(BROKEN))
+
+
+class Scripted(torch.nn.Module):
+    """A stand-in model whose greedy tokens are ``script`` in turn (the last one repeated)."""
+
+    def __init__(self, script: list[int], vocab_size: int = 32000, max_seq_len: int = 256) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(1, 1)
+        self.config = SimpleNamespace(vocab_size=vocab_size, max_seq_len=max_seq_len)
+        self.script, self.step = script, 0
+
+    def new_cache(self, batch: int, length: int) -> None:
+        self.step = 0
+
+    def forward(self, ids: torch.Tensor, cache=None, logits_to_keep=None) -> SimpleNamespace:
+        logits = torch.zeros(1, ids.shape[1], self.config.vocab_size)
+        logits[0, -1, self.script[min(self.step, len(self.script) - 1)]] = 1.0
+        self.step += 1
+        return SimpleNamespace(logits=logits)
+
+
+def _stream(tok, text: str, max_new_tokens: int = 40, stop_text: str | None = "<|im_end|>", tail: list[int] = ()):
+    """The ``(ids, pieces)`` of ``stream_reply`` for a model that writes ``text`` (then ``tail``)."""
+    model = Scripted([*tok.encode_batch([text])[0], *tail])
+    pairs = list(stream_reply(model, tok, [1, 2], max_new_tokens, stop_text=stop_text))
+    return [t for t, _ in pairs], [p for _, p in pairs]
+
+
+def test_stream_reply_stops_at_a_marker_of_several_tokens_and_never_shows_it() -> None:
+    tok = _with_template(CHATML)
+    ids, pieces = _stream(tok, "Yes, a cat.<|im_end|>\nmore text")
+    assert "".join(pieces) == "Yes, a cat."
+    assert len(ids) == len(tok.encode_batch(["Yes, a cat.<|im_end|>"])[0])  # ends at the marker's last token
+    # tokens "Yes" "," " a" " cat" ".<" "|" "im" "_" "end" "|" ">": the "<" of ".<" could start the
+    # marker, so it is held back with what follows until the marker is whole; none of it is shown
+    assert pieces == ["Yes", ",", " a", " cat", ".", "", "", "", "", "", ""]
+
+
+def test_stream_reply_shows_held_back_text_that_turns_out_not_to_be_the_marker() -> None:
+    tok = _with_template(CHATML)
+    _, pieces = _stream(tok, "a <|im_start|> b<|im_end|>")
+    assert "".join(pieces) == "a <|im_start|> b"
+    # tokens "a" " <" "|" "im" "_" "start" ...: "<|im_" is held back, shown once "start" rules the marker out
+    assert pieces[:9] == ["a", " ", "", "", "", "<|im_start", "|", ">", " b"] and set(pieces[9:]) == {""}
+    # at max_new_tokens a partial marker is the reply's own text: shown, not lost
+    _, pieces = _stream(tok, "ok <|im", max_new_tokens=4)
+    assert "".join(pieces) == "ok <|im"
+
+
+def test_stream_reply_without_a_marker_is_unchanged() -> None:
+    tok = _with_template(None)
+    eos = tok.eos_token_id
+    ids, pieces = _stream(tok, "Yes<|im_end|>", stop_text=None, tail=[eos])
+    assert "".join(pieces) == "Yes<|im_end|>" and eos not in ids  # shown as it comes, ends at eos
+    assert pieces == [tok.decode([t]) for t in ids]
+
+
+def test_finetune_data_warns_once_when_answers_hold_no_eos(tmp_path) -> None:
+    from wiola.train.sft import IGNORE, load_sft_data
+
+    lines = [{"messages": [{"role": "user", "content": w}, {"role": "assistant", "content": w + "!"}]} for w in "abc"]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    said: list[str] = []
+    data = load_sft_data(path, "chat", _with_template(CHATML), 64, warn=said.append)
+    assert len(said) == 1, said
+    assert "'<|im_end|>', not with the eos token '<|endoftext|>'" in said[0]
+    assert "3 of 3 conversations" in said[0] and "cannot learn to stop" in said[0]
+    assert all(31999 not in [t for t in labels if t != IGNORE] for _, labels in data.examples)
+    no_marker = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    said.clear()
+    load_sft_data(path, "chat", _with_template(no_marker), 64, warn=said.append)
+    assert len(said) == 1 and "ends assistant turns without the eos token" in said[0]
+    said.clear()
+    load_sft_data(path, "chat", _with_template(None), 64, warn=said.append)  # wiola's template: eos ends turns
+    assert said == []
+    with pytest.raises(ValueError, match="^the chat template does not compile"):  # not blamed on a line of the data
+        load_sft_data(path, "chat", _with_template(BROKEN), 64, warn=said.append)
+
+
+# --------------------------------------------------------------------------- wiola chat, piped
+def _chat_cli(monkeypatch, capsys, checkpoint, lines: str, *flags: str, loaded=None) -> tuple[int, str, str]:
+    """``wiola chat`` with ``lines`` on stdin (no terminal); ``loaded`` stands in for the checkpoint."""
+    from wiola.cli import main
+
+    if loaded is not None:
+        monkeypatch.setattr("wiola.train.finetune.load_finetuned", lambda *a, **k: loaded)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(lines))
+    code = main(["chat", "--checkpoint", str(checkpoint), "--temperature", "0", *flags])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_chat_cli_ends_a_reply_at_the_template_marker(monkeypatch, capsys) -> None:
+    tok = _with_template(CHATML)
+    model = Scripted(tok.encode_batch(["Yes, a cat.<|im_end|>\n<|im_start|>user\nmore"])[0])
+    code, out, _ = _chat_cli(monkeypatch, capsys, "ckpt", "cat\n", loaded=(model, tok))
+    assert code == 0
+    assert "whose turns end at '<|im_end|>'" in out
+    assert "model> Yes, a cat.\n" in out and "im_end" not in out.split("model> ")[-1], out
+
+
+def test_chat_cli_says_when_a_reply_is_only_ids_past_the_tokenizer(monkeypatch, capsys) -> None:
+    tok = _with_template(None)
+    model = Scripted([32005], vocab_size=32064)  # a padded embedding row: no text
+    code, out, _ = _chat_cli(monkeypatch, capsys, "ckpt", "hello\n", "--max-new-tokens", "5", loaded=(model, tok))
+    assert code == 0
+    assert "5 generated token(s) (first id 32005) lie past the 32,000 ids of tokenizer 'gpt2-32k'" in out, out
+    assert "the empty reply is left out of the conversation" in out
+
+
+def test_chat_cli_exit_with_words_after_it_leaves(monkeypatch, capsys) -> None:
+    tok = _with_template(None)
+    model = Scripted([tok.eos_token_id])
+    code, out, _ = _chat_cli(monkeypatch, capsys, "ckpt", "/help\n/exit now\nnot read\n", loaded=(model, tok))
+    assert code == 0
+    assert "unknown command" not in out and "/reset clears the conversation" in out.split("you> ")[1], out
+
+
+def _saved(path, max_seq_len: int, template: str | None = None):
+    from wiola import WiolaModel
+    from wiola.config import WiolaConfig
+
+    torch.manual_seed(0)
+    config = WiolaConfig(vocab_size=32000, d_model=16, n_layers=1, n_heads=2, d_ff=16, max_seq_len=max_seq_len)
+    WiolaModel(config).save_pretrained(path, _with_template(template))
+    return path
+
+
+def test_chat_cli_refuses_a_template_that_does_not_compile_at_startup(tmp_path, monkeypatch, capsys) -> None:
+    checkpoint = _saved(tmp_path / "broken", 512, BROKEN)  # the context fits the default reply length
+    code, out, err = _chat_cli(monkeypatch, capsys, checkpoint, "hello\n")
+    assert code == 2 and "you>" not in out
+    assert (
+        err.strip() == f"wiola chat: error: {checkpoint}: the chat template does not compile: unexpected '}}' (line 1)"
+    )
+
+
+def test_chat_cli_default_reply_length_fits_a_short_context(tmp_path, monkeypatch, capsys) -> None:
+    checkpoint = _saved(tmp_path / "short", 64)
+    code, out, err = _chat_cli(monkeypatch, capsys, checkpoint, "hello\n")
+    assert code == 0 and "model> " in out, err
+    code, _, err = _chat_cli(monkeypatch, capsys, checkpoint, "hello\n", "--max-new-tokens", "200")
+    assert code == 2 and "--max-new-tokens must be in [1, 63]" in err  # an explicit value is not clamped

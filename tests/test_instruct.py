@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -88,3 +89,63 @@ def test_fine_tuning_raises_the_word_following_rate(tmp_path) -> None:
         f"before {before['hits']}/{before['n']}, after {after['hits']}/{after['n']}, p={result['p_one_sided']:.2g}"
     )
     assert after["hits"] > before["hits"] and result["p_one_sided"] < 0.05, message
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    from wiola.tokenizer import load_tokenizer
+
+    torch.manual_seed(0)
+    config = wiola.WiolaConfig(vocab_size=32000, d_model=16, n_layers=1, n_heads=2, d_ff=16, max_seq_len=64)
+    path = tmp_path_factory.mktemp("instruct") / "tiny"
+    wiola.WiolaModel(config).save_pretrained(path, load_tokenizer("gpt2-32k"))
+    return path
+
+
+def _snapshot(folder) -> dict:
+    return {p: p.stat().st_mtime_ns for p in folder.rglob("*")}
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--steps", "0"], "steps must be positive, got 0"),
+        (["--batch-size", "0"], "batch.size must be positive, got 0"),
+        (["--lr", "0"], "lr must be a positive number, got 0.0"),
+        (["--lora-rank", "0"], "--lora-rank must be positive, got 0"),
+        (["--samples", "0"], "--samples must be positive, got 0"),
+        (["--examples", "0"], "--examples must be positive, got 0"),
+        (["--init", "{tmp}/missing"], "--init: checkpoint directory '.*missing' does not exist"),
+        (["--init", "{tmp}/lora"], "--init: .*lora holds LoRA adapters"),
+        (["--out", "{tmp}/afile"], "--out '.*afile' is a file, not a folder"),
+        (["--out", "{tmp}/holder"], "--out '.*holder.data' is a file, not a folder"),
+        (["--out", "{init}"], "--out '.*tiny' is the --init checkpoint itself"),
+        (["--out", "{init}/demo"], "--out '.*demo' lies inside the --init checkpoint"),
+    ],
+)
+def test_instruct_demo_checks_flags_init_and_out_before_any_work(
+    tmp_path, tiny_checkpoint, monkeypatch, capsys, flags, message
+) -> None:
+    """Every bad flag, --init and --out is one line and exit 2 before the corpus is written or
+    the model measured (which costs minutes with the defaults)."""
+    from wiola.cli import main
+
+    def measured(*args, **kwargs):
+        raise AssertionError("the model was measured before the settings were checked")
+
+    monkeypatch.setattr("wiola.train.instruct.follow_rate", measured)
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "holder").mkdir()
+    (tmp_path / "holder" / "data").write_text("x")  # out/data: a file where the corpus would go
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "lora" / "adapter_config.json").write_text('{"base_model_name_or_path": "x", "peft_type": "LORA"}')
+    flags = [f.format(tmp=tmp_path, init=tiny_checkpoint) for f in flags]
+    args = {"--init": str(tiny_checkpoint), "--out": str(tmp_path / "out"), "--samples": "4", "--examples": "4"}
+    args |= {"--steps": "1", **dict(zip(flags[::2], flags[1::2]))}
+    before = _snapshot(tmp_path), _snapshot(tiny_checkpoint)
+    code = main(["instruct-demo", *(x for pair in args.items() for x in pair), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("wiola instruct-demo: error: "), err
+    assert re.search(message, err), err
+    assert (_snapshot(tmp_path), _snapshot(tiny_checkpoint)) == before, "something was written"

@@ -205,3 +205,86 @@ def test_rows_run_the_adapter_not_the_base_weights(monkeypatch) -> None:
             tokens += [t.token for t in rows.step() if t.row == row]
         expected = lora.generate(prompt, 6)[0, 5:].tolist()
     assert tokens == expected, f"Rows under an adapter: {tokens} != generate's {expected}"
+
+
+@pytest.fixture(scope="module")
+def adapter_folder(tmp_path_factory):
+    """A base (d_model 32, gpt2-32k) and a LoRA folder on it as `wiola finetune --lora-rank` writes one."""
+    from wiola.tokenizer import load_tokenizer
+
+    root = tmp_path_factory.mktemp("lora")
+    torch.manual_seed(0)
+    config = wiola.WiolaConfig(vocab_size=32000, d_model=32, n_layers=2, n_heads=4, d_ff=48, max_seq_len=64)
+    base = wiola.WiolaModel(config)
+    base.save_pretrained(root / "base", load_tokenizer("gpt2-32k"))
+    lora = _lora(base)
+    lora.peft_config["default"].base_model_name_or_path = str(root / "base")
+    lora.save_pretrained(str(root / "lora"), save_embedding_layers=False)
+    return root
+
+
+def _one_error_line(capsys, command: str) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"wiola {command}: error: "), err
+    return err[0]
+
+
+def test_cli_lora_rank_above_the_narrowest_projection_is_refused(adapter_folder, tmp_path, capsys) -> None:
+    """--lora-rank 33 on a d_model 32 model is no low-rank update (its adapters outweigh the
+    weights): exit 2 naming the flag and the width, nothing written."""
+    from wiola.cli import main
+
+    chat = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    (tmp_path / "d.jsonl").write_text(json.dumps(chat) + "\n")
+    args = ["finetune", "--init", str(adapter_folder / "base"), "--data", str(tmp_path / "d.jsonl")]
+    args += ["--out", str(tmp_path / "o"), "--steps", "1", "--no-progress"]
+    assert main([*args, "--lora-rank", "33"]) == 2
+    assert "--lora-rank 33 exceeds the smallest adapted projection (32)" in _one_error_line(capsys, "finetune")
+    assert main([*args, "--lora-rank", "49", "--lora-targets", "up_proj"]) == 2  # d -> 2 d_ff: 32 wide on one side
+    assert "--lora-rank 49 exceeds the smallest adapted projection (32)" in _one_error_line(capsys, "finetune")
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_adapter_folder_without_weights_is_one_line_without_the_hub(adapter_folder, tmp_path, monkeypatch, capsys):
+    """A LoRA folder whose adapter_model.safetensors is gone: merge and chat exit 2 with one line
+    naming the file, and peft (which would look for it on the Hub) is never asked."""
+    import shutil
+
+    from wiola.cli import main
+
+    def no_hub(*_, **__):
+        raise AssertionError("peft was asked to load adapters whose weights file is missing")
+
+    monkeypatch.setattr(peft.PeftModel, "from_pretrained", no_hub)
+    shutil.copytree(adapter_folder / "lora", tmp_path / "lora")
+    (tmp_path / "lora" / "adapter_model.safetensors").unlink()
+    missing = f"{tmp_path / 'lora'} holds adapter_config.json but no adapter_model.safetensors"
+    assert main(["merge", "--adapter", str(tmp_path / "lora"), "--out", str(tmp_path / "merged")]) == 2
+    assert missing in _one_error_line(capsys, "merge")
+    monkeypatch.setattr("sys.stdin", __import__("io").StringIO("hi\n"))
+    assert main(["chat", "--checkpoint", str(tmp_path / "lora")]) == 2
+    assert missing in _one_error_line(capsys, "chat")
+    assert not (tmp_path / "merged").exists()
+
+
+def test_cli_adapters_on_a_base_of_another_shape_are_one_line(adapter_folder, tmp_path, capsys) -> None:
+    """Adapters trained on a d_model 32 base, merged onto a d_model 16 one (--base): exit 2 with
+    one line naming the first projection that differs and both widths, not torch's list of every
+    mismatched tensor; the same for a base with fewer layers (a projection it lacks)."""
+    from wiola.cli import main
+    from wiola.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer("gpt2-32k")
+    narrow = wiola.WiolaConfig(vocab_size=32000, d_model=16, n_layers=2, n_heads=2, d_ff=48, max_seq_len=64)
+    wiola.WiolaModel(narrow).save_pretrained(tmp_path / "narrow", tokenizer)
+    shallow = dataclasses.replace(narrow, d_model=32, n_heads=4, n_layers=1)
+    wiola.WiolaModel(shallow).save_pretrained(tmp_path / "shallow", tokenizer)
+    adapters = str(adapter_folder / "lora")
+    assert main(["merge", "--adapter", adapters, "--out", str(tmp_path / "m"), "--base", str(tmp_path / "narrow")]) == 2
+    line = _one_error_line(capsys, "merge")
+    assert "were trained on a base of another shape: layers.0.attn." in line, line
+    assert "has 32 inputs there, 16 in the base" in line, line
+    assert (
+        main(["merge", "--adapter", adapters, "--out", str(tmp_path / "m"), "--base", str(tmp_path / "shallow")]) == 2
+    )
+    assert "adapt layers.1." in _one_error_line(capsys, "merge") and not (tmp_path / "m").exists()

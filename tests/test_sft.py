@@ -4,6 +4,8 @@ labels, bad lines are named with their numbers, long examples are dropped and co
 from __future__ import annotations
 
 import json
+import math
+import signal
 import sys
 
 import pytest
@@ -173,6 +175,15 @@ def _no_loading(monkeypatch) -> None:
         (["--warmup", "-5"], "--warmup must be >= 0 steps, got -5"),
         (["--weight-decay", "-1"], "--weight-decay must be a finite number >= 0, got -1.0"),
         (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0, got nan"),
+        (["--steps", "5", "--warmup", "6"], "--warmup 6 is more than --steps 5: the learning rate would never reach"),
+        # the LoRA settings without --lora-rank: a full fine-tune would run and ignore them
+        (["--lora-alpha", "16"], "--lora-alpha applies to LoRA adapters, which only --lora-rank makes"),
+        (["--lora-targets", "q_proj"], "--lora-targets applies to LoRA adapters, which only --lora-rank makes"),
+        (["--lora-dropout", "0"], "--lora-dropout applies to LoRA adapters, which only --lora-rank makes"),
+        (
+            ["--lora-alpha", "16", "--lora-targets", "q_proj", "--lora-dropout", "0.5"],
+            "--lora-alpha, --lora-targets and --lora-dropout apply to LoRA adapters, which only --lora-rank makes",
+        ),
     ],
 )
 def test_cli_bad_settings_exit_2_before_loading(tmp_path, tiny_checkpoint, monkeypatch, capsys, flags, message):
@@ -180,7 +191,7 @@ def test_cli_bad_settings_exit_2_before_loading(tmp_path, tiny_checkpoint, monke
     data = _write(tmp_path / "d.jsonl", [{"messages": CHAT}])
     code = main(["finetune", "--init", str(tiny_checkpoint), "--data", str(data), "--out", str(tmp_path / "o"), *flags])
     err = capsys.readouterr().err
-    assert code == 2 and err == f"wiola finetune: error: {message}\n", err
+    assert code == 2 and err.startswith(f"wiola finetune: error: {message}") and err.count("\n") == 1, err
     assert not (tmp_path / "o").exists()
 
 
@@ -236,6 +247,7 @@ def test_cli_out_holding_a_model_or_adapters_is_refused_without_overwrite(
     out.mkdir()
     (out / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_checkpoint)}))
     (out / "adapter_model.safetensors").write_bytes(b"stale")
+    (out / "README.md").write_text("---\nlibrary_name: peft\n---\n")  # peft's model card
     (out / "notes.txt").write_text("mine")
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     data = _write(tmp_path / "d.jsonl", [{"messages": CHAT}])
@@ -255,6 +267,191 @@ def test_cli_out_holding_a_model_or_adapters_is_refused_without_overwrite(
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before, "the refused run changed --out"
     assert main([*args, "--batch-size", "1", "--no-progress", "--overwrite"]) == 0
     assert not (out / "adapter_config.json").exists() and not (out / "adapter_model.safetensors").exists()
+    assert not (out / "README.md").exists(), "peft's model card stayed beside the full model"
     assert (out / "notes.txt").read_text() == "mine", "--overwrite deleted a file that is not the model's"
+    (out / "README.md").write_text("mine too")  # beside a full model, a README is the user's
+    assert main([*args, "--batch-size", "1", "--no-progress", "--overwrite"]) == 0
+    assert (out / "README.md").read_text() == "mine too", "--overwrite deleted a README that is not peft's"
     model, _ = load_finetuned(out)
     assert type(model) is wiola.WiolaModel, "the stale adapters were loaded"
+
+
+def test_cli_out_holding_a_training_run_is_refused(tmp_path, tiny_checkpoint, monkeypatch, capsys) -> None:
+    """finetune and merge into a run folder (metrics.jsonl, checkpoints/), its checkpoints/ folder
+    or one of its checkpoints, --overwrite or not: exit 2 before loading, nothing written. A model
+    at a run's top would be what --checkpoint of the run reads from then on."""
+    _no_loading(monkeypatch)
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_0000001").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step_0000001\n")
+    (run / "checkpoints" / "step_0000001" / "trainer.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("")
+    adapters = tmp_path / "lora"
+    adapters.mkdir()
+    (adapters / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_checkpoint)}))
+    data = _write(tmp_path / "d.jsonl", [{"messages": CHAT}])
+    files = sorted(p.relative_to(run) for p in run.rglob("*"))
+    cases = {
+        run: "holds a training run (metrics.jsonl and checkpoints)",
+        run / "checkpoints": "is a training run's checkpoints folder",
+        run / "checkpoints" / "step_0000001": "is a training run's checkpoint",
+    }
+    for out, message in cases.items():
+        for overwrite in ([], ["--overwrite"]):
+            finetune = ["finetune", "--init", str(tiny_checkpoint), "--data", str(data), "--steps", "1"]
+            for args in (finetune, ["merge", "--adapter", str(adapters)]):
+                assert main([*args, "--out", str(out), *overwrite]) == 2, (args, out)
+                err = capsys.readouterr().err.strip().splitlines()
+                assert len(err) == 1 and err[0].startswith(f"wiola {args[0]}: error: --out ") and message in err[0], err
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == files, "a refused command wrote into the run"
+
+
+@pytest.fixture(scope="module")
+def padded_checkpoint(tmp_path_factory, tok):
+    """The tiny checkpoint with 64 padded rows past the tokenizer's 32000 ids, 60 times as large
+    as the others (so the model's own numbers, not chance, would pick them)."""
+    torch.manual_seed(0)
+    config = wiola.WiolaConfig(vocab_size=32064, d_model=32, n_layers=2, n_heads=4, d_ff=48, max_seq_len=64)
+    model = wiola.WiolaModel(config)
+    with torch.no_grad():
+        model.embed.weight[32000:] *= 60
+    path = tmp_path_factory.mktemp("ckpt") / "padded"
+    model.save_pretrained(path, tok)
+    return path
+
+
+def test_cli_role_tokens_on_a_padded_checkpoint_start_as_the_mean_row(tmp_path, padded_checkpoint, capsys) -> None:
+    """--add-role-tokens on a model with rows past its tokenizer: the three new ids (32000-32002)
+    fall on padded rows, which must start as the mean of the tokenizer's 32000 rows (docs/SPEC.md
+    "Role tokens"), not keep the padded rows' values; the other rows stay. One step at lr 1e-9:
+    AdamW moves a weight by at most lr per step (|m / (sqrt(v) + eps)| <= 1 on the first step),
+    plus the rounding of weights of |w| <= 1 (2^-23)."""
+    from wiola.checkpoint import load_checkpoint_tokenizer
+
+    data = _write(tmp_path / "d.jsonl", [{"messages": CHAT}])
+    out = tmp_path / "roles"
+    args = ["finetune", "--init", str(padded_checkpoint), "--data", str(data), "--out", str(out), "--steps", "1"]
+    assert main([*args, "--lr", "1e-9", "--batch-size", "1", "--add-role-tokens", "--no-progress"]) == 0
+    summary = capsys.readouterr().out.splitlines()[-1]
+    tokenizer = load_checkpoint_tokenizer(out)
+    role_ids = [tokenizer.encode(t) for t in ("<|system|>", "<|user|>", "<|assistant|>")]
+    assert role_ids == [[32000], [32001], [32002]] and tokenizer.vocab_size == 32003
+    before = wiola.WiolaModel.from_pretrained(padded_checkpoint).embed.weight.detach()
+    after = wiola.WiolaModel.from_pretrained(out).embed.weight.detach()
+    assert after.shape == before.shape == (32064, 32)
+    atol = 1e-9 + 2**-23 * float(before.abs().max())
+    mean = before[:32000].mean(dim=0).expand(3, -1)
+    torch.testing.assert_close(after[32000:32003], mean, atol=atol, rtol=0, msg="role-token rows")
+    torch.testing.assert_close(after[:32000], before[:32000], atol=atol, rtol=0, msg="the tokenizer's rows")
+    torch.testing.assert_close(after[32003:], before[32003:], atol=atol, rtol=0, msg="the padded rows left over")
+    assert summary.startswith("1 step in "), summary  # not "1 steps"
+
+
+def _poison_weights_after_each_step(monkeypatch) -> None:
+    """Every AdamW step leaves a NaN in the first weight, as a step of too high a learning rate
+    would: the loss of that step was computed before, and is finite."""
+    step = torch.optim.AdamW.step
+
+    def poisoned(self, *args, **kwargs):
+        result = step(self, *args, **kwargs)
+        with torch.no_grad():
+            self.param_groups[0]["params"][0].view(-1)[0] = math.nan
+        return result
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", poisoned)
+
+
+@pytest.mark.parametrize(
+    ("steps", "found"),
+    [(1, "the model's weights are not finite at step 1"), (3, "the training loss is nan at step 2")],
+)
+def test_cli_diverged_finetune_exits_1_and_saves_nothing(tmp_path, tiny_checkpoint, monkeypatch, capsys, steps, found):
+    """A fine-tune whose loss, gradient or weights turn non-finite: exit 1 with one line naming
+    the step and --lr (as `wiola train`), nothing written; with --overwrite the model already in
+    --out stays as it was."""
+    import shutil
+
+    _poison_weights_after_each_step(monkeypatch)
+    data = _write(tmp_path / "d.jsonl", [{"messages": CHAT}] * 2)
+    kept = tmp_path / "kept"
+    shutil.copytree(tiny_checkpoint, kept)
+    before = {p.name: p.read_bytes() for p in kept.iterdir()}
+    for out, overwrite in ((tmp_path / "new", []), (kept, ["--overwrite"])):
+        args = ["finetune", "--init", str(tiny_checkpoint), "--data", str(data), "--out", str(out), "--no-progress"]
+        assert main([*args, "--steps", str(steps), "--batch-size", "1", *overwrite]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"wiola finetune: error: {found}: the fine-tune diverged"), err
+        assert "--lr" in err[0] and "nothing was saved" in err[0], err
+    assert not (tmp_path / "new").exists()
+    assert {p.name: p.read_bytes() for p in kept.iterdir()} == before, "the diverged run replaced the model in --out"
+
+
+def _interrupt_at_step(monkeypatch, step: int, signals: int = 1) -> None:
+    """SIGINT ``signals`` times while the batch of step ``step`` is being made (the signal comes
+    mid-step, as a Ctrl-C would)."""
+    import wiola.train.finetune as ft
+
+    collate, calls = ft.collate, [0]
+
+    def interrupted(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == step:
+            for _ in range(signals):
+                signal.raise_signal(signal.SIGINT)
+        return collate(*args, **kwargs)
+
+    monkeypatch.setattr(ft, "collate", interrupted)
+
+
+def test_interrupted_finetune_saves_the_model_of_its_last_step(tmp_path, tiny_checkpoint, monkeypatch) -> None:
+    """Ctrl-C during step 2 of 4: the step ends, the model is saved and ``FinetuneInterrupted``
+    (a KeyboardInterrupt) names the step and folder. Under a constant learning rate the saved
+    weights are bitwise those of a 2-step run. A second Ctrl-C aborts with nothing saved."""
+    import wiola.train.finetune as ft
+
+    data = _write(tmp_path / "d.jsonl", [{"messages": CHAT}, {"messages": CHAT[1:3]}])
+
+    def config(out: str, steps: int) -> ft.FinetuneConfig:
+        return ft.FinetuneConfig(
+            init=str(tiny_checkpoint), data=str(data), out=str(tmp_path / out), steps=steps, batch_size=1,
+            lr=1e-2, warmup=0, min_lr_ratio=1.0, log_every=1, progress=False,
+        )  # fmt: skip
+
+    lines: list[str] = []
+    with monkeypatch.context() as m:
+        _interrupt_at_step(m, 2)
+        with pytest.raises(KeyboardInterrupt) as stopped:
+            ft.finetune(config("stopped", 4), log=lines.append)
+    assert getattr(stopped.value, "step", None) == 2 and getattr(stopped.value, "out", None) == tmp_path / "stopped"
+    assert f"interrupted at step 2/4; the model as of that step saved to {tmp_path / 'stopped'}" in lines, lines
+    assert json.loads((tmp_path / "stopped" / "finetune.json").read_text())["steps_done"] == 2
+    ft.finetune(config("two", 2), log=lambda _: None)
+    got = wiola.WiolaModel.from_pretrained(tmp_path / "stopped").state_dict()
+    want = wiola.WiolaModel.from_pretrained(tmp_path / "two").state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want), "the saved model is not that of the last step"
+    with monkeypatch.context() as m:
+        _interrupt_at_step(m, 2, signals=2)
+        with pytest.raises(KeyboardInterrupt) as aborted:
+            ft.finetune(config("aborted", 4), log=lambda _: None)
+    assert not isinstance(aborted.value, ft.FinetuneInterrupted) and not (tmp_path / "aborted").exists()
+
+
+def test_cli_interrupted_finetune_exits_130_saying_where_it_saved(tmp_path, tiny_checkpoint, monkeypatch, capsys):
+    """`wiola finetune` stopped by Ctrl-C: exit 130 (wiola.cli's contract), the model of the last
+    step saved in --out and named on stdout; the same for LoRA adapters."""
+    import importlib.util
+
+    from wiola.train.finetune import load_finetuned
+
+    data = _write(tmp_path / "d.jsonl", [{"messages": CHAT}])
+    runs = [("full", [], "the model")]
+    runs += [("lora", ["--lora-rank", "2"], "the adapters")] if importlib.util.find_spec("peft") else []
+    for out, flags, what in runs:
+        args = ["finetune", "--init", str(tiny_checkpoint), "--data", str(data), "--out", str(tmp_path / out)]
+        with monkeypatch.context() as m:
+            _interrupt_at_step(m, 3)
+            assert main([*args, "--steps", "5", "--batch-size", "1", "--no-progress", *flags]) == 130
+        captured = capsys.readouterr()
+        saved = f"interrupted at step 3/5; {what} as of that step saved to {tmp_path / out}"
+        assert saved in captured.out and captured.err.endswith("wiola finetune: interrupted\n"), captured
+        load_finetuned(tmp_path / out)

@@ -102,6 +102,41 @@ def render_chat(tokenizer: Tokenizer, messages: Sequence[Message], add_generatio
         raise ValueError(f"chat template: {e}") from e
 
 
+def check_chat_template(tokenizer: Tokenizer) -> None:
+    """``ValueError`` when the tokenizer's chat template (``CHAT_TEMPLATE`` when it has none)
+    does not compile (a Jinja syntax error), so a command can refuse it before any work."""
+    from jinja2.exceptions import TemplateSyntaxError
+
+    try:
+        _compiled(tokenizer.chat_template or CHAT_TEMPLATE)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not compile: {e.message} (line {e.lineno})") from e
+
+
+_PROBE = [{"role": "user", "content": "wiola-probe-question"}, {"role": "assistant", "content": "wiola-probe-reply"}]
+
+
+def turn_end_marker(tokenizer: Tokenizer) -> str | None:
+    """The text the chat template puts after an assistant turn's content when that is not the
+    eos token, stripped of whitespace: ChatML's ``<|im_end|>`` (from ``...reply<|im_end|>\n``;
+    from ``...reply<|im_end|><eos>`` too). None when the turn ends with eos (``CHAT_TEMPLATE``),
+    with nothing but whitespace, or the end cannot be found (the template cannot render a probe
+    conversation, or changes the reply's text). Found by rendering a user turn and a reply."""
+    try:
+        text = render_chat(tokenizer, _PROBE, add_generation_prompt=False)
+    except ValueError:
+        return None
+    reply = _PROBE[-1]["content"]
+    at = text.rfind(reply)
+    if at < 0:
+        return None
+    tail = text[at + len(reply) :]
+    eos = _token_text(tokenizer, tokenizer.eos_token_id)
+    if eos and eos in tail:
+        tail = tail[: tail.index(eos)]
+    return tail.strip() or None
+
+
 def encode_rendered(tokenizer: Tokenizer, text: str) -> list[int]:
     """Ids of rendered chat text: special-token text becomes its id, no framing is added
     (``transformers``' ``tokenizer(text, add_special_tokens=False)``)."""
@@ -185,6 +220,14 @@ def fit_history(tokenizer: Tokenizer, messages: list[Message], budget: int) -> t
         turns, dropped = turns[cut:], dropped + cut
 
 
+def _held_back(text: str, marker: str) -> int:
+    """How many characters at the end of ``text`` could be the start of ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
 @torch.no_grad()
 def stream_reply(
     model: torch.nn.Module,
@@ -196,12 +239,19 @@ def stream_reply(
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
+    stop_text: str | None = None,
 ) -> Iterator[tuple[int, str]]:
     """The reply to ``prompt`` (ids from ``apply_chat_template``) token by token: ``(token id,
     new text)`` pairs (text held back while a character is incomplete), ending at eos (not
     yielded) or after ``max_new_tokens``. Sampling as in ``wiola.generation.generate``; one
     prefill, then one cached step per token. Raises ``ValueError`` when prompt and reply
-    would pass ``max_seq_len``."""
+    would pass ``max_seq_len``.
+
+    ``stop_text`` (a template's end-of-turn marker that is not eos, ``turn_end_marker``): the
+    reply also ends where that text appears, which is never shown. It may span several tokens,
+    so text that could be its start is held back until it is resolved (shown once the reply
+    goes another way or ends at ``max_new_tokens``); the last pair then carries the text before
+    the marker, with the token that completed it."""
     from wiola.generation import resolve_sampling, sample_next
 
     limit = model.config.max_seq_len
@@ -212,15 +262,20 @@ def stream_reply(
     cache = model.new_cache(1, len(prompt) + max_new_tokens)
     logits = model(torch.tensor([prompt], device=device), cache=cache, logits_to_keep=1).logits[:, -1]
     reply: list[int] = []
-    shown = ""
+    shown = 0  # characters of the reply's text yielded so far
     for _ in range(max_new_tokens):
         token = int(sample_next(logits, sampling.temperature, sampling.top_k, sampling.top_p, generator)[0])
         if token == tokenizer.eos_token_id:
             return
         reply.append(token)
         text = tokenizer.decode(reply)
-        new = "" if text.endswith("\ufffd") else text[len(shown) :]
-        shown += new
+        stop = text.find(stop_text, shown) if stop_text else -1
+        if stop >= 0:
+            yield token, text[shown:stop]
+            return
+        end = len(text) - (_held_back(text, stop_text) if stop_text and len(reply) < max_new_tokens else 0)
+        new = "" if text.endswith("\ufffd") else text[shown:end]
+        shown += len(new)
         yield token, new
         if len(reply) < max_new_tokens:
             logits = model(torch.tensor([[token]], device=device), cache=cache).logits[:, -1]

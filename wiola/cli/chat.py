@@ -3,7 +3,9 @@ its chat template (``wiola.chat``).
 
 The history is kept within the model's ``max_seq_len`` (the oldest turns are dropped, and
 that is said once); ``/reset`` clears it, ``/exit`` or Ctrl-D leaves, Ctrl-C ends the reply
-being written (and keeps what was shown of it), not the session.
+being written (and keeps what was shown of it), not the session. A reply ends at eos, or at the
+template's own end-of-turn marker (ChatML's ``<|im_end|>``) where its turns end with one; the
+marker is not shown. A template that does not compile is refused before the first turn.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-HELP = "commands: /reset clears the conversation, /exit (or Ctrl-D) leaves; Ctrl-C stops a reply"
+HELP = "commands: /reset clears the conversation, /exit (or Ctrl-D) leaves, /help; Ctrl-C stops a reply"
+DEFAULT_MAX_NEW_TOKENS = 200  # clamped to half the model's context when that is shorter
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,7 +22,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint or a LoRA folder")
     p.add_argument("--base", metavar="CHECKPOINT", help="a LoRA folder's base (default: the one it names)")
     p.add_argument("--system", help="a system message opening the conversation")
-    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help=f"reply length limit (default {DEFAULT_MAX_NEW_TOKENS}, or half the model's context if that is less)",
+    )
     p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--top-p", type=float)
@@ -31,13 +38,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_chat(args: argparse.Namespace) -> int:
     import torch
 
-    from wiola.chat import check_messages
+    from wiola.chat import check_chat_template, check_messages, turn_end_marker
     from wiola.cli.arguments import check_sampling_flags
     from wiola.train.finetune import load_finetuned
 
     check_sampling_flags(args.temperature, args.top_k, args.top_p)  # before the model loads
     model, tokenizer = load_finetuned(args.checkpoint, base=args.base, fast=args.fast)
     limit = model.config.max_seq_len
+    if args.max_new_tokens is None:  # the default leaves the prompt half of a short context
+        args.max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, max(1, limit // 2))
     if not 0 < args.max_new_tokens < limit:
         raise ValueError(
             f"--max-new-tokens must be in [1, {limit - 1}] (max_seq_len={limit}), got {args.max_new_tokens}"
@@ -46,7 +55,13 @@ def run_chat(args: argparse.Namespace) -> int:
     check_messages(system or [{"role": "user", "content": ""}])
     generator = torch.Generator().manual_seed(args.seed)
     template = "its own" if tokenizer.chat_template else "wiola's default"
-    print(f"wiola chat: {args.checkpoint} ({template} chat template, {limit} tokens of context). {HELP}")
+    try:
+        check_chat_template(tokenizer)
+    except ValueError as e:
+        raise ValueError(f"{args.checkpoint}: {e}") from e
+    stop_text = turn_end_marker(tokenizer)
+    ends = f", whose turns end at {stop_text!r}" if stop_text else ""
+    print(f"wiola chat: {args.checkpoint} ({template} chat template{ends}, {limit} tokens of context). {HELP}")
     history: list[dict[str, str]] = []
     said_dropped = False
     while True:
@@ -61,17 +76,21 @@ def run_chat(args: argparse.Namespace) -> int:
         text = line.strip()
         if not text:
             continue
-        if text == "/exit":
+        command = text.split()[0]  # a command's first word names it; words after it are ignored
+        if command == "/exit":
             return 0
-        if text == "/reset":
+        if command == "/reset":
             history = []
             print("(conversation cleared)")
             continue
+        if command == "/help":
+            print(f"({HELP})")
+            continue
         if text.startswith("/"):
-            print(f"(unknown command {text.split()[0]}; {HELP})")
+            print(f"(unknown command {command}; {HELP})")
             continue
         try:
-            history, dropped = _reply(model, tokenizer, system, history, text, args, generator)
+            history, dropped = _reply(model, tokenizer, system, history, text, args, generator, stop_text)
         except KeyboardInterrupt:  # before the reply began: the turn is dropped, the session goes on
             print(" [stopped]")
             continue
@@ -80,8 +99,10 @@ def run_chat(args: argparse.Namespace) -> int:
             said_dropped = True
 
 
-def _reply(model, tokenizer, system, history, text, args, generator) -> tuple[list[dict[str, str]], int]:
-    """Stream one answer to ``text``; returns the history with both turns and the turns dropped."""
+def _reply(model, tokenizer, system, history, text, args, generator, stop_text) -> tuple[list[dict[str, str]], int]:
+    """Stream one answer to ``text`` (ending at eos or ``stop_text``); returns the history with
+    both turns and the turns dropped. Ids the tokenizer has no text for (padded embedding rows)
+    are said after the reply, not dropped silently."""
     from wiola.chat import fit_history, stream_reply
 
     budget = model.config.max_seq_len - args.max_new_tokens
@@ -93,9 +114,9 @@ def _reply(model, tokenizer, system, history, text, args, generator) -> tuple[li
         return history, 0
     sys.stdout.write("model> ")
     sys.stdout.flush()
-    answer = ""
+    answer, textless = "", []
     try:
-        for _, piece in stream_reply(
+        for token, piece in stream_reply(
             model,
             tokenizer,
             prompt,
@@ -104,12 +125,20 @@ def _reply(model, tokenizer, system, history, text, args, generator) -> tuple[li
             top_k=args.top_k,
             top_p=args.top_p,
             generator=generator,
+            stop_text=stop_text,
         ):
+            textless += [token] if token >= tokenizer.vocab_size else []
             answer += piece
             sys.stdout.write(piece)
             sys.stdout.flush()
     except KeyboardInterrupt:
         sys.stdout.write(" [stopped]")
     print()
+    if textless:
+        left_out = "" if answer.strip() else ", and the empty reply is left out of the conversation"
+        print(
+            f"(note: {len(textless)} generated token(s) (first id {textless[0]}) lie past the {tokenizer.vocab_size:,} "
+            f"ids of tokenizer {tokenizer.name!r}, so have no text{left_out}: does this tokenizer belong to this model?)"
+        )
     kept = kept[len(system) :]
     return ([*kept, {"role": "assistant", "content": answer}] if answer.strip() else kept[:-1]), dropped

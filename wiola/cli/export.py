@@ -67,13 +67,13 @@ def run_export(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--quantize and --int8-matmul are for --format onnx; the {args.format} format stores fp32 weights"
         )
-    from wiola.train.run_folder import check_apart, check_output_folder
+    from wiola.train.run_folder import check_apart, check_not_a_run, check_output_folder
 
     out = Path(args.out)
     check_output_folder(out, "--out")
     path = resolve_checkpoint(args.checkpoint, args.revision)  # a run folder: its latest checkpoint
     check_apart(out, path, "--out", "checkpoint")  # a run folder's --out is refused too: it holds the checkpoint
-    _check_not_a_run(out)
+    check_not_a_run(out)
     held = _held_model_files(out)
     if held and not args.overwrite:
         raise ValueError(
@@ -120,20 +120,6 @@ def _clear(out: Path, held: list[str]) -> None:
     for f in list(out.iterdir()):
         if f.name in EXPORT_FILES or f.name.startswith("model.onnx"):
             remove_path(f)
-
-
-def _check_not_a_run(out: Path) -> None:
-    """``ValueError`` when ``out`` holds a training run (``metrics.jsonl`` or ``checkpoints/``): a
-    model written at its top would be what ``--checkpoint`` of that folder reads from then on, in
-    place of the run's latest checkpoint."""
-    from wiola.train.run_folder import METRICS_FILE
-
-    held = [name for name in (METRICS_FILE, "checkpoints") if (out / name).exists()]
-    if held:
-        raise ValueError(
-            f"--out {str(out)!r} holds a training run ({' and '.join(held)}); a model exported there would hide its "
-            "checkpoints from --checkpoint: export to another folder"
-        )
 
 
 def _export_onnx(path: Path, out: Path, tokenizer: Tokenizer, args: argparse.Namespace) -> int:

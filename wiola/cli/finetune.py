@@ -4,6 +4,8 @@ prompt/completion pairs, the whole model or LoRA adapters (``wiola.train.finetun
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
 
 from wiola.cli.arguments import add_length_arguments, add_progress_flag
 
@@ -31,18 +33,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--overwrite", action="store_true", help="replace a model or adapters already in --out (deleting their files)"
     )
     add_length_arguments(p, steps=200, batch_size=8, lr=3e-4)
-    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--warmup", type=int, help="learning-rate warm-up steps, at most --steps (default 10, or --steps)")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--lora-rank", type=int, help="train LoRA adapters of this rank instead of every weight")
-    p.add_argument("--lora-alpha", type=float, help="LoRA scale numerator (default 2 x rank)")
+    p.add_argument("--lora-alpha", type=float, help="LoRA scale numerator (default 2 x rank); needs --lora-rank")
     p.add_argument(
         "--lora-targets",
-        default=",".join(ADAPTER_TARGETS),
-        help=f"comma-separated projections to adapt (default all: {','.join(ADAPTER_TARGETS)})",
+        help=f"comma-separated projections to adapt (default all: {','.join(ADAPTER_TARGETS)}); needs --lora-rank",
     )
-    p.add_argument("--lora-dropout", type=float, default=0.0)
+    p.add_argument("--lora-dropout", type=float, help="dropout on the adapters' input (default 0); needs --lora-rank")
     p.add_argument("--add-role-tokens", action="store_true", help="add <|system|> <|user|> <|assistant|> as tokens")
     p.add_argument("--device")
     p.add_argument("--fast", action="store_true", help="wiola.fast (fused kernels)")
@@ -52,6 +53,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_finetune(args: argparse.Namespace) -> int:
+    """Fine-tune as the flags say. Exit codes: 0 done, 1 the run diverged (a non-finite loss,
+    gradient or weight: nothing saved), 2 bad input (raised, printed by ``wiola.cli.main``), 130
+    interrupted (``FinetuneInterrupted``, a ``KeyboardInterrupt``: the model as of the last step
+    saved, as the log line says)."""
     from wiola.train.finetune import FinetuneConfig, finetune
 
     cfg = FinetuneConfig(
@@ -68,15 +73,16 @@ def run_finetune(args: argparse.Namespace) -> int:
         log_every=args.log_every,
         lora_rank=args.lora_rank,
         lora_alpha=args.lora_alpha,
-        lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
+        lora_targets=None
+        if args.lora_targets is None
+        else tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
         lora_dropout=args.lora_dropout,
         add_role_tokens=args.add_role_tokens,
         device=args.device,
         fast=args.fast,
         progress=args.progress,
     )
-    finetune(cfg, overwrite=args.overwrite)
-    return 0
+    return _exit_code("finetune", lambda: finetune(cfg, overwrite=args.overwrite))
 
 
 def register_demo(sub: argparse._SubParsersAction) -> None:
@@ -98,18 +104,33 @@ def register_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def run_instruct_demo(args: argparse.Namespace) -> int:
+    """Exit codes as ``run_finetune``'s (1: the fine-tune diverged)."""
     from wiola.train.instruct import instruct_demo
 
-    instruct_demo(
-        args.init,
-        args.out,
-        n_train=args.examples,
-        samples=args.samples,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        lora_rank=args.lora_rank,
-        seed=args.seed,
-        progress=args.progress,
+    return _exit_code(
+        "instruct-demo",
+        lambda: instruct_demo(
+            args.init,
+            args.out,
+            n_train=args.examples,
+            samples=args.samples,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            lora_rank=args.lora_rank,
+            seed=args.seed,
+            progress=args.progress,
+        ),
     )
+
+
+def _exit_code(command: str, work: Callable[[], object]) -> int:
+    """Run ``work``: 0 when done, 1 (one line on stderr) when its fine-tune diverged."""
+    from wiola.train.loop import TrainingDiverged
+
+    try:
+        work()
+    except TrainingDiverged as e:
+        print(f"wiola {command}: error: {e}", file=sys.stderr)
+        return 1
     return 0

@@ -23,7 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_merge(args: argparse.Namespace) -> int:
     from wiola.train.finetune import merge_adapters
 
-    # merge_adapters checks --out (not a file, apart from the adapters and their base, holding no
-    # model unless --overwrite) before loading
+    # merge_adapters checks --out (not a file, holding no training run, apart from the adapters and
+    # their base, holding no model unless --overwrite) before loading, and the adapters (their
+    # weights file there, their shapes the base's) before merging
     print(f"merged checkpoint: {merge_adapters(args.adapter, args.out, args.base, overwrite=args.overwrite)}")
     return 0

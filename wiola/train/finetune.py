@@ -7,6 +7,11 @@ own format (``adapter_config.json`` + ``adapter_model.safetensors``, which
 ``peft.PeftModel.from_pretrained(base, folder)`` reads), naming the base checkpoint;
 ``load_finetuned`` reads either and ``merge_adapters`` folds adapters into the weights. Both
 write the tokenizer with its chat template beside them.
+
+As ``wiola train`` does: a non-finite loss, gradient norm or weight stops the run with
+``TrainingDiverged`` and saves nothing (a model already in ``--out`` stays); SIGINT (Ctrl-C) or
+SIGTERM finishes the step, saves the model or adapters as of it and raises ``FinetuneInterrupted``
+(a second Ctrl-C aborts without saving).
 """
 
 from __future__ import annotations
@@ -35,16 +40,21 @@ from wiola.tokenizer import (
     read_chat_template,
 )
 from wiola.train.env import Progress, autocast, model_class, require, resolve_device
+from wiola.train.loop import StopFlag, TrainingDiverged
 from wiola.train.optim import WarmupCosine
-from wiola.train.run_folder import check_apart, check_output_folder
+from wiola.train.run_folder import check_apart, check_not_a_run, check_output_folder
 from wiola.train.sft import FORMATS, batches, collate, load_sft_data
 
 ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # peft's names, the first what it writes
+PEFT_MODEL_CARD = "README.md"  # peft writes it beside the adapters
 RUN_FILE = "finetune.json"
+DEFAULT_WARMUP = 10  # steps, at most --steps
 # A folder holding any of these holds a model or adapters: a new one there is refused without
 # --overwrite, since files of the two would mix (load_finetuned prefers adapter_config.json).
-MODEL_FILES = (CONFIG_FILE, WEIGHTS_FILE, ADAPTER_CONFIG, "adapter_model.safetensors", "adapter_model.bin", RUN_FILE)
-# What --overwrite deletes first: the model and adapter files and the tokenizer saved beside them.
+MODEL_FILES = (CONFIG_FILE, WEIGHTS_FILE, ADAPTER_CONFIG, *ADAPTER_WEIGHTS, RUN_FILE)
+# What --overwrite deletes first: the model and adapter files and the tokenizer saved beside them
+# (and peft's model card, where the folder holds adapters: clear_model_out).
 OUTPUT_FILES = (*MODEL_FILES, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE, CHAT_TEMPLATE_FILE)
 
 
@@ -59,21 +69,31 @@ class FinetuneConfig:
     steps: int = 200
     batch_size: int = 8
     lr: float = 3e-4  # a LoRA rate; a full fine-tune wants ~1e-4 or less
-    warmup: int = 10
+    warmup: int | None = None  # None: DEFAULT_WARMUP steps, at most steps
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     seed: int = 0
     log_every: int = 10
     lora_rank: int | None = None  # None: every weight trains
-    lora_alpha: float | None = None  # None: 2 x rank
-    lora_targets: tuple[str, ...] = ADAPTER_TARGETS
-    lora_dropout: float = 0.0
+    # The other LoRA settings; None: not given (an error without lora_rank), then their defaults
+    lora_alpha: float | None = None  # 2 x rank
+    lora_targets: tuple[str, ...] | None = None  # ADAPTER_TARGETS
+    lora_dropout: float | None = None  # 0
     add_role_tokens: bool = False
     device: str | None = None
     fast: bool = False
     precision: str = "auto"
     progress: bool = True
+
+    @property
+    def warmup_steps(self) -> int:
+        return min(DEFAULT_WARMUP, self.steps) if self.warmup is None else self.warmup
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The projections LoRA adapts (``lora_targets``, by default every one of ``ADAPTER_TARGETS``)."""
+        return ADAPTER_TARGETS if self.lora_targets is None else self.lora_targets
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first bad setting (by its ``wiola finetune`` flag)."""
@@ -81,26 +101,47 @@ class FinetuneConfig:
             raise ValueError(f"--format {self.format!r}: choose one of {', '.join(FORMATS)}")
         for name in ("steps", "batch_size", "log_every"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"lr must be a positive number, got {self.lr}")
-        if self.warmup < 0:
+            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        if self.warmup is not None and self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0 steps, got {self.warmup}")
+        if self.warmup is not None and self.warmup > self.steps:
+            raise ValueError(
+                f"--warmup {self.warmup} is more than --steps {self.steps}: the learning rate would never reach "
+                f"--lr; give at most {self.steps}"
+            )
         if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
             raise ValueError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not (self.grad_clip > 0 and math.isfinite(self.grad_clip)):
             raise ValueError(f"grad_clip must be a positive number, got {self.grad_clip}")
-        if not 0 <= self.lora_dropout < 1:  # p = 1 would zero every adapter input
+        if self.lora_rank is None:
+            given = [
+                flag
+                for flag, value in (
+                    ("--lora-alpha", self.lora_alpha),
+                    ("--lora-targets", self.lora_targets),
+                    ("--lora-dropout", self.lora_dropout),
+                )
+                if value is not None
+            ]
+            if given:
+                flags = " and ".join([", ".join(given[:-1]), given[-1]] if len(given) > 1 else given)
+                raise ValueError(
+                    f"{flags} {'applies' if len(given) == 1 else 'apply'} to LoRA adapters, which only --lora-rank "
+                    "makes: add --lora-rank (without it every weight trains)"
+                )
+        if self.lora_dropout is not None and not 0 <= self.lora_dropout < 1:  # p = 1 would zero every adapter input
             raise ValueError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
         if self.lora_alpha is not None and not (self.lora_alpha > 0 and math.isfinite(self.lora_alpha)):
             raise ValueError(f"--lora-alpha must be a positive number, got {self.lora_alpha}")
         if self.lora_rank is not None:
             if self.lora_rank <= 0:
                 raise ValueError(f"--lora-rank must be positive, got {self.lora_rank}")
-            bad = sorted(set(self.lora_targets) - set(ADAPTER_TARGETS))
-            if bad or not self.lora_targets:
+            bad = sorted(set(self.targets) - set(ADAPTER_TARGETS))
+            if bad or not self.targets:
                 raise ValueError(f"--lora-targets {bad or '(none)'}: choose among {', '.join(ADAPTER_TARGETS)}")
             if self.add_role_tokens:
                 raise ValueError(
@@ -118,66 +159,157 @@ class FinetuneResult:
     seconds: float
 
 
+class FinetuneInterrupted(KeyboardInterrupt):
+    """SIGINT (Ctrl-C) or SIGTERM stopped ``finetune`` after step ``step``; the model or adapters
+    as of that step are saved in ``out`` (``None``: no step was done, nothing saved). A
+    ``KeyboardInterrupt``, so a caller stops as on any Ctrl-C (``wiola finetune`` exits 130)."""
+
+    def __init__(self, step: int, out: Path | None) -> None:
+        super().__init__(f"interrupted at step {step}" + ("" if out is None else f"; saved {out}"))
+        self.step, self.out = step, out
+
+
 def finetune(cfg: FinetuneConfig, log: Callable[[str], None] = print, *, overwrite: bool = False) -> FinetuneResult:
     """Run ``cfg``: load, encode the data, train, save into ``cfg.out``. Raises
     ``ValueError``/``FileNotFoundError``/``RuntimeError`` naming bad settings, data, an output
-    folder that is a file, overlaps the ``init`` checkpoint or already holds a model or adapters
-    (unless ``overwrite``: their files are then deleted before the new ones are written), or a
-    missing package before any training.
+    folder that is a file, overlaps the ``init`` checkpoint, holds a training run or already
+    holds a model or adapters (unless ``overwrite``: their files are then deleted before the new
+    ones are written), or a missing package before any training.
+
+    Raises ``TrainingDiverged`` at a non-finite loss or gradient norm, or weights that are not
+    finite when saving; nothing is saved then. SIGINT or SIGTERM: the step finishes, the model as
+    of it is saved, and ``FinetuneInterrupted`` is raised (a second SIGINT: ``KeyboardInterrupt``,
+    nothing saved).
 
     Progress: a tqdm bar on stderr where stderr is a terminal and ``cfg.progress`` is set;
     otherwise a plain line (``log``) every ``log_every`` steps. A summary line ends the run."""
     cfg.check()
     require("tqdm.auto", "fine-tuning")
     check_output_folder(cfg.out, "--out")
+    check_not_a_run(cfg.out, "--out")
     device = resolve_device(cfg.device)
     init = checkpoint_dir(cfg.init)
     check_apart(cfg.out, init, "--out", "--init checkpoint")
     check_model_out(cfg.out, overwrite)
     model = model_class(cfg.fast).from_pretrained(init, device=device)
+    if cfg.lora_rank is not None:
+        check_lora_rank(model, cfg.lora_rank, cfg.targets)
     tokenizer = with_chat_template(load_checkpoint_tokenizer(init))
     if cfg.add_role_tokens:
-        tokenizer = add_role_tokens(tokenizer)
-        resize_token_embeddings(model, max(model.config.vocab_size, tokenizer.vocab_size))
+        tokenizer = add_role_rows(model, tokenizer)
     data = load_sft_data(cfg.data, cfg.format, tokenizer, model.config.max_seq_len)
     log(f"data: {data.summary(model.config.max_seq_len)}")
     if cfg.lora_rank is not None:
-        model = attach_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout)
+        model = attach_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.targets, cfg.lora_dropout or 0.0)
     trainable = [p for p in model.parameters() if p.requires_grad]
     log(f"training {sum(p.numel() for p in trainable):,} of {sum(p.numel() for p in model.parameters()):,} weights")
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(cfg.warmup, cfg.steps, cfg.min_lr_ratio))
+    schedule = WarmupCosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     stream = batches(data, cfg.batch_size, cfg.seed)
     losses, total, count, start = [], 0.0, 0, time.perf_counter()
     torch.manual_seed(cfg.seed)
     model.train()
     bar = Progress(cfg.steps, "finetune", "step", show=cfg.progress)
-    for step in range(1, cfg.steps + 1):
-        ids, mask, labels = (t.to(device) for t in collate(next(stream), pad))
-        with autocast(device, cfg.precision):
-            loss = model(ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        total, count = total + float(loss.detach()), count + 1
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            losses.append((step, total / count))
-            bar.postfix(loss=f"{total / count:.3f}")
-            if not bar.drawn:  # no bar (a pipe, a log file, --no-progress): a plain line instead
-                log(f"step {step}/{cfg.steps}: loss {total / count:.4f}")
-            total, count = 0.0, 0
-        bar.update(1)
-    bar.close()
+    step = 0
+    try:
+        with StopFlag(log) as stop:
+            while step < cfg.steps and not stop.requested:
+                ids, mask, labels = (t.to(device) for t in collate(next(stream), pad))
+                with autocast(device, cfg.precision):
+                    loss = model(ids, attention_mask=mask, labels=labels).loss
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
+                # Before the update: a non-finite loss or gradient norm would make the weights so.
+                _check_finite(cfg, step + 1, "the training loss", float(loss.detach()))
+                _check_finite(cfg, step + 1, "the gradient norm", float(grad_norm))
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step, total, count = step + 1, total + float(loss.detach()), count + 1
+                if step % cfg.log_every == 0 or step == cfg.steps:
+                    losses.append((step, total / count))
+                    bar.postfix(loss=f"{total / count:.3f}")
+                    if not bar.drawn:  # no bar (a pipe, a log file, --no-progress): a plain line instead
+                        log(f"step {step}/{cfg.steps}: loss {total / count:.4f}")
+                    total, count = 0.0, 0
+                bar.update(1)
+    finally:
+        bar.close()
     model.eval()
     seconds = time.perf_counter() - start
+    if count:  # an interrupted run's open interval since the last log line
+        losses.append((step, total / count))
+    interrupted = step < cfg.steps
+    if interrupted and step == 0:
+        log("interrupted before the first step ended: nothing saved")
+        raise FinetuneInterrupted(step, None)
+    # The loss of a step is computed before its update: a step whose update broke the weights
+    # still has a finite loss and gradient norm.
+    if not bool(torch.stack([torch.isfinite(p.detach()).all() for p in trainable]).all()):
+        raise _diverged(cfg, step, "the model's weights are not finite")
     out = save_finetuned(model, tokenizer, cfg, init)
     record = {"config": asdict(cfg), "losses": losses, "examples": len(data.examples), "dropped": data.dropped}
-    (out / RUN_FILE).write_text(json.dumps({**record, "seconds": seconds}, indent=2) + "\n")
-    log(f"{cfg.steps} steps in {seconds:.0f} s; final loss {losses[-1][1]:.4f}; saved {out}")
+    record |= {"steps_done": step, "seconds": seconds}
+    (out / RUN_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    what = "the adapters" if cfg.lora_rank is not None else "the model"
+    if interrupted:
+        log(f"interrupted at step {step}/{cfg.steps}; {what} as of that step saved to {out}")
+        raise FinetuneInterrupted(step, out)
+    log(f"{step} step{'s' if step != 1 else ''} in {seconds:.0f} s; final loss {losses[-1][1]:.4f}; saved {out}")
     return FinetuneResult(out, losses, len(data.examples), len(data.dropped), seconds)
+
+
+def _check_finite(cfg: FinetuneConfig, step: int, what: str, value: float) -> None:
+    """Raise ``TrainingDiverged`` when ``value`` (``what``, e.g. "the training loss") is NaN or infinite."""
+    if not math.isfinite(value):
+        raise _diverged(cfg, step, f"{what} is {value}")
+
+
+def _diverged(cfg: FinetuneConfig, step: int, what: str) -> TrainingDiverged:
+    """The error that stops a diverged fine-tune (``wiola finetune`` exits 1): nothing was saved."""
+    held = any((Path(cfg.out) / name).exists() for name in MODEL_FILES)
+    kept = f" (the model in {cfg.out} is unchanged)" if held else ""
+    return TrainingDiverged(
+        f"{what} at step {step}: the fine-tune diverged; lower --lr (now {cfg.lr:g}) and start again; "
+        f"nothing was saved{kept}",
+        step,
+        None,
+    )
+
+
+def check_lora_rank(model: torch.nn.Module, rank: int, targets: tuple[str, ...]) -> None:
+    """``ValueError`` when ``rank`` exceeds the narrowest side of a projection that ``targets``
+    names in ``model``: an update of that rank is not low-rank and costs more than the weight."""
+    widths = [
+        min(module.in_features, module.out_features)
+        for name, module in model.named_modules()
+        if hasattr(module, "in_features") and name.rsplit(".", 1)[-1] in targets
+    ]
+    if widths and rank > min(widths):  # none: attach_lora's peft names the missing targets
+        raise ValueError(
+            f"--lora-rank {rank} exceeds the smallest adapted projection ({min(widths)}): choose at most "
+            f"{min(widths)}, and far less for a low-rank update"
+        )
+
+
+@torch.no_grad()
+def add_role_rows(model: torch.nn.Module, tokenizer: Tokenizer) -> Tokenizer:
+    """``tokenizer`` with the role tokens (``wiola.chat.add_role_tokens``), and ``model``'s embedding
+    (the tied head too) with a row for each: the mean of the rows of the tokenizer's own ids.
+
+    The new ids follow the tokenizer's vocabulary; on a model padded past it they take padded
+    rows, which hold whatever the model left there, so they are set too. Rows of the tokenizer's
+    ids are unchanged (so are their logits); tokens already added keep their rows."""
+    real = tokenizer.vocab_size
+    tokenizer = add_role_tokens(tokenizer)
+    resize_token_embeddings(model, max(model.config.vocab_size, tokenizer.vocab_size))
+    weight = model.embed.weight
+    weight[real : tokenizer.vocab_size] = weight[:real].mean(dim=0)
+    if hasattr(model, "derived_weights"):  # the fast model's copies of the head would go stale
+        model.derived_weights.clear()
+    return tokenizer
 
 
 def attach_lora(
@@ -228,10 +360,11 @@ def check_model_out(out: str | os.PathLike, overwrite: bool) -> None:
 
 
 def clear_model_out(out: str | os.PathLike) -> list[str]:
-    """Delete the model, adapter and tokenizer files (``OUTPUT_FILES``) in ``out``, so a new model
-    there has no stale files beside it; anything else stays. Returns the names deleted."""
+    """Delete the model, adapter and tokenizer files (``OUTPUT_FILES``) in ``out``, and peft's
+    model card where ``out`` holds adapters, so a new model there has no stale files beside it;
+    anything else stays. Returns the names deleted."""
     gone = []
-    for name in OUTPUT_FILES:
+    for name in (*OUTPUT_FILES, PEFT_MODEL_CARD) if is_adapter_folder(out) else OUTPUT_FILES:
         path = Path(out) / name
         if path.is_file() or path.is_symlink():
             path.unlink()
@@ -270,21 +403,58 @@ def load_finetuned(
 ) -> tuple[torch.nn.Module, Tokenizer]:
     """``(model, tokenizer)`` of a checkpoint, or of a LoRA folder on its base (``base``, else
     the one its ``adapter_config.json`` names) as a ``peft.PeftModel``; in eval mode. The
-    tokenizer is the folder's own when it has one (with the chat template), else the base's."""
+    tokenizer is the folder's own when it has one (with the chat template), else the base's.
+    ``ValueError`` for a LoRA folder without its weights file or with adapters that do not fit
+    the base (``check_adapter_shapes``)."""
     path = Path(path)
     cls = model_class(fast)
     if not is_adapter_folder(path):
         path = checkpoint_dir(path)
         return cls.from_pretrained(path, device=device).eval(), load_checkpoint_tokenizer(path)
     peft = require_peft()
+    if not any((path / name).is_file() for name in ADAPTER_WEIGHTS):  # peft would look for them on the Hub
+        raise ValueError(
+            f"{path} holds {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS[0]}: the adapters' weights are missing"
+        )
     base_dir = resolve_checkpoint(adapter_base(path) if base is None else base)
-    model = peft.PeftModel.from_pretrained(cls.from_pretrained(base_dir, device=device), str(path)).eval()
+    base_model = cls.from_pretrained(base_dir, device=device)
+    check_adapter_shapes(path, base_model, base_dir)
+    model = peft.PeftModel.from_pretrained(base_model, str(path)).eval()
     tokenizer = load_checkpoint_tokenizer(base_dir)
     if (path / TOKENIZER_FILE).is_file():  # role tokens added: the folder's own tokenizer
         ids = (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
         tokenizer = load_tokenizer(path).with_special_ids(*ids)
     tokenizer.chat_template = read_chat_template(path) or tokenizer.chat_template
     return model, tokenizer
+
+
+def check_adapter_shapes(path: str | os.PathLike, base: torch.nn.Module, base_dir: str | os.PathLike) -> None:
+    """``ValueError`` naming the first projection whose adapters in the folder ``path`` do not fit
+    ``base`` (read from ``base_dir``): adapters trained on a base of another shape, or adapting a
+    projection the base lacks. Reads only the tensors' shapes (``adapter_model.safetensors``; a
+    ``.bin`` file is left to peft)."""
+    from safetensors import safe_open
+
+    weights = Path(path) / ADAPTER_WEIGHTS[0]
+    if not weights.is_file():
+        return
+    modules = dict(base.named_modules())
+    with safe_open(str(weights), framework="pt") as f:
+        for key in f.keys():
+            # base_model.model.<projection>.lora_A.weight: (rank, in); lora_B.weight: (out, rank)
+            name, sep, kind = key.removeprefix("base_model.model.").rpartition(".lora_")
+            if not sep or kind not in ("A.weight", "B.weight"):
+                continue
+            module = modules.get(name)
+            if not hasattr(module, "in_features"):
+                raise ValueError(f"the adapters in {path} adapt {name}, which the base {base_dir} lacks")
+            side, want = ("input", module.in_features) if kind == "A.weight" else ("output", module.out_features)
+            got = f.get_slice(key).get_shape()[1 if kind == "A.weight" else 0]
+            if got != want:
+                raise ValueError(
+                    f"the adapters in {path} were trained on a base of another shape: {name} has {got} {side}s "
+                    f"there, {want} in the base {base_dir}"
+                )
 
 
 def merge_adapters(
@@ -296,11 +466,13 @@ def merge_adapters(
 ) -> Path:
     """Fold a LoRA folder's adapters into its base's weights and save a plain checkpoint in
     ``out`` (for the fast model, quantization and ONNX export). Raises ``ValueError`` when
-    ``path`` holds no adapters, or ``out`` already holds a model or adapters and ``overwrite``
-    is not set (with it, their files are deleted before the merged model is written)."""
+    ``path`` holds no adapters or adapters that do not fit the base, ``out`` holds a training
+    run, or ``out`` already holds a model or adapters and ``overwrite`` is not set (with it,
+    their files are deleted before the merged model is written)."""
     if not is_adapter_folder(path):
         raise ValueError(f"{path} holds no {ADAPTER_CONFIG}: nothing to merge")
     check_output_folder(out, "--out")
+    check_not_a_run(out, "--out")
     check_apart(out, path, "--out", "adapter folder")
     if base is None:
         base = adapter_base(path)

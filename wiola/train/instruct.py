@@ -15,13 +15,17 @@ import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from wiola.chat import apply_chat_template
 from wiola.tokenizer import Tokenizer
 from wiola.train.corpus import instruction_examples, story_words, write_instruction_corpus
+from wiola.train.run_folder import check_apart, check_output_folder
+
+if TYPE_CHECKING:
+    from wiola.train.finetune import FinetuneConfig
 
 Z95 = 1.959963984540054  # the standard normal's 97.5 % quantile
 
@@ -120,19 +124,17 @@ def instruct_demo(
 ) -> dict[str, Any]:
     """Write the instruction corpus into ``out/data``, measure ``init`` on ``samples`` held-out
     instructions, fine-tune it (``wiola.train.finetune``) into ``out/model``, measure again.
-    Returns (and writes to ``out/results.json``) both rates, their intervals and the test."""
+    Returns (and writes to ``out/results.json``) both rates, their intervals and the test.
+
+    Every setting, ``init`` (a full model, not a LoRA folder) and ``out`` (a folder that can be
+    written, apart from ``init``) is checked before anything is written or measured: a bad one
+    raises ``ValueError``/``FileNotFoundError`` naming its ``wiola instruct-demo`` flag."""
     from wiola.train.finetune import FinetuneConfig, finetune, load_finetuned
 
     out = Path(out)
-    data = write_instruction_corpus(out / "data", n_train=n_train, n_val=1, seed=seed, n_words=n_words)
-    held_out = instruction_examples(samples, seed + 3_000_017, n_words)  # a seed neither split used
-    results: dict[str, Any] = {}
-    model, tokenizer = load_finetuned(init)
-    results["before"] = follow_rate(model, tokenizer, held_out, seed=seed)
-    log(f"before: {_line(results['before'])}")
     cfg = FinetuneConfig(
         init=str(init),
-        data=str(data / "train.jsonl"),
+        data=str(out / "data" / "train.jsonl"),
         out=str(out / "model"),
         steps=steps,
         batch_size=batch_size,
@@ -142,6 +144,13 @@ def instruct_demo(
         progress=progress,
         log_every=max(1, steps // 10),
     )
+    init_dir = check_demo_settings(cfg, out, n_train=n_train, samples=samples, n_words=n_words)
+    write_instruction_corpus(out / "data", n_train=n_train, n_val=1, seed=seed, n_words=n_words)
+    held_out = instruction_examples(samples, seed + 3_000_017, n_words)  # a seed neither split used
+    results: dict[str, Any] = {}
+    model, tokenizer = load_finetuned(init_dir)
+    results["before"] = follow_rate(model, tokenizer, held_out, seed=seed)
+    log(f"before: {_line(results['before'])}")
     finetune(cfg, log=log, overwrite=True)  # out/model is this demo's own: a rerun replaces the last one's
     model, tokenizer = load_finetuned(out / "model")
     results["after"] = follow_rate(model, tokenizer, held_out, seed=seed)
@@ -165,6 +174,36 @@ def instruct_demo(
     (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     log(f"rise: z = {z:.2f}, one-sided p = {p:.2g}")
     return summary
+
+
+def check_demo_settings(cfg: FinetuneConfig, out: Path, *, n_train: int, samples: int, n_words: int) -> Path:
+    """Check ``instruct_demo``'s settings without writing or loading anything: the fine-tune's
+    own (``FinetuneConfig.check``), the counts, ``--init`` (a checkpoint or run folder holding a
+    full model) and ``--out`` (writable, apart from ``--init``). Returns ``--init``'s checkpoint
+    folder; raises ``ValueError``/``FileNotFoundError`` naming the flag, or ``RuntimeError`` for
+    a missing package."""
+    from wiola.checkpoint import read_config
+    from wiola.train.env import require
+    from wiola.train.finetune import checkpoint_dir, require_peft
+
+    cfg.check()
+    for flag, value in (("--examples", n_train), ("--samples", samples), ("n_words", n_words)):
+        if value <= 0:
+            raise ValueError(f"{flag} must be positive, got {value}")
+    require("tqdm.auto", "fine-tuning")
+    if cfg.lora_rank is not None:
+        require_peft()
+    try:
+        init = checkpoint_dir(cfg.init)
+        read_config(init)  # a folder without config.json, or one holding LoRA adapters, is refused here
+    except (FileNotFoundError, ValueError) as e:
+        raise type(e)(f"--init: {e}") from e
+    for folder in (out, out / "data", out / "model"):  # a file at either subfolder would fail later
+        check_output_folder(folder, "--out")
+    given = [Path(cfg.init)] if Path(cfg.init).exists() else []  # a run folder, beside its latest checkpoint
+    for source in (init, *given):
+        check_apart(out, source, "--out", "--init checkpoint")
+    return init
 
 
 def _line(r: FollowRate) -> str:

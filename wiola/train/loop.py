@@ -423,7 +423,7 @@ def _loop(run: _Run, stop_at: int | None) -> TrainResult:
     interrupted = False
     first_step, start = run.step, time.perf_counter()
     try:
-        with _StopFlag(run.log) as stop:
+        with StopFlag(run.log) as stop:
             while run.step < cfg.steps:
                 lr, grad_norm = _optimizer_step(run, meter.loss_sum)
                 last = run.step == cfg.steps
@@ -503,7 +503,7 @@ def _optimizer_step(run: _Run, loss_sum: torch.Tensor) -> tuple[float, torch.Ten
     return lr, grad_norm
 
 
-def _stop_requested(run: _Run, stop: _StopFlag, stop_at: int | None, log_now: bool) -> bool:
+def _stop_requested(run: _Run, stop: StopFlag, stop_at: int | None, log_now: bool) -> bool:
     """Whether to stop after this step, the same answer on every rank."""
     want_stop = stop_at is not None and run.step >= stop_at
     if run.world == 1:
@@ -678,7 +678,7 @@ def _training_flops(config: WiolaConfig, seq_len: int) -> float:
     return budget(config, seq_len + 1).training_flops * (seq_len + 1) / seq_len  # per target token
 
 
-class _StopFlag:
+class StopFlag:
     """SIGINT/SIGTERM: finish the step, save, exit. A second SIGINT raises KeyboardInterrupt."""
 
     def __init__(self, log: Log) -> None:
@@ -695,7 +695,7 @@ class _StopFlag:
             "(Ctrl-C again to abort without saving)"
         )
 
-    def __enter__(self) -> _StopFlag:
+    def __enter__(self) -> StopFlag:
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
                 self._old[sig] = signal.signal(sig, self._handle)

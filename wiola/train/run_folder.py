@@ -156,17 +156,45 @@ def check_apart(out: str | os.PathLike, source: str | os.PathLike, out_name: str
 RUN_FILES = (METRICS_FILE, "checkpoints", "loss_curve.png", "gates.png")  # what a run writes in its folder
 
 
+def held_run_files(out_dir: str | os.PathLike) -> list[str]:
+    """Which of a run's own files (``metrics.jsonl``, ``checkpoints/``) ``out_dir`` holds: a run's
+    folder when any."""
+    return [name for name in (METRICS_FILE, "checkpoints") if (Path(out_dir) / name).exists()]
+
+
 def check_new_run(out_dir: str | os.PathLike) -> None:
     """``ValueError`` when ``out_dir`` already holds a run (``metrics.jsonl`` or ``checkpoints/``):
     a new run there would rewrite its metrics, repoint ``checkpoints/latest`` and rotate its
     checkpoints away."""
-    out = Path(out_dir)
-    held = [name for name in (METRICS_FILE, "checkpoints") if (out / name).exists()]
+    held = held_run_files(out_dir)
     if held:
         raise ValueError(
-            f"--out {str(out)!r} already holds a run ({' and '.join(held)}); continue it with --resume {out}, "
+            f"--out {str(out_dir)!r} already holds a run ({' and '.join(held)}); continue it with --resume {out_dir}, "
             "choose another --out, or pass --overwrite to delete it and start again"
         )
+
+
+def check_not_a_run(out: str | os.PathLike, name: str = "--out") -> None:
+    """``ValueError`` naming ``name`` when the folder ``out`` holds a training run (``metrics.jsonl``
+    or ``checkpoints/``), is a run's ``checkpoints/`` folder (``latest``) or one of its checkpoints
+    (``trainer.json``). A model written at a run's top would be what ``--checkpoint`` of that folder
+    reads from then on, in place of the run's latest checkpoint; one written into a checkpoint
+    would sit beside the optimizer state of other weights. For commands that write a model
+    (``export``, ``finetune``, ``merge``)."""
+    out = Path(out)
+    held = held_run_files(out)
+    if held:
+        what = f"holds a training run ({' and '.join(held)})"
+    elif (out / LATEST_FILE).is_file():
+        what = f"is a training run's checkpoints folder (it holds {LATEST_FILE})"
+    elif is_training_checkpoint(out):
+        what = f"is a training run's checkpoint (it holds {TRAINER_FILE})"
+    else:
+        return
+    raise ValueError(
+        f"{name} {str(out)!r} {what}; a model written there would hide or mix with the run's checkpoints: "
+        "write to another folder"
+    )
 
 
 def clear_run(out_dir: str | os.PathLike) -> list[str]:

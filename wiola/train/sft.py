@@ -10,6 +10,9 @@ and labels in which only the answer counts (docs/SPEC.md "Chat and fine-tuning")
   token, as when the model continues a prompt); the completion and eos are labels.
 
 Labels are aligned with the ids (``labels[t]`` is ``ids[t]`` or -100); the model shifts them.
+A chat template whose assistant turns do not end with eos (ChatML's ``<|im_end|>\n``) leaves
+the model nothing to learn to stop with: ``load_sft_data`` warns once (``wiola chat`` stops at
+such a template's marker, but ``generate`` and the server run on).
 Bad lines raise ``ValueError`` naming the file and line number. An example longer than the
 model's ``max_seq_len`` is dropped, not truncated (a cut answer would teach the model to stop
 without its eos), and counted.
@@ -20,14 +23,15 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from wiola.chat import apply_chat_template, check_messages
+from wiola.chat import apply_chat_template, check_chat_template, check_messages, turn_end_marker
 from wiola.tokenizer import Tokenizer
 
 FORMATS = ("chat", "completion")
@@ -127,11 +131,41 @@ def encode_completion(tokenizer: Tokenizer, prompt: str, completion: str) -> tup
     return head + tail, [IGNORE] * len(head) + tail
 
 
-def load_sft_data(path: str | os.PathLike, fmt: str, tokenizer: Tokenizer, max_len: int) -> SFTData:
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def stop_warning(tokenizer: Tokenizer, without_eos: int, conversations: int) -> str:
+    """The warning for ``without_eos`` of ``conversations`` whose assistant-turn labels hold no
+    eos id: the model cannot learn to stop. Names the template's end-of-turn text if found."""
+    counted = f"the answers' labels hold no eos in {without_eos} of {conversations} conversations"
+    if tokenizer.eos_token_id is None:
+        return f"warning: tokenizer {tokenizer.name!r} has no eos token: {counted}, so the model cannot learn to stop"
+    eos = tokenizer.decode([tokenizer.eos_token_id])
+    marker = turn_end_marker(tokenizer)
+    ends = f"with {marker!r}, not with" if marker else "without"
+    chat = f"; wiola chat stops at {marker!r}, but generation that stops at eos runs on" if marker else ""
+    return (
+        f"warning: the chat template ends assistant turns {ends} the eos token {eos!r}: {counted}, so the model "
+        f"cannot learn to stop{chat}. End each assistant turn with {{{{ eos_token }}}} in the template"
+    )
+
+
+def load_sft_data(
+    path: str | os.PathLike,
+    fmt: str,
+    tokenizer: Tokenizer,
+    max_len: int,
+    warn: Callable[[str], None] = _stderr,
+) -> SFTData:
     """Read, check and encode ``path`` (JSONL in ``fmt``); examples over ``max_len`` tokens are
-    dropped and their line numbers kept. Raises ``ValueError`` for a bad line (see
-    ``read_jsonl``) or when no example is left."""
+    dropped and their line numbers kept. Raises ``ValueError`` for a chat template that does
+    not compile (before any line is read), a bad line (see ``read_jsonl``) or when no example is
+    left. ``warn`` gets one line (``stop_warning``) when conversations' answers hold no eos."""
     data = SFTData([])
+    if fmt == "chat":
+        check_chat_template(tokenizer)
+    without_eos = 0
     for number, example in read_jsonl(path, fmt):
         try:
             if fmt == "chat":
@@ -145,9 +179,13 @@ def load_sft_data(path: str | os.PathLike, fmt: str, tokenizer: Tokenizer, max_l
             continue
         data.examples.append((ids, labels))
         data.label_tokens += sum(label != IGNORE for label in labels)
+        if fmt == "chat" and tokenizer.eos_token_id not in labels:  # no eos id (or none at all) to learn
+            without_eos += 1
     if not data.examples:
         why = f" (all {len(data.dropped)} are longer than max_seq_len={max_len})" if data.dropped else ""
         raise ValueError(f"{path} holds no usable example{why}")
+    if without_eos:
+        warn(stop_warning(tokenizer, without_eos, len(data.examples)))
     return data
 
 
