@@ -123,7 +123,7 @@ def measure(checkpoint: Path, windows: int, seq_len: int, new_tokens: int, work:
         ref_logits = torch.cat([reference(inputs[i : i + 1]).logits for i in range(windows)])
     n_bytes = int(lengths[targets].sum())
     prompts = x[:PROMPTS, :PROMPT_LEN]
-    want = reference.generate(prompts, new_tokens, temperature=0)
+    want = reference.generate(prompts, new_tokens, temperature=0, eos_token_id=None)  # as the runtimes: no eos
 
     def row(form: str, where: str, logits: torch.Tensor, tokens: torch.Tensor, extra: dict | None = None) -> dict:
         nats = _nll_sums(logits, targets)
@@ -156,7 +156,7 @@ def measure(checkpoint: Path, windows: int, seq_len: int, new_tokens: int, work:
         t0 = time.perf_counter()
         logits = step_logits(model, inputs)
         with torch.inference_mode():
-            tokens = model.generate(prompts, new_tokens, temperature=0)
+            tokens = model.generate(prompts, new_tokens, temperature=0, eos_token_id=None)
         rows.append(
             row(
                 scheme,

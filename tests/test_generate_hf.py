@@ -7,10 +7,12 @@ sdist ships (only ``src/`` and ``tests/``): its ``tests/test_generation.py`` cal
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import threading
 from contextlib import redirect_stdout
 
+import numpy as np
 import pytest
 import torch
 
@@ -192,3 +194,60 @@ def test_a_refused_call_streams_no_prompt(model, tokenizer):
     streamer = _Recorder()
     model.generate(p, 0, streamer=streamer)  # no new tokens: the prompt alone
     assert streamer.calls == [tuple(p.shape), "end"]
+
+
+def test_eos_defaults_to_the_model_configs(model, tokenizer):
+    """As ``transformers`` takes its generation config's: without ``eos_token_id`` a row stops at
+    the config's eos (later slots: the pad id); an explicit None decodes on."""
+    p = _prompt(tokenizer)
+    free = model.generate(p, 12)[0, p.shape[1] :].tolist()
+    eos = free[3]
+    config = model.config
+    try:
+        model.config = dataclasses.replace(config, eos_token_id=eos, pad_token_id=7)
+        stopped = model.generate(p, 12)[0, p.shape[1] :].tolist()
+        on = model.generate(p, 12, eos_token_id=None)[0, p.shape[1] :].tolist()
+    finally:
+        model.config = config
+    cut = free.index(eos) + 1
+    assert stopped == free[:cut] + [7] * (12 - cut)
+    assert on == free
+
+
+def test_transformers_length_and_prompt_names(model, tokenizer):
+    """``max_length`` (prompt + new tokens) and ``inputs`` as transformers takes them; a missing
+    or doubled argument, or a max_length shorter than the prompt, is named, and a streamer is
+    ended whatever the error (a reader thread waiting on it does not hang)."""
+    p = _prompt(tokenizer)
+    want = model.generate(p, 6)
+    assert torch.equal(model.generate(p, max_length=p.shape[1] + 6), want)
+    assert torch.equal(model.generate(inputs=p, max_new_tokens=6), want)
+    assert torch.equal(model.generate(p, np.int64(6)), want)  # numpy integers are the ints they hold
+    for kwargs, error, match in (
+        ({"input_ids": p}, TypeError, "generate needs max_new_tokens .* or max_length"),
+        ({"max_new_tokens": 3}, TypeError, r"generate needs the prompt: input_ids \(or inputs\)"),
+        ({"input_ids": p, "inputs": p, "max_new_tokens": 3}, TypeError, "input_ids or as inputs, not both"),
+        ({"input_ids": p, "max_new_tokens": 3, "max_length": 9}, ValueError, "max_new_tokens .* or max_length .*, not both"),
+        ({"input_ids": p, "max_length": p.shape[1] - 1}, ValueError, "is shorter than the prompt"),
+    ):  # fmt: skip
+        streamer = _Recorder()
+        with pytest.raises(error, match=match):
+            model.generate(**kwargs, streamer=streamer)
+        assert streamer.calls == ["end"], kwargs
+
+
+def test_a_tokenizers_token_type_ids_are_taken(model, tokenizer):
+    """``model(**enc)`` and ``model.generate(**enc)`` with a ``transformers`` tokenizer's output,
+    which holds ``token_type_ids`` (zeros for one sequence): taken and ignored; other values are
+    refused by name."""
+    p = _prompt(tokenizer)
+    zeros = torch.zeros_like(p)
+    enc = {"input_ids": p, "token_type_ids": zeros, "attention_mask": torch.ones_like(p)}
+    with torch.no_grad():
+        assert torch.equal(model(**enc).logits, model(p).logits)
+    assert torch.equal(model.generate(**enc, max_new_tokens=4), model.generate(p, 4))
+    for bad, match in ((zeros + 1, "must be all 0"), (zeros[:, :-1], "must be a tensor of input_ids' shape")):
+        with pytest.raises(ValueError, match=match), torch.no_grad():
+            model(p, token_type_ids=bad)
+        with pytest.raises(ValueError, match=match):
+            model.generate(p, 2, token_type_ids=bad)

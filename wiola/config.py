@@ -134,8 +134,8 @@ class WiolaConfig:
     gate_pre_rope: bool = True  # gate from the queries before (True) or after rotation
     norm_eps: float = 1e-6  # RMSNorm epsilon
     init_std: float = 0.02  # std of the truncated-normal init of linear and embedding weights
-    # The checkpoint tokenizer's eos (the CLI and the server stop there); generate stops only at
-    # an eos_token_id it is given. None: the tokenizer's, if any.
+    # The checkpoint's eos: generate stops there unless given another eos_token_id (None: none),
+    # as transformers reads a generation config. None here: the tokenizer's, if any, for the CLI.
     eos_token_id: int | None = None
     bos_token_id: int | None = None  # None: the tokenizer's, if any
     pad_token_id: int | None = None  # fills left padding and finished rows; None: the tokenizer's (or eos)

@@ -444,63 +444,128 @@ class _Front:
             self.prompt = None
 
 
+# ``eos_token_id`` not passed to ``generate``: the model config's, as ``transformers`` takes its
+# generation config's (an explicit None: no eos).
+FROM_CONFIG: Any = type("FromConfig", (), {"__repr__": lambda self: "the model config's eos_token_id"})()
+
+
 @torch.inference_mode()
 def hf_generate(
     loop: Callable[..., torch.Tensor],
     model: Decoder,
-    input_ids: torch.Tensor,
-    max_new_tokens: int,
+    input_ids: torch.Tensor | None = None,
+    max_new_tokens: int | None = None,
     *,
     do_sample: bool | None = None,
     temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
-    eos_token_id: int | None = None,
+    eos_token_id: Any = FROM_CONFIG,
     pad_token_id: int | None = None,
     streamer: Callable[[torch.Tensor], None] | TokenStreamer | None = None,
     stop_strings: str | list[str] | None = None,
     tokenizer: TextDecoder | None = None,
+    inputs: torch.Tensor | None = None,
+    max_length: int | None = None,
+    token_type_ids: torch.Tensor | None = None,
     **options: Any,
 ) -> torch.Tensor:
     """``loop(model, input_ids, max_new_tokens, ...)`` (a generation loop with a per-step callback
-    ``streamer``) called as ``transformers`` callers write it: ``do_sample``, streamer objects, and
-    ``stop_strings`` (decoded with ``tokenizer``): a row whose new text contains one stops there, its
-    later slots hold the pad id, and generation ends once every row has stopped or hit eos. The
-    result keeps the ``(B, T + max_new_tokens)`` shape."""
-    temperature, top_k, top_p = resolve_do_sample(do_sample, temperature, top_k, top_p)
-    stops = check_stop_strings(stop_strings)
-    eos_token_id, pad = resolve_token_ids(model, eos_token_id, pad_token_id)
-    if stops and tokenizer is None:
-        raise ValueError("stop_strings need tokenizer= (anything with decode(ids)) to read the text")
-    if stops and pad is None:
-        raise ValueError("stop_strings need pad_token_id or eos_token_id for the slots after a stop")
+    ``streamer``) called as ``transformers`` callers write it: the prompt as ``input_ids`` or
+    ``inputs``; ``max_new_tokens`` or ``max_length`` (prompt + new tokens); ``eos_token_id``
+    by default the model config's (None: no eos); ``token_type_ids`` of zeros (a tokenizer's,
+    ignored); ``do_sample``, streamer objects, and ``stop_strings`` (decoded with ``tokenizer``): a
+    row whose new text contains one stops there, its later slots hold the pad id, and generation
+    ends once every row has stopped or hit eos. The result keeps the ``(B, T + max_new_tokens)``
+    shape. A streamer's ``end`` is called whatever happens, also for a refused call (a reader
+    waiting on it finishes)."""
     if streamer is not None and not (callable(streamer) or hasattr(streamer, "put")):
         raise TypeError(
             f"streamer must be a callable or a transformers streamer (put/end), got {type(streamer).__name__} {streamer!r}"
         )
-    if streamer is None and not stops:
-        front = None
-    else:
-        front = _Front(input_ids, streamer, stops, tokenizer, eos_token_id)
-    kwargs = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id)
     try:
-        out = loop(model, input_ids, max_new_tokens, pad_token_id=pad, streamer=front, **kwargs, **options)
-        if hasattr(streamer, "put"):
-            front.open()  # no new tokens (max_new_tokens 0): the prompt alone
-    except _AllStopped:
-        out = torch.full((input_ids.shape[0], input_ids.shape[1] + max_new_tokens), pad, dtype=torch.int64)
-        out = out.to(input_ids.device)
-        out[:, : input_ids.shape[1]] = input_ids
-        new = torch.stack(front.tokens, dim=1)
-        out[:, input_ids.shape[1] : input_ids.shape[1] + new.shape[1]] = new
+        input_ids, max_new_tokens = resolve_lengths(input_ids, inputs, max_new_tokens, max_length)
+        check_token_type_ids(token_type_ids, input_ids)
+        if eos_token_id is FROM_CONFIG:
+            eos_token_id = getattr(model.config, "eos_token_id", None)
+        temperature, top_k, top_p = resolve_do_sample(do_sample, temperature, top_k, top_p)
+        stops = check_stop_strings(stop_strings)
+        eos_token_id, pad = resolve_token_ids(model, eos_token_id, pad_token_id)
+        if stops and tokenizer is None:
+            raise ValueError("stop_strings need tokenizer= (anything with decode(ids)) to read the text")
+        if stops and pad is None:
+            raise ValueError("stop_strings need pad_token_id or eos_token_id for the slots after a stop")
+        front = None if streamer is None and not stops else _Front(input_ids, streamer, stops, tokenizer, eos_token_id)
+        kwargs = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id)
+        try:
+            out = loop(model, input_ids, max_new_tokens, pad_token_id=pad, streamer=front, **kwargs, **options)
+            if hasattr(streamer, "put"):
+                front.open()  # no new tokens (max_new_tokens 0): the prompt alone
+        except _AllStopped:
+            out = torch.full((input_ids.shape[0], input_ids.shape[1] + max_new_tokens), pad, dtype=torch.int64)
+            out = out.to(input_ids.device)
+            out[:, : input_ids.shape[1]] = input_ids
+            new = torch.stack(front.tokens, dim=1)
+            out[:, input_ids.shape[1] : input_ids.shape[1] + new.shape[1]] = new
     finally:
-        if hasattr(streamer, "end"):  # also for a refused call, which put nothing: a reader waiting on it ends
+        if hasattr(streamer, "end"):
             streamer.end()
     if front is not None:
         for row, step in enumerate(front.stopped_at):
             if step >= 0:
                 out[row, input_ids.shape[1] + step + 1 :] = pad
     return out
+
+
+def resolve_lengths(input_ids: Any, inputs: Any, max_new_tokens: Any, max_length: Any) -> tuple[torch.Tensor, int]:
+    """The prompt (``input_ids``, or ``transformers``' ``inputs``) and how many tokens to add
+    (``max_new_tokens``, or ``max_length`` minus the prompt's length); ``TypeError``/``ValueError``
+    naming the argument for one missing, both of a pair given, or a ``max_length`` shorter than
+    the prompt. Integer scalars of numpy or torch are the ints they hold."""
+    if inputs is not None:
+        if input_ids is not None:
+            raise TypeError("give the prompt as input_ids or as inputs, not both")
+        input_ids = inputs
+    if input_ids is None:
+        raise TypeError("generate needs the prompt: input_ids (or inputs), a (B, T) tensor of token ids")
+    if max_length is not None:
+        if max_new_tokens is not None:
+            raise ValueError("give max_new_tokens (tokens to add) or max_length (prompt + new tokens), not both")
+        total = as_int("max_length", max_length, ValueError)
+        T = input_ids.shape[-1] if isinstance(input_ids, torch.Tensor) else None
+        if T is not None and total < T:
+            raise ValueError(f"max_length={total} is shorter than the prompt ({T} tokens); it counts the prompt too")
+        max_new_tokens = total - (T or 0)
+    if max_new_tokens is None:
+        raise TypeError("generate needs max_new_tokens (tokens to add) or max_length (prompt + new tokens)")
+    if not isinstance(max_new_tokens, bool) and not isinstance(max_new_tokens, int):
+        try:
+            max_new_tokens = as_int("max_new_tokens", max_new_tokens)
+        except TypeError:
+            pass  # left for check_generate_inputs to name
+    return input_ids, max_new_tokens
+
+
+def check_token_type_ids(token_type_ids: torch.Tensor | None, input_ids: Any) -> None:
+    """``token_type_ids`` (what a ``transformers`` tokenizer returns beside the ids) must be
+    None or zeros of the ids' shape: Wiola has no token types, and a tokenizer gives zeros for a
+    single sequence. ``ValueError`` naming it otherwise (a pair of segments would be read as
+    one text)."""
+    if token_type_ids is None:
+        return
+    if not isinstance(token_type_ids, torch.Tensor) or token_type_ids.shape != getattr(input_ids, "shape", None):
+        shape = (
+            tuple(token_type_ids.shape) if isinstance(token_type_ids, torch.Tensor) else type(token_type_ids).__name__
+        )
+        raise ValueError(
+            f"token_type_ids {shape} must be a tensor of input_ids' shape {tuple(getattr(input_ids, 'shape', ()))}, "
+            "or None"
+        )
+    if bool(token_type_ids.any()):
+        raise ValueError(
+            "token_type_ids must be all 0 (Wiola has no token types, so a second segment would be read as the same "
+            "text): encode one sequence, or leave token_type_ids out"
+        )
 
 
 @torch.inference_mode()
@@ -516,10 +581,15 @@ def eager_generate(model: Decoder, input_ids: torch.Tensor, max_new_tokens: int,
     return decode_loop(steps, args)
 
 
-def generate(model: Decoder, input_ids: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
+def generate(
+    model: Decoder, input_ids: torch.Tensor | None = None, max_new_tokens: int | None = None, **kwargs: Any
+) -> torch.Tensor:
     """The prompt followed by up to ``max_new_tokens`` new tokens: ``(B, T + max_new_tokens)`` int64.
 
     Keyword arguments (as ``transformers``' ``generate`` takes them):
+        inputs: the prompt, in place of ``input_ids``.
+        max_length: prompt + new tokens, in place of ``max_new_tokens``.
+        token_type_ids: zeros of the prompt's shape (a tokenizer's; ignored), or None.
         attention_mask: ``(B, T)``, 0 on the left padding; every row then decodes exactly as
             it would alone.
         do_sample: ``False`` is greedy whatever the other settings; ``True`` samples (temperature
@@ -529,7 +599,9 @@ def generate(model: Decoder, input_ids: torch.Tensor, max_new_tokens: int, **kwa
         top_k, top_p: sample only from the ``top_k`` most likely tokens / the smallest nucleus
             of probability ``top_p`` (ignored when greedy).
         eos_token_id: a row that produces it stops; its later slots hold ``pad_token_id``
-            (default: the model config's ``pad_token_id``, else ``eos_token_id``). Generation ends
+            (default: the model config's ``pad_token_id``, else ``eos_token_id``). Not given: the
+            model config's ``eos_token_id`` (a checkpoint's, as ``transformers`` reads its
+            generation config; None in the presets); None: no eos. Generation ends
             early once every row has stopped, and the result is still ``T + max_new_tokens`` wide.
             One id (an int, or a numpy/torch integer scalar), not a list; both ids in
             ``[0, vocab_size)``.

@@ -30,7 +30,7 @@ import wiola.ops as reference_ops
 from wiola.cache import Cache
 from wiola.checkpoint import load_pretrained, save_pretrained
 from wiola.config import WiolaConfig
-from wiola.generation import generate
+from wiola.generation import check_token_type_ids, generate
 from wiola.ops.linear import DecodeLayout, autocast_dtype, decode_layout, linear, project, uses_decode_layout
 from wiola.ops.rope import helix_frequencies, positions_from_mask, rope_tables, upcast
 
@@ -605,6 +605,7 @@ class WiolaModel(nn.Module):
         cache: Cache | None = None,
         return_logits: bool | None = None,
         logits_to_keep: int = 0,
+        token_type_ids: torch.Tensor | None = None,
     ) -> ModelOutput:
         """Logits, and the next-token loss when ``labels`` are given.
 
@@ -623,6 +624,9 @@ class WiolaModel(nn.Module):
             logits_to_keep: if positive, logits only for the last ``logits_to_keep`` positions
                 (``(B, min(logits_to_keep, T), V)``; what generation needs); 0, every position.
                 Not with ``labels``.
+            token_type_ids: None, or zeros of ``input_ids``' shape (what a ``transformers``
+                tokenizer returns beside the ids, so ``model(**tokenizer(text, return_tensors="pt"))``
+                works); ignored. Wiola has no token types: another value raises ``ValueError``.
 
         Returns a ``ModelOutput`` with ``logits`` (float32), ``loss`` and ``cache``.
         Raises ``TypeError``/``ValueError`` naming the problem for bad ids (out of the vocabulary,
@@ -630,6 +634,8 @@ class WiolaModel(nn.Module):
         another batch size, model or dtype, and a negative ``logits_to_keep``.
         """
         self.check_inputs(input_ids, attention_mask, cache)
+        if token_type_ids is not None:
+            check_token_type_ids(token_type_ids, input_ids)
         if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be a non-negative int (0: every position), got {logits_to_keep!r}")
         if cache is not None and attention_mask is None and labels is None and return_logits is not False:
@@ -768,7 +774,9 @@ class WiolaModel(nn.Module):
         max_len = self.config.max_seq_len if max_len is None else max_len
         return Cache(self.config, batch_size, max_len, device=w.device, dtype=w.dtype)
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
+    def generate(
+        self, input_ids: torch.Tensor | None = None, max_new_tokens: int | None = None, **kwargs: Any
+    ) -> torch.Tensor:
         """Prompt followed by ``max_new_tokens`` new tokens, ``(B, T + N)``. See ``wiola.generation.generate``."""
         return generate(self, input_ids, max_new_tokens, **kwargs)
 

@@ -192,7 +192,7 @@ def _bench(args: argparse.Namespace) -> int:
                 rows.append(_row(model_name, form, nbytes, pp_test, B * args.prompt_tokens, times))
             if tg is not None:
                 bar.set_description(f"{form} {tg_test}")
-                want = model.generate(tg_ids, args.new_tokens, temperature=0)[:, TG_PROMPT:]
+                want = model.generate(tg_ids, args.new_tokens, temperature=0, eos_token_id=None)[:, TG_PROMPT:]
                 got = tg().clone()
                 if not torch.equal(got, want):
                     first = (got != want).nonzero()[0].tolist()

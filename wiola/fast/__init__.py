@@ -178,7 +178,9 @@ class WiolaModel(ReferenceModel):
         if getattr(cache, "slot", None) is not None and getattr(cache, "device_slot", False):
             cache.slot += T
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
+    def generate(
+        self, input_ids: torch.Tensor | None = None, max_new_tokens: int | None = None, **kwargs: Any
+    ) -> torch.Tensor:
         """Prompt followed by up to ``max_new_tokens`` new tokens, ``(B, T + N)``; the arguments of
         ``wiola.generation.generate``. On CUDA with the kernels, the one-token step runs as a CUDA
         graph and sampling stays on the GPU (``wiola.fast.generation``); on a CPU where the C++ step
@@ -186,7 +188,8 @@ class WiolaModel(ReferenceModel):
         with a nucleus ``top_p``); elsewhere the reference loop runs on the fast ops and the static
         cache. Greedy tokens equal the reference's.
         """
-        if graphs_usable(self, input_ids) and not has_adapters(self):
+        prompt = kwargs.get("inputs") if input_ids is None else input_ids  # transformers' name for it
+        if isinstance(prompt, torch.Tensor) and graphs_usable(self, prompt) and not has_adapters(self):
             return hf_generate(graph_generate, self, input_ids, max_new_tokens, **kwargs)
         return hf_generate(_cpu_or_eager, self, input_ids, max_new_tokens, **kwargs)
 
