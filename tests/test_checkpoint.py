@@ -148,6 +148,15 @@ def test_foreign_and_corrupt_checkpoints(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         WiolaModel.from_pretrained(tmp_path)
+    wiola13m = {"model_type": "wiola", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1,
+                "num_attention_heads": 2}  # fmt: skip
+    for extra, match in (
+        ({"eos_token_id": [2, 5]}, r"config.json: eos_token_id \[2, 5\] is a list; Wiola takes one eos id"),
+        ({"pad_token_id": 99}, r"config.json: .*pad_token_id"),  # a bad field names the file it is in
+    ):
+        (tmp_path / "config.json").write_text(json.dumps({**wiola13m, **extra}))
+        with pytest.raises(ValueError, match=match):
+            WiolaModel.from_pretrained(tmp_path)
     WiolaModel(CFG).save_pretrained(tmp_path)
     blob = (tmp_path / "model.safetensors").read_bytes()
     (tmp_path / "model.safetensors").write_bytes(blob[: len(blob) // 2])
@@ -315,3 +324,20 @@ def test_an_adapter_folder_says_to_merge(tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "base"}))
     with pytest.raises(FileNotFoundError, match=r"holds LoRA adapters .*wiola merge --adapter"):
         WiolaModel.from_pretrained(tmp_path)
+
+
+def test_dtype_by_name_or_as_stored(tmp_path):
+    """``from_pretrained(dtype=...)`` takes a torch dtype, its name as ``transformers`` callers write
+    it, or "auto" (the dtype the weights are stored in); anything else is named before reading."""
+    torch.manual_seed(0)
+    model = WiolaModel(WiolaConfig.preset("tiny")).to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    for dtype, want in (("auto", torch.bfloat16), ("bfloat16", torch.bfloat16), ("torch.float16", torch.float16),
+                        ("fp32", torch.float32), (None, torch.float32), (torch.float64, torch.float64)):  # fmt: skip
+        loaded = WiolaModel.from_pretrained(tmp_path, dtype=dtype)
+        assert all(p.dtype == want for p in loaded.parameters()), dtype
+        if want != torch.float16:  # bf16 values are exact in bf16, fp32 and fp64 (not in fp16's narrower range)
+            assert torch.equal(loaded.embed.weight.float(), model.embed.weight.float()), dtype
+    for bad in ("int8", torch.int8, 3):
+        with pytest.raises(ValueError, match="dtype"):
+            WiolaModel.from_pretrained(tmp_path / "missing", dtype=bad)  # named before the folder is looked for

@@ -99,8 +99,13 @@ def test_do_sample_false_is_greedy_whatever_the_temperature(model, tokenizer):
         model.generate(p, 2, do_sample=True, temperature=0)
     with pytest.raises(TypeError, match="do_sample"):
         model.generate(p, 2, do_sample="yes")
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_argument'"):
         model.generate(p, 2, no_such_argument=1)
+    for name in ("num_beams", "repetition_penalty", "min_new_tokens"):  # refused by name, never ignored
+        streamer = _Recorder()
+        with pytest.raises(TypeError, match=rf"generate\(\) got an unexpected keyword argument '{name}': Wiola's"):
+            model.generate(p, 2, streamer=streamer, **{name: 2})
+        assert streamer.calls == ["end"]
 
 
 def test_transformers_text_streamer(model, tokenizer):

@@ -222,7 +222,7 @@ def read_config(directory: str | Path) -> tuple[WiolaConfig, str]:
     if raw.get("format") == FORMAT:
         if raw.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{path}: unsupported format_version {raw.get('format_version')!r}")
-        return WiolaConfig.from_dict(raw["config"]), "wiola"
+        return _config(path, lambda: WiolaConfig.from_dict(raw["config"])), "wiola"
     if "model_type" in raw:
         if raw["model_type"] != "wiola":
             raise ValueError(f"{path} describes a {raw['model_type']!r} model, not a Wiola model")
@@ -234,8 +234,21 @@ def read_config(directory: str | Path) -> tuple[WiolaConfig, str]:
         fields = {ours: raw[theirs] for theirs, ours in HF_CONFIG_KEYS.items() if raw.get(theirs) is not None}
         if "d_ff" not in fields:
             fields["d_ff"] = 2 * fields["d_model"]  # wiola13m's default: d_inner = 2d
-        return WiolaConfig(**fields), "wiola13m"
+        if isinstance(fields.get("eos_token_id"), list):
+            raise ValueError(
+                f"{path}: eos_token_id {fields['eos_token_id']!r} is a list; Wiola takes one eos id (one id ends a "
+                "row): keep the one its tokenizer ends a text with"
+            )
+        return _config(path, lambda: WiolaConfig(**fields)), "wiola13m"
     raise ValueError(f"{path} is neither a Wiola checkpoint config nor a wiola13m config")
+
+
+def _config(path: Path, make: Callable[[], WiolaConfig]) -> WiolaConfig:
+    """``make()``, its ``ValueError``/``TypeError`` (a bad field) naming the file it came from."""
+    try:
+        return make()
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e}") from e
 
 
 def _read_tensors(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
@@ -480,12 +493,35 @@ def export_wiola13m(model: nn.Module, directory: str | Path, tokenizer: Tokenize
         (tokenizer.to_hf() if isinstance(tokenizer, TiktokenTokenizer) else tokenizer).save(directory)
 
 
+DTYPE_NAMES = {
+    "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "float64": torch.float64,
+}  # fmt: skip
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str | None:
+    """``from_pretrained``'s ``dtype``: a floating ``torch.dtype``, its name (``"bfloat16"``,
+    ``"bf16"``, ``"torch.float16"``, as ``transformers`` takes it), ``"auto"`` (the dtype the weights
+    are stored in) or None (fp32, as built). ``ValueError`` naming ``dtype`` otherwise, before
+    anything is read."""
+    if dtype is None or dtype == "auto":
+        return dtype
+    if isinstance(dtype, str):
+        name = dtype.strip().lower().removeprefix("torch.")
+        if name not in DTYPE_NAMES:
+            raise ValueError(f"dtype {dtype!r}: give a torch dtype, one of {', '.join(DTYPE_NAMES)}, or 'auto'")
+        return DTYPE_NAMES[name]
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch dtype, its name or 'auto', got {dtype!r}")
+    return dtype
+
+
 def load_pretrained(
     cls: Callable[[WiolaConfig], ModelT],
     directory: str | Path,
     *,
     device: torch.device | str = "cpu",
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     revision: str | None = None,
 ) -> ModelT:
     """Build ``cls(config)`` (a ``WiolaModel`` class) from a checkpoint directory (ours or
@@ -497,6 +533,7 @@ def load_pretrained(
     ``ValueError`` naming the tensor instead of allocating. Raises ``FileNotFoundError`` for a missing
     folder or file, ``ValueError`` for a damaged or mismatched one.
     """
+    dtype = resolve_dtype(dtype)
     directory = resolve_checkpoint(directory, revision)
     config, flavour = read_config(directory)
     record = _read_json(directory / CONFIG_FILE).get("quantization") if flavour == "wiola" else None
@@ -509,6 +546,8 @@ def load_pretrained(
                 f"with wiola.fast.WiolaModel.from_pretrained, not {getattr(cls, '__qualname__', cls)}"
             )
         scheme = quantize.read_record(record, directory / CONFIG_FILE)
+        if dtype == "auto":
+            dtype = torch.float32
         if dtype not in (None, torch.float32):
             raise ValueError(f"{directory} holds {scheme}-quantized weights: load them as fp32 (dtype={dtype})")
     # Before anything is allocated: the config's shapes (a meta-device model) against the file's header.
@@ -529,6 +568,8 @@ def load_pretrained(
     for name, tensor in state.items():
         if not tensor.dtype.is_floating_point:
             raise ValueError(f"{source}: tensor {name!r} has dtype {tensor.dtype}, expected a float type")
+    if dtype == "auto":  # as stored (transformers' torch_dtype="auto"): the embedding's dtype
+        dtype = next(t.dtype for name, t in state.items() if name.endswith("embed.weight"))
     model = cls(config)
     model.load_state_dict(state)
     model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)

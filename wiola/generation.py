@@ -484,6 +484,13 @@ def hf_generate(
             f"streamer must be a callable or a transformers streamer (put/end), got {type(streamer).__name__} {streamer!r}"
         )
     try:
+        unknown = sorted(set(options) - LOOP_KEYWORDS)
+        if unknown:  # transformers' num_beams, repetition_penalty, ...: refused, never ignored
+            raise TypeError(
+                f"generate() got an unexpected keyword argument {', '.join(map(repr, unknown))}: Wiola's generate "
+                "has greedy decoding and sampling (temperature, top_k, top_p), eos, pad, stop strings and streamers, "
+                "not this"
+            )
         input_ids, max_new_tokens = resolve_lengths(input_ids, inputs, max_new_tokens, max_length)
         check_token_type_ids(token_type_ids, input_ids)
         if eos_token_id is FROM_CONFIG:

@@ -792,12 +792,13 @@ class WiolaModel(nn.Module):
         directory: str | Path,
         *,
         device: torch.device | str = "cpu",
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         revision: str | None = None,
     ) -> WiolaModel:
         """Load a checkpoint written by ``save_pretrained`` or by the published ``wiola13m`` package,
-        from a folder or a Hugging Face Hub id (``"org/name"``, at ``revision``). Its tokenizer:
-        ``wiola.checkpoint.load_checkpoint_tokenizer``."""
+        from a folder or a Hugging Face Hub id (``"org/name"``, at ``revision``). ``dtype``: a
+        torch dtype or its name (``"bfloat16"``), ``"auto"`` for the stored one, None for fp32. Its
+        tokenizer: ``wiola.checkpoint.load_checkpoint_tokenizer``."""
         return load_pretrained(cls, directory, device=device, dtype=dtype, revision=revision)
 
     def num_parameters(self) -> int:
