@@ -285,6 +285,22 @@ def test_export_round_trip_ours_theirs_ours(tokenizer_dir, tmp_path, capsys):
     assert load_checkpoint_tokenizer(tmp_path / "back").encode(text) == ids[0].tolist()
 
 
+def test_wiola13m_refuses_our_own_folder_rather_than_loading_random_weights(tokenizer_dir, tmp_path):
+    """Our folder holds our tensor names: transformers (4.x, wiola13m's) refuses its weights file
+    (its metadata is not transformers' "pt") instead of building a model of fresh random weights
+    with a warning; ``export_wiola13m`` writes what it reads."""
+    pytest.importorskip("wiola13m")
+    from wiola13m import WiolaForCausalLM
+
+    torch.manual_seed(0)
+    WiolaModel(WiolaConfig.preset("13m", vocab_size=2000)).save_pretrained(
+        tmp_path / "ours", load_tokenizer(tokenizer_dir)
+    )
+    with pytest.raises((OSError, ValueError), match="metadata"):  # the versions word it differently
+        WiolaForCausalLM.from_pretrained(tmp_path / "ours")
+    assert WiolaModel.from_pretrained(tmp_path / "ours").config.vocab_size == 2000  # ours reads it as before
+
+
 def test_export_converts_a_tiktoken_checkpoint(tmp_path, capsys):
     pytest.importorskip("wiola13m")
     from transformers import PreTrainedTokenizerFast

@@ -128,7 +128,11 @@ def save_pretrained(model: nn.Module, directory: str | Path, tokenizer: Tokenize
     directory.mkdir(parents=True, exist_ok=True)  # after packed_state, which refuses a stale model
     if tokenizer is not None:
         meta.update(tokenizer.save(directory))
-    _atomic_write(directory / WEIGHTS_FILE, lambda p: save_file(state, p, metadata={"format": "pt"}))
+    # Not transformers' "pt": its loader (4.x, which wiola13m uses) then refuses this file, whose
+    # tensor names are ours, rather than building a model of fresh random weights beside it.
+    # transformers and wiola13m read what export_wiola13m writes.
+    weights_meta = {"format": FORMAT, "note": "a wiola checkpoint; for transformers/wiola13m use `wiola export`"}
+    _atomic_write(directory / WEIGHTS_FILE, lambda p: save_file(state, p, metadata=weights_meta))
     _atomic_write(directory / CONFIG_FILE, lambda p: Path(p).write_text(json.dumps(meta, indent=2) + "\n"))
 
 
