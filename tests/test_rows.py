@@ -480,3 +480,22 @@ def test_tied_logprobs_list_the_lower_id_first(which, plain_cpu):
     rows.join(RowRequest([1, 2], 3, logprobs=4))
     for t in _drain(rows):
         assert [i for i, _ in t.top] == [0, 1, 2, 3], t
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("which", ["C++", "PyTorch"])
+def test_vanishing_temperature_and_top_p_are_greedy(which, plain_cpu):
+    """A temperature so small that logits / T overflow float32 (1e-40), and a top_p that float32
+    rounds to 0 (1e-50), give the greedy tokens (the limits of those distributions), in
+    ``generate`` (the reference loop and the C++ one) and in ``Rows``; they used to give id 0."""
+    model = _model(SMALL, cls=wiola.fast.WiolaModel if which == "C++" else wiola.WiolaModel)
+    prompt = torch.tensor([[3, 14, 15]])
+    greedy = model.generate(prompt, 6)[0, 3:].tolist()
+    assert greedy != [0] * 6
+    for sampling in ({"temperature": 1e-40}, {"temperature": 1.0, "top_p": 1e-50}, {"temperature": 1e-40, "top_k": 5}):
+        got = model.generate(prompt, 6, generator=torch.Generator().manual_seed(0), **sampling)[0, 3:].tolist()
+        assert got == greedy, (which, sampling)
+        rows = Rows(model, max_rows=2, max_len=40)
+        assert rows.backend == which
+        rows.join(RowRequest([3, 14, 15], 6, seed=0, **sampling))
+        assert [t.token for t in _drain(rows)] == greedy, (which, sampling)

@@ -114,8 +114,10 @@ def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | torch.
     if top_p is not None and (isinstance(top_p, torch.Tensor) or top_p < 1.0):
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the tokens ranked above it already cover top_p (the first is kept).
+        # Drop a token when the tokens ranked above it already cover top_p. The first is always
+        # kept: a top_p that float32 rounds to 0 would otherwise drop every token.
         drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
@@ -135,14 +137,19 @@ def sample_next(
 
     The draw is ``argmax(logits − log E)`` with ``E`` ``(B, V)`` ``Exp(1)`` noise: drawn here from
     ``generator``, or given as ``noise`` (a buffer refilled before each CUDA-graph replay).
-    ``temperature`` and ``top_p`` may be 0-d device tensors (then never greedy).
+    ``temperature`` and ``top_p`` may be 0-d device tensors (then never greedy). A temperature so
+    small that a logit divided by it overflows float32 (``1e-40``) gives the row's argmax, the
+    limit of the distribution as the temperature goes to 0 (the noise is drawn all the same).
     """
     if not isinstance(temperature, torch.Tensor) and temperature == 0:
         return logits.argmax(dim=-1)
-    logits = filter_logits(logits.float() / temperature, top_k, top_p)
+    scaled = logits.float() / temperature
+    overflow = (scaled == float("inf")).any(dim=-1)
+    scaled = filter_logits(scaled, top_k, top_p)
     if noise is None:
-        noise = torch.empty_like(logits).exponential_(generator=generator)
-    return (logits - torch.log(noise.clamp_min(1e-30))).argmax(dim=-1)
+        noise = torch.empty_like(scaled).exponential_(generator=generator)
+    drawn = (scaled - torch.log(noise.clamp_min(1e-30))).argmax(dim=-1)
+    return torch.where(overflow, logits.argmax(dim=-1), drawn)
 
 
 def next_tokens(

@@ -112,6 +112,7 @@ class Server:
     async def _token(self, job: Job, token: RowToken, stream: TextStream, pending: set[Job]):
         if token.finish_reason == "stop":  # the eos token: counted, not part of the text
             pending.discard(job)
+            stream.add_textless()  # its offset: the text's end
             yield job, "", token
             yield job, stream.rest(), "stop"
             return
@@ -172,6 +173,12 @@ async def read_json(request: Request, limit: int) -> Any:
         body = json.loads(text)
     except json.JSONDecodeError as e:
         raise ApiError(f"the request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None
+    except RecursionError:
+        raise ApiError(f"the request body is nested too deeply (at most {MAX_DEPTH} levels)") from None
+    except ValueError as e:  # an integer past Python's digit limit for str -> int
+        raise ApiError(f"the request body holds a number that cannot be read: {e}") from None
+    if _depth_over(body, MAX_DEPTH):
+        raise ApiError(f"the request body is nested too deeply (at most {MAX_DEPTH} levels)")
     where = _lone_surrogate(body)
     if where is not None:  # JSON's "\ud800" escape: a str that no tokenizer, and no UTF-8, can take
         path, code = where
@@ -180,6 +187,23 @@ async def read_json(request: Request, limit: int) -> Any:
             None if path.startswith("a key") else path.split("[")[0].split(".")[0] or None,
         )
     return body
+
+
+MAX_DEPTH = 32  # nesting of a request body: OpenAI's requests need a few levels
+
+
+def _depth_over(value: Any, limit: int) -> bool:
+    """Whether a parsed JSON value nests deeper than ``limit`` (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def _lone_surrogate(value: Any, path: str = "") -> tuple[str, str] | None:
@@ -268,7 +292,9 @@ async def _run_to_end(
                     finish[job] = what
                 else:
                     count += 1
-                    if logprobs:
+                    if logprobs and chat and what.finish_reason == "stop":
+                        pass  # the eos: no text, so not among the content's tokens (their bytes join to the text)
+                    elif logprobs:
                         offset = streams[job].offset
                         logs[job].append(
                             server.chat_logprobs_entry(what) if chat else server.logprobs_entry(what, offset)
@@ -382,11 +408,12 @@ async def _stream_chat(server: Server, request: Request, s: Sampling, jobs, head
             async for job, delta, what in events:
                 finish = what if isinstance(what, str) else None
                 logprobs = None
+                eos = finish is None and what.finish_reason == "stop"  # counted; no text, no content entry
                 if finish is None:
                     count += 1
-                    if s.logprobs is not None:  # a chunk per token: that token's entry
+                    if s.logprobs is not None and not eos:  # a chunk per token: that token's entry
                         logprobs = {"content": [server.chat_logprobs_entry(what)]}
-                if delta or finish or not isinstance(what, str):
+                if delta or finish or not (isinstance(what, str) or eos):
                     delta_obj = {"content": delta} if delta else {}
                     choice = {"index": job.index, "delta": delta_obj, "logprobs": logprobs, "finish_reason": finish}
                     yield _sse({**head, "choices": [choice]})

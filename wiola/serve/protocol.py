@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_N = 16  # choices per prompt
+# Choices (prompts × n) per request: a 1 MB body could otherwise list 200,000 prompts, each a job
+# queued at once (memory, and every later request waiting behind them).
+MAX_CHOICES = 256
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_LOGPROBS = 20
 
@@ -149,8 +152,9 @@ def check_object(body: Any) -> dict:
     return body
 
 
-def parse_prompts(body: dict, encode, vocab_size: int) -> tuple[list[list[int]], list[str]]:
-    """``prompt``: a string, a list of strings, a list of token ids or a list of such lists."""
+def parse_prompts(body: dict, encode, vocab_size: int, n: int = 1) -> tuple[list[list[int]], list[str]]:
+    """``prompt``: a string, a list of strings, a list of token ids or a list of such lists; at
+    most ``MAX_CHOICES`` choices with ``n`` each (checked before any is encoded)."""
     if "prompt" not in body:
         raise ApiError("prompt is required", "prompt")
     prompt = body["prompt"]
@@ -160,6 +164,11 @@ def parse_prompts(body: dict, encode, vocab_size: int) -> tuple[list[list[int]],
         items = prompt
     else:
         raise ApiError("prompt must be a non-empty string, list of strings or list of token ids", "prompt")
+    if len(items) * n > MAX_CHOICES:
+        raise ApiError(
+            f"prompt holds {len(items)} prompts × n={n} = {len(items) * n} choices; at most {MAX_CHOICES} a request",
+            "prompt",
+        )
     ids, texts = [], []
     for i, item in enumerate(items):
         where = "prompt" if len(items) == 1 else f"prompt[{i}]"
@@ -210,7 +219,7 @@ def parse_completion(body: Any, encode, vocab_size: int, max_len: int) -> Comple
     body = check_object(body)
     logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)  # 0: the chosen tokens' only
     sampling = parse_sampling(body, default_max_tokens=16, logprobs=logprobs)
-    prompts, texts = parse_prompts(body, encode, vocab_size)
+    prompts, texts = parse_prompts(body, encode, vocab_size, sampling.n)
     check_lengths(prompts, sampling.max_tokens, max_len)
     return Completion(prompts, texts, _bool(body, "echo", False), sampling, body.get("model"))
 

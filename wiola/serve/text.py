@@ -59,6 +59,10 @@ class TextStream:
             return ""
         return self._emit(full[: max(0, len(full) - self._hold)])
 
+    def add_textless(self) -> None:
+        """A token with no text (the eos that ends the sequence): its ``offset`` is the text's end."""
+        self.offset = len(self.final)
+
     def rest(self) -> str:
         """The held-back text once the sequence has ended (up to a stop string if one was hit)."""
         if self.stopped:
