@@ -426,7 +426,7 @@ def test_chat_without_a_template_is_a_400(checkpoint):
     assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
 
 
-def test_a_step_that_fails_fails_its_jobs_and_frees_their_rows(checkpoint):
+def test_a_step_that_fails_fails_its_jobs_and_frees_their_rows(checkpoint, caplog):
     """A step that raises (here a forward hook, on the PyTorch backend) ends every job in flight
     with the error, and the rows are free for the next requests, which then decode normally."""
     from starlette.testclient import TestClient
@@ -450,6 +450,7 @@ def test_a_step_that_fails_fails_its_jobs_and_frees_their_rows(checkpoint):
         hook = model.register_forward_pre_hook(fail_the_fourth_forward)
         r = client.post("/v1/completions", json={**body, "n": 2})
         assert r.status_code == 500 and "injected failure" in r.text
+        assert "decoding failed" in caplog.text and "injected failure" in caplog.text  # the operator sees it too
         hook.remove()
         for _ in range(2):  # the engine's two rows were freed: n=2 joins at once
             r = client.post("/v1/completions", json={**body, "n": 2})
@@ -509,6 +510,12 @@ def test_the_eos_token_is_at_the_texts_end_and_not_a_chat_content_token(checkpoi
 
 
 def test_models_health_tokenize_detokenize(server):
+    for method, path, status, message in (
+        ("GET", "/v1/nothing", 404, "no endpoint /v1/nothing"),
+        ("GET", "/v1/completions", 405, "GET is not allowed on /v1/completions"),
+    ):  # OpenAI's error JSON, as every other refusal
+        r = httpx.request(method, server.url + path)
+        assert r.status_code == status and r.json()["error"]["message"] == message, r.text
     models = httpx.get(server.url + "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny-wiola"
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
@@ -545,6 +552,8 @@ def test_serve_cli_bad_input_exits_2_with_one_line(server, checkpoint, tmp_path,
         (b'{"prompt": "a", "top_k": -2}', 400, "top_k must be 0 or -1 (no top-k filter) or a positive integer"),
         (b'{"prompt": ["a", "the cat and the dog and the cat"], "max_tokens": 250}', 400, "prompt[1] has "),
         (b'{"prompt": "the cat and the dog and the cat", "max_tokens": 250}', 400, "the prompt has "),
+        (b'{"prompt": "a", "top_k": false}', 400, "top_k must be an integer, got False"),
+        (b'{"prompt": "a", "top_k": 0.0}', 400, "top_k must be an integer, got 0.0"),
         pytest.param(
             b'{"prompt": "a", "x": ' + b"[" * 2000 + b"]" * 2000 + b"}", 400, "nested too deeply", id="nested-2000"
         ),

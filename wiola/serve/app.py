@@ -20,6 +20,7 @@ from importlib import resources
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -227,6 +228,16 @@ def _lone_surrogate(value: Any, path: str = "") -> tuple[str, str] | None:
 
 def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (an unknown path: 404, a method a path does not take: 405) in
+    OpenAI's error JSON, as every other refusal of the server."""
+    status = getattr(exc, "status_code", 500)
+    what = {404: f"no endpoint {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+    response = _error(ApiError(what.get(status, str(getattr(exc, "detail", exc))), status=status))
+    response.headers.update(getattr(exc, "headers", None) or {})  # 405's Allow
+    return response
 
 
 def _sse(payload: Any) -> str:
@@ -493,7 +504,7 @@ def create_app(server: Server) -> Starlette:
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
     app.state.server = server
     app.state.started = now()
     return app

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -98,6 +99,7 @@ class Engine:
             try:
                 joined, tokens = await loop.run_in_executor(self._executor, self._tick, joins, leaves)
             except Exception as e:  # a broken step: fail every job rather than hang them
+                logging.getLogger("wiola.serve").error("decoding failed; the jobs in flight end with it", exc_info=e)
                 for job in [*self.live.values(), *joins]:
                     self._end(job, RuntimeError(f"decoding failed: {e}"))
                 self.live.clear()

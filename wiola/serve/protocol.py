@@ -127,7 +127,7 @@ def parse_sampling(body: dict, *, default_max_tokens: int | None, logprobs: int 
     """The settings both endpoints share. ``top_k`` of 0 or -1 means no top-k filter (vLLM's
     convention); ``seed`` seeds choice ``i`` with ``seed + i``."""
     top_k = body.get("top_k")
-    if top_k in (0, -1):
+    if type(top_k) is int and top_k in (0, -1):  # not false or 0.0, which _top_k refuses as the other ints
         top_k = None
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
