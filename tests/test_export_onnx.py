@@ -225,6 +225,8 @@ def test_what_cannot_be_exported_is_refused(tmp_path: Path, capsys: pytest.Captu
     args = ["export", "--format", "onnx", "--checkpoint", str(tmp_path / "q"), "--out", str(tmp_path / "g")]
     assert cli_main([*args, "--quantize", "int8"]) == 2
     assert "already bf16-quantized" in capsys.readouterr().err
+    assert cli_main([*args, "--int8-matmul"]) == 2  # named by its flag, not the Python argument
+    assert "--int8-matmul needs int8 or int4 weights, and the checkpoint" in capsys.readouterr().err
 
 
 def test_a_folder_that_is_not_an_export_is_named(tmp_path: Path) -> None:

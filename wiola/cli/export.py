@@ -136,6 +136,9 @@ def _export_onnx(path: Path, out: Path, tokenizer: Tokenizer, args: argparse.Nam
         raise ValueError(f"--quantize {args.quantize}: the checkpoint {path} is already {held}-quantized")
     if args.int8_matmul and not (args.quantize or held):
         raise ValueError("--int8-matmul needs int8 or int4 weights: add --quantize int8 (or int4)")
+    if args.int8_matmul and (args.quantize or held) == "bf16":
+        where = "--quantize bf16" if args.quantize else f"the checkpoint {path} is bf16-quantized"
+        raise ValueError(f"--int8-matmul needs int8 or int4 weights, and {where}: drop --int8-matmul")
     if args.quantize and not held:
         quantize(model, args.quantize)
     _clear(out, _held_model_files(out))
