@@ -256,3 +256,28 @@ def test_a_tokenizers_token_type_ids_are_taken(model, tokenizer):
             model(p, token_type_ids=bad)
         with pytest.raises(ValueError, match=match):
             model.generate(p, 2, token_type_ids=bad)
+
+
+def test_transformers_names_of_the_model_its_output_and_config(model, tokenizer, tmp_path):
+    """What code written against ``transformers`` (and ``wiola13m``) reads: ``model.device`` and
+    ``.dtype``, ``get_input_embeddings()``/``get_output_embeddings()`` (the tied embedding),
+    ``out[0]``/``out["loss"]``/``to_tuple()`` in ``transformers``' order, the config's
+    ``hidden_size``-style names, and ``from_pretrained(torch_dtype=...)``."""
+    p = _prompt(tokenizer)
+    assert model.device == torch.device("cpu") and model.dtype == torch.float32
+    assert model.get_input_embeddings() is model.embed and model.get_output_embeddings().weight is model.embed.weight
+    with torch.no_grad():
+        out = model(p, labels=p, return_logits=True)
+        plain = model(p)
+    assert out.keys() == ["loss", "logits"] and out[0] is out.loss and out[1] is out.logits
+    assert out["loss"] is out.loss and out.to_tuple() == (out.loss, out.logits) and out[-1] is out.logits
+    assert plain.keys() == ["logits"] and plain[0] is plain.logits
+    with pytest.raises(KeyError, match="'loss': this output holds \\['logits'\\]"):
+        plain["loss"]
+    c = model.config
+    names = (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.intermediate_size, c.max_position_embeddings)
+    assert names == (c.d_model, c.n_layers, c.n_heads, c.d_ff, c.max_seq_len)
+    model.save_pretrained(tmp_path)
+    assert type(model).from_pretrained(tmp_path, torch_dtype="bfloat16").dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype or torch_dtype"):
+        type(model).from_pretrained(tmp_path, dtype=torch.float32, torch_dtype=torch.float32)

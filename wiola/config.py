@@ -170,6 +170,14 @@ class WiolaConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    # The names transformers' configs (and wiola13m's) give these settings, read-only, so that code
+    # written against them reads a WiolaConfig unchanged (wiola.checkpoint.HF_CONFIG_KEYS maps the files).
+    hidden_size = property(lambda self: self.d_model)
+    num_hidden_layers = property(lambda self: self.n_layers)
+    num_attention_heads = property(lambda self: self.n_heads)
+    intermediate_size = property(lambda self: self.d_ff)
+    max_position_embeddings = property(lambda self: self.max_seq_len)
+
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> WiolaConfig:
         """A named configuration (``13m``, ``micro``, ``small``, ``tiny``), optionally overridden."""

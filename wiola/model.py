@@ -40,9 +40,26 @@ if TYPE_CHECKING:
 
 @dataclass
 class ModelOutput:
+    """A forward's result. Also read as ``transformers``' outputs are: ``out[0]``, ``out["logits"]``,
+    ``to_tuple()`` and ``keys()`` over the fields that are set, in ``transformers``' order
+    (``loss`` first when there is one, then ``logits``)."""
+
     logits: torch.Tensor | None  # (B, T, V) float32, None when the fused loss skipped them
     loss: torch.Tensor | None = None  # float32 scalar when labels were given
     cache: Cache | None = None
+
+    def keys(self) -> list[str]:
+        return [name for name in ("loss", "logits", "cache") if getattr(self, name) is not None]
+
+    def to_tuple(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self.keys())
+
+    def __getitem__(self, key: int | slice | str) -> Any:
+        if isinstance(key, str):
+            if key not in self.keys():
+                raise KeyError(f"{key!r}: this output holds {self.keys()}")
+            return getattr(self, key)
+        return self.to_tuple()[key]
 
 
 @dataclass(frozen=True)
@@ -519,6 +536,24 @@ class WiolaModel(nn.Module):
         return super()._apply(fn, recurse)
 
     @property
+    def device(self) -> torch.device:
+        """Where the weights are (``transformers``' ``model.device``)."""
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype (``transformers``' ``model.dtype``)."""
+        return self.embed.weight.dtype
+
+    def get_input_embeddings(self) -> nn.Module:
+        """The token embedding (``transformers``' name for it)."""
+        return self.embed
+
+    def get_output_embeddings(self) -> nn.Module:
+        """The head: the embedding itself, tied (its ``.weight`` is the head's)."""
+        return self.embed
+
+    @property
     def rope_freqs(self) -> torch.Tensor:
         """``(D/2,)`` helical frequencies θ̃ on the model's device, float32 (float64 for a float64 model)."""
         w = self.embed.weight
@@ -794,11 +829,17 @@ class WiolaModel(nn.Module):
         device: torch.device | str = "cpu",
         dtype: torch.dtype | str | None = None,
         revision: str | None = None,
+        torch_dtype: torch.dtype | str | None = None,
     ) -> WiolaModel:
         """Load a checkpoint written by ``save_pretrained`` or by the published ``wiola13m`` package,
         from a folder or a Hugging Face Hub id (``"org/name"``, at ``revision``). ``dtype``: a
         torch dtype or its name (``"bfloat16"``), ``"auto"`` for the stored one, None for fp32. Its
-        tokenizer: ``wiola.checkpoint.load_checkpoint_tokenizer``."""
+        tokenizer: ``wiola.checkpoint.load_checkpoint_tokenizer``. ``torch_dtype``: ``transformers``'
+        older name for ``dtype``."""
+        if torch_dtype is not None:
+            if dtype is not None:
+                raise ValueError("give dtype or torch_dtype (its older name), not both")
+            dtype = torch_dtype
         return load_pretrained(cls, directory, device=device, dtype=dtype, revision=revision)
 
     def num_parameters(self) -> int:
