@@ -552,6 +552,9 @@ def test_serve_cli_bad_input_exits_2_with_one_line(server, checkpoint, tmp_path,
         (b'{"prompt": "a", "top_k": -2}', 400, "top_k must be 0 or -1 (no top-k filter) or a positive integer"),
         (b'{"prompt": ["a", "the cat and the dog and the cat"], "max_tokens": 250}', 400, "prompt[1] has "),
         (b'{"prompt": "the cat and the dog and the cat", "max_tokens": 250}', 400, "the prompt has "),
+        (b'{"prompt": "a", "presence_penalty": 0.5}', 400, "presence_penalty is not supported by this server"),
+        (b'{"prompt": "a", "logit_bias": {"5": 100}}', 400, "logit_bias is not supported"),
+        (b'{"prompt": "a", "best_of": 3}', 400, "best_of is not supported by this server (got 3); use n"),
         (b'{"prompt": "a", "top_k": false}', 400, "top_k must be an integer, got False"),
         (b'{"prompt": "a", "top_k": 0.0}', 400, "top_k must be an integer, got 0.0"),
         pytest.param(
@@ -892,3 +895,26 @@ def test_playground_checks_its_fields_and_shows_what_it_is_given_as_text(checkpo
         assert errors == ["Failed to load resource: the server responded with a status of 400 (Bad Request)"], errors
     finally:
         assert served.stop() == 0, served.log.read_text()
+
+
+def test_no_op_values_of_unsupported_parameters_and_text_parts_are_taken(server, solo):
+    """OpenAI parameters this server does not implement are refused when set (above) but taken
+    at their no-op values; chat content as OpenAI's list of text parts is the text they join to,
+    and a part of another kind is a 400 naming it."""
+    want = solo(PROMPTS[1], 6)[1]
+    body = {"prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0, "presence_penalty": 0, "frequency_penalty": 0.0,
+            "logit_bias": {}, "best_of": 1, "user": "me"}  # fmt: skip
+    r = httpx.post(server.url + "/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+    chat = {"max_tokens": 6, "temperature": 0}
+    plain = httpx.post(server.url + "/v1/chat/completions",
+                       json={**chat, "messages": [{"role": "user", "content": "Tell me about the cat."}]})  # fmt: skip
+    parts = [{"type": "text", "text": "Tell me about "}, {"type": "text", "text": "the cat."}]
+    split = httpx.post(
+        server.url + "/v1/chat/completions", json={**chat, "messages": [{"role": "user", "content": parts}]}
+    )
+    assert split.status_code == plain.status_code == 200, split.text
+    assert split.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+    image = [{"type": "image_url", "image_url": {"url": "http://x"}}]
+    r = httpx.post(server.url + "/v1/chat/completions", json={**chat, "messages": [{"role": "user", "content": image}]})
+    assert r.status_code == 400 and "messages[0].content[0] is a 'image_url' part" in r.json()["error"]["message"]

@@ -126,6 +126,7 @@ def _top_k(value: Any) -> int | None:
 def parse_sampling(body: dict, *, default_max_tokens: int | None, logprobs: int | None) -> Sampling:
     """The settings both endpoints share. ``top_k`` of 0 or -1 means no top-k filter (vLLM's
     convention); ``seed`` seeds choice ``i`` with ``seed + i``."""
+    refuse_unsupported(body)
     top_k = body.get("top_k")
     if type(top_k) is int and top_k in (0, -1):  # not false or 0.0, which _top_k refuses as the other ints
         top_k = None
@@ -144,6 +145,38 @@ def parse_sampling(body: dict, *, default_max_tokens: int | None, logprobs: int 
         stream=_bool(body, "stream", False),
         include_usage=_bool(options, "include_usage", False),
     )
+
+
+# OpenAI parameters that would change the answer and that this server does not implement: given
+# with anything but their no-op value they are a 400 naming them, never ignored. (``model``,
+# ``user`` and ``metadata`` change nothing here and are taken as they are.)
+NO_OP = {
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "suffix": ("",),
+    "min_tokens": (0,),
+}
+
+
+def refuse_unsupported(body: dict) -> None:
+    """``ApiError`` naming the first parameter of ``NO_OP`` set to something it would act on, and
+    ``best_of`` other than ``n`` (OpenAI's server-side best-of sampling)."""
+    for name, no_op in NO_OP.items():
+        value = body.get(name)
+        if value is not None and not any(type(value) is type(v) and value == v for v in no_op):
+            raise ApiError(f"{name} is not supported by this server (got {value!r}); leave it out", name)
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != body.get("n", 1):
+        raise ApiError(
+            f"best_of is not supported by this server (got {best_of!r}); use n for several choices", "best_of"
+        )
 
 
 def check_object(body: Any) -> dict:
@@ -231,6 +264,8 @@ def parse_chat(body: Any) -> ChatRequest:
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages must be a non-empty list", "messages")
     for i, m in enumerate(messages):
+        if isinstance(m, dict) and isinstance(m.get("content"), list):  # OpenAI's content parts
+            m["content"] = _text_parts(m["content"], f"messages[{i}].content")
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ApiError(f"messages[{i}] must be an object with string role and content", "messages")
     top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
@@ -244,6 +279,18 @@ def parse_chat(body: Any) -> ChatRequest:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
     sampling = parse_sampling(body, default_max_tokens=None, logprobs=logprobs)
     return ChatRequest([{"role": m["role"], "content": m["content"]} for m in messages], sampling, body.get("model"))
+
+
+def _text_parts(parts: list, where: str) -> str:
+    """OpenAI's content as a list of parts (``[{"type": "text", "text": ...}, ...]``) as the text
+    they join to; a part of another type (an image, audio) is a 400 naming it."""
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ApiError(f"{where}[{j}] is a {kind!r} part; this model reads text parts only", "messages")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def new_id(prefix: str) -> str:
