@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -69,9 +70,9 @@ def make_checkpoint(folder: Path) -> Path:
 class Served:
     """A ``wiola serve`` subprocess; ``url``, ``stop()`` (SIGTERM) and its captured log."""
 
-    def __init__(self, checkpoint: Path, log: Path, *extra: str) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+    def __init__(self, checkpoint: Path, log: Path, *extra: str, port: int | None = None) -> None:
+        """``port`` None: a free one; 0: the one the server reports it got, read from its log."""
+        self.port = _free_port() if port is None else port
         self.log = log
         cmd = [sys.executable, "-m", "wiola", "serve", "--checkpoint", str(checkpoint), "--port", str(self.port),
                "--max-batch", "8", "--log-level", "warning", *extra]  # fmt: skip
@@ -79,12 +80,22 @@ class Served:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"wiola serve exited: {log.read_text()}"
+            if self.port == 0:
+                said = re.search(r"on http://127\.0\.0\.1:(\d+), up to", log.read_text())
+                if said is None:
+                    time.sleep(0.2)
+                    continue
+                self.port = int(said[1])
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
             time.sleep(0.2)
         self.proc.kill()
         raise AssertionError(f"wiola serve did not come up: {log.read_text()}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     def stop(self, timeout: float = 60) -> int:
         if self.proc.poll() is None:
@@ -525,6 +536,16 @@ def test_models_health_tokenize_detokenize(server):
 
 
 # ---------------------------------------------------------------------------- faults
+def test_port_0_serves_on_the_port_it_says(checkpoint, tmp_path):
+    """``--port 0``: the system picks a free port, and the startup line names that port (it named
+    0); the server answers there and ends on SIGTERM with exit 0."""
+    served = Served(checkpoint, tmp_path / "serve.log", port=0)
+    try:
+        assert served.port != 0 and httpx.get(served.url + "/health").json()["status"] == "ok"
+    finally:
+        assert served.stop() == 0, served.log.read_text()
+
+
 def test_serve_cli_bad_input_exits_2_with_one_line(server, checkpoint, tmp_path, capsys):
     from wiola.cli import main
 

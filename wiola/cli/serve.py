@@ -45,18 +45,19 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    try:  # a port in use is bad input, said before the model loads
-        with socket.create_server((args.host, args.port)):
-            pass
+    try:  # a port in use is bad input, said before the model loads; the socket is the one served
+        sock = socket.create_server((args.host, args.port))
     except OSError as e:
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
-    model, tokenizer = load_model(args)
-    model = quantize_model(model.eval().requires_grad_(False), args.quantize)
-    name = args.model_name or Path(str(args.checkpoint).rstrip("/")).name
-    scheme = getattr(model, "quantization", None) or str(next(model.parameters()).dtype).removeprefix("torch.")
-    print(f"wiola serve: {name} ({scheme}) on http://{args.host}:{args.port}, up to {args.max_batch} rows",
-          file=sys.stderr)  # fmt: skip
-    with torch.inference_mode():
-        serve(model, tokenizer, model_name=name, host=args.host, port=args.port, max_batch=args.max_batch,
-              log_level=args.log_level)  # fmt: skip
+    with sock:
+        model, tokenizer = load_model(args)
+        model = quantize_model(model.eval().requires_grad_(False), args.quantize)
+        name = args.model_name or Path(str(args.checkpoint).rstrip("/")).name
+        scheme = getattr(model, "quantization", None) or str(next(model.parameters()).dtype).removeprefix("torch.")
+        port = sock.getsockname()[1]  # --port 0: the one the system chose
+        print(f"wiola serve: {name} ({scheme}) on http://{args.host}:{port}, up to {args.max_batch} rows",
+              file=sys.stderr)  # fmt: skip
+        with torch.inference_mode():
+            serve(model, tokenizer, model_name=name, host=args.host, port=port, max_batch=args.max_batch,
+                  log_level=args.log_level, sock=sock)  # fmt: skip
     return 0

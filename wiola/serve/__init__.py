@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import socket
 from collections.abc import Iterator
 from typing import Any
 
 
 def serve(model: Any, tokenizer: Any, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          max_batch: int = 8, log_level: str = "info") -> None:  # fmt: skip
+          max_batch: int = 8, log_level: str = "info", sock: socket.socket | None = None) -> None:  # fmt: skip
     """Serve ``model`` (a ``wiola.fast.WiolaModel``, any weight type, or the reference model) with
-    ``tokenizer`` on ``host:port`` with up to ``max_batch`` rows decoding at once."""
+    ``tokenizer`` on ``host:port`` with up to ``max_batch`` rows decoding at once; on ``sock``, a
+    listening socket, where one is given (``wiola serve`` binds it before the model loads, so a
+    port in use is said first and ``--port 0`` can print the port it got)."""
     import uvicorn
 
     from wiola.serve.app import Server, create_app
@@ -43,4 +46,4 @@ def serve(model: Any, tokenizer: Any, *, model_name: str, host: str = "127.0.0.1
     engine = Engine(model, max_batch)
     app = create_app(Server(engine, tokenizer, model_name, model.config.max_seq_len))
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None)
-    _Uvicorn(config).run()
+    _Uvicorn(config).run(sockets=None if sock is None else [sock])
