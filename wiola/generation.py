@@ -10,6 +10,7 @@ from the filtered softmax exactly and needs no host sync, so the CUDA-graph loop
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import numbers
 import operator
@@ -552,11 +553,8 @@ def resolve_lengths(input_ids: Any, inputs: Any, max_new_tokens: Any, max_length
         max_new_tokens = total - (T or 0)
     if max_new_tokens is None:
         raise TypeError("generate needs max_new_tokens (tokens to add) or max_length (prompt + new tokens)")
-    if not isinstance(max_new_tokens, bool) and not isinstance(max_new_tokens, int):
-        try:
-            max_new_tokens = as_int("max_new_tokens", max_new_tokens)
-        except TypeError:
-            pass  # left for check_generate_inputs to name
+    with contextlib.suppress(TypeError):  # not an integer (a bool too): check_generate_inputs names it
+        max_new_tokens = as_int("max_new_tokens", max_new_tokens)
     return input_ids, max_new_tokens
 
 

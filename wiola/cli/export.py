@@ -57,6 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 # files holds a model; --overwrite deletes all of these before writing, so that no file of the old
 # model stays beside the new one (a tokenizer, the other format's weights).
 MODEL_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", "model.onnx", "wiola_onnx.json")
+ONNX_PREFIX = "model.onnx"  # the graph and its external data (model.onnx.data)
 EXPORT_FILES = (*MODEL_FILES, "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "run_onnx.py")
 
 
@@ -67,14 +68,14 @@ def run_export(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--quantize and --int8-matmul are for --format onnx; the {args.format} format stores fp32 weights"
         )
-    from wiola.train.run_folder import check_apart, check_not_a_run, check_output_folder
+    from wiola.train.run_folder import check_apart, check_not_a_run, check_output_folder, delete_files, held_files
 
     out = Path(args.out)
     check_output_folder(out, "--out")
     path = resolve_checkpoint(args.checkpoint, args.revision)  # a run folder: its latest checkpoint
     check_apart(out, path, "--out", "checkpoint")  # a run folder's --out is refused too: it holds the checkpoint
     check_not_a_run(out)
-    held = _held_model_files(out)
+    held = held_files(out, MODEL_FILES, ONNX_PREFIX)
     if held and not args.overwrite:
         raise ValueError(
             f"--out {str(out)!r} already holds a model ({', '.join(held)}): pass --overwrite to replace it, or "
@@ -96,39 +97,22 @@ def run_export(args: argparse.Namespace) -> int:
                 "weights are fp32): export the fp32 checkpoint it was made from, or use --format onnx"
             )
         model = WiolaModel.from_pretrained(path)
-        _clear(out, held)
+        if held:  # --overwrite, once the new model has loaded
+            delete_files(out, EXPORT_FILES, ONNX_PREFIX)
         export_wiola13m(model, out, tokenizer)
         print(f"{path} -> {out} (wiola13m format, tokenizer {tokenizer.name!r}, {tokenizer.vocab_size:,} ids)")
         return 0
-    return _export_onnx(path, out, tokenizer, args)
+    return _export_onnx(path, out, tokenizer, args, held)
 
 
-def _held_model_files(out: Path) -> list[str]:
-    """The model files of a checkpoint or an export that ``out`` holds (ONNX external data too)."""
-    if not out.is_dir():
-        return []
-    return sorted(f.name for f in out.iterdir() if f.name in MODEL_FILES or f.name.startswith("model.onnx"))
-
-
-def _clear(out: Path, held: list[str]) -> None:
-    """Delete what a checkpoint or an export left in ``out`` (``--overwrite``; only where ``held``
-    says it holds a model), once the new model has loaded."""
-    from wiola.train.run_folder import remove_path
-
-    if not held:
-        return
-    for f in list(out.iterdir()):
-        if f.name in EXPORT_FILES or f.name.startswith("model.onnx"):
-            remove_path(f)
-
-
-def _export_onnx(path: Path, out: Path, tokenizer: Tokenizer, args: argparse.Namespace) -> int:
+def _export_onnx(path: Path, out: Path, tokenizer: Tokenizer, args: argparse.Namespace, replacing: list[str]) -> int:
     import torch
 
     from wiola.export.onnx import export_onnx
     from wiola.export.runner import MODEL_FILE
     from wiola.fast import WiolaModel
     from wiola.fast.quantize import quantize
+    from wiola.train.run_folder import delete_files
 
     model = WiolaModel.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
     held = getattr(model, "quantization", None)
@@ -141,7 +125,8 @@ def _export_onnx(path: Path, out: Path, tokenizer: Tokenizer, args: argparse.Nam
         raise ValueError(f"--int8-matmul needs int8 or int4 weights, and {where}: drop --int8-matmul")
     if args.quantize and not held:
         quantize(model, args.quantize)
-    _clear(out, _held_model_files(out))
+    if replacing:  # --overwrite, once the new model has loaded
+        delete_files(out, EXPORT_FILES, ONNX_PREFIX)
     t0 = time.perf_counter()
     meta = export_onnx(model, out, tokenizer, int8_matmul=args.int8_matmul)
     size = sum(f.stat().st_size for f in out.glob(MODEL_FILE + "*"))

@@ -303,9 +303,8 @@ async def _run_to_end(
                     finish[job] = what
                 else:
                     count += 1
-                    if logprobs and chat and what.finish_reason == "stop":
-                        pass  # the eos: no text, so not among the content's tokens (their bytes join to the text)
-                    elif logprobs:
+                    # chat: the eos has no text, so it is not among the content's tokens (their bytes join to it)
+                    if logprobs and not (chat and what.finish_reason == "stop"):
                         offset = streams[job].offset
                         logs[job].append(
                             server.chat_logprobs_entry(what) if chat else server.logprobs_entry(what, offset)

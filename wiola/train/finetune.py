@@ -42,7 +42,7 @@ from wiola.tokenizer import (
 from wiola.train.env import Progress, autocast, model_class, require, resolve_device
 from wiola.train.loop import StopFlag, TrainingDiverged
 from wiola.train.optim import WarmupCosine
-from wiola.train.run_folder import check_apart, check_not_a_run, check_output_folder
+from wiola.train.run_folder import check_apart, check_not_a_run, check_output_folder, delete_files, held_files
 from wiola.train.sft import FORMATS, batches, collate, load_sft_data
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -351,7 +351,7 @@ def save_finetuned(model: torch.nn.Module, tokenizer: Tokenizer, cfg: FinetuneCo
 def check_model_out(out: str | os.PathLike, overwrite: bool) -> None:
     """``ValueError`` when ``out`` already holds a model or adapters (``MODEL_FILES``) and
     ``overwrite`` is not set: writing there would replace it or mix two models' files."""
-    held = [name for name in MODEL_FILES if (Path(out) / name).exists()]
+    held = held_files(out, MODEL_FILES)
     if held and not overwrite:
         raise ValueError(
             f"--out {str(out)!r} already holds a model or adapters ({', '.join(held)}); "
@@ -363,13 +363,7 @@ def clear_model_out(out: str | os.PathLike) -> list[str]:
     """Delete the model, adapter and tokenizer files (``OUTPUT_FILES``) in ``out``, and peft's
     model card where ``out`` holds adapters, so a new model there has no stale files beside it;
     anything else stays. Returns the names deleted."""
-    gone = []
-    for name in (*OUTPUT_FILES, PEFT_MODEL_CARD) if is_adapter_folder(out) else OUTPUT_FILES:
-        path = Path(out) / name
-        if path.is_file() or path.is_symlink():
-            path.unlink()
-            gone.append(name)
-    return gone
+    return delete_files(out, (*OUTPUT_FILES, PEFT_MODEL_CARD) if is_adapter_folder(out) else OUTPUT_FILES)
 
 
 def checkpoint_dir(path: str | os.PathLike) -> Path:

@@ -204,6 +204,31 @@ def clear_run(out_dir: str | os.PathLike) -> list[str]:
     return [name for name in RUN_FILES if remove_path(out / name)]
 
 
+def held_files(folder: str | os.PathLike, names: tuple[str, ...], prefix: str | None = None) -> list[str]:
+    """Which of ``names`` (in their order), then which files starting with ``prefix`` (sorted),
+    the folder holds: the files of a model there (a checkpoint, adapters, an export)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    held = [name for name in names if (folder / name).exists()]
+    if prefix is not None:
+        held += sorted(f.name for f in folder.iterdir() if f.name.startswith(prefix) and f.name not in held)
+    return held
+
+
+def delete_files(folder: str | os.PathLike, names: tuple[str, ...], prefix: str | None = None) -> list[str]:
+    """Delete the files ``held_files`` finds (a file or a link, never a folder); anything else in
+    ``folder`` stays. For ``--overwrite``: a new model there has no stale file beside it. Returns
+    the names deleted."""
+    gone = []
+    for name in held_files(folder, names, prefix):
+        path = Path(folder) / name
+        if path.is_file() or path.is_symlink():
+            path.unlink()
+            gone.append(name)
+    return gone
+
+
 def remove_path(path: Path) -> bool:
     """Delete ``path``: a folder with what it holds, a file or a link (not what it points to).
     Returns whether there was anything to delete."""
