@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from wiola.config import WiolaConfig
 
 
 def _integer(value: object) -> int | None:
-    """``value`` as a Python int (``wiola.generation.as_int``: an int, or a numpy/torch integer
-    scalar), None for anything else (a bool included)."""
-    from wiola.generation import as_int  # generation imports this module
-
+    """``value`` as a Python int (an int, or a numpy/torch integer scalar), None for anything else
+    (a bool included)."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        return None
     try:
-        return as_int("size", value)
+        return operator.index(value)
     except TypeError:
         return None
 
