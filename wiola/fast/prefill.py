@@ -269,7 +269,7 @@ def _describe_gemm() -> str:
     where = "timed now" if m["source"] == "measured" else f"timed before, {m['source']}"
     return (
         f"fp32 GEMM {chosen} ({asked}: {why}oneDNN ran a prompt's products {m['ratio']:.2f}x as fast as "
-        f"ATen on {m['threads']} threads, taken from {GEMM_MARGIN}x; {where})"
+        f"ATen on {m['threads']} thread{'s' if m['threads'] != 1 else ''}, taken from {GEMM_MARGIN}x; {where})"
     )
 
 
