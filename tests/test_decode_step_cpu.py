@@ -317,8 +317,12 @@ def test_tuning_does_not_change_results(knob, values, isa, monkeypatch):
     "vendor,family,model,llc,weight_bytes,stream",
     [
         ("GenuineIntel", 6, 207, 260 << 20, 4, 0),  # everything fits: the head stays cached
-        ("AuthenticAMD", 25, 17, 32 << 20, 4, 0),  # Zen 4: cached whatever the sizes
+        ("AuthenticAMD", 25, 17, 32 << 20, 4, 0),  # Zen 4: fp32's 48 MB past the whole L3: cached
+        ("AuthenticAMD", 25, 17, 32 << 20, 2, 1),  # Zen 4: bf16's 24 MB between half and all of it: streamed
+        ("AuthenticAMD", 25, 17, 32 << 20, 1, 0),  # Zen 4: int8's 12 MB within half: cached
+        ("AuthenticAMD", 25, 17, 64 << 20, 4, 1),  # Zen 4 of a larger L3 (not measured): by the size rule
         ("AuthenticAMD", 25, 1, 32 << 20, 4, 0),  # Zen 3: cached whatever the sizes
+        ("AuthenticAMD", 25, 1, 32 << 20, 2, 0),
         ("AuthenticAMD", 25, 97, 32 << 20, 4, 1),  # Zen 4 desktop (not measured): 52 MB past 32 MiB, streamed
         ("AuthenticAMD", 25, 97, 32 << 20, 1, 0),  # its int8's 13 MB fits
         ("AuthenticAMD", 23, 49, 16 << 20, 4, 1),  # Zen 2: streamed
@@ -327,7 +331,8 @@ def test_tuning_does_not_change_results(knob, values, isa, monkeypatch):
 )
 def test_head_prefetch_choice(vendor, family, model, llc, weight_bytes, stream, monkeypatch):
     """``choose_tuning`` streams the 13m head past the cache when the matrices outgrow half the
-    last-level cache, except on the CPUs of ``CACHED_HEAD_CPUS``; it records what it chose from."""
+    last-level cache, except on the CPUs of ``CACHED_HEAD_CPUS`` and, where they outgrow all of it,
+    of ``CACHED_HEAD_PAST_LLC_CPUS``; it records what it chose from."""
     lines = (f"vendor_id\t: {vendor}", f"cpu family\t: {family}", f"model\t\t: {model}", "model name\t: test CPU")
     monkeypatch.setattr(decode_step_cpu, "_cpuinfo_lines", lambda: lines)
     monkeypatch.setattr(decode_step_cpu, "last_level_cache_bytes", lambda: llc)

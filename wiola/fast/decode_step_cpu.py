@@ -368,10 +368,15 @@ PREFETCH_BYTES = 8 << 10
 # non-temporal prefetch streams DRAM more slowly than a plain one (a 200 MB fp32 product on 2
 # threads: 15.3 GB/s against 18.4), and the layers' weights were not kept in its L3 either way
 # (the 13m fp32 step at batch 1: 1.07-1.10x faster with the head cached, three interleaved runs).
-# AMD Zen 4 (EPYC 9004 "Genoa", family 25, models 16-31; measured on model 17): the 13m step at
-# batch 1 ran 1.01-1.12x faster in fp32 and 1.08-1.09x in bf16 with the head cached (medians of
-# three interleaved runs of 15-40 rounds), batch 8 level.
-CACHED_HEAD_CPUS = (("AuthenticAMD", 25, range(0, 32)),)  # Zen 3 and Zen 4 EPYC
+CACHED_HEAD_CPUS = (("AuthenticAMD", 25, range(0, 16)),)  # Zen 3 EPYC
+# (vendor, family, models) whose tied head is read through the caches where the matrices outgrow the
+# whole last-level cache; between half of it and all of it the size rule streams the head. AMD Zen 4
+# (EPYC 9004 "Genoa", family 25, models 16-31; measured on model 17; the A/Bs of
+# bench/results/2026-12-05_cpu_tuning-ab-amd-zen4/): the 13m fp32 step (48 MB of matrices against
+# its 32 MiB L3) ran 1.08-1.10x faster with the head cached at batch 1 and 1.04-1.07x at batch 8;
+# the bf16 step (24 MB) ran 1.01-1.14x faster with it streamed at batch 1 in eight interleaved
+# runs of eight, batch 8 0.94-1.02x.
+CACHED_HEAD_PAST_LLC_CPUS = (("AuthenticAMD", 25, range(16, 32)),)  # Zen 4 EPYC
 BYTES_PER_THREAD = 1 << 21  # a parallel region takes one thread per this many bytes streamed
 
 
@@ -418,7 +423,8 @@ def choose_tuning(config: WiolaConfig, weight_bytes: int = 4) -> dict[str, int |
       layers' weights) when the matrices do not fit in half the last-level cache (the 13m fp32
       step's 52 MB against a 32 MiB L3), else keep it cached: where everything fits (an
       Intel Xeon's shared L3 of a few hundred MiB), a non-temporal head is fetched again from
-      DRAM every step. Never on the CPUs of ``CACHED_HEAD_CPUS`` (Zen 3 and Zen 4), whatever the sizes;
+      DRAM every step. Never on the CPUs of ``CACHED_HEAD_CPUS`` (Zen 3), whatever the sizes, nor on
+      those of ``CACHED_HEAD_PAST_LLC_CPUS`` (Zen 4) where the matrices outgrow the whole cache;
     - ``prefetch_rows``: rows of each product prefetched ahead (``PREFETCH_ROWS``; on the CPUs of
       ``PREFETCH_BYTES_CPUS`` (Zen 5) at least ``PREFETCH_BYTES`` of ``d_model``-weight rows: 16
       for bf16, 32 for int8 and int4, 8 for fp32);
@@ -432,7 +438,10 @@ def choose_tuning(config: WiolaConfig, weight_bytes: int = 4) -> dict[str, int |
     matrices = weight_bytes * (V * d + L * (4 * d * d + 3 * F * d))
     stream = llc is None or matrices > llc // 2  # half: the cache also holds the cache and activations
     vendor, family, model = cpu["vendor"], cpu["family"], cpu["model_number"]
-    stream = stream and not _listed(cpu, CACHED_HEAD_CPUS)
+    outgrown = llc is not None and matrices > llc
+    stream = (
+        stream and not _listed(cpu, CACHED_HEAD_CPUS) and not (outgrown and _listed(cpu, CACHED_HEAD_PAST_LLC_CPUS))
+    )
     ahead = prefetch_rows(weight_bytes * d)
     return {
         "vendor": vendor or platform.machine(), "family": family or None, "model": model or None, "cpu": cpu["model"],
