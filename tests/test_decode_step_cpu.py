@@ -349,14 +349,17 @@ def test_head_prefetch_choice(vendor, family, model, llc, weight_bytes, stream, 
         (26, 2, 2, 16),  # Zen 5, bf16: 512-byte rows of the 13m preset, 8 KB ahead
         (26, 2, 1, 32),  # Zen 5, int8 (and int4's packed bytes)
         (26, 2, 4, 8),  # Zen 5, fp32: 8 rows are 8 KB
-        (25, 17, 2, 8),  # Zen 4: 8 rows whatever the type
-        (25, 17, 1, 8),
+        (25, 17, 2, 0),  # Zen 4: each block's own rows, whatever the type
+        (25, 17, 1, 0),
+        (25, 17, 4, 0),
+        (25, 1, 4, 8),  # Zen 3: the default
         (26, 68, 2, 8),  # a Zen 5 desktop part (not measured): the default
     ],
 )
 def test_prefetch_distance_choice(family, model, weight_bytes, ahead, monkeypatch):
-    """``choose_tuning`` prefetches ``PREFETCH_ROWS`` rows ahead, and on the CPUs of
-    ``PREFETCH_BYTES_CPUS`` (Zen 5 EPYC) at least ``PREFETCH_BYTES`` of the model's rows."""
+    """``choose_tuning`` prefetches ``PREFETCH_ROWS`` rows ahead, on the CPUs of
+    ``PREFETCH_BYTES_CPUS`` (Zen 5 EPYC) at least ``PREFETCH_BYTES`` of the model's rows, and on
+    those of ``PREFETCH_NEAR_CPUS`` (Zen 4 EPYC) none (each block's own rows)."""
     lines = ("vendor_id\t: AuthenticAMD", f"cpu family\t: {family}", f"model\t\t: {model}", "model name\t: test CPU")
     monkeypatch.setattr(decode_step_cpu, "_cpuinfo_lines", lambda: lines)
     monkeypatch.setattr(decode_step_cpu, "last_level_cache_bytes", lambda: 32 << 20)

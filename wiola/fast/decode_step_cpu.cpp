@@ -530,7 +530,9 @@ inline void dot_rows(const T* W, const float* scale, int64_t K, const float* x, 
 // keeping it cached ran the 13m step 1.45x (fp32) and 1.7x (int8) faster at batch 1 (interleaved,
 // one thread, a loaded machine). 8 rows ahead: level with 16 and 32 on the Xeon, about 5% faster
 // than 16 on the EPYC; on a Zen 5 EPYC about 8 KB ahead (16 bf16 rows of 256 weights: 1.10x at
-// batch 1), the distance chosen per CPU and weight type (choose_tuning).
+// batch 1); on a Zen 4 EPYC 0 rows ahead, each block's own lines requested at once just before its
+// loads (fp32 at batch 8 1.31-1.49x faster than 8 rows ahead, batch 1 1.01-1.09x); the distance
+// chosen per CPU and weight type (choose_tuning).
 // The 4 rows `ahead` rows past row r (of rows below r1, row_bytes each, from W's first byte).
 inline void prefetch_block(const char* W, int64_t row_bytes, int64_t r, int64_t r1, bool stream, int64_t ahead) {
   int64_t p0 = r + ahead < r1 ? r + ahead : r1, p1 = r + ahead + 4 < r1 ? r + ahead + 4 : r1;

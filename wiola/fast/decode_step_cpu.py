@@ -363,6 +363,14 @@ PREFETCH_ROWS = 8  # rows ahead of the product's block that are prefetched
 # and int4 at 32 rows were level with 8, so every type there reads about 8 KB ahead.
 PREFETCH_BYTES_CPUS = (("AuthenticAMD", 26, range(0, 32)),)  # Zen 5 EPYC
 PREFETCH_BYTES = 8 << 10
+# (vendor, family, models) that prefetch no rows ahead: before each block of rows, that block's own
+# lines, every line of it requested at once before its first load. AMD Zen 4 (EPYC 9004 "Genoa",
+# family 25, models 16-31; measured on model 17), against 8 rows ahead, in interleaved A/Bs of the
+# 13m step (bench/results/2026-12-05_cpu_tuning-ab-amd-zen4/): fp32 1.01-1.09x faster at batch 1,
+# 1.02-1.09x at batches 2 and 4 and 1.31-1.49x at batch 8; bf16 0.96-1.01x at batch 1, 1.04-1.34x
+# at batches 2 to 8; int8 and int4 level (0.96-1.06x). One product of the 33 MB fp32 head alone at
+# 16 rows: 1.6-1.8x.
+PREFETCH_NEAR_CPUS = (("AuthenticAMD", 25, range(16, 32)),)  # Zen 4 EPYC
 # (vendor, family, models) whose tied head is read through the caches even when the matrices
 # outgrow the last-level cache. AMD Zen 3 (EPYC 7003 "Milan", family 25, models 0-15): its
 # non-temporal prefetch streams DRAM more slowly than a plain one (a 200 MB fp32 product on 2
@@ -408,9 +416,12 @@ def _listed(cpu: dict[str, str], table: tuple[tuple[str, int, range], ...]) -> b
 
 
 def prefetch_rows(row_bytes: int) -> int:
-    """Rows of ``row_bytes`` bytes a product prefetches ahead on this CPU: ``PREFETCH_ROWS``, or
-    on the CPUs of ``PREFETCH_BYTES_CPUS`` at least ``PREFETCH_BYTES`` of them."""
+    """Rows of ``row_bytes`` bytes a product prefetches ahead on this CPU: ``PREFETCH_ROWS``; on
+    the CPUs of ``PREFETCH_BYTES_CPUS`` at least ``PREFETCH_BYTES`` of them; on those of
+    ``PREFETCH_NEAR_CPUS`` none (each block's own rows, just before it)."""
     ahead = PREFETCH_ROWS
+    if _listed(cpu_info(), PREFETCH_NEAR_CPUS):
+        return 0
     if _listed(cpu_info(), PREFETCH_BYTES_CPUS):
         ahead = max(ahead, PREFETCH_BYTES // max(row_bytes, 1))
     return ahead
@@ -427,7 +438,8 @@ def choose_tuning(config: WiolaConfig, weight_bytes: int = 4) -> dict[str, int |
       those of ``CACHED_HEAD_PAST_LLC_CPUS`` (Zen 4) where the matrices outgrow the whole cache;
     - ``prefetch_rows``: rows of each product prefetched ahead (``PREFETCH_ROWS``; on the CPUs of
       ``PREFETCH_BYTES_CPUS`` (Zen 5) at least ``PREFETCH_BYTES`` of ``d_model``-weight rows: 16
-      for bf16, 32 for int8 and int4, 8 for fp32);
+      for bf16, 32 for int8 and int4, 8 for fp32; on those of ``PREFETCH_NEAR_CPUS`` (Zen 4) 0:
+      each block's own rows, just before it);
     - ``bytes_per_thread``: one thread per this many bytes streamed (``BYTES_PER_THREAD``).
 
     Also records what it was chosen from: the CPU's vendor, family, model and cache size, and
