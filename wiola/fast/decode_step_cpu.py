@@ -383,7 +383,8 @@ CACHED_HEAD_CPUS = (("AuthenticAMD", 25, range(0, 16)),)  # Zen 3 EPYC
 # bench/results/2026-12-05_cpu_tuning-ab-amd-zen4/): the 13m fp32 step (48 MB of matrices against
 # its 32 MiB L3) ran 1.08-1.10x faster with the head cached at batch 1 and 1.04-1.07x at batch 8;
 # the bf16 step (24 MB) ran 1.01-1.14x faster with it streamed at batch 1 in eight interleaved
-# runs of eight, batch 8 0.94-1.02x.
+# runs of eight, batch 8 0.94-1.02x. (Both with 8 rows prefetched ahead; with none, the Zen 4's
+# distance since, the two kinds were level: 0.98-1.04x.)
 CACHED_HEAD_PAST_LLC_CPUS = (("AuthenticAMD", 25, range(16, 32)),)  # Zen 4 EPYC
 BYTES_PER_THREAD = 1 << 21  # a parallel region takes one thread per this many bytes streamed
 
