@@ -1,0 +1,68 @@
+"""``bench.run_tables``: a results folder's runs as Markdown tables, one entry per run in each cell,
+every ratio taken within its own run; a folder without runs, or a run missing a row, exits 2 naming it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import run_tables
+
+FORMS = ("fp32", "bf16", "int8", "int4")
+
+
+def _run(scale: float, prefill: bool = True) -> dict:
+    """A run's records with tokens/s of 1,000 x (form's index + 1) x scale at batch 1 and twice that
+    at batch 8, and wiola13m at 100 x scale."""
+    benches = []
+    for B in (1, 8):
+        for i, w in enumerate(FORMS):
+            tps = 1000.0 * (i + 1) * scale * (2 if B == 8 else 1)
+            info = {
+                "tokens_per_s": tps,
+                "time_s": 128 * B / tps,
+                "compute_floor_s_per_step": 0.5 * B / tps,  # half the step's time: 50%
+                "pct_read_floor": 40.0 + i,
+                "bound_by": "the multiply-adds" if i else "reading the weights",
+                "baselines": {"wiola13m": {"speedup": tps / (100.0 * scale)}},
+            }
+            benches.append({"name": f"test_tg128_cpu[B{B}-P16-N128-{w}]", "extra_info": info})
+    if prefill:
+        for name, _ in run_tables.PREFILL_ROWS:
+            info = {"time_s": 512 / (4000.0 * scale), "baselines": {"wiola13m": {"speedup": 3.5}}}
+            benches.append({"name": f"test_prefill_cpu[{name}]", "extra_info": info})
+    return {"benchmarks": benches}
+
+
+def _folder(tmp_path: Path, runs: list[dict]) -> Path:
+    for i, run in enumerate(runs, 1):
+        (tmp_path / f"bench-{i}.json").write_text(json.dumps(run))
+    return tmp_path
+
+
+def test_tables_hold_each_run_and_ratios_within_it(tmp_path, capsys):
+    folder = _folder(tmp_path, [_run(1.0), _run(2.0)])
+    assert run_tables.main([str(folder)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("| weights, batch | tok/s, runs 1 / 2 |")
+    rows = {line.split(" | ")[0]: line for line in out if line.startswith("| ")}
+    assert rows["| fp32, 1"] == ("| fp32, 1 | 1,000 / 2,000 | 40 / 40 | 50 / 50 | reading | wiola13m: 10.0× / 10.0× |")
+    assert rows["| int4, 8"].endswith("| multiply-adds | int8: 1.33× / 1.33× |")  # 8,000 / 6,000 in each run
+    assert rows["| bf16, 8"].split(" | ")[1] == "4,000 / 8,000"
+    assert rows["| fp32 (oneDNN), fp32"] == "| fp32 (oneDNN), fp32 | 4,000 / 8,000 | 3.50× / 3.50× |"
+    assert not any(line.startswith("| form |") for line in out)  # no ONNX rows in these runs
+
+
+def test_tg128_alone_where_the_runs_hold_nothing_else(tmp_path, capsys):
+    assert run_tables.main([str(_folder(tmp_path, [_run(1.0, prefill=False)]))]) == 0
+    out = capsys.readouterr().out
+    assert "| int4, 8 |" in out and "products, weights" not in out
+
+
+def test_missing_runs_and_rows_exit_2(tmp_path, capsys):
+    assert run_tables.main([str(tmp_path)]) == 2
+    assert "no bench-1.json" in capsys.readouterr().err
+    run = _run(1.0)
+    run["benchmarks"] = [b for b in run["benchmarks"] if b["name"] != "test_tg128_cpu[B8-P16-N128-int8]"]
+    assert run_tables.main([str(_folder(tmp_path, [run]))]) == 2
+    assert "test_tg128_cpu[B8-P16-N128-int8]" in capsys.readouterr().err
