@@ -420,12 +420,12 @@ def prefetch_rows(row_bytes: int) -> int:
     """Rows of ``row_bytes`` bytes a product prefetches ahead on this CPU: ``PREFETCH_ROWS``; on
     the CPUs of ``PREFETCH_BYTES_CPUS`` at least ``PREFETCH_BYTES`` of them; on those of
     ``PREFETCH_NEAR_CPUS`` none (each block's own rows, just before it)."""
-    ahead = PREFETCH_ROWS
-    if _listed(cpu_info(), PREFETCH_NEAR_CPUS):
+    cpu = cpu_info()
+    if _listed(cpu, PREFETCH_NEAR_CPUS):
         return 0
-    if _listed(cpu_info(), PREFETCH_BYTES_CPUS):
-        ahead = max(ahead, PREFETCH_BYTES // max(row_bytes, 1))
-    return ahead
+    if _listed(cpu, PREFETCH_BYTES_CPUS):
+        return max(PREFETCH_ROWS, PREFETCH_BYTES // max(row_bytes, 1))
+    return PREFETCH_ROWS
 
 
 def choose_tuning(config: WiolaConfig, weight_bytes: int = 4) -> dict[str, int | str | None]:
