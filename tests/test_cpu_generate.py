@@ -187,3 +187,38 @@ def test_sampler_equals_sample_next_with_ties(scale, isa):
         ids = samplers.top_ids[i, :k].tolist()
         order = sorted(range(V), key=lambda j: (-float(logits[i, j]), j))[:k]
         assert ids == order, f"row {i}: top ids {ids} != {order}"
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-38])
+def test_vanishing_temperature_is_the_argmax_for_any_signs(temperature, isa):
+    """A temperature at which logits / T overflow float32 gives each row's argmax (the limit of
+    the distribution), as ``sample_next`` does on the same draws, whether the overflow takes a
+    positive logit to +inf or, in a row of negative logits, every one to -inf; with top-k too. At
+    1e-38 the negative rows stay finite (-1 / 1e-38 ≈ -1e38): the draw then runs, and equals the
+    argmax because the logits are far apart on that scale."""
+    lib = decode_step_cpu.load(isa)
+    gen = torch.Generator().manual_seed(7)
+    V = 203
+    negative = -(torch.rand(3, V, generator=gen) + 0.5)  # every logit in [-1.5, -0.5)
+    mixed = torch.randn(3, V, generator=gen)
+    positive = torch.rand(2, V, generator=gen) + 0.5
+    logits = torch.cat([negative, mixed, positive]).contiguous()
+    n = logits.shape[0]
+    for top_k in (0, 5):
+        samplers = decode_step_cpu.Samplers(n, V, 1)
+        samplers.mode.fill_(decode_step_cpu.MODE["sample"])
+        samplers.temperature.fill_(temperature)
+        samplers.top_k.fill_(top_k)
+        want = []
+        for i in range(n):
+            noise = torch.empty(1, V).exponential_(generator=torch.Generator().manual_seed(i))
+            samplers.log_noise[i] = torch.log(noise.clamp_min(1e-30))[0]
+            g = torch.Generator().manual_seed(i)
+            want.append(int(reference_loop.sample_next(logits[i : i + 1], temperature, top_k or None, None, g)[0]))
+        decode_step_cpu.sample_rows(lib, logits, samplers)
+        argmax = logits.argmax(dim=-1).tolist()
+        assert want == argmax, f"sample_next at T={temperature}, top_k={top_k}: {want} != argmax {argmax}"
+        assert samplers.token.tolist() == argmax, (
+            f"{isa} on {decode_step_cpu.cpu_info()['name']}, T={temperature}, top_k={top_k}: "
+            f"the C++ sampler's {samplers.token.tolist()} != argmax {argmax}"
+        )

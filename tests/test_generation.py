@@ -69,6 +69,17 @@ def test_sampled_frequencies_follow_the_tempered_distribution():
     assert (freq - want).abs().max() < 0.015  # 4.5σ for 20,000 draws
 
 
+def test_vanishing_temperature_is_the_argmax_of_negative_logits():
+    """At a temperature where every logit / T of an all-negative row overflows to -inf (1e-40),
+    the token is the row's argmax, the limit of the distribution, not id 0; with top-k and top-p
+    too, and beside a row whose positive logits overflow to +inf."""
+    logits = torch.tensor([[-3.0, -2.0, -1.0, -5.0], [0.5, 2.0, -1.0, 1.0]])
+    for kwargs in ({}, {"top_k": 2}, {"top_p": 0.9}):
+        for seed in range(4):
+            got = sample_next(logits, 1e-40, generator=torch.Generator().manual_seed(seed), **kwargs)
+            assert got.tolist() == [2, 1], (kwargs, seed)
+
+
 def test_rows_that_hit_eos_stop_and_are_padded(model):
     prompt = torch.randint(0, 101, (2, 6))
     free = model.generate(prompt, 12, temperature=0)

@@ -139,13 +139,14 @@ def sample_next(
     The draw is ``argmax(logits − log E)`` with ``E`` ``(B, V)`` ``Exp(1)`` noise: drawn here from
     ``generator``, or given as ``noise`` (a buffer refilled before each CUDA-graph replay).
     ``temperature`` and ``top_p`` may be 0-d device tensors (then never greedy). A temperature so
-    small that a logit divided by it overflows float32 (``1e-40``) gives the row's argmax, the
-    limit of the distribution as the temperature goes to 0 (the noise is drawn all the same).
+    small that a logit divided by it overflows float32 (``1e-40``: a positive logit to ``+inf``,
+    or, where every logit is negative, every one to ``-inf``) gives the row's argmax, the limit of
+    the distribution as the temperature goes to 0 (the noise is drawn all the same).
     """
     if not isinstance(temperature, torch.Tensor) and temperature == 0:
         return logits.argmax(dim=-1)
     scaled = logits.float() / temperature
-    overflow = (scaled == float("inf")).any(dim=-1)
+    overflow = (scaled == float("inf")).any(dim=-1) | (scaled == float("-inf")).all(dim=-1)
     scaled = filter_logits(scaled, top_k, top_p)
     if noise is None:
         noise = torch.empty_like(scaled).exponential_(generator=generator)

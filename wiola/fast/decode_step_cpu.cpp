@@ -1725,12 +1725,15 @@ inline int64_t sample_row(const float* logits, int64_t V, int64_t mode, float te
                           const float* log_noise, float* scratch) {
   if (mode == kGreedy) return argmax_first(logits, V);
   float* x = scratch;
-  bool overflow = false;  // a logit / temperature past float32 (a temperature of 1e-40): the argmax, the limit
+  // A logit / temperature past float32 (a temperature of 1e-40): a positive logit to +inf, or,
+  // where every logit is negative, every one to -inf. The argmax then, the distribution's limit.
+  bool overflow = false, all_negative_inf = true;
   for (int64_t j = 0; j < V; ++j) {
     x[j] = logits[j] / temperature;
     overflow |= x[j] == INFINITY;
+    all_negative_inf &= x[j] == -INFINITY;
   }
-  if (overflow) return argmax_first(logits, V);
+  if (overflow || all_negative_inf) return argmax_first(logits, V);
   if (top_k > 0 && top_k < V) {
     float kth = kth_largest(x, V, top_k, scratch + V);
     for (int64_t j = 0; j < V; ++j)
