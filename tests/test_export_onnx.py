@@ -258,9 +258,12 @@ def test_a_folder_that_is_not_an_export_is_named(tmp_path: Path) -> None:
 
 def test_runner_checks_eos_pad_and_threads(exports: dict[str, Path]) -> None:
     """eos and pad ids are checked as ``generate`` checks them (an id outside the vocabulary
-    would be written into the output), and so is the thread count."""
+    would be written into the output), and so is the thread count; a prompt id past int64 is
+    named as given, not as the value a cast would wrap it to."""
     exported = OnnxModel(exports["fp32"])
     ids = np.array([[5, 6, 7]])
+    with pytest.raises(ValueError, match=rf"token id {2**64 - 1} is outside \[0, vocab_size=320\)"):
+        exported.generate(np.array([[1, 2**64 - 1]], dtype=np.uint64), 3)
     for kwargs, error, match in (
         ({"eos_token_id": 9, "pad_token_id": -7}, ValueError, r"pad_token_id -7 is outside \[0, vocab_size=320\)"),
         ({"eos_token_id": -5}, ValueError, "eos_token_id -5 is outside"),
@@ -349,8 +352,10 @@ def test_cli_without_the_export_extra_exits_2(tmp_path: Path, capsys, monkeypatc
 
 
 def test_runner_text_stops_before_eos_and_bad_folders_exit_2(tmp_path: Path) -> None:
-    """``generate_text`` ends before the eos token (its text is not printed, as ``wiola generate``
-    leaves it out); a damaged model.onnx and a missing onnxruntime are exit 2 with a message."""
+    """``generate_text`` is what ``wiola generate`` prints: the prompt as given (not the ``<s>`` this
+    tokenizer puts before it), then the new text, ending before the eos token; an empty prompt is
+    refused as ``wiola generate`` refuses it; a damaged model.onnx and a missing onnxruntime are
+    exit 2 with a message."""
     ckpt, tok = _checkpoint(tmp_path)
     export_onnx(FastModel.from_pretrained(ckpt).eval().requires_grad_(False), tmp_path / "x", tok)
     exported = OnnxModel(tmp_path / "x")
@@ -361,7 +366,9 @@ def test_runner_text_stops_before_eos_and_bad_folders_exit_2(tmp_path: Path) -> 
     exported.meta["eos_token_id"] = free[len(ids) + 3]  # the 4th new token ends the row
     got = exported.generate_text(prompt, 6)
     cut = free.index(free[len(ids) + 3], len(ids))
-    assert got == exported.tokenizer.decode(free[:cut], skip_special_tokens=False), (got, free)
+    assert ids[0] == 1 and got == prompt + exported.tokenizer.decode(free[len(ids) : cut]), (got, free)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        exported.generate_text("", 6)
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / META_FILE).write_text((tmp_path / "x" / META_FILE).read_text())

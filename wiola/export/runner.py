@@ -63,10 +63,10 @@ class StepDriver:
             raise TypeError(f"input_ids must hold integers, got dtype {ids.dtype}")
         if ids.ndim != 2 or ids.size == 0:
             raise ValueError(f"input_ids must be a non-empty (B, T) array, got shape {ids.shape}")
-        ids = ids.astype(np.int64)
-        lo, hi = int(ids.min()), int(ids.max())
+        lo, hi = int(ids.min()), int(ids.max())  # before the cast: a uint64 past int64 would wrap
         if lo < 0 or hi >= self.vocab_size:
             raise ValueError(f"token id {lo if lo < 0 else hi} is outside [0, vocab_size={self.vocab_size})")
+        ids = ids.astype(np.int64)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
         B, T = ids.shape
@@ -249,16 +249,17 @@ class OnnxModel:
         return self.driver.generate(input_ids, max_new_tokens, attention_mask=attention_mask, **kwargs)
 
     def generate_text(self, prompt: str, max_new_tokens: int = 100) -> str:
-        """The prompt's greedy continuation as text (the prompt included), up to eos: the eos token
-        and the padding after it are not part of the text (as ``wiola generate`` prints it)."""
+        """The prompt's greedy continuation as text, as ``wiola generate`` prints it: the prompt as
+        given, then the new tokens' text up to eos (the eos token and the padding after it are not
+        part of it, nor a bos token the tokenizer put before the prompt)."""
         ids = self.tokenizer.encode(prompt).ids
-        if not ids:
-            raise ValueError("the prompt encodes to no tokens")
-        out = self.generate(np.array([ids], dtype=np.int64), max_new_tokens)[0].tolist()
+        if not prompt or not ids:
+            raise ValueError("the prompt is empty")
+        new = self.generate(np.array([ids], dtype=np.int64), max_new_tokens)[0, len(ids) :].tolist()
         eos = self.meta.get("eos_token_id")
-        if eos is not None and eos in out[len(ids) :]:
-            out = out[: len(ids) + out[len(ids) :].index(eos)]
-        return self.tokenizer.decode(out, skip_special_tokens=False)
+        if eos is not None and eos in new:
+            new = new[: new.index(eos)]
+        return prompt + self.tokenizer.decode(new, skip_special_tokens=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
