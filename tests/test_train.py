@@ -383,6 +383,45 @@ def test_resume_with_nothing_to_do_says_so_last(runs, corpus, cache, tmp_path) -
     assert lines[-1] == "the checkpoint is at step 6 and the run has 6 steps: nothing to do (raise --steps)", lines
 
 
+def test_resume_below_the_checkpoint_step_is_refused(runs, corpus, cache, tmp_path, capsys) -> None:
+    """Resuming a run at step 6 with --steps 4 cannot be met: refused naming both counts (exit 2
+    on the command line) before anything is written; the run stays as it was."""
+    from wiola.cli import main
+
+    folder = tmp_path / "run"
+    shutil.copytree(runs[0].out_dir, folder)
+    before = (folder / "metrics.jsonl").read_bytes()
+    with pytest.raises(ValueError, match=r"with --steps 4: it is at step 6 already"):
+        train(_cfg(corpus, cache, folder, steps=4), resume=folder, log=_quiet)
+    assert main(["train", "--resume", str(folder), "--steps", "4", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "it is at step 6 already" in err[0], err
+    assert (folder / "metrics.jsonl").read_bytes() == before
+
+
+def test_resume_with_more_steps_stretches_every_group_schedule(runs, corpus, cache, tmp_path) -> None:
+    """Resuming a 6-step run from step 3 with 9 steps: from the first resumed step on, the
+    learning rate of every parameter group (the decayed matrices and the undecayed norms and bias)
+    is the 9-step schedule's at that step: the logged rate of steps 4 and 5, and both groups' rates
+    in the optimizer state saved at step 5. The first resumed step used to run at the 6-step
+    schedule's rate, and the undecayed group kept that schedule to the end."""
+    from wiola.train.optim import schedule
+    from wiola.train.run_folder import read_optimizer_state
+
+    folder = tmp_path / "run"
+    shutil.copytree(runs[1].out_dir, folder)
+    cfg = _cfg(corpus, cache, folder, steps=9)
+    result = train(cfg, resume=folder / "checkpoints" / "step_0000003", stop_at=5, log=_quiet)
+    assert result.step == 5 and result.interrupted
+    multiplier = schedule(cfg)
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r["lr"] for r in rows if r["kind"] == "train" and r["step"] in (4, 5)}
+    assert len([r for r in rows if r["kind"] == "train" and r["step"] in (4, 5)]) == 2, rows
+    assert logged == {4: cfg.lr * multiplier(3), 5: cfg.lr * multiplier(4)}, logged
+    groups = read_optimizer_state(result.checkpoint)["optimizer"]["param_groups"]
+    assert len(groups) == 2 and [g["lr"] for g in groups] == [cfg.lr * multiplier(5)] * 2, groups
+
+
 def test_an_init_run_resumes_after_its_init_checkpoint_is_gone(runs, corpus, cache, tmp_path, capsys) -> None:
     """A run started with --init resumes from its own checkpoint: its model and tokenizer are read
     there, so the --init folder may since have been moved or deleted."""

@@ -344,6 +344,11 @@ def _check_resume(saved: dict[str, Any], cfg: TrainConfig, model_config: WiolaCo
             f"cannot resume {checkpoint} exactly: training settings differ ({'; '.join(diff)}). "
             "Leave them out to keep the checkpoint's values."
         )
+    if int(saved["step"]) > cfg.steps:  # equal: a finished run, nothing to do (said after loading)
+        raise ValueError(
+            f"cannot resume {checkpoint} with --steps {cfg.steps:,}: it is at step {int(saved['step']):,} "
+            "already (a run does not go back; raise --steps, or start a new run from it with --init)"
+        )
 
 
 def _restore(run: _Run, checkpoint: Path, saved: dict[str, Any]) -> None:
@@ -356,7 +361,17 @@ def _restore(run: _Run, checkpoint: Path, saved: dict[str, Any]) -> None:
     opt_state = read_optimizer_state(checkpoint)
     run.optimizer.load_state_dict(opt_state["optimizer"])
     run.scheduler.load_state_dict(opt_state["scheduler"])
-    run.scheduler.lr_lambdas[0] = schedule(cfg)  # a new --steps stretches the cosine
+    # A new --steps stretches the cosine, for every parameter group (the decayed matrices and the
+    # undecayed norms and bias), from the next step on: each group's rate is set again as
+    # LambdaLR sets it, base rate times the multiplier at the step reached, so that the first
+    # resumed step does not run at the saved schedule's rate. With the same --steps it is the
+    # value the optimizer holds already, bit for bit, so resuming stays exact.
+    multiplier = schedule(cfg)
+    groups = run.optimizer.param_groups
+    run.scheduler.lr_lambdas = [multiplier] * len(groups)
+    for group, base in zip(groups, run.scheduler.base_lrs, strict=True):
+        group["lr"] = base * multiplier(run.scheduler.last_epoch)
+    run.scheduler._last_lr = [group["lr"] for group in groups]
     set_rng_state(opt_state["rng"])
     run.stream.load_state_dict(saved["data"]["position"])
     run.step = int(saved["step"])
