@@ -154,6 +154,36 @@ def test_tokenizer_train_refuses_a_corpus_without_text(tmp_path, capsys):
     _refuses([*argv[:-4], "--vocab-size", "100", "--out", str(out)], capsys, "--vocab-size 100 is too small")
 
 
+def test_tokenizer_train_refuses_an_out_holding_a_model_a_run_or_a_tokenizer(tmp_path, capsys):
+    """A tokenizer written into a model's folder would be read with its weights (by ``eval`` and
+    ``generate``): refused, as is a training run's folder, whatever --overwrite says, before any
+    reading; a folder holding a tokenizer is replaced only with --overwrite."""
+    from wiola.cli import main
+    from wiola.tokenizer import load_tokenizer
+
+    (tmp_path / "corpus.txt").write_text("Once upon a time there was a cat. The cat sat.\n" * 20)
+    ckpt = tmp_path / "ckpt"
+    torch.manual_seed(0)
+    WiolaModel(WiolaConfig.preset("tiny", n_layers=1)).save_pretrained(ckpt)
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("")
+    argv = ["tokenizer", "train", "--data", str(tmp_path / "corpus.txt"), "--vocab-size", "300", "--no-progress"]
+    for flags in ([], ["--overwrite"]):
+        _refuses([*argv, "--out", str(ckpt), *flags], capsys, "holds a model (config.json, model.safetensors)")
+        _refuses([*argv, "--out", str(run), *flags], capsys, "holds a training run")
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    tok = tmp_path / "tok"
+    assert main([*argv, "--out", str(tok)]) == 0
+    capsys.readouterr()
+    first = load_tokenizer(tok).fingerprint
+    _refuses([*argv, "--out", str(tok)], capsys, "already holds a tokenizer (tokenizer.json")
+    (tmp_path / "corpus.txt").write_text("A dog ran to the park and back again.\n" * 20)
+    assert main([*argv, "--out", str(tok), "--overwrite"]) == 0
+    assert load_tokenizer(tok).fingerprint != first
+
+
 def test_chat_checks_sampling_flags_before_loading(tmp_path, monkeypatch, capsys):
     import wiola.train.finetune
 

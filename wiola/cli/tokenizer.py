@@ -20,8 +20,38 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--vocab-size", type=int, required=True, help="ids in the vocabulary, specials and bytes included")
     t.add_argument("--out", required=True, help="folder to write tokenizer.json, tokenizer_config.json, ...")
     t.add_argument("--max-documents", type=int, help="train on the first N training documents only")
+    t.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the tokenizer an --out already holds (a folder holding a model or a training run is refused)",
+    )
     add_progress_flag(t)
     t.set_defaults(func=run_train)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")  # what save writes
+
+
+def check_tokenizer_out(out: Path, overwrite: bool) -> None:
+    """``ValueError`` when ``out`` holds a model (its tokenizer is the one its ids mean: a new one
+    written there would be read with its weights, by ``wiola eval`` and ``generate`` alike) or a
+    training run, whatever ``overwrite`` says; or a tokenizer, unless ``overwrite``."""
+    from wiola.cli.export import MODEL_FILES, ONNX_PREFIX
+    from wiola.train.run_folder import check_not_a_run, held_files
+
+    check_not_a_run(out)
+    model = held_files(out, MODEL_FILES, ONNX_PREFIX)
+    if model:
+        raise ValueError(
+            f"--out {str(out)!r} holds a model ({', '.join(model)}), whose ids its own tokenizer defines: "
+            "write the new tokenizer to another folder"
+        )
+    held = held_files(out, TOKENIZER_FILES)
+    if held and not overwrite:
+        raise ValueError(
+            f"--out {str(out)!r} already holds a tokenizer ({', '.join(held)}): pass --overwrite to replace it, "
+            "or write to another folder"
+        )
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -36,6 +66,7 @@ def run_train(args: argparse.Namespace) -> int:
     if args.vocab_size < smallest:
         raise ValueError(f"--vocab-size {args.vocab_size} is too small: a byte-level BPE needs at least {smallest} ids")
     check_output_folder(args.out, "--out")
+    check_tokenizer_out(Path(args.out), args.overwrite)
     source = resolve_source(args.data)
     docs, total = iter_documents(source, "train")
     if args.max_documents is not None:
