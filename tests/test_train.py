@@ -765,11 +765,24 @@ def test_cli_eval_refuses_counts_below_one(runs, monkeypatch, capsys, flags) -> 
         raise AssertionError("the checkpoint was loaded before the flags were checked")
 
     monkeypatch.setattr(evaluate, "_load_for_eval", loads)
-    for command in ("eval", "gates"):
+    # gates has no --eval-windows or --batch-size (test_cli_gates_refuses_the_scoring_flags_it_would_ignore)
+    for command in ("eval", "gates") if flags[0] == "--seq-len" else ("eval",):
         code = main([command, "--checkpoint", str(runs[0].out_dir), *flags])
         captured = capsys.readouterr()
         assert code == 2 and captured.out == "", captured
         assert captured.err == f"wiola {command}: error: {flags[0]} must be >= 1, got {flags[1]}\n", captured.err
+
+
+def test_cli_gates_refuses_the_scoring_flags_it_would_ignore(runs, capsys) -> None:
+    """``gates`` averages ``--windows`` windows in one forward pass: ``--eval-windows`` and
+    ``--batch-size`` (``eval``'s) are refused, exit 2, not accepted and ignored."""
+    from wiola.cli import main
+
+    for flags in (["--eval-windows", "8"], ["--batch-size", "4"]):
+        with pytest.raises(SystemExit) as stop:
+            main(["gates", "--checkpoint", str(runs[0].out_dir), "--windows", "4", *flags])
+        assert stop.value.code == 2
+        assert f"unrecognized arguments: {' '.join(flags)}" in capsys.readouterr().err
 
 
 def test_cli_gates_checks_its_png_folder_first(runs, monkeypatch, tmp_path, capsys) -> None:

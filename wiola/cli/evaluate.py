@@ -38,13 +38,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_eval)
 
     p = sub.add_parser("gates", help="mean gate per layer × head of a checkpoint, as a heat-map PNG")
-    _add_eval_arguments(p)
+    _add_eval_arguments(p, scoring=False)
     p.add_argument("--out", help="PNG path (default: gates.png next to a local checkpoint; ./gates.png for a Hub id)")
     p.add_argument("--windows", type=int, default=8, help="validation windows to average over")
     p.set_defaults(func=run_gates)
 
 
-def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
+def _add_eval_arguments(p: argparse.ArgumentParser, scoring: bool = True) -> None:
+    """The flags ``eval`` and ``gates`` share; ``scoring``: also ``--eval-windows`` and
+    ``--batch-size``, which ``gates`` does not take (it averages ``--windows`` windows in one
+    forward pass), so that there they are refused rather than ignored."""
     p.add_argument(
         "--checkpoint",
         type=non_empty,
@@ -55,8 +58,9 @@ def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--val-data")
     p.add_argument("--cache-dir")
     p.add_argument("--seq-len", type=int, help="default: the training seq_len (or min(512, max_seq_len - 1))")
-    p.add_argument("--eval-windows", type=int, help="validation windows to score (default: all)")
-    p.add_argument("--batch-size", type=int, default=8)
+    if scoring:
+        p.add_argument("--eval-windows", type=int, help="validation windows to score (default: all)")
+        p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--device", help="default: cuda when available")
     p.add_argument("--precision", choices=["auto", "bf16", "fp32"], help="default: the training precision (or auto)")
     p.add_argument("--fast", action="store_true", help="wiola.fast (fused Triton kernels)")
