@@ -383,6 +383,35 @@ def test_resume_with_nothing_to_do_says_so_last(runs, corpus, cache, tmp_path) -
     assert lines[-1] == "the checkpoint is at step 6 and the run has 6 steps: nothing to do (raise --steps)", lines
 
 
+def test_an_interrupted_run_redraws_its_loss_curve(corpus, cache, tmp_path, monkeypatch, capsys) -> None:
+    """A run stopped after step 5 of 6, whose last evaluation drew the curve at step 3: the curve
+    is drawn again at the stop with every metrics record (steps 4 and 5 included), and the command
+    line prints the plots' paths before exiting 130."""
+    import wiola.train.plots as plots
+    from wiola.cli import main
+
+    drawn: list[list[int]] = []
+    real = plots.plot_loss_curve
+
+    def spy(records, path):
+        drawn.append([r["step"] for r in records if r["kind"] == "train"])
+        return real(records, path)
+
+    monkeypatch.setattr(plots, "plot_loss_curve", spy)
+    result = train(_cfg(corpus, cache, tmp_path / "run", plots=True), stop_at=5, log=_quiet)
+    assert result.interrupted and result.step == 5
+    assert drawn == [[1, 2, 3], [1, 2, 3, 4, 5]], drawn
+    assert result.plots["loss_curve"].read_bytes()[:4] == b"\x89PNG"
+
+    # the CLI's train call stopped after step 2 as a signal would stop it
+    monkeypatch.setattr("wiola.train.train", lambda cfg, **kw: train(cfg, stop_at=2, log=_quiet, **kw))
+    argv = ["train", "--preset", "tiny", "--model", "d_model=32", "--data", str(corpus), "--cache-dir", str(cache)]
+    code = main([*argv, "--steps", "4", "--batch-size", "2", "--seq-len", "16", "--eval-windows", "2",
+                 "--out", str(tmp_path / "cli"), "--no-progress"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 130 and f"loss_curve: {tmp_path / 'cli' / 'loss_curve.png'}" in out, out
+
+
 def test_resume_below_the_checkpoint_step_is_refused(runs, corpus, cache, tmp_path, capsys) -> None:
     """Resuming a run at step 6 with --steps 4 cannot be met: refused naming both counts (exit 2
     on the command line) before anything is written; the run stays as it was."""

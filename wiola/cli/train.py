@@ -169,7 +169,9 @@ def run_train(args: argparse.Namespace) -> int:
     except TrainingDiverged as e:
         print(f"wiola train: error: {e}", file=sys.stderr)
         return 1
-    if result.interrupted:
+    if result.interrupted:  # the plots as far as the run went, then the exit status of a stop
+        for name, path in result.plots.items():
+            print(f"{name}: {path}")
         return 130
     if result.eval is not None:
         print(f"final validation: {result.eval}")

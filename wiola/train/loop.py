@@ -194,6 +194,7 @@ class _Run:
     last_ckpt: Path | None = None
     losses: list[tuple[int, float]] = field(default_factory=list)
     plots: dict[str, Path] = field(default_factory=dict)
+    curve_records: int = 0  # how many metrics records the loss curve last drawn shows
     layer_grad_norms: torch.Tensor | None = None  # (L,) of the latest step, before clipping
     log_interval: dict[str, Any] | None = None  # the checkpoint's partial log interval (``_Meter.state_dict``)
     init: Path | None = None  # the --init checkpoint the weights came from
@@ -467,10 +468,8 @@ def _loop(run: _Run, stop_at: int | None) -> TrainResult:
     finally:
         bar.close()
     _summarise(run, first_step, time.perf_counter() - start)
-    if run.main and cfg.plots and run.metrics.records and "loss_curve" not in run.plots:
-        from wiola.train.plots import plot_loss_curve
-
-        run.plots["loss_curve"] = plot_loss_curve(run.metrics.records, run.out_dir / "loss_curve.png")
+    if run.main and cfg.plots and len(run.metrics.records) > run.curve_records:  # the train rows since the last one
+        _plot_loss_curve(run)
     run.metrics.close()
     if interrupted:
         run.log(
@@ -480,6 +479,15 @@ def _loop(run: _Run, stop_at: int | None) -> TrainResult:
     return TrainResult(
         run.step, interrupted, run.out_dir, run.last_ckpt, run.train_loss, run.last_eval, run.losses, run.plots
     )
+
+
+def _plot_loss_curve(run: _Run) -> None:
+    """``loss_curve.png`` of every metrics record so far (drawn at each evaluation, and at the end
+    where train rows came after the last one: an interrupted run's curve shows its last steps)."""
+    from wiola.train.plots import plot_loss_curve
+
+    run.plots["loss_curve"] = plot_loss_curve(run.metrics.records, run.out_dir / "loss_curve.png")
+    run.curve_records = len(run.metrics.records)
 
 
 def _summarise(run: _Run, first_step: int, seconds: float) -> None:
@@ -632,9 +640,9 @@ def _evaluate(run: _Run) -> None:
     run.metrics.write({"kind": "eval", "step": run.step, **run.last_eval.to_dict(), "gates": gates.tolist()})
     run.log(f"step {run.step:,}: validation {run.last_eval}")
     if cfg.plots:
-        from wiola.train.plots import plot_gate_heatmap, plot_loss_curve
+        from wiola.train.plots import plot_gate_heatmap
 
-        run.plots["loss_curve"] = plot_loss_curve(run.metrics.records, run.out_dir / "loss_curve.png")
+        _plot_loss_curve(run)
         run.plots["gates"] = plot_gate_heatmap(
             gates, run.out_dir / "gates.png", title=f"mean gate per layer × head, step {run.step:,}"
         )
