@@ -37,6 +37,18 @@ def test_budget_equals_numel(name, gate):
         assert b.params[key] == n, key
 
 
+def test_budget_refuses_a_length_the_model_cannot_run(capsys):
+    """FLOPs at a sequence past ``max_seq_len`` describe no run: refused (exit 2 on the CLI)."""
+    from wiola.cli import main
+
+    cfg = WiolaConfig(vocab_size=10, d_model=4, n_layers=1, n_heads=2, d_ff=6, max_seq_len=8)
+    assert budget(cfg, seq_len=8).forward_flops > 0
+    with pytest.raises(ValueError, match="seq_len 9 is past the model's max_seq_len=8"):
+        budget(cfg, seq_len=9)
+    assert main(["budget", "--preset", "tiny", "--seq-len", "100000"]) == 2
+    assert "seq_len 100000 is past the model's max_seq_len=" in capsys.readouterr().err
+
+
 def test_flops_by_hand_for_a_small_shape():
     cfg = WiolaConfig(vocab_size=10, d_model=4, n_layers=1, n_heads=2, d_ff=6, max_seq_len=8)
     b = budget(cfg, seq_len=3)

@@ -68,6 +68,8 @@ def budget(config: WiolaConfig, seq_len: int | None = None) -> Budget:
     T = config.max_seq_len if seq_len is None else seq_len
     if T <= 0:
         raise ValueError(f"seq_len must be positive, got {T}")
+    if T > config.max_seq_len:  # FLOPs of a length the model cannot run
+        raise ValueError(f"seq_len {T} is past the model's max_seq_len={config.max_seq_len}")
     d, L, H, D, f, V = config.d_model, config.n_layers, config.n_heads, config.head_dim, config.d_ff, config.vocab_size
     params = {
         "embedding (tied head)": V * d,

@@ -94,6 +94,10 @@ class TrainConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.warmup >= 1 and self.warmup != int(self.warmup):  # int() would drop the fraction
+            raise ValueError(
+                f"warmup {self.warmup} is a step count (>= 1), which must be whole; a fraction of steps is < 1"
+            )
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
         if self.weight_decay < 0:
