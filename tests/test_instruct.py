@@ -121,6 +121,9 @@ def _snapshot(folder) -> dict:
         (["--out", "{tmp}/holder"], "--out '.*holder.data' is a file, not a folder"),
         (["--out", "{init}"], "--out '.*tiny' is the --init checkpoint itself"),
         (["--out", "{init}/demo"], "--out '.*demo' lies inside the --init checkpoint"),
+        (["--out", "{tmp}/previous"], r"--out '.*previous' already holds data, model \(a previous demo's, or files"),
+        (["--out", "{tmp}/amodel"], r"--out '.*amodel' holds a model \(config.json\)"),
+        (["--out", "{tmp}/arun"], "--out '.*arun' holds a training run"),
     ],
 )
 def test_instruct_demo_checks_flags_init_and_out_before_any_work(
@@ -139,6 +142,13 @@ def test_instruct_demo_checks_flags_init_and_out_before_any_work(
     (tmp_path / "holder" / "data").write_text("x")  # out/data: a file where the corpus would go
     (tmp_path / "lora").mkdir()
     (tmp_path / "lora" / "adapter_config.json").write_text('{"base_model_name_or_path": "x", "peft_type": "LORA"}')
+    (tmp_path / "previous" / "data").mkdir(parents=True)  # a user's training file and model, or a last demo's
+    (tmp_path / "previous" / "data" / "train.jsonl").write_text("mine\n")
+    (tmp_path / "previous" / "model").mkdir()
+    (tmp_path / "previous" / "model" / "config.json").write_text("{}")
+    (tmp_path / "amodel").mkdir()
+    (tmp_path / "amodel" / "config.json").write_text("{}")
+    (tmp_path / "arun" / "checkpoints").mkdir(parents=True)
     flags = [f.format(tmp=tmp_path, init=tiny_checkpoint) for f in flags]
     args = {"--init": str(tiny_checkpoint), "--out": str(tmp_path / "out"), "--samples": "4", "--examples": "4"}
     args |= {"--steps": "1", **dict(zip(flags[::2], flags[1::2]))}
@@ -149,3 +159,40 @@ def test_instruct_demo_checks_flags_init_and_out_before_any_work(
     assert len(err.strip().splitlines()) == 1 and err.startswith("wiola instruct-demo: error: "), err
     assert re.search(message, err), err
     assert (_snapshot(tmp_path), _snapshot(tiny_checkpoint)) == before, "something was written"
+
+
+def test_instruct_demo_replaces_a_previous_out_only_when_asked(tmp_path, tiny_checkpoint) -> None:
+    """An --out holding data/ or model/ passes the checks with --overwrite (the CLI's default
+    folder always does: it holds the previous demo), an empty one without it."""
+    from wiola.train.finetune import FinetuneConfig
+    from wiola.train.instruct import check_demo_settings
+
+    out = tmp_path / "previous"
+    cfg = FinetuneConfig(init=str(tiny_checkpoint), data=str(out / "data" / "train.jsonl"), out=str(out / "model"))
+    (out / "data").mkdir(parents=True)
+    assert check_demo_settings(cfg, out, n_train=4, samples=4, n_words=1) == tiny_checkpoint  # empty data/
+    (out / "data" / "train.jsonl").write_text("mine\n")
+    with pytest.raises(ValueError, match="already holds data"):
+        check_demo_settings(cfg, out, n_train=4, samples=4, n_words=1)
+    assert check_demo_settings(cfg, out, n_train=4, samples=4, n_words=1, overwrite=True) == tiny_checkpoint
+
+
+def test_follow_rate_counts_its_progress_per_batch(tiny_checkpoint) -> None:
+    """The measurement (minutes at the demo's defaults) reports each batch's examples as they finish."""
+    from wiola.train.corpus import instruction_examples
+    from wiola.train.finetune import load_finetuned
+    from wiola.train.instruct import follow_rate
+
+    class Counter:
+        def __init__(self) -> None:
+            self.counts: list[int] = []
+
+        def update(self, n: int = 1) -> None:
+            self.counts.append(n)
+
+    model, tokenizer = load_finetuned(tiny_checkpoint)
+    counter = Counter()
+    rate = follow_rate(
+        model, tokenizer, instruction_examples(5, 0, 1), max_new_tokens=2, batch_size=2, progress=counter
+    )
+    assert rate.n == 5 and counter.counts == [2, 2, 1]

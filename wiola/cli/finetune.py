@@ -85,6 +85,9 @@ def run_finetune(args: argparse.Namespace) -> int:
     return _exit_code("finetune", lambda: finetune(cfg, overwrite=args.overwrite))
 
 
+INSTRUCT_OUT = "runs/instruct"  # the demo's own folder: each run replaces what the previous one left there
+
+
 def register_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "instruct-demo",
@@ -93,7 +96,13 @@ def register_demo(sub: argparse._SubParsersAction) -> None:
         "often the model's story holds every required word on held-out instructions, fine-tunes, measures again.",
     )
     p.add_argument("--init", required=True, metavar="CHECKPOINT", help="e.g. the checkpoint `wiola demo` wrote")
-    p.add_argument("--out", default="runs/instruct")
+    p.add_argument("--out", default=INSTRUCT_OUT)
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the data/, model/ and results.json an --out folder already holds (else refused; the default "
+        f"{INSTRUCT_OUT} is always replaced: it holds the previous demo)",
+    )
     p.add_argument("--examples", type=int, default=2000, help="training examples")
     p.add_argument("--samples", type=int, default=200, help="held-out instructions measured before and after")
     add_length_arguments(p, steps=300, batch_size=8, lr=1e-3)
@@ -120,6 +129,7 @@ def run_instruct_demo(args: argparse.Namespace) -> int:
             lora_rank=args.lora_rank,
             seed=args.seed,
             progress=args.progress,
+            overwrite=args.overwrite or args.out == INSTRUCT_OUT,
         ),
     )
 

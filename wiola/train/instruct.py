@@ -22,7 +22,8 @@ import torch
 from wiola.chat import apply_chat_template
 from wiola.tokenizer import Tokenizer
 from wiola.train.corpus import instruction_examples, story_words, write_instruction_corpus
-from wiola.train.run_folder import check_apart, check_output_folder
+from wiola.train.env import Progress
+from wiola.train.run_folder import check_apart, check_not_a_run, check_output_folder, held_files
 
 if TYPE_CHECKING:
     from wiola.train.finetune import FinetuneConfig
@@ -74,9 +75,11 @@ def follow_rate(
     top_k: int | None = 40,
     seed: int = 0,
     batch_size: int = 50,
+    progress: Progress | None = None,
 ) -> FollowRate:
     """Share of ``examples`` (``instruction_examples`` dicts) whose reply, sampled once from the
-    user turn alone under the chat template, contains every one of its ``words``."""
+    user turn alone under the chat template, contains every one of its ``words``. ``progress``
+    counts the examples as their batches finish (the caller closes it)."""
     eos = tokenizer.eos_token_id
     generator = torch.Generator(device=model.embed.weight.device).manual_seed(seed)
     hits, first = 0, None
@@ -104,6 +107,8 @@ def follow_rate(
             text = tokenizer.decode(reply)
             first = text if first is None else first
             hits += set(ex["words"]) <= story_words(text)
+        if progress is not None:
+            progress.update(len(chunk))
     return FollowRate(hits, len(examples), *wilson(hits, len(examples)), first or "")
 
 
@@ -121,13 +126,15 @@ def instruct_demo(
     seed: int = 0,
     progress: bool = True,
     log: Any = print,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Write the instruction corpus into ``out/data``, measure ``init`` on ``samples`` held-out
     instructions, fine-tune it (``wiola.train.finetune``) into ``out/model``, measure again.
     Returns (and writes to ``out/results.json``) both rates, their intervals and the test.
 
     Every setting, ``init`` (a full model, not a LoRA folder) and ``out`` (a folder that can be
-    written, apart from ``init``) is checked before anything is written or measured: a bad one
+    written, apart from ``init``; one that holds a previous demo's files, or the user's there,
+    only with ``overwrite``) is checked before anything is written or measured: a bad one
     raises ``ValueError``/``FileNotFoundError`` naming its ``wiola instruct-demo`` flag."""
     from wiola.train.finetune import FinetuneConfig, finetune, load_finetuned
 
@@ -144,16 +151,22 @@ def instruct_demo(
         progress=progress,
         log_every=max(1, steps // 10),
     )
-    init_dir = check_demo_settings(cfg, out, n_train=n_train, samples=samples, n_words=n_words)
+    init_dir = check_demo_settings(cfg, out, n_train=n_train, samples=samples, n_words=n_words, overwrite=overwrite)
     write_instruction_corpus(out / "data", n_train=n_train, n_val=1, seed=seed, n_words=n_words)
     held_out = instruction_examples(samples, seed + 3_000_017, n_words)  # a seed neither split used
     results: dict[str, Any] = {}
-    model, tokenizer = load_finetuned(init_dir)
-    results["before"] = follow_rate(model, tokenizer, held_out, seed=seed)
+
+    def measured(when: str, folder: Path) -> FollowRate:  # a bar (or a line every 30 s) while sampling
+        model, tokenizer = load_finetuned(folder)
+        bar = Progress(len(held_out), f"scoring {when}", "sample", show=progress, log=log)
+        rate = follow_rate(model, tokenizer, held_out, seed=seed, progress=bar)
+        bar.close()
+        return rate
+
+    results["before"] = measured("before", init_dir)
     log(f"before: {_line(results['before'])}")
-    finetune(cfg, log=log, overwrite=True)  # out/model is this demo's own: a rerun replaces the last one's
-    model, tokenizer = load_finetuned(out / "model")
-    results["after"] = follow_rate(model, tokenizer, held_out, seed=seed)
+    finetune(cfg, log=log, overwrite=True)  # out/model: checked by check_demo_settings (--overwrite)
+    results["after"] = measured("after", out / "model")
     log(f"after:  {_line(results['after'])}")
     before, after = results["before"], results["after"]
     z, p = two_proportion_z(before.hits, before.n, after.hits, after.n)
@@ -176,12 +189,19 @@ def instruct_demo(
     return summary
 
 
-def check_demo_settings(cfg: FinetuneConfig, out: Path, *, n_train: int, samples: int, n_words: int) -> Path:
+DEMO_FILES = ("data", "model", "results.json")  # what the demo writes into --out
+
+
+def check_demo_settings(
+    cfg: FinetuneConfig, out: Path, *, n_train: int, samples: int, n_words: int, overwrite: bool = False
+) -> Path:
     """Check ``instruct_demo``'s settings without writing or loading anything: the fine-tune's
     own (``FinetuneConfig.check``), the counts, ``--init`` (a checkpoint or run folder holding a
-    full model) and ``--out`` (writable, apart from ``--init``). Returns ``--init``'s checkpoint
-    folder; raises ``ValueError``/``FileNotFoundError`` naming the flag, or ``RuntimeError`` for
-    a missing package."""
+    full model) and ``--out`` (writable, apart from ``--init``; not a model's folder or a
+    training run's; one holding any of ``DEMO_FILES`` only with ``overwrite``, since the demo
+    replaces a model in ``model/`` and the training file in ``data/``). Returns ``--init``'s
+    checkpoint folder; raises ``ValueError``/``FileNotFoundError`` naming the flag, or
+    ``RuntimeError`` for a missing package."""
     from wiola.checkpoint import read_config
     from wiola.train.env import require
     from wiola.train.finetune import checkpoint_dir, require_peft
@@ -203,7 +223,26 @@ def check_demo_settings(cfg: FinetuneConfig, out: Path, *, n_train: int, samples
     given = [Path(cfg.init)] if Path(cfg.init).exists() else []  # a run folder, beside its latest checkpoint
     for source in (init, *given):
         check_apart(out, source, "--out", "--init checkpoint")
+    from wiola.cli.export import MODEL_FILES, ONNX_PREFIX
+
+    check_not_a_run(out)
+    model = held_files(out, MODEL_FILES, ONNX_PREFIX)
+    if model:
+        raise ValueError(
+            f"--out {str(out)!r} holds a model ({', '.join(model)}): the demo writes its data/ and model/ there; "
+            "use another folder"
+        )
+    held = [name for name in DEMO_FILES if (out / name).exists() and not _empty_folder(out / name)]
+    if held and not overwrite:
+        raise ValueError(
+            f"--out {str(out)!r} already holds {', '.join(held)} (a previous demo's, or files of yours), which "
+            "the demo replaces: pass --overwrite to replace them, or use another folder"
+        )
     return init
+
+
+def _empty_folder(path: Path) -> bool:
+    return path.is_dir() and not any(path.iterdir())
 
 
 def _line(r: FollowRate) -> str:
