@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import wiola
 from wiola.chat import (
     CHAT_TEMPLATE,
     ROLE_TOKENS,
@@ -355,3 +356,32 @@ def test_chat_cli_default_reply_length_fits_a_short_context(tmp_path, monkeypatc
     assert code == 0 and "model> " in out, err
     code, _, err = _chat_cli(monkeypatch, capsys, checkpoint, "hello\n", "--max-new-tokens", "200")
     assert code == 2 and "--max-new-tokens must be in [1, 63]" in err  # an explicit value is not clamped
+
+
+def test_chat_cli_refuses_a_system_message_that_leaves_no_room(monkeypatch, capsys) -> None:
+    """The system message opens every prompt (old turns are dropped, never it): one that leaves no
+    room for a turn is refused at the start, naming --system and both counts, exit 2; one that fits
+    starts the session."""
+    tok = _with_template(None)
+    model = Scripted([tok.eos_token_id], max_seq_len=64)
+    long = " ".join(["cat dog sun"] * 40)  # 120 words: past 64 - 8 tokens
+    code, out, err = _chat_cli(monkeypatch, capsys, "ckpt", "hi\n", "--max-new-tokens", "8", "--system", long,
+                               loaded=(model, tok))  # fmt: skip
+    assert code == 2 and out == "", out
+    assert err.startswith("wiola chat: error: --system takes ") and "the model has room for 56 (64 tokens" in err, err
+    code, out, _ = _chat_cli(monkeypatch, capsys, "ckpt", "hi\n", "--max-new-tokens", "8", "--system", "Be brief.",
+                             loaded=(model, tok))  # fmt: skip
+    assert code == 0 and "you> " in out, out
+
+
+def test_chat_refuses_base_for_a_full_model(tmp_path, capsys) -> None:
+    """--base names the model a LoRA folder's adapters sit on: given with a full checkpoint it
+    would be ignored, so it is refused (exit 2) before the model loads."""
+    from wiola.cli import main
+
+    torch.manual_seed(0)
+    config = wiola.WiolaConfig(d_model=16, n_layers=1, n_heads=2, d_ff=16, max_seq_len=32)
+    wiola.WiolaModel(config).save_pretrained(tmp_path / "full")
+    code = main(["chat", "--checkpoint", str(tmp_path / "full"), "--base", str(tmp_path / "missing")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--base is for a LoRA adapter folder" in err and err.count("\n") == 1, err

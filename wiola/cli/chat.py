@@ -20,7 +20,11 @@ DEFAULT_MAX_NEW_TOKENS = 200  # clamped to half the model's context when that is
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="chat with a model in the terminal (its chat template, streamed)")
     p.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint or a LoRA folder")
-    p.add_argument("--base", metavar="CHECKPOINT", help="a LoRA folder's base (default: the one it names)")
+    p.add_argument(
+        "--base",
+        metavar="CHECKPOINT",
+        help="a LoRA folder's base (default: the one it names; refused for a full model)",
+    )
     p.add_argument("--system", help="a system message opening the conversation")
     p.add_argument(
         "--max-new-tokens",
@@ -59,6 +63,19 @@ def run_chat(args: argparse.Namespace) -> int:
         check_chat_template(tokenizer)
     except ValueError as e:
         raise ValueError(f"{args.checkpoint}: {e}") from e
+    if system:  # kept whole in every prompt (fit_history drops turns, never it): it must leave room for one
+        from wiola.chat import apply_chat_template
+
+        budget = limit - args.max_new_tokens
+        need = len(
+            apply_chat_template(tokenizer, [*system, {"role": "user", "content": ""}], add_generation_prompt=True)
+        )
+        if need > budget:
+            raise ValueError(
+                f"--system takes {need} tokens with the template and an empty first turn; the model has room for "
+                f"{budget} ({limit} tokens of context less --max-new-tokens {args.max_new_tokens}): shorten it or "
+                "lower --max-new-tokens"
+            )
     stop_text = turn_end_marker(tokenizer)
     ends = f", whose turns end at {stop_text!r}" if stop_text else ""
     print(f"wiola chat: {args.checkpoint} ({template} chat template{ends}, {limit} tokens of context). {HELP}")

@@ -399,10 +399,16 @@ def load_finetuned(
     the one its ``adapter_config.json`` names) as a ``peft.PeftModel``; in eval mode. The
     tokenizer is the folder's own when it has one (with the chat template), else the base's.
     ``ValueError`` for a LoRA folder without its weights file or with adapters that do not fit
-    the base (``check_adapter_shapes``)."""
+    the base (``check_adapter_shapes``), and for ``base`` given with a path that is not a LoRA
+    folder (it would be ignored)."""
     path = Path(path)
     cls = model_class(fast)
     if not is_adapter_folder(path):
+        if base is not None:  # it would be ignored: only adapters sit on a base
+            raise ValueError(
+                f"--base is for a LoRA adapter folder (the model its adapters sit on); {path} is not one: "
+                "leave --base out"
+            )
         path = checkpoint_dir(path)
         return cls.from_pretrained(path, device=device).eval(), load_checkpoint_tokenizer(path)
     peft = require_peft()
