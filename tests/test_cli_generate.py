@@ -383,3 +383,14 @@ def test_reference_on_a_quantized_checkpoint_is_refused_naming_the_flag(checkpoi
         f"wiola generate: error: drop --reference: {tmp_path / 'q8'} holds int8-quantized weights, which run on "
         "the fast model\n"
     ), captured.err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here: --device cuda is not refused")
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_device_cuda_without_cuda_is_one_line(checkpoint, capsys, command):
+    """--device cuda where torch has no CUDA: one line naming the flag, exit 2, before the model
+    loads (torch asserted deep inside moving it, a traceback and exit 1)."""
+    extra = ["--prompt", "hi", "--max-new-tokens", "2"] if command == "generate" else ["--port", "0"]
+    assert main([command, "--checkpoint", str(checkpoint), "--device", "cuda", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err == f"wiola {command}: error: --device cuda: CUDA is not available here (use --device cpu)\n", err

@@ -60,6 +60,9 @@ def load_model(args: argparse.Namespace):
     from wiola.checkpoint import load_checkpoint_tokenizer, quantization_of, resolve_checkpoint
     from wiola.tokenizer import TiktokenTokenizer, encoding_for_vocab, load_tokenizer
 
+    device = torch.device(args.device)  # a name torch does not know: its own error, one line
+    if device.type == "cuda" and not torch.cuda.is_available():  # torch would assert deep inside .to()
+        raise ValueError(f"--device {args.device}: CUDA is not available here (use --device cpu)")
     cls = WiolaModel
     if getattr(args, "fast", False):
         from wiola.fast import WiolaModel as cls
