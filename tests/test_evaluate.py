@@ -510,3 +510,22 @@ def test_eval_and_gates_refuse_a_tokenizer_larger_than_the_model(small_model, tm
         argv = [command, "--checkpoint", str(tmp_path / "m280"), *small_model.data, "--cache-dir", str(cache)]
         _one_line_error(capsys, [*argv, "--seq-len", "16", "--device", "cpu", "--no-progress"], message)
     assert not cache.exists() or not any(cache.rglob("*")), "the data was tokenised before the check"
+
+
+@pytest.mark.parametrize(
+    "names, message",
+    [
+        ("qa_mc,,other", "--tasks 'qa_mc,,other' has an empty name between its commas"),
+        ("qa_mc,", "--tasks 'qa_mc,' has an empty name between its commas"),
+        ("qa_mc,other,qa_mc", "--tasks names qa_mc more than once"),
+        (" , ", "--tasks names no task"),
+    ],
+)
+def test_eval_tasks_names_are_checked_before_lm_eval(small_model, monkeypatch, capsys, names, message) -> None:
+    """An empty name between commas or a task named twice is refused (exit 2), not dropped or
+    merged without a word, before lm-eval loads a task."""
+    pytest.importorskip("lm_eval")
+    import wiola.train.harness
+
+    monkeypatch.setattr(wiola.train.harness, "task_manager", lambda *_: pytest.fail("tasks loaded before the check"))
+    _one_line_error(capsys, ["eval", "--checkpoint", str(small_model.model), "--tasks", names], message)

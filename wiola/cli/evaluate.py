@@ -222,9 +222,14 @@ def run_tasks(args: argparse.Namespace) -> int:
 
     if args.include_path and not Path(args.include_path).is_dir():
         raise FileNotFoundError(f"--include-path {args.include_path!r} is not a folder")
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    if not tasks:
+    tasks = [t.strip() for t in args.tasks.split(",")]
+    if not any(tasks):
         raise ValueError("--tasks names no task")
+    if not all(tasks):  # "a,,b" or a trailing comma: a name left out by mistake, not silently dropped
+        raise ValueError(f"--tasks {args.tasks!r} has an empty name between its commas")
+    twice = sorted({t for t in tasks if tasks.count(t) > 1})
+    if twice:
+        raise ValueError(f"--tasks names {', '.join(twice)} more than once")
     manager = task_manager(args.include_path)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
