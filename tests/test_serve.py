@@ -845,8 +845,10 @@ def test_playground_checks_its_fields_and_shows_what_it_is_given_as_text(checkpo
     shows as text (no script from it runs, the page's own still does); a field the browser finds
     invalid (2.7 tokens, a seed past 2**53) is named and nothing is sent, while ``1e2`` is sent as
     100; the defaults are valid; Ctrl+Enter generates; a stop string ends the text; the server's
-    400 for a lone surrogate is shown as its message; long words wrap at a phone's width; Stop
-    keeps the count."""
+    400 for a lone surrogate is shown as its message; long words wrap at a phone's width; a prompt
+    past the context is refused with the message in view (the output box scrolls within 60% of
+    the window, not down the page); Stop keeps the count; with the server gone the page says it
+    cannot be reached, not the browser's "Failed to fetch"."""
     sync_api, chromium = _chromium()
     name = 'my "model" </script><script>document.title="PWNED"</script>'
     served = Served(checkpoint, tmp_path / "serve.log", "--model-name", name)
@@ -899,6 +901,12 @@ def test_playground_checks_its_fields_and_shows_what_it_is_given_as_text(checkpo
                 stats = run()
                 assert "error: prompt holds a lone UTF-16 surrogate (\\ud83d)" in stats, stats
                 assert page.evaluate("document.documentElement.scrollWidth <= document.documentElement.clientWidth")
+                page.fill("#prompt", "Once upon a time " * 300)  # past the context: refused, below a long echo
+                stats = run(max_tokens="8")
+                in_view = "(() => { const r = document.getElementById('stats').getBoundingClientRect(); " \
+                          "return r.top >= 0 && r.bottom <= window.innerHeight; })()"  # fmt: skip
+                assert stats.startswith("error: ") and page.evaluate(in_view), stats
+                assert page.evaluate("document.getElementById('output').offsetHeight <= 0.6 * window.innerHeight + 40")
                 page.fill("#prompt", "Once upon a time")
                 page.fill("#max_tokens", "240")
                 for _ in range(3):  # a loaded machine may hand the page the whole stream in one read: again
@@ -910,10 +918,14 @@ def test_playground_checks_its_fields_and_shows_what_it_is_given_as_text(checkpo
                     if stopped.startswith("stopped after "):
                         break
                 page.screenshot(path=str(tmp_path / "playground-phone.png"), full_page=True)
+                assert served.stop() == 0, served.log.read_text()  # the server gone: the page says so
+                gone = run()
+                assert gone == f"error: the server at {served.url} could not be reached (is wiola serve still running?)"
             finally:
                 browser.close()
         assert stopped.startswith("stopped after ") and int(stopped.split()[2]) >= 3, stopped
-        assert errors == ["Failed to load resource: the server responded with a status of 400 (Bad Request)"], errors
+        refused = "Failed to load resource: the server responded with a status of 400 (Bad Request)"
+        assert errors[:2] == [refused, refused] and all("net::ERR_" in e for e in errors[2:]), errors
     finally:
         assert served.stop() == 0, served.log.read_text()
 
