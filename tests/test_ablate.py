@@ -374,3 +374,19 @@ def test_readme_specs_parse():
     assert json.loads((kept / "spec.json").read_text()) == json.loads(json.dumps(tomllib.loads(small)))
     spec = parse_spec(tomllib.loads(paper))
     assert spec.base["data"] == "tinystories" and spec.variants[0].name == spec.baseline == "wiola"
+
+
+def test_a_short_series_is_drawn_with_markers_on_whole_steps():
+    """A sweep that logged one or a few points still shows them: a mean line of few points is
+    marked (one point drew nothing), and the step axis ticks whole steps only."""
+    pytest.importorskip("matplotlib")
+    from wiola.train.ablate_report import _band
+    from wiola.train.plots import _figure
+
+    fig = _figure(4, 3)
+    ax = fig.subplots()
+    _band(ax, [[[6, 0.67]], [[6, 0.57]]], "layer 0")
+    (line,) = ax.get_lines()
+    assert line.get_marker() == "o" and list(line.get_xdata()) == [6]
+    fig.canvas.draw()
+    assert all(float(t).is_integer() for t in ax.get_xticks()), ax.get_xticks()

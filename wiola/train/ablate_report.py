@@ -179,13 +179,24 @@ def write_report(spec: Any, results: dict[str, Any], out: str | os.PathLike) -> 
     return out / REPORT_FILE
 
 
+MARKED_POINTS = 12  # a series of at most this many points is drawn with markers (one point: a dot, not nothing)
+
+
 def _band(ax: Any, series: list[list[list[float]]], label: str) -> None:
-    """Mean line and min–max band over seeds of ``[[step, value], ...]`` series (same steps)."""
+    """Mean line and min–max band over seeds of ``[[step, value], ...]`` series (same steps); the
+    points marked where there are few of them, and the steps on whole numbers."""
+    from matplotlib.ticker import MaxNLocator
+
     steps = [s for s, _ in series[0]]
     values = np.array([[v for _, v in s] for s in series])
-    line = ax.plot(steps, values.mean(0), label=label)[0]
+    marker = "o" if len(steps) <= MARKED_POINTS else None
+    line = ax.plot(steps, values.mean(0), label=label, marker=marker, ms=4)[0]
     if len(series) > 1:
         ax.fill_between(steps, values.min(0), values.max(0), color=line.get_color(), alpha=0.2)
+    if len(steps) == 1:  # one step: its tick alone (the locator finds too few whole numbers around it)
+        ax.set_xticks(steps)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def plot_all(results: dict[str, Any], out: Path) -> list[Path]:
@@ -226,11 +237,14 @@ def plot_all(results: dict[str, Any], out: Path) -> list[Path]:
     paths.append(_save(fig, out / "grad_norms.png"))
     fig = _figure(6, 4)
     ax = fig.subplots()
-    for name, v in variants.items():
+    for k, (name, v) in enumerate(variants.items()):
         runs = [r["positions"] for r in v["seeds"].values()]
         stats = [mean_ci([r[i]["loss"] for r in runs]) for i in range(len(runs[0]))]
-        x = [b["start"] for b in runs[0]]
-        ax.errorbar(x, [s["mean"] for s in stats], yerr=[s["ci95"] or 0 for s in stats], label=name, capsize=3)
+        width = runs[0][0]["end"] - runs[0][0]["start"]  # each variant a little apart: intervals do not hide each other
+        x = [b["start"] + (k - (len(variants) - 1) / 2) * 0.1 * width for b in runs[0]]
+        ax.errorbar(
+            x, [s["mean"] for s in stats], yerr=[s["ci95"] or 0 for s in stats], label=name, capsize=3, marker="o", ms=4
+        )
     ax.set(title="validation loss by target position (95% CI)", xlabel="position bucket start", ylabel="nats/token")
     ax.legend()
     paths.append(_save(fig, out / "positions.png"))
