@@ -92,7 +92,12 @@ def test_grid_plan_matches_parameters_and_pairs_seeds(tmp_path):
         ({"variants": ["abc"]}, r"variants\[0\] must be a table"),
         ({"variants": 3}, "variants must be a non-empty list of tables"),
         ({"variants": [{"name": 3}]}, "a variant's name must be a string, got 3"),
-        ({"grid": {"ffn": ["gelu"]}, "name": 3}, "name \\(the report's title\\) must be a string"),
+        ({"grid": {"ffn": ["gelu"]}, "name": 3}, "name \\(the report's title\\) must be a non-empty string"),
+        ({"grid": {"ffn": ["gelu"]}, "name": " "}, "name \\(the report's title\\) must be a non-empty string"),
+        (
+            {"variants": [{"name": "a", "ffn": "gelu"}, {"name": "b", "ffn": "gelu"}]},
+            r"variants 'a' and 'b' have the same settings \{'ffn': 'gelu'\}",
+        ),
     ],
 )
 def test_bad_specs_are_refused(change, message):
@@ -390,3 +395,12 @@ def test_a_short_series_is_drawn_with_markers_on_whole_steps():
     assert line.get_marker() == "o" and list(line.get_xdata()) == [6]
     fig.canvas.draw()
     assert all(float(t).is_integer() for t in ax.get_xticks()), ax.get_xticks()
+
+
+def test_paired_differences_carry_their_sign():
+    """A Δ against the baseline shows its sign either way (+0.0096, -0.0400), as the README's table does."""
+    from wiola.train.ablate_report import _pm
+
+    assert _pm({"mean": 0.0096, "ci95": 0.2165}, signed=True) == "+0.0096 ± 0.2165"
+    assert _pm({"mean": -0.04, "ci95": None}, signed=True) == "-0.0400"
+    assert _pm({"mean": 3.5, "ci95": 0.1}) == "3.5000 ± 0.1000"

@@ -170,8 +170,8 @@ def parse_spec(raw: dict[str, Any], where: str = "spec") -> AblationSpec:
     ):
         raise ValueError(f"{where}: seeds must be a non-empty list of distinct ints in [0, 2**64), got {seeds!r}")
     name = raw.get("name", "ablation")
-    if not isinstance(name, str):
-        raise ValueError(f"{where}: name (the report's title) must be a string, got {name!r}")
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"{where}: name (the report's title) must be a non-empty string, got {name!r}")
     baseline = raw.get("baseline", variants[0].name)
     if baseline not in [v.name for v in variants]:
         raise ValueError(f"{where}: baseline {baseline!r} is not one of the variants {[v.name for v in variants]}")
@@ -236,6 +236,10 @@ def _variants(raw: dict[str, Any], where: str) -> list[Variant]:
     names = [v.name for v in out]
     if len(set(names)) < len(names):
         raise ValueError(f"{where}: variant names repeat: {names}")
+    for i, a in enumerate(out):  # the same runs twice under two names: a comparison of nothing
+        for b in out[i + 1 :]:
+            if a.model == b.model:
+                raise ValueError(f"{where}: variants {a.name!r} and {b.name!r} have the same settings {a.model}")
     return out
 
 

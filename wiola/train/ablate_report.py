@@ -102,9 +102,10 @@ def collect(spec: Any, runs: list[Any], positions: dict[tuple[str, int], dict[st
     }
 
 
-def _pm(stat: dict[str, Any], digits: int = 4) -> str:
+def _pm(stat: dict[str, Any], digits: int = 4, signed: bool = False) -> str:
+    """``mean ± ci95``; ``signed``: the mean with its sign always (a paired difference)."""
     ci = "" if stat["ci95"] is None else f" ± {stat['ci95']:.{digits}f}"
-    return f"{stat['mean']:.{digits}f}{ci}"
+    return f"{stat['mean']:{'+' if signed else ''}.{digits}f}{ci}"
 
 
 def _table(results: dict[str, Any]) -> list[str]:
@@ -115,8 +116,8 @@ def _table(results: dict[str, Any]) -> list[str]:
     ]
     for name, v in results["variants"].items():
         paired = v.get("paired_vs_baseline")
-        d_loss = _pm(paired["loss"]) if paired else "—"
-        d_bpb = _pm(paired["bits_per_byte"]) if paired else "—"
+        d_loss = _pm(paired["loss"], signed=True) if paired else "—"
+        d_bpb = _pm(paired["bits_per_byte"], signed=True) if paired else "—"
         lines.append(
             f"| {name} | {v['d_ff']} | {v['parameters']:,} | {_pm(v['final']['loss'])} | "
             f"{_pm(v['final']['bits_per_byte'])} | {d_loss} | {d_bpb} |"
