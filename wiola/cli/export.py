@@ -53,14 +53,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_export)
 
 
-# What a checkpoint or an export of either format consists of: an --out holding one of the model
-# files holds a model; --overwrite deletes all of these before writing, so that no file of the old
-# model stays beside the new one (a tokenizer, the other format's weights).
-MODEL_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", "model.onnx", "wiola_onnx.json")
-ONNX_PREFIX = "model.onnx"  # the graph and its external data (model.onnx.data)
-EXPORT_FILES = (*MODEL_FILES, "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "run_onnx.py")
-
-
 def run_export(args: argparse.Namespace) -> int:
     from wiola.checkpoint import load_checkpoint_tokenizer, resolve_checkpoint
 
@@ -68,7 +60,16 @@ def run_export(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--quantize and --int8-matmul are for --format onnx; the {args.format} format stores fp32 weights"
         )
-    from wiola.train.run_folder import check_apart, check_not_a_run, check_output_folder, delete_files, held_files
+    from wiola.train.run_folder import (
+        EXPORT_FILES,
+        MODEL_FILES,
+        ONNX_PREFIX,
+        check_apart,
+        check_not_a_run,
+        check_output_folder,
+        delete_files,
+        held_files,
+    )
 
     out = Path(args.out)
     check_output_folder(out, "--out")
@@ -112,7 +113,7 @@ def _export_onnx(path: Path, out: Path, tokenizer: Tokenizer, args: argparse.Nam
     from wiola.export.runner import MODEL_FILE
     from wiola.fast import WiolaModel
     from wiola.fast.quantize import quantize
-    from wiola.train.run_folder import delete_files
+    from wiola.train.run_folder import EXPORT_FILES, ONNX_PREFIX, delete_files
 
     model = WiolaModel.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
     held = getattr(model, "quantization", None)

@@ -36,8 +36,7 @@ def check_tokenizer_out(out: Path, overwrite: bool) -> None:
     """``ValueError`` when ``out`` holds a model (its tokenizer is the one its ids mean: a new one
     written there would be read with its weights, by ``wiola eval`` and ``generate`` alike) or a
     training run, whatever ``overwrite`` says; or a tokenizer, unless ``overwrite``."""
-    from wiola.cli.export import MODEL_FILES, ONNX_PREFIX
-    from wiola.train.run_folder import check_not_a_run, held_files
+    from wiola.train.run_folder import MODEL_FILES, ONNX_PREFIX, check_not_a_run, held_files
 
     check_not_a_run(out)
     model = held_files(out, MODEL_FILES, ONNX_PREFIX)

@@ -23,7 +23,14 @@ from wiola.chat import apply_chat_template
 from wiola.tokenizer import Tokenizer
 from wiola.train.corpus import instruction_examples, story_words, write_instruction_corpus
 from wiola.train.env import Progress
-from wiola.train.run_folder import check_apart, check_not_a_run, check_output_folder, held_files
+from wiola.train.run_folder import (
+    MODEL_FILES,
+    ONNX_PREFIX,
+    check_apart,
+    check_not_a_run,
+    check_output_folder,
+    held_files,
+)
 
 if TYPE_CHECKING:
     from wiola.train.finetune import FinetuneConfig
@@ -223,8 +230,6 @@ def check_demo_settings(
     given = [Path(cfg.init)] if Path(cfg.init).exists() else []  # a run folder, beside its latest checkpoint
     for source in (init, *given):
         check_apart(out, source, "--out", "--init checkpoint")
-    from wiola.cli.export import MODEL_FILES, ONNX_PREFIX
-
     check_not_a_run(out)
     model = held_files(out, MODEL_FILES, ONNX_PREFIX)
     if model:

@@ -204,6 +204,15 @@ def clear_run(out_dir: str | os.PathLike) -> list[str]:
     return [name for name in RUN_FILES if remove_path(out / name)]
 
 
+# What a checkpoint or an export of either format consists of: a folder holding one of the model
+# files holds a model (``wiola export``, ``tokenizer train`` and ``instruct-demo`` check an --out
+# for them); export's --overwrite deletes all of EXPORT_FILES before writing, so that no file of the
+# old model stays beside the new one (a tokenizer, the other format's weights).
+MODEL_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", "model.onnx", "wiola_onnx.json")
+ONNX_PREFIX = "model.onnx"  # the graph and its external data (model.onnx.data)
+EXPORT_FILES = (*MODEL_FILES, "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "run_onnx.py")
+
+
 def held_files(folder: str | os.PathLike, names: tuple[str, ...], prefix: str | None = None) -> list[str]:
     """Which of ``names`` (in their order), then which files starting with ``prefix`` (sorted),
     the folder holds: the files of a model there (a checkpoint, adapters, an export)."""
