@@ -389,7 +389,7 @@ def test_reference_on_a_quantized_checkpoint_is_refused_naming_the_flag(checkpoi
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_device_cuda_without_cuda_is_one_line(checkpoint, capsys, command):
     """--device cuda where torch has no CUDA: one line naming the flag, exit 2, before the model
-    loads (torch asserted deep inside moving it, a traceback and exit 1)."""
+    loads (not torch's assertion from inside moving the model)."""
     extra = ["--prompt", "hi", "--max-new-tokens", "2"] if command == "generate" else ["--port", "0"]
     assert main([command, "--checkpoint", str(checkpoint), "--device", "cuda", *extra]) == 2
     err = capsys.readouterr().err

@@ -432,8 +432,8 @@ def test_resume_with_more_steps_stretches_every_group_schedule(runs, corpus, cac
     """Resuming a 6-step run from step 3 with 9 steps: from the first resumed step on, the
     learning rate of every parameter group (the decayed matrices and the undecayed norms and bias)
     is the 9-step schedule's at that step: the logged rate of steps 4 and 5, and both groups' rates
-    in the optimizer state saved at step 5. The first resumed step used to run at the 6-step
-    schedule's rate, and the undecayed group kept that schedule to the end."""
+    in the optimizer state saved at step 5 (a schedule stretched for one group only, or from the
+    second resumed step only, fails it)."""
     from wiola.train.optim import schedule
     from wiola.train.run_folder import read_optimizer_state
 

@@ -36,15 +36,9 @@ def check_tokenizer_out(out: Path, overwrite: bool) -> None:
     """``ValueError`` when ``out`` holds a model (its tokenizer is the one its ids mean: a new one
     written there would be read with its weights, by ``wiola eval`` and ``generate`` alike) or a
     training run, whatever ``overwrite`` says; or a tokenizer, unless ``overwrite``."""
-    from wiola.train.run_folder import MODEL_FILES, ONNX_PREFIX, check_not_a_run, held_files
+    from wiola.train.run_folder import check_no_model, held_files
 
-    check_not_a_run(out)
-    model = held_files(out, MODEL_FILES, ONNX_PREFIX)
-    if model:
-        raise ValueError(
-            f"--out {str(out)!r} holds a model ({', '.join(model)}), whose ids its own tokenizer defines: "
-            "write the new tokenizer to another folder"
-        )
+    check_no_model(out, ", whose ids its own tokenizer defines")
     held = held_files(out, TOKENIZER_FILES)
     if held and not overwrite:
         raise ValueError(

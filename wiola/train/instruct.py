@@ -23,14 +23,7 @@ from wiola.chat import apply_chat_template
 from wiola.tokenizer import Tokenizer
 from wiola.train.corpus import instruction_examples, story_words, write_instruction_corpus
 from wiola.train.env import Progress
-from wiola.train.run_folder import (
-    MODEL_FILES,
-    ONNX_PREFIX,
-    check_apart,
-    check_not_a_run,
-    check_output_folder,
-    held_files,
-)
+from wiola.train.run_folder import check_apart, check_no_model, check_output_folder
 
 if TYPE_CHECKING:
     from wiola.train.finetune import FinetuneConfig
@@ -230,13 +223,7 @@ def check_demo_settings(
     given = [Path(cfg.init)] if Path(cfg.init).exists() else []  # a run folder, beside its latest checkpoint
     for source in (init, *given):
         check_apart(out, source, "--out", "--init checkpoint")
-    check_not_a_run(out)
-    model = held_files(out, MODEL_FILES, ONNX_PREFIX)
-    if model:
-        raise ValueError(
-            f"--out {str(out)!r} holds a model ({', '.join(model)}): the demo writes its data/ and model/ there; "
-            "use another folder"
-        )
+    check_no_model(out, ": the demo writes its data/ and model/ there")
     held = [name for name in DEMO_FILES if (out / name).exists() and not _empty_folder(out / name)]
     if held and not overwrite:
         raise ValueError(

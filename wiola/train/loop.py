@@ -194,7 +194,6 @@ class _Run:
     last_ckpt: Path | None = None
     losses: list[tuple[int, float]] = field(default_factory=list)
     plots: dict[str, Path] = field(default_factory=dict)
-    curve_records: int = 0  # how many metrics records the loss curve last drawn shows
     layer_grad_norms: torch.Tensor | None = None  # (L,) of the latest step, before clipping
     log_interval: dict[str, Any] | None = None  # the checkpoint's partial log interval (``_Meter.state_dict``)
     init: Path | None = None  # the --init checkpoint the weights came from
@@ -468,7 +467,10 @@ def _loop(run: _Run, stop_at: int | None) -> TrainResult:
     finally:
         bar.close()
     _summarise(run, first_step, time.perf_counter() - start)
-    if run.main and cfg.plots and len(run.metrics.records) > run.curve_records:  # the train rows since the last one
+    # Each evaluation draws the curve after writing its record: train rows after the last one (an
+    # interrupted run), or no curve drawn by this process, mean drawing it again here.
+    records = run.metrics.records
+    if run.main and cfg.plots and records and ("loss_curve" not in run.plots or records[-1]["kind"] != "eval"):
         _plot_loss_curve(run)
     run.metrics.close()
     if interrupted:
@@ -482,12 +484,10 @@ def _loop(run: _Run, stop_at: int | None) -> TrainResult:
 
 
 def _plot_loss_curve(run: _Run) -> None:
-    """``loss_curve.png`` of every metrics record so far (drawn at each evaluation, and at the end
-    where train rows came after the last one: an interrupted run's curve shows its last steps)."""
+    """``loss_curve.png`` of every metrics record so far."""
     from wiola.train.plots import plot_loss_curve
 
     run.plots["loss_curve"] = plot_loss_curve(run.metrics.records, run.out_dir / "loss_curve.png")
-    run.curve_records = len(run.metrics.records)
 
 
 def _summarise(run: _Run, first_step: int, seconds: float) -> None:

@@ -197,6 +197,16 @@ def check_not_a_run(out: str | os.PathLike, name: str = "--out") -> None:
     )
 
 
+def check_no_model(out: str | os.PathLike, why: str, name: str = "--out") -> None:
+    """``ValueError`` naming ``name`` when the folder ``out`` holds a training run (``check_not_a_run``)
+    or a model (``MODEL_FILES``), for commands that write beside a model's files but never replace
+    them (``tokenizer train``, ``instruct-demo``); ``why`` says what writing there would do."""
+    check_not_a_run(out, name)
+    model = held_files(out, MODEL_FILES, ONNX_PREFIX)
+    if model:
+        raise ValueError(f"{name} {str(out)!r} holds a model ({', '.join(model)}){why}: use another folder")
+
+
 def clear_run(out_dir: str | os.PathLike) -> list[str]:
     """Delete what a run wrote in ``out_dir`` (``RUN_FILES``; anything else stays); returns the
     names deleted. For ``--overwrite``, once every check of the new run has passed."""

@@ -14,7 +14,7 @@ import time
 import torch
 
 import wiola
-from bench.ab_tuning import _model
+from bench.ab_tuning import _cpu, _model
 from wiola.fast import decode_step_cpu
 
 scheme, batch = sys.argv[1], int(sys.argv[2])
@@ -44,6 +44,6 @@ for r in range(rounds):
         times[off].append((time.perf_counter() - t0) / steps)
 a, m = statistics.median(times[0]), statistics.median(times[4])
 print(
-    f"{scheme} B{batch} ({step.isa}, {torch.get_num_threads()} threads): 64-byte aligned {a * 1e6:.0f} us a step, "
+    f"{_cpu(step.tuning)}: {scheme} B{batch} ({step.isa}, {torch.get_num_threads()} threads): 64-byte aligned {a * 1e6:.0f} us a step, "
     f"16 bytes past {m * 1e6:.0f} us; aligned {m / a:.3f}x as fast; logits bitwise equal"
 )
