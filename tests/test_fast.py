@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 import torch
-from numerics import DEVICE, TOL, assert_close, rel_err
+from numerics import DEVICE, TOL, AbsSums, assert_close, assert_within, bound, rel_err
 
 from wiola import WiolaConfig
 from wiola import WiolaModel as Reference
@@ -163,6 +163,24 @@ def test_cached_decoding_equals_full_pass(B, chunks):
     real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
     assert_close("cached logits", full[real], got[real], FP32)
     assert cache.length == T, f"cache.length {cache.length} != {T}"
+
+
+@torch.no_grad()
+def test_float64_cached_decoding_stays_float64():
+    """A float64 model's one-token steps (the fast model's carried gate step) compute in float64,
+    as the reference does: within the float64 bound (unit 2⁻⁵³) of the full pass, left-padded."""
+    ref, fast = (m.double() for m in _models())
+    ids, mask = _batch(3, 12, "left")
+    with AbsSums(ref) as sums:
+        full = ref(ids, attention_mask=mask).logits
+    cache = fast.new_cache(3, 32)
+    pieces = [fast(ids[:, :6], attention_mask=mask[:, :6], cache=cache).logits]
+    for t in range(6, 12):
+        pieces.append(fast(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache).logits)
+    got = torch.cat(pieces, dim=1)
+    real = mask.bool()
+    allowed = bound(ref.config, 12, sums.head, unit=2.0**-53)
+    assert_within("float64 cached logits", full[real], got[real], allowed[real])
 
 
 @torch.no_grad()

@@ -27,7 +27,8 @@ class Cache:
 
     - ``k``, ``v``: ``(L, B, H, S, D)``, keys stored after rotation.
     - ``key_mask``: ``(B, S)`` bool, True where the slot holds a real (non-padding) token.
-    - ``gate_sum``: ``(L, B, D)`` float32, running sum of the head-mean queries of real tokens.
+    - ``gate_sum``: ``(L, B, D)`` float32 (float64 in a float64 cache, the precision the gate sums
+      in), running sum of the head-mean queries of real tokens.
     - ``gate_count``: ``(L, B)`` int64, number of real tokens summed.
     - ``n_real``: ``(B,)`` int64, real tokens seen per row (the next token's position).
     - ``length``: slots filled so far (the same for every row; padding occupies slots too).
@@ -55,7 +56,8 @@ class Cache:
         self.k = torch.zeros(L, batch_size, H, max_len, D, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.key_mask = torch.zeros(batch_size, max_len, device=device, dtype=torch.bool)
-        self.gate_sum = torch.zeros(L, batch_size, D, device=device, dtype=torch.float32)
+        sum_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self.gate_sum = torch.zeros(L, batch_size, D, device=device, dtype=sum_dtype)
         self.gate_count = torch.zeros(L, batch_size, device=device, dtype=torch.int64)
         self.n_real = torch.zeros(batch_size, device=device, dtype=torch.int64)
         self.length = 0

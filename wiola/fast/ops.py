@@ -42,7 +42,7 @@ import wiola.ops as reference
 from wiola.model import Ops, has_adapters
 from wiola.ops.gate import write_carry
 from wiola.ops.linear import DecodeLayout, autocast_dtype, by_sequence, linear
-from wiola.ops.rope import apply_rope
+from wiola.ops.rope import apply_rope, upcast
 
 _KERNEL_MODULES = (
     ("rms_norm", "rms_norm"),
@@ -455,15 +455,16 @@ def _gate_step(
     attention_mask: torch.Tensor | None,
     carry: tuple[torch.Tensor, torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The reference gate for one new token after a carried sum: no scans, half the ops."""
-    m = q.float().mean(dim=2)[:, 0]  # (B, D) head mean
+    """The reference gate for one new token after a carried sum: no scans, half the ops, in the
+    reference's precision (fp32, or float64 for a float64 model)."""
+    m = upcast(q).mean(dim=2)[:, 0]  # (B, D) head mean
     if attention_mask is None:
-        running, count = carry[0] + m, carry[1] + 1
+        running, count = carry[0].to(m.dtype) + m, carry[1] + 1
     else:
         real = attention_mask[:, -1].to(torch.int64)  # (B,)
-        running, count = carry[0] + m * real.unsqueeze(-1).to(m.dtype), carry[1] + real
-    c = running / count.clamp(min=1).to(torch.float32).unsqueeze(-1)
-    g = torch.sigmoid(F.linear(F.silu(F.linear(c, w1.float())), w2.float(), b2.float()))
+        running, count = carry[0].to(m.dtype) + m * real.unsqueeze(-1).to(m.dtype), carry[1] + real
+    c = running / count.clamp(min=1).to(m.dtype).unsqueeze(-1)
+    g = torch.sigmoid(F.linear(F.silu(F.linear(c, upcast(w1))), upcast(w2), upcast(b2)))
     return g.unsqueeze(1), running, count
 
 
