@@ -158,6 +158,11 @@ def test_bad_inputs_raise_clear_errors(tiny):
         tiny(torch.randint(0, 50, (1, 13)))
     with pytest.raises(ValueError, match="attention_mask shape"):
         tiny(ok, attention_mask=torch.ones(2, 4))
+    for mask in (torch.full((2, 5), 0.5), torch.full((2, 5), 2), torch.full((2, 5), -1, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="attention_mask must hold only 0 and 1"):
+            tiny(ok, attention_mask=mask)
+    for mask in (torch.ones(2, 5, dtype=torch.bool), torch.ones(2, 5, dtype=torch.uint8), torch.ones(2, 5)):
+        tiny(ok, attention_mask=mask)
     with pytest.raises(ValueError, match="labels shape"):
         tiny(ok, labels=ok[:, :3])
     with pytest.raises(ValueError, match="label 77 is outside"):

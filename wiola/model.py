@@ -589,7 +589,7 @@ class WiolaModel(nn.Module):
                 raise ValueError(
                     f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids {tuple(input_ids.shape)}"
                 )
-            if attention_mask.dtype.is_floating_point and self._sync_checks(attention_mask):
+            if attention_mask.dtype != torch.bool and self._sync_checks(attention_mask):
                 if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
                     raise ValueError("attention_mask must hold only 0 and 1")
         if cache is None:
