@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import json
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -324,6 +325,21 @@ def test_quantized_checkpoint_round_trip(scheme, tmp_path, plain_cpu):
     ids = torch.tensor([[3, 7, 11]])
     with torch.inference_mode():
         assert torch.equal(loaded.generate(ids, 6, temperature=0), model.generate(ids, 6, temperature=0))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantized_checkpoint_with_a_stray_tensor_is_refused(scheme, tmp_path):
+    """A tensor the scheme does not store is named, a scale beside a bf16 matrix included."""
+    from safetensors.torch import load_file, save_file
+
+    _quantized(ODD, scheme).save_pretrained(tmp_path)
+    path = str(tmp_path / "model.safetensors")
+    stored = load_file(path)
+    stray = "embed.weight.scale" if scheme == "bf16" else "embed.weight.bias"
+    assert "embed.weight" in stored and stray not in stored
+    save_file({**stored, stray: torch.full((ODD.vocab_size,), float("nan"))}, path)
+    with pytest.raises(ValueError, match=re.escape(f"unexpected tensor(s) ['{stray}']")):
+        wiola.fast.WiolaModel.from_pretrained(tmp_path)
 
 
 def test_quantized_checkpoint_refuses_what_cannot_run_it(tmp_path):

@@ -315,8 +315,8 @@ def unpack_state(
             raise ValueError(f"{where}: missing tensor {name!r}")
         if q.dtype != PACKED_DTYPE[scheme] or q.dim() != 2:
             raise ValueError(f"{where}: {name!r} is a {q.dtype} {tuple(q.shape)} tensor, expected a 2-D {scheme} one")
-        scale = state.pop(name + SCALE_SUFFIX, None)
         want = {"int8": q.shape[:1], "int4": (q.shape[0], 2 * q.shape[1] // GROUP)}.get(scheme)
+        scale = state.pop(name + SCALE_SUFFIX, None) if want is not None else None  # bf16's: left as unexpected
         if scheme == "int4" and (2 * q.shape[1]) % GROUP:
             raise ValueError(f"{where}: {name!r} holds {2 * q.shape[1]} int4 weights a row, not a multiple of {GROUP}")
         if want is not None and (scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != tuple(want)):
