@@ -221,22 +221,18 @@ def _matrix_params(config) -> int:
 
 def weight_bytes(config, scheme: str | None = None, dtype: torch.dtype | int | str = 4) -> int:
     """Bytes of the weights one forward reads: every weight at ``dtype``, or with ``scheme``
-    (``"int8"`` / ``"bf16"``, ``wiola.fast.quantize``) the embedding/head and the layers' seven
-    projection matrices at 1 or 2 bytes (int8 adds one fp32 scale per row), the rest (norms,
-    gate) at ``dtype``."""
+    (``"int8"`` / ``"int4"`` / ``"bf16"``) the embedding/head and the layers' seven projection
+    matrices as ``wiola.fast.quantize.matrix_bytes`` counts them (with their scales), the rest
+    (norms, gate) at ``dtype``."""
     if scheme is None:
         return _matrix_params(config) * dtype_bytes(dtype)
     if scheme not in ("int8", "int4", "bf16"):
         raise ValueError(f"scheme={scheme!r} is not one of int8, int4, bf16")
+    from wiola.fast.quantize import matrix_bytes
+
     d, L, f, V = config.d_model, config.n_layers, config.d_ff, config.vocab_size
     packed = V * d + L * (4 * d * d + 4 * d * f)
-    rows = V + L * (5 * d + 3 * f)  # q, k, v, o: d rows each; up 2f, bypass f, down d
-    if scheme == "int4":  # half a byte a weight and one fp32 scale per group
-        from wiola.fast.quantize import GROUP
-
-        return packed // 2 + packed // GROUP * FP32 + (_matrix_params(config) - packed) * dtype_bytes(dtype)
-    extra = rows * FP32 if scheme == "int8" else 0
-    return packed * (1 if scheme == "int8" else 2) + extra + (_matrix_params(config) - packed) * dtype_bytes(dtype)
+    return matrix_bytes(config, scheme) + (_matrix_params(config) - packed) * dtype_bytes(dtype)
 
 
 def decode_step(

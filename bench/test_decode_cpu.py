@@ -132,8 +132,7 @@ def tuning(scheme: str | None = None) -> dict[str, Any]:
     from wiola.fast import prefill
 
     record = getattr(decode_step_cpu, "tuning", None)
-    weight_bytes = decode_step_cpu.WEIGHT_TYPES[None if scheme == "fp32" else scheme][1].itemsize
-    out: dict[str, Any] = dict(record(weight_bytes=weight_bytes)) if callable(record) else {}
+    out: dict[str, Any] = dict(record(scheme=None if scheme == "fp32" else scheme)) if callable(record) else {}
     out.setdefault("isa", decode_step_cpu.select_isa())
     out.setdefault("threads", torch.get_num_threads())
     out["prefill"] = prefill.describe()

@@ -20,10 +20,11 @@ import pytest
 import torch
 
 from wiola import WiolaConfig
+from wiola.cli import bench as cli_bench
 from wiola.cli import main
 from wiola.cli.bench import TG_PROMPT
 from wiola.fast import WiolaModel, decode_step_cpu, prefill, speed
-from wiola.fast.quantize import quantize
+from wiola.fast.quantize import matrix_bytes, quantize
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # bench/ is not an installed package
@@ -103,6 +104,15 @@ def test_json_rows_for_every_form(step_available, checkpoint):
             assert r["read_ceiling_pct"] == pytest.approx(100 * read_s / peak_s, rel=1e-9), r
         else:
             assert "pct_read_floor" not in r and "bound_by" not in r, r
+        # the step's choices for this CPU, and after a tg call the threads' parts it left
+        scheme = None if r["weights"] == "fp32" else r["weights"]
+        assert r["tuning"] == {
+            key: decode_step_cpu.choose_tuning(SMALL, scheme)[key] for key in cli_bench.TUNING_KEYS
+        }, r
+        assert r["tuning"]["matrix_bytes"] == matrix_bytes(SMALL, scheme), r
+        assert ("balance" in r) == (r["test"] == "tg5"), r
+        if "balance" in r:
+            assert set(r["balance"]) == set(decode_step_cpu.BALANCE_KINDS), r
     sizes = {r["weights"]: r["bytes"] for r in rows}
     assert sizes["fp32"] > sizes["bf16"] > sizes["int8"] > sizes["int4"], sizes
     assert f"CPU: {cpu}" in done.stderr
@@ -122,6 +132,13 @@ def test_table_and_batch(step_available):
     assert cells[3:5] == ["2", "tg3"] and cells[6].endswith("%"), cells
     assert "±" not in cells[5], "one run has no spread to show"
     assert "1 threads" in done.stdout and "median time of 1 run;" in done.stdout
+    assert any(re.fullmatch(r"int8: [\d.]+ MB of matrices, head (streamed|cached), \d+ rows prefetched ahead, a thread per 2 MiB; threads' parts: .*", line) for line in lines), lines  # fmt: skip
+
+
+def test_pp_only_notes_say_nothing_of_tg(step_available):
+    done = _run("--preset", "tiny", "--weights", "int4", "-p", "4", "-n", "0", "-r", "1")
+    assert done.returncode == 0, done.stderr
+    assert "tg" not in done.stdout and "int4: " in done.stdout and "threads' parts" not in done.stdout, done.stdout
 
 
 @pytest.mark.parametrize("scheme", ["fp32", "bf16", "int8", "int4"])
@@ -314,7 +331,8 @@ def test_quantized_checkpoint_runs_in_its_own_form(step_available, tmp_path):
         (["-p", "-3"], "must be >= 0"),
         (["-b", "0"], "-b/--batch must be >= 1, got 0"),
         (["-r", "0"], "-r/--reps must be >= 1, got 0"),
-        (["-t", "0"], "-t/--threads must be >= 1, got 0"),
+        (["-t", "0"], "-t/--threads must be in [1, "),
+        (["-t", "99999"], "(4 a CPU this process may run on), got 99999"),
         (["--preset", "tiny", "-p", "513"], "-p/--prompt-tokens = 513 is past the model's 512 positions"),
         (["--preset", "tiny", "-n", "497"], "16 + -n/--new-tokens = 513 is past the model's 512 positions"),
         (["--revision", "main"], "--revision 'main' applies to a Hub id --checkpoint; none was given"),

@@ -52,7 +52,7 @@ from numerics import (
 import wiola
 import wiola.fast
 from wiola.fast import ops as fast_ops
-from wiola.fast.quantize import quantize
+from wiola.fast.quantize import matrix_bytes, quantize
 
 decode_step_cpu = pytest.importorskip("wiola.fast.decode_step_cpu")
 
@@ -314,56 +314,73 @@ def test_tuning_does_not_change_results(knob, values, isa, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "vendor,family,model,llc,weight_bytes,stream",
+    "vendor,family,model,llc,scheme,stream",
     [
-        ("GenuineIntel", 6, 207, 260 << 20, 4, 0),  # everything fits: the head stays cached
-        ("AuthenticAMD", 25, 17, 32 << 20, 4, 0),  # Zen 4: fp32's 48 MB past the whole L3: cached
-        ("AuthenticAMD", 25, 17, 32 << 20, 2, 1),  # Zen 4: bf16's 24 MB between half and all of it: streamed
-        ("AuthenticAMD", 25, 17, 32 << 20, 1, 0),  # Zen 4: int8's 12 MB within half: cached
-        ("AuthenticAMD", 25, 17, 64 << 20, 4, 1),  # Zen 4 of a larger L3 (not measured): by the size rule
-        ("AuthenticAMD", 25, 1, 32 << 20, 4, 0),  # Zen 3: cached whatever the sizes
-        ("AuthenticAMD", 25, 1, 32 << 20, 2, 0),
-        ("AuthenticAMD", 25, 97, 32 << 20, 4, 1),  # Zen 4 desktop (not measured): 52 MB past 32 MiB, streamed
-        ("AuthenticAMD", 25, 97, 32 << 20, 1, 0),  # its int8's 13 MB fits
-        ("AuthenticAMD", 23, 49, 16 << 20, 4, 1),  # Zen 2: streamed
-        ("GenuineIntel", 6, 143, None, 4, 1),  # no cache size known: streamed
+        ("GenuineIntel", 6, 207, 260 << 20, None, 0),  # everything fits: the head stays cached
+        ("AuthenticAMD", 25, 17, 32 << 20, None, 0),  # Zen 4: fp32's 52 MB past the whole L3: cached
+        ("AuthenticAMD", 25, 17, 32 << 20, "bf16", 1),  # Zen 4: bf16's 26 MB between half and all of it: streamed
+        ("AuthenticAMD", 25, 17, 32 << 20, "int8", 0),  # Zen 4: int8's 13 MB within half: cached
+        ("AuthenticAMD", 25, 17, 32 << 20, "int4", 0),  # and int4's 8 MB
+        ("AuthenticAMD", 25, 17, 64 << 20, None, 1),  # Zen 4 of a larger L3 (not measured): by the size rule
+        ("AuthenticAMD", 25, 1, 32 << 20, None, 0),  # Zen 3: cached whatever the sizes
+        ("AuthenticAMD", 25, 1, 32 << 20, "bf16", 0),
+        ("AuthenticAMD", 25, 97, 32 << 20, None, 1),  # Zen 4 desktop (not measured): 52 MB past 32 MiB, streamed
+        ("AuthenticAMD", 25, 97, 32 << 20, "int8", 0),  # its int8's 13 MB fits
+        ("AuthenticAMD", 23, 49, 16 << 20, None, 1),  # Zen 2: streamed
+        ("GenuineIntel", 6, 143, None, None, 1),  # no cache size known: streamed
     ],
 )
-def test_head_prefetch_choice(vendor, family, model, llc, weight_bytes, stream, monkeypatch):
+def test_head_prefetch_choice(vendor, family, model, llc, scheme, stream, monkeypatch):
     """``choose_tuning`` streams the 13m head past the cache when the matrices outgrow half the
     last-level cache, except on the CPUs of ``CACHED_HEAD_CPUS`` and, where they outgrow all of it,
     of ``CACHED_HEAD_PAST_LLC_CPUS``; it records what it chose from."""
     lines = (f"vendor_id\t: {vendor}", f"cpu family\t: {family}", f"model\t\t: {model}", "model name\t: test CPU")
     monkeypatch.setattr(decode_step_cpu, "_cpuinfo_lines", lambda: lines)
     monkeypatch.setattr(decode_step_cpu, "last_level_cache_bytes", lambda: llc)
-    got = decode_step_cpu.choose_tuning(wiola.WiolaConfig.preset("13m"), weight_bytes)
+    config = wiola.WiolaConfig.preset("13m")
+    got = decode_step_cpu.choose_tuning(config, scheme)
     assert got["stream_head"] == stream, got
     assert (got["vendor"], got["family"], got["model"], got["last_level_cache_bytes"]) == (
         vendor, str(family), str(model), llc,
     )  # fmt: skip
+    assert got["matrix_bytes"] == matrix_bytes(config, scheme), got
+
+
+@pytest.mark.parametrize("d_ff,stream", [(512, 1), (384, 0)])
+def test_head_prefetch_counts_every_matrix(d_ff, stream, monkeypatch):
+    """The size rule counts all four feed-forward matrices' weights (up is 2F x d): fp32 matrices of
+    vocabulary 6,000, width 256, 4 layers and d_ff 512 are 18.7 MB, past half a 32 MiB cache
+    (16.8 MB), though three of them (16.6 MB) are not; d_ff 384 is 16.6 MB, within it."""
+    lines = ("vendor_id\t: AuthenticAMD", "cpu family\t: 23", "model\t\t: 49", "model name\t: test CPU")
+    monkeypatch.setattr(decode_step_cpu, "_cpuinfo_lines", lambda: lines)
+    monkeypatch.setattr(decode_step_cpu, "last_level_cache_bytes", lambda: 32 << 20)
+    config = wiola.WiolaConfig(vocab_size=6000, d_model=256, n_layers=4, n_heads=8, d_ff=d_ff, max_seq_len=64)
+    got = decode_step_cpu.choose_tuning(config)
+    assert got["stream_head"] == stream, got
 
 
 @pytest.mark.parametrize(
-    "family,model,weight_bytes,ahead",
+    "family,model,scheme,ahead",
     [
-        (26, 2, 2, 16),  # Zen 5, bf16: 512-byte rows of the 13m preset, 8 KB ahead
-        (26, 2, 1, 32),  # Zen 5, int8 (and int4's packed bytes)
-        (26, 2, 4, 8),  # Zen 5, fp32: 8 rows are 8 KB
-        (25, 17, 2, 0),  # Zen 4: each block's own rows, whatever the type
-        (25, 17, 1, 0),
-        (25, 17, 4, 0),
-        (25, 1, 4, 8),  # Zen 3: the default
-        (26, 68, 2, 8),  # a Zen 5 desktop part (not measured): the default
+        (26, 2, "bf16", 16),  # Zen 5, bf16: 512-byte rows of the 13m preset, 8 KB ahead
+        (26, 2, "int8", 32),  # Zen 5, int8
+        (26, 2, "int4", 32),  # Zen 5, int4: int8's distance, measured for both
+        (26, 2, None, 8),  # Zen 5, fp32: 8 rows are 8 KB
+        (25, 17, "bf16", 0),  # Zen 4: each block's own rows, whatever the type
+        (25, 17, "int8", 0),
+        (25, 17, None, 0),
+        (25, 1, None, 8),  # Zen 3: the default
+        (26, 68, "bf16", 8),  # a Zen 5 desktop part (not measured): the default
     ],
 )
-def test_prefetch_distance_choice(family, model, weight_bytes, ahead, monkeypatch):
+def test_prefetch_distance_choice(family, model, scheme, ahead, monkeypatch):
     """``choose_tuning`` prefetches ``PREFETCH_ROWS`` rows ahead, on the CPUs of
     ``PREFETCH_BYTES_CPUS`` (Zen 5 EPYC) at least ``PREFETCH_BYTES`` of the model's rows, and on
     those of ``PREFETCH_NEAR_CPUS`` (Zen 4 EPYC) none (each block's own rows)."""
     lines = ("vendor_id\t: AuthenticAMD", f"cpu family\t: {family}", f"model\t\t: {model}", "model name\t: test CPU")
     monkeypatch.setattr(decode_step_cpu, "_cpuinfo_lines", lambda: lines)
     monkeypatch.setattr(decode_step_cpu, "last_level_cache_bytes", lambda: 32 << 20)
-    got = decode_step_cpu.choose_tuning(wiola.WiolaConfig.preset("13m"), weight_bytes)
+    got = decode_step_cpu.choose_tuning(wiola.WiolaConfig.preset("13m"), scheme)
     assert got["prefetch_rows"] == ahead, got
 
 

@@ -302,6 +302,19 @@ def test_bad_input_is_refused():
         quantize(model, "bf16")
 
 
+@pytest.mark.parametrize("scheme", (None, *SCHEMES))
+def test_matrix_bytes_counts_the_stored_matrices(scheme):
+    """``matrix_bytes`` (the bytes the step's tuning is chosen for) is what the packed matrices and
+    their scales hold, or the fp32 matrices' bytes."""
+    model = _quantized(ODD, scheme) if scheme else wiola.fast.WiolaModel(ODD)
+    config = model.config  # int4's fitted to whole groups
+    if scheme:
+        stored = [t for q, scale in model.quantized.values() for t in (q, scale) if t is not None]
+    else:
+        stored = [model.get_parameter(name) for name in matrix_names(config.n_layers)]
+    assert quantize_module.matrix_bytes(config, scheme) == sum(t.numel() * t.element_size() for t in stored)
+
+
 # ----------------------------------------------------------------------------- checkpoints
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_quantized_checkpoint_round_trip(scheme, tmp_path, plain_cpu):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import sys
 import time
@@ -47,7 +48,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-n", "--new-tokens", type=int, default=128, help="tg: tokens decoded (0: no tg row)")
     p.add_argument("-b", "--batch", type=int, default=1, help="rows decoded together")
     p.add_argument("-r", "--reps", type=int, default=5, help="timed repetitions of each row (the median is shown)")
-    p.add_argument("-t", "--threads", type=int, help="torch's threads (default: torch's own choice)")
+    p.add_argument(
+        "-t", "--threads", type=int,
+        help="torch's threads, at most 4 a CPU this process may run on (default: torch's own choice)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object a row instead of the table")
     p.set_defaults(func=_bench)
 
@@ -75,8 +79,11 @@ def check(args: argparse.Namespace, max_len: int) -> None:
     for flag, value in (("-b/--batch", args.batch), ("-r/--reps", args.reps)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"-t/--threads must be >= 1, got {args.threads}")
+    most = MAX_THREADS_PER_CPU * len(os.sched_getaffinity(0))
+    if args.threads is not None and not 1 <= args.threads <= most:
+        raise ValueError(
+            f"-t/--threads must be in [1, {most}] ({MAX_THREADS_PER_CPU} a CPU this process may run on), got {args.threads}"
+        )
     for what, length in (
         ("-p/--prompt-tokens", args.prompt_tokens),
         ("16 + -n/--new-tokens", TG_PROMPT + args.new_tokens if args.new_tokens else 0),  # no tg row: no check
@@ -112,6 +119,13 @@ def _row(model_name: str, form: str, nbytes: int, test: str, tokens: int, times:
     }  # fmt: skip
 
 
+# More threads than this a CPU only time the scheduler (and enough of them fail to start at all).
+MAX_THREADS_PER_CPU = 4
+# The step's choices for this CPU recorded in every row (``decode_step_cpu.choose_tuning``; the CPU
+# and thread count are columns of their own).
+TUNING_KEYS = ("matrix_bytes", "stream_head", "prefetch_rows", "bytes_per_thread")
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """The rows as a markdown table, llama-bench's columns, the % of the read floor, what bounds
     the step (the read or the compute floor, and the % of it reached) and the most of the read
@@ -134,6 +148,21 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['tok_s']:,.0f}{spread} | {pct} | {by} | {most} |"
         )
     return "\n".join(lines)
+
+
+def tuning_line(row: dict[str, Any]) -> str:
+    """A row's recorded choices in words: the matrices' bytes the step was tuned for, whether the
+    head was streamed, the prefetch distance, the bytes a thread and, for a tg row, the threads'
+    parts of each kind of product."""
+    t = row["tuning"]
+    line = (
+        f"{t['matrix_bytes'] / 1e6:.1f} MB of matrices, head {'streamed' if t['stream_head'] else 'cached'}, "
+        f"{t['prefetch_rows']} rows prefetched ahead, a thread per {t['bytes_per_thread'] / (1 << 20):g} MiB"
+    )
+    if "balance" in row:
+        parts = "; ".join(f"{kind} {[round(p, 3) for p in ps] or 'even'}" for kind, ps in row["balance"].items())
+        line += f"; threads' parts: {parts}"
+    return line
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -184,6 +213,8 @@ def _bench(args: argparse.Namespace) -> int:
                 raise RuntimeError(f"the C++ step does not run this model's {form} weights: {path}")
             step = tg.step if tg is not None else decode_step_cpu.DecodeStepCPU(model, model.new_cache(B, 1))
             nbytes = speed.step_bytes(step)
+            choices = {key: step.tuning[key] for key in TUNING_KEYS}
+            first = len(rows)
             # A tg step reads its weights and the cache's keys and values (the mean over the call).
             read_bytes = nbytes + speed.cache_bytes(base.config, B, TG_PROMPT, args.new_tokens)
             if pp_ids is not None:
@@ -221,7 +252,10 @@ def _bench(args: argparse.Namespace) -> int:
                 if peak is not None:
                     row["fma_peak_gmacs"] = peak["macs_per_s"] / 1e9
                     row["read_ceiling_pct"] = speed.read_ceiling(base.config, B, read["s"], peak["macs_per_s"])
+                row["balance"] = decode_step_cpu.balance()  # the threads' parts the timed calls left
                 rows.append(row)
+            for row in rows[first:]:
+                row["tuning"] = choices
     finally:
         bar.close()
     for r in rows:
@@ -233,20 +267,28 @@ def _bench(args: argparse.Namespace) -> int:
             print(json.dumps(r))
     else:
         print(table(rows))
-        print(
-            f"\n{cpu['name']}, {torch.get_num_threads()} threads; t/s: the tokens over the median time of "
+        print()
+        for r in rows:
+            if r["test"] == (tg_test if args.new_tokens else pp_test):  # a line a form
+                print(f"{r['weights']}: {tuning_line(r)}")
+        notes = [
+            f"{cpu['name']}, {torch.get_num_threads()} threads; t/s: the tokens over the median time of "
             f"{args.reps} run{'s' * (args.reps != 1)}"
             + (" ± the standard deviation of their rates" if args.reps > 1 else "")
-            + f"; tg{args.new_tokens}: {args.new_tokens - 1} timed steps a row after a 16-token prompt, not timed, "
-            "whose logits give the first token; % of read floor: the tg call's steps each reading "
-            "the weights and the cache's keys and values once at the best rate this process read as many bytes "
-            "between the timed calls; bound "
-            "by: the longer of that read floor and the compute floor (the products' multiply-adds at the rate "
-            "the step's own kernels reach on weights in each core's L1), and the % of it reached; most at the "
-            "FMA peak: the most of the read floor a step can reach whose products' multiply-adds run at this "
-            "CPU's fp32 multiply-add peak (chains that read no memory; every product multiplies each weight by "
-            "x in fp32)"
-        )
+        ]
+        if args.new_tokens:
+            notes.append(
+                f"tg{args.new_tokens}: {args.new_tokens - 1} timed steps a row after a 16-token prompt, not timed, "
+                "whose logits give the first token; % of read floor: the tg call's steps each reading "
+                "the weights and the cache's keys and values once at the best rate this process read as many bytes "
+                "between the timed calls; bound "
+                "by: the longer of that read floor and the compute floor (the products' multiply-adds at the rate "
+                "the step's own kernels reach on weights in each core's L1), and the % of it reached; most at the "
+                "FMA peak: the most of the read floor a step can reach whose products' multiply-adds run at this "
+                "CPU's fp32 multiply-add peak (chains that read no memory; every product multiplies each weight by "
+                "x in fp32)"
+            )
+        print("\n" + "; ".join(notes))
     return 0
 
 

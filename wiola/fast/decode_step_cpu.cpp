@@ -1146,11 +1146,13 @@ inline void parallel(int nth, const Body& body) {
 // The step's argument layout. wiola/fast/decode_step_cpu.py holds the same table (LAYOUT) and checks
 // it at load against wiola_layout_counts(): a drift between the two is refused, never misread.
 // kStreamHead, kPrefetchRows and kBytesPerThread are the tuning the binding chose for this CPU
-// (wiola.fast.decode_step_cpu.choose_tuning); none of them changes a result.
+// (wiola.fast.decode_step_cpu.choose_tuning), kMatrixBytes the bytes of the matrices a step streams
+// as stored (scales included; wiola.fast.quantize.matrix_bytes), which sets the thread count with
+// kBytesPerThread; none of them changes a result.
 // kGroup: the int4 group the binding expects (kQ4Group; checked by the entry points).
 enum Dim {
   kB, kV, kD, kL, kH, kHd, kF, kS, kGate, kGatePreRope, kWeightType,
-  kStreamHead, kPrefetchRows, kBytesPerThread, kGroup, kNumDims
+  kStreamHead, kPrefetchRows, kBytesPerThread, kMatrixBytes, kGroup, kNumDims
 };
 enum WeightType { kFp32, kBf16, kInt8, kInt4 };
 enum Global { kEmbed, kFinalNorm, kFreqs, kNumGlobal };
@@ -1202,7 +1204,7 @@ template <typename T>
 struct Step {
   const int64_t R, B, V, d, L, H, D, F, S, half;
   const bool gate, gate_pre_rope, stream_head;
-  const int64_t ahead, bytes_per_thread;
+  const int64_t ahead, bytes_per_thread, matrix_bytes;
   const void* const* weights;
   const float* const* scales;
   float* const k_cache;
@@ -1225,7 +1227,8 @@ struct Step {
        const int64_t* rows_, const int64_t* tokens_, const int64_t* slots_, float eps_, float* logits_, float* work)
       : R(n[kB]), B(b), V(n[kV]), d(n[kD]), L(n[kL]), H(n[kH]), D(n[kHd]), F(n[kF]), S(n[kS]), half(n[kHd] / 2),
         gate(n[kGate] != 0), gate_pre_rope(n[kGatePreRope] != 0), stream_head(n[kStreamHead] != 0),
-        ahead(n[kPrefetchRows]), bytes_per_thread(n[kBytesPerThread]), weights(w), scales(sc),
+        ahead(n[kPrefetchRows]), bytes_per_thread(n[kBytesPerThread]), matrix_bytes(n[kMatrixBytes]),
+        weights(w), scales(sc),
         k_cache(static_cast<float*>(state[kK])), v_cache(static_cast<float*>(state[kVc])),
         key_mask(static_cast<bool*>(state[kKeyMask])), gate_sum(static_cast<float*>(state[kGateSum])),
         gate_count(static_cast<int64_t*>(state[kGateCount])), n_real(static_cast<int64_t*>(state[kNReal])),
@@ -1445,11 +1448,6 @@ struct Step {
   // The tied head, logits = x Eᵀ, streamed past the last-level cache where chosen (see prefetch_block).
   void head(int tid, int nth) { product(kProducts * L, kEmbed, d, ws.x, d, logits, V, tid, nth, stream_head); }
 
-  // The bytes of the matrices one step streams (each read once, whatever B).
-  int64_t matrix_bytes() const {
-    return static_cast<int64_t>(sizeof(T)) * (V * d + L * (4 * d * d + 3 * F * d));
-  }
-
   void layers_and_head(int tid, int nth) {
     Barrier bar{arrivals, tid, nth};
     for (int64_t l = 0; l < L; ++l) layer(l, bar);
@@ -1458,7 +1456,7 @@ struct Step {
 
   void run() {
     for (int64_t i = 0; i < B; ++i) begin_row(i);
-    const int nth = threads_for(matrix_bytes(), bytes_per_thread);
+    const int nth = threads_for(matrix_bytes, bytes_per_thread);
     init_region(nth);
     int ran = 1;  // the region's thread count (OpenMP may give fewer than asked)
     parallel(nth, [this, &ran](int tid, int n) {

@@ -380,9 +380,9 @@ CACHED_HEAD_CPUS = (("AuthenticAMD", 25, range(0, 16)),)  # Zen 3 EPYC
 # (vendor, family, models) whose tied head is read through the caches where the matrices outgrow the
 # whole last-level cache; between half of it and all of it the size rule streams the head. AMD Zen 4
 # (EPYC 9004 "Genoa", family 25, models 16-31; measured on model 17; the A/Bs of
-# bench/results/2026-12-05_cpu_tuning-ab-amd-zen4/): the 13m fp32 step (48 MB of matrices against
+# bench/results/2026-12-05_cpu_tuning-ab-amd-zen4/): the 13m fp32 step (52 MB of matrices against
 # its 32 MiB L3) ran 1.08-1.10x faster with the head cached at batch 1 and 1.04-1.07x at batch 8;
-# the bf16 step (24 MB) ran 1.01-1.14x faster with it streamed at batch 1 in eight interleaved
+# the bf16 step (26 MB) ran 1.01-1.14x faster with it streamed at batch 1 in eight interleaved
 # runs of eight, batch 8 0.94-1.02x. (Both with 8 rows prefetched ahead; with none, the Zen 4's
 # distance since, the two kinds were level: 0.98-1.04x.)
 CACHED_HEAD_PAST_LLC_CPUS = (("AuthenticAMD", 25, range(16, 32)),)  # Zen 4 EPYC
@@ -428,8 +428,9 @@ def prefetch_rows(row_bytes: int) -> int:
     return PREFETCH_ROWS
 
 
-def choose_tuning(config: WiolaConfig, weight_bytes: int = 4) -> dict[str, int | str | None]:
-    """The step's tuning for this CPU and a model of ``config`` with ``weight_bytes``-byte matrices:
+def choose_tuning(config: WiolaConfig, scheme: str | None = None) -> dict[str, int | str | None]:
+    """The step's tuning for this CPU and a model of ``config`` whose matrices are stored as
+    ``scheme`` (None: fp32; ``quantize.matrix_bytes`` counts them, scales included):
 
     - ``stream_head``: prefetch the tied head non-temporally (so that it does not evict the
       layers' weights) when the matrices do not fit in half the last-level cache (the 13m fp32
@@ -439,23 +440,24 @@ def choose_tuning(config: WiolaConfig, weight_bytes: int = 4) -> dict[str, int |
       those of ``CACHED_HEAD_PAST_LLC_CPUS`` (Zen 4) where the matrices outgrow the whole cache;
     - ``prefetch_rows``: rows of each product prefetched ahead (``PREFETCH_ROWS``; on the CPUs of
       ``PREFETCH_BYTES_CPUS`` (Zen 5) at least ``PREFETCH_BYTES`` of ``d_model``-weight rows: 16
-      for bf16, 32 for int8 and int4, 8 for fp32; on those of ``PREFETCH_NEAR_CPUS`` (Zen 4) 0:
+      for bf16, 32 for int8 and int4, 8 for fp32 (int4's rows counted at a byte a weight, as
+      int8's: the distance measured for both); on those of ``PREFETCH_NEAR_CPUS`` (Zen 4) 0:
       each block's own rows, just before it);
-    - ``bytes_per_thread``: one thread per this many bytes streamed (``BYTES_PER_THREAD``).
+    - ``bytes_per_thread``: one thread per this many bytes streamed (``BYTES_PER_THREAD``), of
+      the ``matrix_bytes`` the step streams (the C++ takes both).
 
     Also records what it was chosen from: the CPU's vendor, family, model and cache size, and
     the thread count. No choice changes a result, only the time."""
     cpu = cpu_info()
     llc = last_level_cache_bytes()
-    V, d, L, F = config.vocab_size, config.d_model, config.n_layers, config.d_ff
-    matrices = weight_bytes * (V * d + L * (4 * d * d + 3 * F * d))
+    matrices = quantize.matrix_bytes(config, scheme)
     stream = llc is None or matrices > llc // 2  # half: the cache also holds the cache and activations
     vendor, family, model = cpu["vendor"], cpu["family"], cpu["model_number"]
     outgrown = llc is not None and matrices > llc
     stream = (
         stream and not _listed(cpu, CACHED_HEAD_CPUS) and not (outgrown and _listed(cpu, CACHED_HEAD_PAST_LLC_CPUS))
     )
-    ahead = prefetch_rows(weight_bytes * d)
+    ahead = prefetch_rows(WEIGHT_TYPES[scheme][1].itemsize * config.d_model)
     return {
         "vendor": vendor or platform.machine(), "family": family or None, "model": model or None, "cpu": cpu["model"],
         "last_level_cache_bytes": llc, "matrix_bytes": matrices, "threads": torch.get_num_threads(),
@@ -463,12 +465,12 @@ def choose_tuning(config: WiolaConfig, weight_bytes: int = 4) -> dict[str, int |
     }  # fmt: skip
 
 
-def tuning(config: WiolaConfig | None = None, weight_bytes: int = 4) -> dict[str, int | str | None]:
-    """What the step chooses on this CPU (``choose_tuning``; for the 13m preset unless ``config``
-    is given), with the ISA variant, for benchmark records."""
+def tuning(config: WiolaConfig | None = None, scheme: str | None = None) -> dict[str, int | str | None]:
+    """What the step chooses on this CPU for ``scheme``'s weights (``choose_tuning``; for the 13m
+    preset unless ``config`` is given), with the ISA variant, for benchmark records."""
     from wiola.config import WiolaConfig as Config
 
-    out = choose_tuning(config or Config.preset("13m"), weight_bytes)
+    out = choose_tuning(config or Config.preset("13m"), scheme)
     out["isa"] = select_isa()
     return out
 
@@ -625,7 +627,7 @@ class DecodeStepCPU:
         self.state = tuple(getattr(cache, name) for name, _, _ in layout.STATE)
         for (name, dtype, symbols), t in zip(layout.STATE, self.state, strict=True):
             _check(t, f"cache.{name}", dtype, layout.shape(symbols, size))
-        self.tuning = choose_tuning(cfg, wdtype.itemsize)
+        self.tuning = choose_tuning(cfg, self.quantization)
         values = {**size, "gate": int(cfg.gate), "gate_pre_rope": int(cfg.gate_pre_rope), "weight_type": wtype}
         values["group"] = group
         values.update({k: int(v) for k, v in self.tuning.items() if k in layout.DIMS})

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from wiola.fast import step_layout
 from wiola.fast.step_layout import LAYER_MATRICES, matrix_names, tensor_at  # noqa: F401  (the C++ step's layout table)
 
 SCHEMES = ("int8", "int4", "bf16")
@@ -56,6 +57,22 @@ VERSION = 1  # of the packed layout in a checkpoint
 PACKED_DTYPE = {"int8": torch.int8, "int4": torch.uint8, "bf16": torch.bfloat16}
 GROUP = 32  # int4 weights per scale (docs/SPEC.md, "int4 weights": why 32)
 SCALE_SUFFIX = ".scale"
+
+
+def matrix_bytes(config: Any, scheme: str | None = None) -> int:
+    """The bytes of the matrices a step streams (the tied embedding once, as the head; the layers'
+    seven projections) as ``scheme`` stores them: fp32 (None), bf16, int8 with one fp32 scale a
+    row, or int4 at half a byte a weight with one fp32 scale a group of ``GROUP``."""
+    if scheme is not None:
+        _check_scheme(scheme)
+    size = step_layout.sizes(config)
+    shapes = [step_layout.shape(slot.shape, size) for _, slot in step_layout.slots(config.n_layers) if slot.matrix]
+    weights, rows = sum(n * k for n, k in shapes), sum(n for n, _ in shapes)
+    if scheme == "int4":
+        return weights // 2 + weights // GROUP * 4
+    if scheme == "int8":
+        return weights + rows * 4
+    return weights * (2 if scheme == "bf16" else 4)
 
 
 def _check_scheme(scheme: Any) -> str:

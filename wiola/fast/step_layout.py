@@ -66,11 +66,12 @@ STATE: tuple[tuple[str, torch.dtype, tuple[str, ...]], ...] = (
     ("n_real", torch.int64, ("R",)),
 )
 # The int64 dims array, in the C++'s Dim order: the sizes, gate on, gate before RoPE, the weight type,
-# then the tuning chosen for the CPU (wiola.fast.decode_step_cpu.choose_tuning), then the int4 group
+# then the tuning chosen for the CPU with the matrices' bytes it was chosen for
+# (wiola.fast.decode_step_cpu.choose_tuning), then the int4 group
 # the binding packs (checked against the one the library was compiled for).
 DIMS = (
     "R", "V", "d", "L", "H", "D", "F", "S", "gate", "gate_pre_rope", "weight_type",
-    "stream_head", "prefetch_rows", "bytes_per_thread", "group",
+    "stream_head", "prefetch_rows", "bytes_per_thread", "matrix_bytes", "group",
 )  # fmt: skip
 WEIGHT_TYPES = {
     None: (0, torch.float32), "bf16": (1, torch.bfloat16), "int8": (2, torch.int8), "int4": (3, torch.uint8),
