@@ -221,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="steps a timed block")
     parser.add_argument("--out", type=Path, help="folder for ab_tuning.json and ab_tuning.png")
     args = parser.parse_args(argv)
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        print(f"bench.ab_tuning: error: --out {args.out} is a file, not a folder", file=sys.stderr)
+        return 2
     try:
         rec = run(
             args.knob, args.values, args.scheme, args.batch, args.rounds, args.steps, progress=sys.stderr.isatty()

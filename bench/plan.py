@@ -505,20 +505,26 @@ def sanitizer_launches() -> list[Launch]:
 
 
 def default_stages(budget: float = 420.0) -> list[Stage]:
-    """The stages of ``bench/device_check.sh`` in the order they run, with its default budgets."""
+    """The stages of ``bench/device_check.sh`` in the order they run, with the budgets it gives them
+    in a run of ``budget`` seconds where each stage takes all of its own: the headline at most what
+    leaves the parity stage and the report theirs, the parity stage at most what leaves the report
+    its own (so a short run shrinks them, and the plan says they do not fit), the compile-heavy
+    extra stage what is left after every other."""
     b = BUDGETS
     extra = max(0.0, budget - sum(b[k] for k in ("setup", "headline", "parity", "split", "sanitizer", "report")))
+    headline = max(0.0, min(b["headline"], budget - b["setup"] - b["parity"] - b["report"]))
+    parity = max(0.0, min(b["parity"], budget - b["setup"] - headline - b["report"]))
     return [
         Stage("setup", "editable install, env.json", b["setup"], [], 15, "pip install -e ., one python start"),
         Stage(
             "headline", "train step (eager, and a CUDA graph at B 32), decode B1/B8, attention vs SDPA (-m headline)",
-            b["headline"], headline_launches(), 85,
+            headline, headline_launches(), 85,
             "ceilings ~5 s; 3 train steps ~10 s each (one captured as a CUDA graph), 2 decodes ~20 s each "
             "(reference generate is the slow baseline), attention ~5 s; model builds",
             autotune_cache=True,
         ),
         Stage(
-            "parity", "kernel, fast-model tests on CUDA (bench.device_check.PARITY_TESTS)", b["parity"],
+            "parity", "kernel, fast-model tests on CUDA (bench.device_check.PARITY_TESTS)", parity,
             parity_launches(), 40, "test bodies, f64 oracles, python starts", processes=b["parity_workers"],
             one_config=True,
         ),
@@ -604,6 +610,11 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--factor", type=float, default=1.0, help="multiply build seconds (a slower CPU, JIT loading)")
     args = parser.parse_args(argv)
+    for flag, value in (("--budget", args.budget), ("--factor", args.factor)):
+        if not (value > 0 and math.isfinite(value)):
+            parser.error(
+                f"{flag} must be a positive number of {'seconds' if flag == '--budget' else 'times'}, got {value}"
+            )
     if Path(args.aot).is_file():
         records = load_aot_records(args.aot)
         source = f"{args.aot} ({len(records)} records, {args.arch}), fallback where a kernel is missing"

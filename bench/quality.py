@@ -221,10 +221,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=256)
     args = p.parse_args(argv)
+    from wiola.checkpoint import CONFIG_FILE, resolve_checkpoint
+
+    for flag in ("windows", "seq_len", "new_tokens"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    resolved = []  # every checkpoint found before any work or folder is made
+    for checkpoint in args.checkpoints:
+        try:
+            folder = resolve_checkpoint(checkpoint)
+        except (FileNotFoundError, ValueError, RuntimeError) as e:
+            p.error(str(e))
+        if not (folder / CONFIG_FILE).is_file():
+            p.error(f"{checkpoint}: not a checkpoint (no {CONFIG_FILE}) nor a run folder holding one")
+        resolved.append(folder)
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for checkpoint in args.checkpoints:
+        for checkpoint in resolved:
             print(f"measuring {checkpoint} ...", file=sys.stderr)
             results.append(measure(checkpoint, args.windows, args.seq_len, args.new_tokens, Path(tmp)))
     env = {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine()}

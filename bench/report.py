@@ -611,7 +611,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--summary", action="store_true", help="print a short table to stdout")
     args = parser.parse_args(argv)
 
-    runs = [load_run(p) for p in args.results]
+    try:
+        runs = [load_run(p) for p in args.results]
+    except (OSError, ValueError) as e:  # a file that is missing, unreadable or not results
+        parser.error(str(e))
     charts: dict[str, dict[str, Path]] = {}
     if args.charts:
         for group in by_machine(runs).values():

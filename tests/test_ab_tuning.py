@@ -74,6 +74,17 @@ def test_bad_arguments_exit_2(argv, message, capsys):
     assert err.startswith("bench.ab_tuning: error: ") and message in err, err
 
 
+def test_an_out_that_is_a_file_is_refused_before_timing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(ab_tuning, "run", lambda *a, **k: pytest.fail("timed before --out was checked"))
+    (tmp_path / "afile").write_text("kept")
+    argv = ["--knob", "prefetch_rows", "--values", "0", "8", "--out", str(tmp_path / "afile")]
+    assert ab_tuning.main(argv) == 2
+    assert (
+        capsys.readouterr().err.strip() == f"bench.ab_tuning: error: --out {tmp_path / 'afile'} is a file, not a folder"
+    )
+    assert (tmp_path / "afile").read_text() == "kept"
+
+
 def test_too_many_slots_for_the_model_is_refused(step_built):
     with pytest.raises(ValueError, match="cache slots needed"):
         ab_tuning.run("prefetch_rows", [4, 8], rounds=10, steps=5, prompt=5, config=CONFIG)

@@ -212,6 +212,21 @@ def test_default_plan_puts_the_headline_first_and_fits() -> None:
     assert text.index("== headline") < text.index("== parity") and "each fits its budget" in text
 
 
+def test_a_short_run_shrinks_the_required_stages_as_the_script_does(capsys) -> None:
+    """``device_check.sh`` gives the headline at most what leaves the parity stage and the report
+    theirs, and the parity stage what leaves the report its own: at 100 s that is 0 s and 50 s."""
+    budgets = {s.name: s.budget_s for s in plan.default_stages(100)}
+    b = plan.BUDGETS
+    assert budgets["headline"] == 0 and budgets["parity"] == 100 - b["setup"] - b["report"]
+    assert {s.name: s.budget_s for s in plan.default_stages(420)}["headline"] == b["headline"]
+    assert plan.main(["--budget", "100"]) == 1
+    assert "a required stage does NOT fit" in capsys.readouterr().out
+    for flag in ("--budget", "--factor"):
+        with pytest.raises(SystemExit) as exit_info:
+            plan.main([flag, "-5"])
+        assert exit_info.value.code == 2 and f"{flag} must be a positive number" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_parity_plugin_picks_one_of_the_dtype_pruned_configs(dtype: torch.dtype) -> None:
     """On a copy of the real forward autotuner: per key one config, always one listed for q's

@@ -1,13 +1,14 @@
 """``bench.quality.kl_statistics``: the next-token statistics llama.cpp's perplexity tool reports,
-on distributions with closed-form answers."""
+on distributions with closed-form answers; ``main`` refuses what it cannot measure before any work."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from bench.quality import kl_statistics
+from bench.quality import kl_statistics, main
 
 
 def test_identical_distributions():
@@ -30,3 +31,21 @@ def test_two_token_distributions():
     assert math.isclose(stats["kl_p99"], ordered[2] + 0.97 * (ordered[3] - ordered[2]), rel_tol=1e-12)
     # The reference's argmax of a tie is token 0, which every q also ranks first.
     assert stats["same_top_pct"] == 100.0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["{missing}"], "does not exist"),
+        (["{empty}"], "not a checkpoint (no config.json) nor a run folder holding one"),
+        (["{empty}", "--windows", "0"], "--windows must be >= 1, got 0"),
+    ],
+)
+def test_bad_input_exits_2_before_making_out(args, message, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    argv = [a.format(missing=tmp_path / "missing", empty=tmp_path / "empty") for a in args]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

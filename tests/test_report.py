@@ -158,13 +158,19 @@ def test_chart_series_values() -> None:
     assert series["ours"] == [pytest.approx(1.23)] and series["flex_attention"] == [None]
 
 
-def test_bad_inputs(tmp_path: Path) -> None:
+def test_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(FileNotFoundError, match="no results file"):
         report.load_run(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
     bad.write_text("this is not json\n")
     with pytest.raises(ValueError, match="line 1 is not JSON"):
         report.load_run(bad)
+    for path, message in ((tmp_path / "missing.json", "no results file"), (bad, "line 1 is not JSON")):
+        with pytest.raises(SystemExit) as exit_info:
+            report.main([str(path), "--out", str(tmp_path / "out.md")])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "out.md").exists()
 
 
 @pytest.mark.parametrize(
