@@ -79,7 +79,8 @@ def check(args: argparse.Namespace, max_len: int) -> None:
     for flag, value in (("-b/--batch", args.batch), ("-r/--reps", args.reps)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    most = MAX_THREADS_PER_CPU * len(os.sched_getaffinity(0))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    most = MAX_THREADS_PER_CPU * cpus
     if args.threads is not None and not 1 <= args.threads <= most:
         raise ValueError(
             f"-t/--threads must be in [1, {most}] ({MAX_THREADS_PER_CPU} a CPU this process may run on), got {args.threads}"
