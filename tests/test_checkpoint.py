@@ -140,6 +140,10 @@ def test_bad_wiola13m_tensors_are_named(tmp_path, mutate, message):
 def test_foreign_and_corrupt_checkpoints(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         WiolaModel.from_pretrained(tmp_path / "nope")
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(FileNotFoundError, match="notes.txt' is a file, not a checkpoint directory"):
+        WiolaModel.from_pretrained(tmp_path / "notes.txt")
+    (tmp_path / "notes.txt").unlink()
     with pytest.raises(FileNotFoundError, match="config.json"):
         WiolaModel.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 4}))

@@ -84,6 +84,64 @@ def test_an_empty_checkpoint_or_revision_is_refused(command, flag, capsys):
     assert f"argument {flag}: is empty" in capsys.readouterr().err
 
 
+EMPTY_PATHS = [
+    *[(["train", flag, " "], flag) for flag in ("--config", "--resume", "--out", "--data", "--val-data", "--cache-dir")],
+    *[(["eval", "--checkpoint", "c", flag, " "], flag) for flag in ("--data", "--val-data", "--cache-dir", "--output", "--include-path")],
+    (["gates", "--checkpoint", "c", "--out", " "], "--out"),
+    (["demo", "--out", " "], "--out"),
+    (["demo", "--cache-dir", " "], "--cache-dir"),
+    ([ "ablate", " "], "spec"),
+    (["ablate", "spec.toml", "--out", " "], "--out"),
+    (["chat", "--checkpoint", " "], "--checkpoint"),
+    (["export", "--checkpoint", "c", "--out", " "], "--out"),
+    (["finetune", "--init", " ", "--data", "d"], "--init"),
+    (["finetune", "--init", "c", "--data", " "], "--data"),
+    (["finetune", "--init", "c", "--data", "d", "--out", " "], "--out"),
+    (["instruct-demo", "--init", " "], "--init"),
+    (["instruct-demo", "--init", "c", "--out", " "], "--out"),
+    (["generate", "--tokenizer", " "], "--tokenizer"),
+    (["generate", "--prompt-file", " "], "--prompt-file"),
+    (["merge", "--adapter", " ", "--out", "o"], "--adapter"),
+    (["merge", "--adapter", "a", "--out", " "], "--out"),
+    (["merge", "--adapter", "a", "--out", "o", "--base", " "], "--base"),
+    (["serve", "--checkpoint", "c", "--tokenizer", " "], "--tokenizer"),
+    (["tokenizer", "train", "--data", " ", "--out", "o"], "--data"),
+    (["tokenizer", "train", "--data", "d", "--out", " "], "--out"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv, flag", EMPTY_PATHS, ids=[" ".join(a).strip() for a, _ in EMPTY_PATHS])
+def test_an_empty_path_is_refused_before_reading_or_writing_the_current_folder(
+    argv, flag, tmp_path, monkeypatch, capsys
+):
+    """An empty path names the current folder: ``train --data ''`` trained on its files,
+    ``tokenizer train --out ''`` wrote into it. Refused by argparse, exit 2, naming the argument."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "story.txt").write_text("Once upon a time there was a cat.\n" * 50)
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: is empty" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["story.txt"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--seconds", "inf"], "--seconds must be a positive number of seconds, got inf"),
+        (["--seconds", "nan"], "--seconds must be a positive number of seconds, got nan"),
+        (["--seconds", "0"], "--seconds must be a positive number of seconds, got 0.0"),
+        (["--seconds", "-5"], "--seconds must be a positive number of seconds, got -5.0"),
+        (["--samples", "-1"], "--samples must be >= 0 (0: no stories), got -1"),
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--steps", "3", "--seconds", "4"], "give --steps or --seconds, not both"),
+    ],
+)
+def test_demo_refuses_bad_lengths_before_any_work(args, message, tmp_path, capsys):
+    _refuses(["demo", *args, "--out", str(tmp_path / "demo")], capsys, message)
+    assert not (tmp_path / "demo").exists()
+
+
 def test_export_and_serve_require_a_checkpoint(capsys):
     for command in (["export", "--out", "o"], ["serve"]):
         with pytest.raises(SystemExit) as exit_info:

@@ -119,6 +119,9 @@ def test_echo_and_stop_text_of_one_prompt(checkpoint, capsys):
         (["--max-new-tokens", "500"], "past max_seq_len=128"),
         (["--max-new-tokens", "ten"], "argument --max-new-tokens: invalid int value"),
         (["--quantize", "int3"], "argument --quantize: invalid choice"),
+        (["--seed", str(2**64)], f"argument --seed: {2**64} is outside [-2**63, 2**64)"),
+        (["--seed", "x"], "argument --seed: 'x' is not an integer"),
+        (["--prompt", "a", "--prompt-file", "BAD"], "argument --prompt-file: not allowed with argument --prompt"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(checkpoint, tmp_path, monkeypatch, capsys, args, message):

@@ -212,6 +212,8 @@ def quantization_of(checkpoint: str | Path) -> str | None:
 def read_config(directory: str | Path) -> tuple[WiolaConfig, str]:
     """The config of a checkpoint directory and its flavour (``"wiola"`` or ``"wiola13m"``)."""
     directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise FileNotFoundError(f"{str(directory)!r} is a file, not a checkpoint directory")
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(directory)!r} does not exist")
     path = directory / CONFIG_FILE

@@ -251,6 +251,9 @@ class GenerateArgs:
 
 
 # The keyword arguments every generation loop takes (those of ``GenerateArgs.check``).
+# torch.Generator.manual_seed takes a seed in this range (a negative one is taken modulo 2**64).
+SEED_RANGE = (-(2**63), 2**64)
+
 LOOP_KEYWORDS = frozenset(
     name for name, p in inspect.signature(GenerateArgs.check).parameters.items() if p.kind is p.KEYWORD_ONLY
 )

@@ -8,13 +8,13 @@ import shlex
 import sys
 from pathlib import Path
 
-from wiola.cli.arguments import add_progress_flag
+from wiola.cli.arguments import add_progress_flag, non_empty_path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ablate", help="train variants × seeds from a TOML/JSON spec; report with CIs and plots")
-    p.add_argument("spec", help="the sweep: a .toml or .json file (docs/SPEC.md, Ablations)")
-    p.add_argument("--out", help="sweep folder (default: runs/ablate-<spec file name>)")
+    p.add_argument("spec", type=non_empty_path, help="the sweep: a .toml or .json file (docs/SPEC.md, Ablations)")
+    p.add_argument("--out", type=non_empty_path, help="sweep folder (default: runs/ablate-<spec file name>)")
     p.add_argument(
         "--overwrite", action="store_true",
         help="delete the sweep's runs and report in --out and start again (without it, a run folder "

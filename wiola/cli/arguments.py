@@ -21,6 +21,28 @@ def non_empty(value: str) -> str:
     return value
 
 
+def non_empty_path(value: str) -> str:
+    """An argparse ``type`` for a file or folder (or a named data source) that must not be empty:
+    an empty path names the current folder, which a command would read or write unasked."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("is empty: give a path (an empty one would name the current folder)")
+    return value
+
+
+def seed(value: str) -> int:
+    """An argparse ``type`` for ``--seed``: an int in the range ``torch.Generator.manual_seed``
+    takes (``wiola.generation.SEED_RANGE``), named as given when it is outside."""
+    from wiola.generation import SEED_RANGE
+
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if not SEED_RANGE[0] <= number < SEED_RANGE[1]:
+        raise argparse.ArgumentTypeError(f"{number} is outside [-2**63, 2**64), the seeds torch's generators take")
+    return number
+
+
 def add_length_arguments(p: argparse.ArgumentParser, *, steps: int, batch_size: int, lr: float) -> None:
     """``--steps``, ``--batch-size`` and ``--lr`` of a training run, with these defaults."""
     p.add_argument("--steps", type=int, default=steps)

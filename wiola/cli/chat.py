@@ -13,13 +13,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from wiola.cli.arguments import non_empty, seed
+
 HELP = "commands: /reset clears the conversation, /exit (or Ctrl-D) leaves, /help; Ctrl-C stops a reply"
 DEFAULT_MAX_NEW_TOKENS = 200  # clamped to half the model's context when that is shorter
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="chat with a model in the terminal (its chat template, streamed)")
-    p.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint or a LoRA folder")
+    p.add_argument("--checkpoint", type=non_empty, required=True, metavar="DIR", help="a checkpoint or a LoRA folder")
     p.add_argument(
         "--base",
         metavar="CHECKPOINT",
@@ -34,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--top-p", type=float)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--fast", action="store_true", help="wiola.fast (the C++ CPU step for a plain checkpoint)")
     p.set_defaults(func=run_chat)
 

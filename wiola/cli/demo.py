@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from wiola.cli.arguments import non_empty_path
 from wiola.train.config import TrainConfig
 
 BPE_HINT = (
@@ -25,7 +26,7 @@ DEMO_OUT = "runs/demo"  # the demo's own folder: each demo replaces the run the 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="train the tiny model on the built-in sample corpus (~2 minutes), then generate")
-    p.add_argument("--out", default=DEMO_OUT, help="run folder (checkpoint, metrics, PNGs)")
+    p.add_argument("--out", type=non_empty_path, default=DEMO_OUT, help="run folder (checkpoint, metrics, PNGs)")
     p.add_argument(
         "--overwrite",
         action="store_true",
@@ -38,7 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seconds", type=float, help="instead of --steps: calibrate the steps to this much training time")
     p.add_argument("--samples", type=int, default=3, help="stories to generate at the end")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--cache-dir", help="token cache folder (default $WIOLA_CACHE or ~/.cache/wiola)")
+    p.add_argument(
+        "--cache-dir", type=non_empty_path, help="token cache folder (default $WIOLA_CACHE or ~/.cache/wiola)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run_demo)
@@ -54,6 +57,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from wiola.train.sources import resolve_source
     from wiola.train.token_cache import prepare_data
 
+    _check_flags(args)
     check_output_folder(args.out, "--out")
     overwrite = args.overwrite or args.out == DEMO_OUT  # running the demo again replaces the last demo
     if not overwrite:
@@ -156,16 +160,23 @@ def _demo_config(args: argparse.Namespace, device: torch.device) -> TrainConfig:
     )
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    """``ValueError`` naming a flag this run cannot use, before any work."""
+    if args.steps is not None and args.seconds is not None:
+        raise ValueError("give --steps or --seconds, not both")
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if args.seconds is not None and not (math.isfinite(args.seconds) and args.seconds > 0):
+        raise ValueError(f"--seconds must be a positive number of seconds, got {args.seconds}")
+    if args.samples < 0:
+        raise ValueError(f"--samples must be >= 0 (0: no stories), got {args.samples}")
+
+
 def _demo_steps(args: argparse.Namespace, cfg: TrainConfig, device: torch.device, train_tokens: int) -> int:
-    """``--steps``, the steps that fit ``--seconds``, or the fixed default."""
+    """``--steps`` (checked by ``_check_flags``), the steps that fit ``--seconds``, or the fixed default."""
     if args.seconds is None:
         # A fixed default makes the demo's losses the same on every machine (only the time varies).
-        steps = args.steps if args.steps is not None else (1500 if device.type == "cuda" else 300)
-        if steps < 1:
-            raise ValueError(f"--steps must be >= 1, got {steps}")
-        return steps
-    if args.steps is not None:
-        raise ValueError("give --steps or --seconds, not both")
+        return args.steps if args.steps is not None else (1500 if device.type == "cuda" else 300)
     steps, per_step = _calibrate(cfg, args.seconds, device)
     epochs = 8  # more passes over the corpus only overfit
     steps = min(steps, max(30, epochs * train_tokens // (cfg.batch_size * cfg.seq_len)))
@@ -200,6 +211,9 @@ def _calibrate(cfg: TrainConfig, seconds: float, device: torch.device) -> tuple[
 
 def _print_stories(checkpoint: Any, encoding: Any, samples: int, seed: int, device: torch.device) -> None:
     from wiola.model import WiolaModel
+
+    if samples == 0:
+        return
 
     model = WiolaModel.from_pretrained(checkpoint, device=device)
     model.eval()

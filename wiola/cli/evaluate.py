@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from wiola.cli.arguments import add_progress_flag, non_empty
+from wiola.cli.arguments import add_progress_flag, non_empty, non_empty_path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,18 +28,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         "the flags below are without --tasks.",
     )
     g.add_argument("--tasks", help="comma-separated lm-eval task names (or groups)")
-    g.add_argument("--include-path", help="a folder of extra task YAML files")
+    g.add_argument("--include-path", type=non_empty_path, help="a folder of extra task YAML files")
     g.add_argument("--num-fewshot", type=int, help="examples put before each question (>= 0; default: each task's)")
     g.add_argument("--limit", type=float, help="documents per task: a whole number, or a fraction of them when < 1")
     g.add_argument(
         "--quantize", choices=["int8", "int4", "bf16"], help="weight-only int8/int4/bf16 (the C++ CPU step's forms)"
     )
-    g.add_argument("--output", help="write lm-eval's results JSON here")
+    g.add_argument("--output", type=non_empty_path, help="write lm-eval's results JSON here")
     p.set_defaults(func=run_eval)
 
     p = sub.add_parser("gates", help="mean gate per layer × head of a checkpoint, as a heat-map PNG")
     _add_eval_arguments(p, scoring=False)
-    p.add_argument("--out", help="PNG path (default: gates.png next to a local checkpoint; ./gates.png for a Hub id)")
+    p.add_argument(
+        "--out",
+        type=non_empty_path,
+        help="PNG path (default: gates.png next to a local checkpoint; ./gates.png for a Hub id)",
+    )
     p.add_argument("--windows", type=int, default=8, help="validation windows to average over")
     p.set_defaults(func=run_gates)
 
@@ -54,9 +58,11 @@ def _add_eval_arguments(p: argparse.ArgumentParser, scoring: bool = True) -> Non
         required=True,
         help="a model folder (config.json + weights), a run folder or a Hub id",
     )
-    p.add_argument("--data", help="default: the data the checkpoint was trained on (TinyStories if unknown)")
-    p.add_argument("--val-data")
-    p.add_argument("--cache-dir")
+    p.add_argument(
+        "--data", type=non_empty_path, help="default: the data the checkpoint was trained on (TinyStories if unknown)"
+    )
+    p.add_argument("--val-data", type=non_empty_path)
+    p.add_argument("--cache-dir", type=non_empty_path)
     p.add_argument("--seq-len", type=int, help="default: the training seq_len (or min(512, max_seq_len - 1))")
     if scoring:
         p.add_argument("--eval-windows", type=int, help="validation windows to score (default: all)")

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from wiola.cli.arguments import add_checkpoint_arguments
+from wiola.cli.arguments import add_checkpoint_arguments, non_empty_path
 
 if TYPE_CHECKING:
     from wiola.tokenizer import Tokenizer
@@ -27,7 +27,7 @@ FORMATS = ("wiola13m", "onnx")
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="write a checkpoint in the wiola13m / transformers format, or for ONNX Runtime")
     add_checkpoint_arguments(p, help="model folder, training run folder or Hub id", required=True)
-    p.add_argument("--out", required=True, help="folder to write")
+    p.add_argument("--out", type=non_empty_path, required=True, help="folder to write")
     p.add_argument(
         "--format",
         choices=FORMATS,

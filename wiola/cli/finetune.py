@@ -7,7 +7,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from wiola.cli.arguments import add_length_arguments, add_progress_flag
+from wiola.cli.arguments import add_length_arguments, add_progress_flag, non_empty, non_empty_path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,15 +20,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Fine-tune a checkpoint on JSONL data; only the assistant/completion tokens count in the loss. "
         "With --lora-rank only LoRA adapters train and are saved in PEFT's format (wiola merge folds them in).",
     )
-    p.add_argument("--init", required=True, metavar="CHECKPOINT", help="the checkpoint to start from")
-    p.add_argument("--data", required=True, metavar="FILE.jsonl")
+    p.add_argument("--init", type=non_empty, required=True, metavar="CHECKPOINT", help="the checkpoint to start from")
+    p.add_argument("--data", type=non_empty_path, required=True, metavar="FILE.jsonl")
     p.add_argument(
         "--format",
         choices=FORMATS,
         default="chat",
         help="chat: {'messages': [...]}; completion: {'prompt', 'completion'}",
     )
-    p.add_argument("--out", default="runs/finetune", help="output folder (a checkpoint, or the adapters)")
+    p.add_argument(
+        "--out", type=non_empty_path, default="runs/finetune", help="output folder (a checkpoint, or the adapters)"
+    )
     p.add_argument(
         "--overwrite", action="store_true", help="replace a model or adapters already in --out (deleting their files)"
     )
@@ -95,8 +97,14 @@ def register_demo(sub: argparse._SubParsersAction) -> None:
         description="Writes TinyStories-Instruct-style examples (required words, features, the story), measures how "
         "often the model's story holds every required word on held-out instructions, fine-tunes, measures again.",
     )
-    p.add_argument("--init", required=True, metavar="CHECKPOINT", help="e.g. the checkpoint `wiola demo` wrote")
-    p.add_argument("--out", default=INSTRUCT_OUT)
+    p.add_argument(
+        "--init",
+        type=non_empty,
+        required=True,
+        metavar="CHECKPOINT",
+        help="e.g. the checkpoint `wiola demo` wrote",
+    )
+    p.add_argument("--out", type=non_empty_path, default=INSTRUCT_OUT)
     p.add_argument(
         "--overwrite",
         action="store_true",

@@ -16,7 +16,7 @@ from typing import TextIO
 
 import torch
 
-from wiola.cli.arguments import add_checkpoint_arguments, check_sampling_flags
+from wiola.cli.arguments import add_checkpoint_arguments, check_sampling_flags, non_empty_path, seed
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,11 +24,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("generate", help="generate text from a checkpoint")
     add_checkpoint_arguments(p, help="model folder (ours or wiola13m's), a training run folder, or a Hub id (org/name)")
-    p.add_argument("--tokenizer", help="gpt2, gpt2-32k or a tokenizer.json path (default: the checkpoint's)")
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="random model when no checkpoint")
-    p.add_argument("--prompt", default="Once upon a time")
     p.add_argument(
-        "--prompt-file", metavar="FILE",
+        "--tokenizer", type=non_empty_path, help="gpt2, gpt2-32k or a tokenizer.json path (default: the checkpoint's)"
+    )
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="random model when no checkpoint")
+    prompts = p.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt", default="Once upon a time")
+    prompts.add_argument(
+        "--prompt-file", type=non_empty_path, metavar="FILE",
         help='many prompts run as one left-padded batch: one a line, or JSONL ({"prompt": ...}); - reads stdin',
     )  # fmt: skip
     p.add_argument("--num-samples", type=int, default=1, help="samples per prompt (rows of the batch)")
@@ -39,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
         "--quantize", choices=("int8", "int4", "bf16"),

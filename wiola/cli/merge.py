@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from wiola.cli.arguments import non_empty, non_empty_path
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -11,9 +13,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="fold LoRA adapters into the weights (for the fast model, quantization, export)",
         description="Write a plain checkpoint whose weights are the base's plus the adapters' low-rank update.",
     )
-    p.add_argument("--adapter", required=True, metavar="DIR", help="a folder written by wiola finetune --lora-rank")
-    p.add_argument("--out", required=True, metavar="DIR")
-    p.add_argument("--base", metavar="CHECKPOINT", help="the base checkpoint (default: the one the adapter names)")
+    p.add_argument(
+        "--adapter",
+        type=non_empty_path,
+        required=True,
+        metavar="DIR",
+        help="a folder written by wiola finetune --lora-rank",
+    )
+    p.add_argument("--out", type=non_empty_path, required=True, metavar="DIR")
+    p.add_argument(
+        "--base",
+        type=non_empty,
+        metavar="CHECKPOINT",
+        help="the base checkpoint (default: the one the adapter names)",
+    )
     p.add_argument(
         "--overwrite", action="store_true", help="replace a model or adapters already in --out (deleting their files)"
     )

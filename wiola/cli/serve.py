@@ -8,13 +8,15 @@ import sys
 
 import torch
 
-from wiola.cli.arguments import add_checkpoint_arguments
+from wiola.cli.arguments import add_checkpoint_arguments, non_empty_path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a checkpoint over HTTP (OpenAI-compatible, continuous batching)")
     add_checkpoint_arguments(p, help="model folder, a training run folder, or a Hub id (org/name)", required=True)
-    p.add_argument("--tokenizer", help="gpt2, gpt2-32k or a tokenizer.json path (default: the checkpoint's)")
+    p.add_argument(
+        "--tokenizer", type=non_empty_path, help="gpt2, gpt2-32k or a tokenizer.json path (default: the checkpoint's)"
+    )
     p.add_argument(
         "--quantize", choices=("int8", "int4", "bf16"), help="weight-only int8, int4 or bf16 matrices for the C++ step"
     )

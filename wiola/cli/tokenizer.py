@@ -9,16 +9,23 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from wiola.cli.arguments import add_progress_flag
+from wiola.cli.arguments import add_progress_flag, non_empty_path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer")
     actions = p.add_subparsers(dest="action", required=True)
     t = actions.add_parser("train", help="train a byte-level BPE on a corpus (written as tokenizer.json + configs)")
-    t.add_argument("--data", required=True, help="'tinystories', 'sample[:N]', or text/JSONL/Parquet files or a folder")
+    t.add_argument(
+        "--data",
+        type=non_empty_path,
+        required=True,
+        help="'tinystories', 'sample[:N]', or text/JSONL/Parquet files or a folder",
+    )
     t.add_argument("--vocab-size", type=int, required=True, help="ids in the vocabulary, specials and bytes included")
-    t.add_argument("--out", required=True, help="folder to write tokenizer.json, tokenizer_config.json, ...")
+    t.add_argument(
+        "--out", type=non_empty_path, required=True, help="folder to write tokenizer.json, tokenizer_config.json, ..."
+    )
     t.add_argument("--max-documents", type=int, help="train on the first N training documents only")
     t.add_argument(
         "--overwrite",

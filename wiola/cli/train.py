@@ -10,6 +10,7 @@ import json
 import sys
 from typing import Any
 
+from wiola.cli.arguments import non_empty_path
 from wiola.train.config import TrainConfig
 
 
@@ -31,11 +32,16 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     from wiola.train.config import recipe_names
 
     g = p.add_argument_group("setup")
-    g.add_argument("--config", help="JSON file of TrainConfig fields (the recipes' format)")
+    g.add_argument("--config", type=non_empty_path, help="JSON file of TrainConfig fields (the recipes' format)")
     g.add_argument("--recipe", choices=recipe_names(), help="a named recipe; 'paper' is the published 13M run")
-    g.add_argument("--resume", metavar="DIR", help="continue exactly from a checkpoint or a run folder's latest one")
     g.add_argument(
-        "--out", dest="out_dir", help="run folder (default runs/wiola; with --resume, the checkpoint's run folder); "
+        "--resume",
+        type=non_empty_path,
+        metavar="DIR",
+        help="continue exactly from a checkpoint or a run folder's latest one",
+    )
+    g.add_argument(
+        "--out", dest="out_dir", type=non_empty_path, help="run folder (default runs/wiola; with --resume, the checkpoint's run folder); "
         "a folder that already holds a run is refused unless --resume or --overwrite is given",
     )  # fmt: skip
     g.add_argument(
@@ -56,10 +62,16 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="gpt2, gpt2-32k, or a tokenizer folder / tokenizer.json (default: the tiktoken one matching vocab_size)",
     )
     g = p.add_argument_group("data")
-    g.add_argument("--data", help="'tinystories' (default), 'sample', or text/JSONL/Parquet files or a folder")
-    g.add_argument("--val-data", help="validation files (default: the folder's val files or a held-out share)")
+    g.add_argument(
+        "--data", type=non_empty_path, help="'tinystories' (default), 'sample', or text/JSONL/Parquet files or a folder"
+    )
+    g.add_argument(
+        "--val-data", type=non_empty_path, help="validation files (default: the folder's val files or a held-out share)"
+    )
     g.add_argument("--val-fraction", type=float)
-    g.add_argument("--cache-dir", help="token cache folder (default $WIOLA_CACHE or ~/.cache/wiola)")
+    g.add_argument(
+        "--cache-dir", type=non_empty_path, help="token cache folder (default $WIOLA_CACHE or ~/.cache/wiola)"
+    )
     g.add_argument("--seq-len", type=int, help="T: tokens predicted per window (default min(512, max_seq_len - 1))")
     g.add_argument("--batch-size", type=int, help="global batch: windows per optimizer step")
     g.add_argument("--micro-batch", type=int, help="windows per forward per rank (accumulates the rest)")

@@ -47,10 +47,7 @@ from typing import Any
 import torch
 
 from wiola.cache import Cache
-from wiola.generation import Sampling, as_int, resolve_sampling, sample_next, token_id
-
-# torch.Generator.manual_seed takes a seed in this range (a negative one is taken modulo 2**64).
-SEED_RANGE = (-(2**63), 2**64)
+from wiola.generation import SEED_RANGE, Sampling, as_int, resolve_sampling, sample_next, token_id
 
 
 @dataclass
