@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -154,6 +156,71 @@ def test_bad_tokenizers_raise_clear_errors(bpe, tmp_path):
         t.check_ids(t.encode(TEXT + " zzqqxx " * 30), 300)
     with pytest.raises(ValueError, match=r"vocab_size 100 is too small"):
         train_tokenizer(STORIES, 100)
+
+
+def _with_config(bpe: Path, out: Path, **settings) -> Path:
+    """A copy of the ``bpe`` folder whose ``tokenizer_config.json`` also holds ``settings``."""
+    shutil.copytree(bpe, out)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, **settings}))
+    return out
+
+
+# (tokenizer_class, flags, <s> first, </s> last): the Llama, CodeLlama and Gemma classes rebuild the
+# ends from add_bos_token (default True) / add_eos_token (default False); other classes keep
+# tokenizer.json's (this one's: <s> first).
+END_FLAGS = [
+    ("LlamaTokenizerFast", {"add_bos_token": False}, False, False),
+    ("LlamaTokenizer", {"add_eos_token": True}, True, True),
+    ("CodeLlamaTokenizerFast", {"add_bos_token": False, "add_eos_token": True}, False, True),
+    ("GemmaTokenizerFast", {}, True, False),
+    ("PreTrainedTokenizerFast", {"add_bos_token": False, "add_eos_token": True}, True, False),
+]
+
+
+@pytest.mark.parametrize("cls, flags, bos, eos", END_FLAGS, ids=[f"{c}-{f}" for c, f, _, _ in END_FLAGS])
+def test_bos_and_eos_flags_of_llama_classes_set_the_ends(bpe, tmp_path, cls, flags, bos, eos):
+    folder = _with_config(bpe, tmp_path / "tok", tokenizer_class=cls, **flags)
+    t = load_tokenizer(folder)
+    body = load_tokenizer(bpe).encode(TEXT)[1:]  # the text's own ids, after this file's <s>
+    assert t.encode(TEXT) == [1] * bos + body + [2] * eos
+    t.save(tmp_path / "saved")  # the ends live in the saved tokenizer.json: any reader adds them
+    assert load_tokenizer(tmp_path / "saved").encode(TEXT) == t.encode(TEXT)
+    assert t.fingerprint != load_tokenizer(bpe).fingerprint or (bos, eos) == (True, False)
+
+
+def test_add_eos_token_without_an_eos_token_is_refused(bpe, tmp_path):
+    folder = _with_config(bpe, tmp_path / "tok", tokenizer_class="LlamaTokenizerFast", add_eos_token=True)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (folder / name).is_file():
+            config = json.loads((folder / name).read_text())
+            config.pop("eos_token", None)
+            (folder / name).write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="add_eos_token is set but its eos_token None is not in the vocabulary"):
+        load_tokenizer(folder)
+
+
+def test_save_carries_the_padding_and_truncation_settings(bpe, tmp_path):
+    settings = {"model_max_length": 512, "padding_side": "left", "truncation_side": "left"}
+    t = load_tokenizer(_with_config(bpe, tmp_path / "tok", **settings))
+    t.save(tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "tokenizer_config.json").read_text())
+    assert {key: saved[key] for key in settings} == settings
+    t.with_added_tokens(["<|user|>"]).save(tmp_path / "more")
+    more = json.loads((tmp_path / "more" / "tokenizer_config.json").read_text())
+    assert {key: more[key] for key in settings} == settings
+
+
+def test_the_ends_match_transformers_4(bpe, tmp_path):
+    """As ``transformers`` 4 (the ``wiola13m`` package's) encodes each case of ``END_FLAGS``;
+    ``transformers`` 5 reads tokenizer.json's post-processor alone."""
+    transformers = pytest.importorskip("transformers")
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        pytest.skip(f"transformers {transformers.__version__}: the flags are the 4.x classes' (wiola13m pins 4.45)")
+    for i, (cls, flags, _, _) in enumerate(END_FLAGS):
+        folder = _with_config(bpe, tmp_path / str(i), tokenizer_class=cls, **flags)
+        theirs = transformers.AutoTokenizer.from_pretrained(folder)(TEXT).input_ids
+        assert load_tokenizer(folder).encode(TEXT) == theirs, (cls, flags)
 
 
 def test_token_bytes_are_each_tokens_own_bytes(bpe):

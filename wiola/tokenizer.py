@@ -103,6 +103,14 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves a template; 4.x keeps it in the config
+# transformers' tokenizer classes that rebuild tokenizer.json's post-processor from the config's
+# add_bos_token / add_eos_token when they load (their defaults: True, False), whatever the file says.
+BOS_EOS_FLAG_CLASSES = frozenset(
+    f"{name}{fast}" for name in ("LlamaTokenizer", "CodeLlamaTokenizer", "GemmaTokenizer") for fast in ("", "Fast")
+)
+# tokenizer_config.json settings a saved tokenizer carries on as they were read (transformers reads
+# them for padding and truncation; the ids themselves do not depend on them).
+CARRIED_SETTINGS = ("model_max_length", "padding_side", "truncation_side")
 
 
 def read_chat_template(directory: str | os.PathLike) -> str | None:
@@ -330,6 +338,31 @@ def _unicode_to_bytes() -> dict[str, int]:
     return {c: b for b, c in _bytes_to_unicode().items()}
 
 
+def _template_bos_eos(tok: Any, specials: dict[str, str | None], settings: dict[str, Any], file: Path) -> None:
+    """Set ``tok``'s post-processor as transformers' ``BOS_EOS_FLAG_CLASSES`` rebuild it on load:
+    ``<bos> $A <eos>`` with each end present where ``add_bos_token`` (default True) /
+    ``add_eos_token`` (default False) says, so that ``encode`` adds what their ``tokenizer(text)``
+    adds. ``ValueError`` for a flag whose token is not set or not in the vocabulary."""
+    from tokenizers import processors
+
+    ends = []
+    for role, flag, default in (("bos_token", "add_bos_token", True), ("eos_token", "add_eos_token", False)):
+        if not settings.get(flag, default):
+            continue
+        text = specials.get(role)
+        token_id = None if text is None else tok.token_to_id(text)
+        if token_id is None:
+            raise ValueError(f"{file.parent}: {flag} is set but its {role} {text!r} is not in the vocabulary")
+        ends.append((role, text, token_id))
+    bos = [t for r, t, _ in ends if r == "bos_token"]
+    eos = [t for r, t, _ in ends if r == "eos_token"]
+    single = [*(f"{t}:0" for t in bos), "$A:0", *(f"{t}:0" for t in eos)]
+    pair = [*single, *(f"{t}:1" for t in bos), "$B:1", *(f"{t}:1" for t in eos)]
+    tok.post_processor = processors.TemplateProcessing(
+        single=" ".join(single), pair=" ".join(pair), special_tokens=[(t, i) for _, t, i in ends]
+    )
+
+
 def _token_text(value: Any) -> str | None:
     """A special token as ``tokenizer_config.json`` writes it: a string or ``{"content": ...}``."""
     if isinstance(value, dict):
@@ -354,6 +387,7 @@ class HFTokenizer(Tokenizer):
             clean_up_spaces,
         )
         self.unk_token_id = None
+        self.carried: dict[str, Any] = {}  # CARRIED_SETTINGS read from the folder, written back by save
         for role in SPECIAL_ROLES:
             text = specials.get(role)
             if text is None:
@@ -391,8 +425,11 @@ class HFTokenizer(Tokenizer):
                     raise ValueError(f"{file.parent / extra} does not hold a JSON object")
                 settings.update(data)
         specials = {role: _token_text(settings.get(role)) for role in SPECIAL_ROLES}
+        if settings.get("tokenizer_class") in BOS_EOS_FLAG_CLASSES:
+            _template_bos_eos(tok, specials, settings, file)
         name = file.parent.name if file.name == TOKENIZER_FILE else file.stem
         out = cls(tok, name, specials, bool(settings.get("clean_up_tokenization_spaces", False)))
+        out.carried = {key: settings[key] for key in CARRIED_SETTINGS if key in settings}
         out.chat_template = read_chat_template(file.parent)
         return out
 
@@ -484,7 +521,7 @@ class HFTokenizer(Tokenizer):
         out = HFTokenizer(tok, self.name, self._specials(), self.clean_up_spaces)
         for role in ("bos", "eos", "pad"):  # ids a checkpoint's config set (with_special_ids) stay
             setattr(out, f"{role}_token_id", getattr(self, f"{role}_token_id"))
-        out.chat_template = self.chat_template
+        out.chat_template, out.carried = self.chat_template, dict(self.carried)
         return out
 
     def save(self, directory: str | os.PathLike) -> dict[str, Any]:
@@ -495,9 +532,10 @@ class HFTokenizer(Tokenizer):
         self._tok.save(str(directory / TOKENIZER_FILE))
         specials = {role: text for role, text in self._specials().items() if text is not None}
         config = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
+            "tokenizer_class": "PreTrainedTokenizerFast",  # tokenizer.json's post-processor adds what it adds
             "clean_up_tokenization_spaces": self.clean_up_spaces,
             "model_max_length": 1 << 30,
+            **self.carried,
             **specials,
         }
         if self.chat_template is not None:
