@@ -797,6 +797,51 @@ def test_sigterm_finishes_requests_in_flight_then_exits_0(checkpoint, tmp_path, 
         served.stop()
 
 
+def _stall_a_body(port: int) -> socket.socket:
+    """A connection that sends its headers and the first bytes of a 100-byte body, then nothing."""
+    conn = socket.create_connection(("127.0.0.1", port), timeout=60)
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    conn.sendall(head.encode() + b'{"prompt":')
+    return conn
+
+
+def test_a_stalled_or_abandoned_body_is_closed_and_does_not_hold_a_shutdown(checkpoint, tmp_path):
+    served = Served(checkpoint, tmp_path / "serve.log", "--body-timeout", "1")
+    try:
+        with _stall_a_body(served.port) as conn:  # a 408 once the timeout has passed
+            start = time.monotonic()
+            reply = conn.recv(1 << 16).decode()
+            assert reply.startswith("HTTP/1.1 408") and "did not arrive within 1 s" in reply, reply
+            assert time.monotonic() - start < 30
+        _stall_a_body(served.port).close()  # a client that leaves mid-body: its request ends, quietly
+        time.sleep(0.5)
+        assert httpx.get(served.url + "/health", timeout=10).status_code == 200
+        with _stall_a_body(served.port):  # SIGTERM does not wait on a stalled body past its timeout
+            time.sleep(0.2)
+            served.proc.send_signal(signal.SIGTERM)
+            assert served.proc.wait(30) == 0, served.log.read_text()
+        log = served.log.read_text()
+        assert "Traceback" not in log and "Exception in ASGI application" not in log, log
+    finally:
+        served.stop()
+
+
+def test_a_second_sigterm_stops_waiting_for_requests_in_flight(checkpoint, tmp_path):
+    served = Served(checkpoint, tmp_path / "serve.log")  # the default body timeout: 30 s
+    try:
+        with _stall_a_body(served.port):
+            time.sleep(0.2)
+            served.proc.send_signal(signal.SIGTERM)
+            time.sleep(1)
+            assert served.proc.poll() is None, "the first SIGTERM waits for the request in flight"
+            start = time.monotonic()
+            served.proc.send_signal(signal.SIGTERM)
+            assert served.proc.wait(20) == 0, served.log.read_text()
+            assert time.monotonic() - start < 20
+    finally:
+        served.stop()
+
+
 # ---------------------------------------------------------------------------- the playground
 def _chromium():
     """playwright's sync API and apt's chromium, or a skip naming what is missing."""

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import math
 import socket
 import sys
 
 import torch
 
 from wiola.cli.arguments import add_checkpoint_arguments, non_empty_path
+from wiola.serve.protocol import BODY_SECONDS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,6 +25,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=8, help="rows decoding at once (continuous batching)")
+    p.add_argument(
+        "--body-timeout", type=float, default=BODY_SECONDS, metavar="SECONDS",
+        help="a request body that has not arrived in this long is a 408, so a stalled client holds no "
+        f"connection and does not keep a shutdown waiting (default {BODY_SECONDS:g})",
+    )  # fmt: skip
     p.add_argument("--model-name", help="the model id the API reports (default: the checkpoint's folder name)")
     p.add_argument("--device", default="cpu", help="cpu (the C++ step) or cuda")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -45,6 +52,8 @@ def _serve(args: argparse.Namespace) -> int:
             ) from e
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if not (math.isfinite(args.body_timeout) and args.body_timeout > 0):
+        raise ValueError(f"--body-timeout must be a positive number of seconds, got {args.body_timeout}")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     try:  # a port in use is bad input, said before the model loads; the socket is the one served
@@ -61,5 +70,5 @@ def _serve(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         with torch.inference_mode():
             serve(model, tokenizer, model_name=name, host=args.host, port=port, max_batch=args.max_batch,
-                  log_level=args.log_level, sock=sock)  # fmt: skip
+                  log_level=args.log_level, sock=sock, body_seconds=args.body_timeout)  # fmt: skip
     return 0

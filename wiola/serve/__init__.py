@@ -18,13 +18,17 @@ import socket
 from collections.abc import Iterator
 from typing import Any
 
+from wiola.serve.protocol import BODY_SECONDS
+
 
 def serve(model: Any, tokenizer: Any, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          max_batch: int = 8, log_level: str = "info", sock: socket.socket | None = None) -> None:  # fmt: skip
+          max_batch: int = 8, log_level: str = "info", sock: socket.socket | None = None,
+          body_seconds: float = BODY_SECONDS) -> None:  # fmt: skip
     """Serve ``model`` (a ``wiola.fast.WiolaModel``, any weight type, or the reference model) with
     ``tokenizer`` on ``host:port`` with up to ``max_batch`` rows decoding at once; on ``sock``, a
     listening socket, where one is given (``wiola serve`` binds it before the model loads, so a
-    port in use is said first and ``--port 0`` can print the port it got)."""
+    port in use is said first and ``--port 0`` can print the port it got). A request body that
+    has not arrived within ``body_seconds`` is a 408."""
     import uvicorn
 
     from wiola.serve.app import Server, create_app
@@ -32,7 +36,13 @@ def serve(model: Any, tokenizer: Any, *, model_name: str, host: str = "127.0.0.1
 
     class _Uvicorn(uvicorn.Server):
         """SIGINT/SIGTERM: stop accepting, finish the requests in flight, then return (exit 0;
-        uvicorn itself re-raises the signal after its shutdown, which would end the process with 143)."""
+        uvicorn itself re-raises the signal after its shutdown, which would end the process with 143).
+        A second signal of either kind stops waiting for them (uvicorn's own: a second SIGINT only)."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.should_exit:
+                self.force_exit = True
+            self.should_exit = True
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
@@ -44,6 +54,6 @@ def serve(model: Any, tokenizer: Any, *, model_name: str, host: str = "127.0.0.1
                     signal.signal(sig, handler)
 
     engine = Engine(model, max_batch)
-    app = create_app(Server(engine, tokenizer, model_name, model.config.max_seq_len))
+    app = create_app(Server(engine, tokenizer, model_name, model.config.max_seq_len, body_seconds=body_seconds))
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None)
     _Uvicorn(config).run(sockets=None if sock is None else [sock])

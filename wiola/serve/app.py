@@ -21,13 +21,14 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from wiola.fast.rows import RowRequest, RowToken
 from wiola.serve.engine import Engine, Job
 from wiola.serve.protocol import (
+    BODY_SECONDS,
     ApiError,
     Sampling,
     check_lengths,
@@ -46,9 +47,12 @@ DISCONNECT_POLL = 0.5  # seconds between checks that the client is still there, 
 class Server:
     """What the routes share: the model's tokenizer, the engine, the names and limits."""
 
-    def __init__(self, engine: Engine, tokenizer, model_name: str, max_len: int, max_body: int = MAX_BODY) -> None:
+    def __init__(
+        self, engine: Engine, tokenizer, model_name: str, max_len: int, max_body: int = MAX_BODY,
+        body_seconds: float = BODY_SECONDS,
+    ) -> None:  # fmt: skip
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.max_len, self.max_body = max_len, max_body
+        self.max_len, self.max_body, self.body_seconds = max_len, max_body, body_seconds
         self.vocab_size = engine.rows.model.config.vocab_size
 
     # ------------------------------------------------------------------ jobs
@@ -151,18 +155,26 @@ class Server:
         return {**one(token.token, token.logprob), "top_logprobs": [one(t, lp) for t, lp in token.top]}
 
 
-async def read_json(request: Request, limit: int) -> Any:
+async def read_json(request: Request, limit: int, seconds: float) -> Any:
     """The body as JSON, refusing (``ApiError``) more than ``limit`` bytes before reading them
-    all, bytes that are not UTF-8, and text that is not JSON."""
+    all, a body that has not arrived within ``seconds`` (408: the connection is not held, and a
+    shutdown does not wait on it), bytes that are not UTF-8, and text that is not JSON. A client
+    that disconnects before its body ends gets 499, with no traceback in the log."""
     length = request.headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > limit):
         raise ApiError(f"the request body of {length} bytes is over the limit of {limit} bytes", status=413)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(f"the request body is over the limit of {limit} bytes", status=413)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(seconds):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(f"the request body is over the limit of {limit} bytes", status=413)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(f"the request body did not arrive within {seconds:g} s", status=408) from None
+    except ClientDisconnect:
+        raise ApiError("the client disconnected before its request body ended", status=499) from None
     raw = b"".join(chunks)
     try:
         text = raw.decode("utf-8")
@@ -248,7 +260,7 @@ def _sse(payload: Any) -> str:
 async def completions(request: Request) -> Response:
     server: Server = request.app.state.server
     try:
-        body = await read_json(request, server.max_body)
+        body = await read_json(request, server.max_body, server.body_seconds)
         req = parse_completion(body, server.tokenizer.encode, server.vocab_size, server.max_len)
     except ApiError as e:
         return _error(e)
@@ -380,7 +392,7 @@ def _chat_prompt(server: Server, messages: list[dict[str, str]]) -> list[int]:
 async def chat_completions(request: Request) -> Response:
     server: Server = request.app.state.server
     try:
-        body = await read_json(request, server.max_body)
+        body = await read_json(request, server.max_body, server.body_seconds)
         req = parse_chat(body)
         prompt = _chat_prompt(server, req.messages)
         s = req.sampling
@@ -454,7 +466,7 @@ async def health(request: Request) -> Response:
 async def tokenize(request: Request) -> Response:
     server: Server = request.app.state.server
     try:
-        body = await read_json(request, server.max_body)
+        body = await read_json(request, server.max_body, server.body_seconds)
         text = body.get("prompt") if isinstance(body, dict) else None
         if not isinstance(text, str):
             raise ApiError('tokenize takes {"prompt": "text"}', "prompt")
@@ -467,7 +479,7 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     server: Server = request.app.state.server
     try:
-        body = await read_json(request, server.max_body)
+        body = await read_json(request, server.max_body, server.body_seconds)
         ids = body.get("tokens") if isinstance(body, dict) else None
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ApiError('detokenize takes {"tokens": [ids]}', "tokens")

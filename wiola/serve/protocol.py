@@ -14,6 +14,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+BODY_SECONDS = 30.0  # a request body must arrive within this long (a stalled one holds its connection): 408
+
 MAX_N = 16  # choices per prompt
 # Choices (prompts × n) per request: a 1 MB body could otherwise list 200,000 prompts, each a job
 # queued at once (memory, and every later request waiting behind them).
