@@ -551,7 +551,9 @@ def test_serve_cli_bad_input_exits_2_with_one_line(server, checkpoint, tmp_path,
 
     cases = [(["--checkpoint", str(checkpoint), "--port", str(server.port)], "cannot listen on 127.0.0.1:"),
              (["--checkpoint", str(tmp_path / "none")], "does not exist"),
-             (["--checkpoint", str(checkpoint), "--max-batch", "0", "--port", "0"], "--max-batch must be >= 1")]  # fmt: skip
+             (["--checkpoint", str(checkpoint), "--max-batch", "0", "--port", "0"], "--max-batch must be >= 1"),
+             (["--checkpoint", str(checkpoint), "--body-timeout", "inf", "--port", "0"], "--body-timeout must be a positive number of seconds, got inf"),
+             (["--checkpoint", str(checkpoint), "--body-timeout", "0", "--port", "0"], "--body-timeout must be a positive")]  # fmt: skip
     for args, message in cases:
         assert main(["serve", *args]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
