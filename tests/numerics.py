@@ -104,7 +104,7 @@ def cache_bound(config: Any, positions: int, proj: float, steps: int) -> dict[st
 # 41(5), 2019, theorem 2.4). An output at the end of a chain of sums carries the relative errors
 # of every sum on its path, to first order: the chain's total length K_chain (``chain_length``)
 # stands for K, and the magnitudes Σ|w·x| of the last product are measured on the oracle's own
-# activations (``AbsSums``). With λ = 6 a comparison fails by chance with probability < 3·10⁻⁸ per
+# activations (``AbsSums``). With λ = 6 a comparison fails by chance with probability ≤ 3.05·10⁻⁸ per
 # element (< 10⁻² over the ~10⁵ logits of the largest test). One fp32 side is within
 # λ·√K_chain·u·Σ|w·x| of the exact value (``sides=1``, against the float64 oracle), two fp32 sides
 # within twice that of each other (``sides=2``). The worst-case form (K instead of λ√K) is ~10×
