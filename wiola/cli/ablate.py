@@ -32,8 +32,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 def check_flags(args: argparse.Namespace) -> None:
     """``ValueError`` naming a flag that is out of range or does not go with the others; before
     the spec is read or anything is written."""
-    if args.out is not None and not args.out.strip():
-        raise ValueError("--out must name a folder, got an empty name")
     if args.torchrun is not None and not args.print_commands:
         raise ValueError("--torchrun goes with --print-commands (a local sweep runs `wiola train` itself)")
     if args.torchrun is not None and args.torchrun < 1:
