@@ -187,6 +187,39 @@ def test_cli_lora_finetune_saves_peft_format_and_merges(tmp_path) -> None:
     assert main([*args, "--lora-rank", "2", "--lora-targets", "embed"]) == 2
 
 
+def test_cli_lora_finetune_repeats_with_its_seed(tmp_path) -> None:
+    """The adapters' random init is the seed's too: two runs with one --seed save bitwise-equal
+    adapters (whatever the process's random state before), another seed other ones."""
+    from safetensors.torch import load_file
+
+    from wiola.cli import main
+    from wiola.tokenizer import load_tokenizer
+
+    torch.manual_seed(0)
+    config = wiola.WiolaConfig(vocab_size=32000, d_model=32, n_layers=1, n_heads=4, d_ff=48, max_seq_len=64)
+    wiola.WiolaModel(config).save_pretrained(tmp_path / "base", load_tokenizer("gpt2-32k"))
+    chat = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}]}
+    (tmp_path / "d.jsonl").write_text(json.dumps(chat) + "\n")
+    args = ["finetune", "--init", str(tmp_path / "base"), "--data", str(tmp_path / "d.jsonl"), "--no-progress"]
+    args += ["--steps", "2", "--batch-size", "1", "--lora-rank", "2", "--lora-targets", "q_proj,v_proj"]
+    saved = {}
+    for out, seed in (("a", "3"), ("b", "3"), ("c", "4")):
+        torch.rand(7)  # the process's random state moves between runs
+        assert main([*args, "--out", str(tmp_path / out), "--seed", seed]) == 0
+        saved[out] = load_file(str(tmp_path / out / "adapter_model.safetensors"))
+    assert saved["a"].keys() == saved["b"].keys() and all(torch.equal(saved["a"][k], saved["b"][k]) for k in saved["a"])
+    assert any(not torch.equal(saved["a"][k], saved["c"][k]) for k in saved["a"])
+
+
+def test_quantizing_a_model_with_adapters_is_refused() -> None:
+    from wiola.fast.quantize import quantize
+
+    model = _lora(wiola.fast.WiolaModel(CONFIG)).get_base_model().eval().requires_grad_(False)
+    assert has_adapters(model)
+    with pytest.raises(ValueError, match="has adapters attached .* fold them into its weights first"):
+        quantize(model, "int8")
+
+
 def test_rows_run_the_adapter_not_the_base_weights(monkeypatch) -> None:
     """``wiola.fast.rows.Rows`` (the server's batch) binds the C++ step only where it applies: with
     an adapter attached it steps on PyTorch, and a row's greedy tokens are the adapted model's

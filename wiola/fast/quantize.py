@@ -51,6 +51,7 @@ import torch
 
 from wiola.fast import step_layout
 from wiola.fast.step_layout import LAYER_MATRICES, matrix_names, tensor_at  # noqa: F401  (the C++ step's layout table)
+from wiola.model import has_adapters
 
 SCHEMES = ("int8", "int4", "bf16")
 VERSION = 1  # of the packed layout in a checkpoint
@@ -134,8 +135,8 @@ def quantize(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
     Raises ``ValueError`` for an unknown scheme, int4 on a model whose ``d_model`` or ``d_ff`` is
     not a multiple of ``GROUP`` (before anything is changed), a model in training mode or with parameters that
     require gradients (quantized weights are for inference: ``model.eval().requires_grad_(False)``),
-    a model that is already quantized, or weights that are not fp32 CPU tensors; ``TypeError`` for
-    a model of another class."""
+    a model that is already quantized or has adapters attached, or weights that are not fp32 CPU
+    tensors; ``TypeError`` for a model of another class."""
     _check_scheme(scheme)
     _check_model(model)
     if model.training:
@@ -148,6 +149,11 @@ def quantize(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
         )
     if getattr(model, "quantization", None) is not None:
         raise ValueError(f"quantize: the model is already quantized ({model.quantization})")
+    if has_adapters(model):
+        raise ValueError(
+            "quantize: the model has adapters attached (peft's LoRA); fold them into its weights first "
+            "(`wiola merge`, or peft's merge_and_unload())"
+        )
     params = dict(model.named_parameters())
     for name in matrix_names(model.config.n_layers):
         p = params[name]

@@ -199,6 +199,7 @@ def finetune(cfg: FinetuneConfig, log: Callable[[str], None] = print, *, overwri
         tokenizer = add_role_rows(model, tokenizer)
     data = load_sft_data(cfg.data, cfg.format, tokenizer, model.config.max_seq_len)
     log(f"data: {data.summary(model.config.max_seq_len)}")
+    torch.manual_seed(cfg.seed)  # before the adapters' random init: a seed repeats a LoRA run too
     if cfg.lora_rank is not None:
         model = attach_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.targets, cfg.lora_dropout or 0.0)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -209,7 +210,6 @@ def finetune(cfg: FinetuneConfig, log: Callable[[str], None] = print, *, overwri
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     stream = batches(data, cfg.batch_size, cfg.seed)
     losses, total, count, start = [], 0.0, 0, time.perf_counter()
-    torch.manual_seed(cfg.seed)
     model.train()
     bar = Progress(cfg.steps, "finetune", "step", show=cfg.progress)
     step = 0
