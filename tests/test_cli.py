@@ -142,6 +142,17 @@ def test_demo_refuses_bad_lengths_before_any_work(args, message, tmp_path, capsy
     assert not (tmp_path / "demo").exists()
 
 
+def test_a_folder_that_cannot_be_written_is_one_line_exit_2(tmp_path, capsys):
+    (tmp_path / "story.txt").write_text("Once upon a time there was a cat.")
+    (tmp_path / "afile").write_text("not a folder")
+    argv = ["train", "--data", str(tmp_path / "story.txt"), "--cache-dir", str(tmp_path / "afile" / "cache")]
+    _refuses(
+        [*argv, "--preset", "tiny", "--steps", "1", "--out", str(tmp_path / "run")],
+        capsys,
+        "cannot write the token cache",
+    )
+
+
 def test_export_and_serve_require_a_checkpoint(capsys):
     for command in (["export", "--out", "o"], ["serve"]):
         with pytest.raises(SystemExit) as exit_info:

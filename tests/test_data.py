@@ -70,6 +70,39 @@ def test_folder_with_validation_file(tmp_path) -> None:
     assert list(iter_documents(src, "val")[0]) == val, "validation documents differ from the written stories"
 
 
+def test_val_data_inside_the_data_folder_is_not_trained_on(tmp_path) -> None:
+    write_sample_corpus(tmp_path / "corpus", n_train=7, n_val=3, seed=5)
+    src = resolve_source(tmp_path / "corpus", val_data=tmp_path / "corpus" / "validation.txt")
+    assert [p.name for p in src.train_files] == ["train.txt"] and [p.name for p in src.val_files] == ["validation.txt"]
+    with pytest.raises(ValueError, match="holds no files besides the --val-data ones"):
+        resolve_source(tmp_path / "corpus" / "train.txt", val_data=tmp_path / "corpus" / "train.txt")
+
+
+def test_a_validation_subfolder_is_the_validation_split(tmp_path) -> None:
+    for part, text in (("train/part0.txt", "a training story"), ("validation/part0.txt", "a held story"),
+                       ("dev-set/b.txt", "a dev story"), ("interval/c.txt", "a story of intervals")):  # fmt: skip
+        (tmp_path / part).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / part).write_text(text)
+    src = resolve_source(tmp_path)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in src.val_files) == [
+        "dev-set/b.txt",
+        "validation/part0.txt",
+    ]
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in src.train_files) == ["interval/c.txt", "train/part0.txt"]
+
+
+def test_a_byte_order_mark_is_not_text(tmp_path) -> None:
+    (tmp_path / "a.txt").write_bytes(b"\xef\xbb\xbfOnce upon a time.")
+    (tmp_path / "b.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "One day."}\n')
+    assert list(iter_documents(resolve_source(tmp_path / "a.txt"), "train")[0]) == ["Once upon a time."]
+    assert list(iter_documents(resolve_source(tmp_path / "b.jsonl"), "train")[0]) == ["One day."]
+    (tmp_path / "c.txt").write_bytes(b"\xef\xbb\xbfab\xffc")  # the offset counts the mark's bytes
+    assert (
+        _read_error(tmp_path / "c.txt")
+        == f"{tmp_path / 'c.txt'}: not UTF-8 text (byte 0xff at offset 5: invalid start byte)"
+    )
+
+
 def test_text_jsonl_json_parquet_readers(tmp_path) -> None:
     docs = [f'Story number {i}. It has words, and "quotes" — and ünïcode {i * i}.' for i in range(10)]
     (tmp_path / "a.txt").write_text(f"\n{EOT}\n".join(docs[:3]))
@@ -194,6 +227,16 @@ def test_empty_corpus_raises(tmp_path, enc) -> None:
     with pytest.raises(ValueError, match="empty corpus"):
         prepare_data(resolve_source(tmp_path), TiktokenTokenizer(enc), tmp_path / "cache", progress=False, log=_quiet)
     assert not list((tmp_path / "cache" / "tokens").iterdir()), "a failed run left a cache folder"
+
+
+def test_an_unwritable_cache_folder_is_named(tmp_path, enc) -> None:
+    """A cache folder that cannot be made (here: under a file, which stops root too) is named with
+    the flag that moves it, as an ``OSError`` (``wiola`` exits 2 with it)."""
+    (tmp_path / "train.txt").write_text("a story")
+    (tmp_path / "afile").write_text("not a folder")
+    with pytest.raises(OSError, match="cannot write the token cache under .*afile.*give a writable --cache-dir"):
+        prepare_data(resolve_source(tmp_path / "train.txt"), TiktokenTokenizer(enc), tmp_path / "afile" / "cache",
+                     progress=False, log=_quiet)  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------- batches

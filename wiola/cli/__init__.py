@@ -58,16 +58,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, RuntimeError, TypeError, ImportError) as e:
-        # ImportError: an optional extra that the command needs is not installed (its message says
-        # which one to install)
-        print(f"wiola {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"wiola {args.command}: interrupted", file=sys.stderr)
-        return 130
     except BrokenPipeError:  # the reader of stdout went away (`wiola bench --json | head -1`)
         # Point stdout at /dev/null so that the flush at exit does not fail again, and end as a
         # process that SIGPIPE ended would (128 + 13), without a traceback.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except (ValueError, OSError, RuntimeError, TypeError, ImportError) as e:
+        # ImportError: an optional extra that the command needs is not installed (its message says
+        # which one to install); OSError: a file or folder that is missing or cannot be written
+        # (its message names it)
+        print(f"wiola {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"wiola {args.command}: interrupted", file=sys.stderr)
+        return 130

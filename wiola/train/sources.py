@@ -8,8 +8,10 @@
   files, or a folder of them (searched recursively). In a text file, documents are separated by
   ``<|endoftext|>``; a file without that separator is one document. JSON and Parquet records
   carry their text in a ``text`` (or ``story``) field. The validation split is ``--val-data``
-  when given; else the files of a folder whose names say ``val``/``valid``/``validation``; else
-  every ``1/val_fraction``-th document.
+  when given (files of it inside the ``--data`` folder are not trained on); else the files of a
+  folder whose names, or whose subfolders' names, say ``val``/``valid``/``validation``/``dev``/
+  ``test``; else every ``1/val_fraction``-th document. A file's UTF-8 byte-order mark is not
+  part of its text.
 
 A training run keeps its paths as absolute ones (``absolute_data_path``), so that its checkpoint's
 settings name the same files from any working directory. ``validation_source`` is the source of
@@ -19,6 +21,7 @@ settings name the same files from any working directory. ``validation_source`` i
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
@@ -80,8 +83,11 @@ def _data_files(path: Path) -> list[Path]:
     return files
 
 
-def _is_val_file(path: Path) -> bool:
-    words = path.stem.lower().replace("-", "_").replace(".", "_").split("_")
+def _is_val_file(path: Path, root: Path) -> bool:
+    """Whether a file of the folder ``root`` is validation data: its name, or the name of a folder
+    it lies in below ``root``, holds a word of ``VAL_NAMES`` (``val.txt``, ``validation/part0.txt``)."""
+    names = [path.stem, *path.relative_to(root).parts[:-1]]
+    words = [w for name in names for w in name.lower().replace("-", "_").replace(".", "_").split("_")]
     return any(w in VAL_NAMES for w in words)
 
 
@@ -158,10 +164,15 @@ def resolve_source(
         val_path = Path(val_data).expanduser()
         if not val_path.exists():
             raise FileNotFoundError(f"validation data path {str(val_path)!r} does not exist")
-        return DataSource("files", str(path), files, _data_files(val_path), val_fraction)
+        val_files = _data_files(val_path)
+        held = {p.resolve() for p in val_files}  # --val-data inside the --data folder: not trained on
+        train = [p for p in files if p.resolve() not in held]
+        if not train:
+            raise ValueError(f"--data {str(path)!r} holds no files besides the --val-data ones")
+        return DataSource("files", str(path), train, val_files, val_fraction)
     if path.is_dir():
-        val = [p for p in files if _is_val_file(p)]
-        train = [p for p in files if not _is_val_file(p)]
+        val = [p for p in files if _is_val_file(p, path)]
+        train = [p for p in files if not _is_val_file(p, path)]
         if val and train:
             return DataSource("files", str(path), train, val, val_fraction)
     return DataSource("files", str(path), files, [], val_fraction)
@@ -212,6 +223,8 @@ def _read_file(path: Path) -> Iterator[str]:
 def _decode(data: bytes, path: Path, offset: int = 0) -> str:
     """``data`` (read from ``path`` at byte ``offset``) as UTF-8; ``ValueError`` naming the file
     and the byte offset of the first byte that is not UTF-8."""
+    if offset == 0 and data.startswith(codecs.BOM_UTF8):  # a byte-order mark is not text
+        data, offset = data[len(codecs.BOM_UTF8) :], len(codecs.BOM_UTF8)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -290,7 +290,14 @@ def _build_cache(
     """Tokenise ``splits`` of ``source`` into ``directory`` (through a temporary folder) and open it."""
     tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise OSError(
+            e.errno,
+            f"cannot write the token cache under {directory.parent} ({e.strerror}): give a writable "
+            "--cache-dir (or $WIOLA_CACHE)",
+        ) from None
     threads = num_threads or min(8, os.cpu_count() or 1)
     written: dict[str, Any] = {}
     t0 = time.time()
