@@ -397,3 +397,24 @@ def test_device_cuda_without_cuda_is_one_line(checkpoint, capsys, command):
     assert main([command, "--checkpoint", str(checkpoint), "--device", "cuda", *extra]) == 2
     err = capsys.readouterr().err
     assert err == f"wiola {command}: error: --device cuda: CUDA is not available here (use --device cpu)\n", err
+
+
+def test_streamed_text_of_a_cleaning_tokenizer_is_its_decoding(tmp_path, capsys):
+    """A tokenizer that cleans up spaces before punctuation rewrites the end of its decoding as
+    tokens arrive (" n't" -> "n't"): the streamed chunks and what is printed at the end join to
+    ``decode`` of every token (the stream holds back its ``decode_reach``)."""
+    from wiola.cli.generate import _Printer
+    from wiola.tokenizer import load_tokenizer, train_tokenizer
+
+    train_tokenizer(["Once upon a time , there was a cat . It is n't here ! "] * 30, 300, show_progress=False).save(
+        tmp_path
+    )
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "clean_up_tokenization_spaces": True}))
+    enc = load_tokenizer(tmp_path)
+    ids = enc.encode_batch(["a . . . . It is n't here , ok ."])[0]
+    assert enc.decode(ids) == "a.... It isn't here, ok."
+    printer = _Printer(enc, [], None)
+    for token in ids:
+        printer(torch.tensor([token]))
+    assert capsys.readouterr().out + printer.rest() == enc.decode(ids)

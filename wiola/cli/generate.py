@@ -178,34 +178,33 @@ def finish(row: list[int], eos: int | None, enc, stops: list[str]) -> tuple[list
 
 
 class _Printer:
-    """Streams one row's text to stdout as tokens arrive (waiting out partial UTF-8 characters),
-    holding back the text that could still become a stop string. The row ends at eos (whose text,
-    such as ``<|endoftext|>``, is never printed) or at a stop string; later tokens (the pad id)
-    are ignored."""
+    """Streams one row's text to stdout as tokens arrive through ``wiola.serve.text.TextStream``
+    (the server's): partial UTF-8 characters, text that could still become a stop string and text
+    a later token's decoding may rewrite (a tokenizer's clean-up of spaces) are held back, so the
+    printed chunks join to the row's text. The row ends at eos (whose text, such as
+    ``<|endoftext|>``, is never printed) or at a stop string; later tokens (the pad id) are ignored.
+    ``rest()`` is what was held back, once the row has ended."""
 
     def __init__(self, enc, stops: list[str], eos: int | None) -> None:
-        self.enc, self.stops, self.eos = enc, stops, eos
-        self.new: list[int] = []
-        self.printed, self.ended = 0, False
+        from wiola.serve.text import TextStream
+
+        self.stream, self.eos, self.ended = TextStream(enc, stops), eos, False
 
     def __call__(self, token: torch.Tensor) -> None:
-        from wiola.generation import find_stop
-
         if self.ended:
             return
         token_id = int(token[0])
         if token_id == self.eos:
             self.ended = True
             return
-        self.new.append(token_id)
-        text = self.enc.decode(self.new)
-        cut = find_stop(text, self.stops)
-        self.ended = cut is not None
-        end = len(text) - max((len(s) - 1 for s in self.stops), default=0) if cut is None else cut
-        if (cut is not None or not text.endswith("\ufffd")) and end > self.printed:
-            sys.stdout.write(text[self.printed : end])
+        chunk = self.stream.add(token_id)
+        self.ended = self.stream.stopped
+        if chunk:
+            sys.stdout.write(chunk)
             sys.stdout.flush()
-            self.printed = end
+
+    def rest(self) -> str:
+        return self.stream.rest()
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -268,7 +267,7 @@ def _report(args, prompts: list[str], rows: list[list[int]], new_rows, enc, elap
             }  # fmt: skip
             print(json.dumps(record, ensure_ascii=False))
         elif printer is not None:
-            sys.stdout.write(text[printer.printed :] + "\n")
+            sys.stdout.write(printer.rest() + "\n")
         else:
             print(("" if args.no_echo else prompts[index]) + text)
     if textless:  # left out of the text (Tokenizer.decode): said, not dropped silently
