@@ -184,6 +184,30 @@ def test_the_folder_runs_without_torch(tmp_path: Path) -> None:
     assert done.returncode == 2 and "run_onnx: error:" in done.stderr and "past max_seq_len=64" in done.stderr
 
 
+def test_the_runner_decodes_as_wiola_a_cleaning_tokenizer_and_names_a_damaged_one(tmp_path: Path) -> None:
+    """The standalone runner's copy of the clean-up table is wiola.tokenizer's, and with
+    ``clean_up_tokenization_spaces`` it decodes as the tokenizer does (as ``wiola generate``
+    prints); a damaged ``tokenizer.json`` is a ``ValueError`` (run_onnx.py: one line, exit 2)."""
+    from wiola.export import runner
+    from wiola.tokenizer import CLEAN_UP_REPLACEMENTS, load_tokenizer
+
+    assert runner.CLEAN_UP_REPLACEMENTS == CLEAN_UP_REPLACEMENTS
+    train_tokenizer(["Once upon a time , there was a cat . It is n't here ! "] * 30, 300, show_progress=False).save(
+        tmp_path / "tok"
+    )
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(
+        json.dumps({**config, "clean_up_tokenization_spaces": True})
+    )
+    tok = load_tokenizer(tmp_path / "tok")
+    export_onnx(_model(), tmp_path / "x", tok)
+    ids = tok.encode_batch(["a . . It is n't here , ok ! 's"])[0]
+    assert OnnxModel(tmp_path / "x").decode(ids) == tok.decode(ids) == "a.. It isn't here, ok!'s"
+    (tmp_path / "x" / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    with pytest.raises(ValueError, match="tokenizer.json is not a valid tokenizers file"):
+        OnnxModel(tmp_path / "x").decode(ids)
+
+
 def test_cli_exports_a_checkpoint_with_its_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     tok = train_tokenizer(["The dog ran to the park and the sun was warm."] * 50, 300, show_progress=False)
     model = _model()

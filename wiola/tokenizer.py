@@ -108,6 +108,13 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves a templ
 BOS_EOS_FLAG_CLASSES = frozenset(
     f"{name}{fast}" for name in ("LlamaTokenizer", "CodeLlamaTokenizer", "GemmaTokenizer") for fast in ("", "Fast")
 )
+# transformers' clean_up_tokenization, in order: what decode does to a tokenizer.json tokenizer's
+# text where tokenizer_config.json sets clean_up_tokenization_spaces (the ONNX export's standalone
+# runner, wiola/export/runner.py, holds the same table: tests/test_export_onnx.py compares them).
+CLEAN_UP_REPLACEMENTS = (
+    (" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+    (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"),
+)  # fmt: skip
 # tokenizer_config.json settings a saved tokenizer carries on as they were read (transformers reads
 # them for padding and truncation; the ids themselves do not depend on them).
 CARRIED_SETTINGS = ("model_max_length", "padding_side", "truncation_side")
@@ -441,11 +448,9 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         text = self._tok.decode(list(ids), skip_special_tokens=False)
-        if self.clean_up_spaces:  # transformers' clean_up_tokenization
-            for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't")):
+        if self.clean_up_spaces:
+            for a, b in CLEAN_UP_REPLACEMENTS:
                 text = text.replace(a, b)
-            for a in ("m", "s", "ve", "re"):
-                text = text.replace(f" '{a}", f"'{a}")
         return text
 
     @property

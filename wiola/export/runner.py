@@ -198,6 +198,15 @@ def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
+# transformers' clean_up_tokenization, in order, applied to the decoded text where the export's
+# tokenizer_config.json sets clean_up_tokenization_spaces (as wiola.tokenizer.CLEAN_UP_REPLACEMENTS:
+# this file runs without wiola, so it holds its own copy).
+CLEAN_UP_REPLACEMENTS = (
+    (" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+    (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"),
+)  # fmt: skip
+
+
 class OnnxModel:
     """An export folder loaded into an ONNX Runtime CPU session: ``generate`` (ids) and
     ``generate_text`` (with the export's ``tokenizer.json``). ``threads``: intra-op threads
@@ -226,6 +235,7 @@ class OnnxModel:
             max_seq_len=m["max_seq_len"],
         )
         self._tokenizer = None
+        self._clean_up: bool | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -236,8 +246,29 @@ class OnnxModel:
             path = self.directory / "tokenizer.json"
             if not path.is_file():
                 raise FileNotFoundError(f"{path} is missing: this export has no tokenizer (token ids only)")
-            self._tokenizer = Tokenizer.from_file(str(path))
+            try:
+                self._tokenizer = Tokenizer.from_file(str(path))
+            except Exception as e:  # tokenizers raises a bare Exception on a damaged file
+                raise ValueError(
+                    f"{path} is not a valid tokenizers file (a damaged export: export it again): {e}"
+                ) from None
         return self._tokenizer
+
+    def decode(self, ids: list[int]) -> str:
+        """``ids`` as text, as ``wiola generate`` decodes them: special tokens' text kept, and
+        transformers' clean-up of spaces where the export's ``tokenizer_config.json`` asks for it."""
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        if self._clean_up is None:
+            path = self.directory / "tokenizer_config.json"
+            try:
+                config = json.loads(path.read_text()) if path.is_file() else {}
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{path} is not valid JSON (a damaged export: export it again): {e}") from None
+            self._clean_up = isinstance(config, dict) and bool(config.get("clean_up_tokenization_spaces", False))
+        if self._clean_up:
+            for a, b in CLEAN_UP_REPLACEMENTS:
+                text = text.replace(a, b)
+        return text
 
     def generate(
         self, input_ids: np.ndarray, max_new_tokens: int, *, attention_mask: np.ndarray | None = None, **kwargs: Any
@@ -259,7 +290,7 @@ class OnnxModel:
         eos = self.meta.get("eos_token_id")
         if eos is not None and eos in new:
             new = new[: new.index(eos)]
-        return prompt + self.tokenizer.decode(new, skip_special_tokens=False)
+        return prompt + self.decode(new)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
