@@ -403,3 +403,30 @@ def test_runner_text_stops_before_eos_and_bad_folders_exit_2(tmp_path: Path) -> 
     script = f"import sys; sys.modules['onnxruntime'] = None; sys.argv = ['run_onnx', {str(tmp_path / 'x')!r}]; exec(open({runner!r}).read())"  # fmt: skip
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "pip install onnxruntime" in done.stderr, done.stderr
+
+
+def test_ctrl_c_during_the_export_exits_130_and_leaves_no_files(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Ctrl-C inside torch.export can come out as torch's own export error: the command still
+    says it was interrupted (exit 130) and removes the folder it made."""
+    import os
+    import signal
+
+    import wiola.export.onnx as onnx_module
+
+    def interrupted(model, out, tokenizer, **kwargs):
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "model.onnx").write_bytes(b"half")
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+        except KeyboardInterrupt as e:
+            raise RuntimeError("Failed to export the model with torch.export") from e
+
+    tok = train_tokenizer(["The dog ran to the park and the sun was warm."] * 50, 300, show_progress=False)
+    _model().save_pretrained(tmp_path / "ckpt", tok)
+    monkeypatch.setattr(onnx_module, "export_onnx", interrupted)
+    code = cli_main(
+        ["export", "--format", "onnx", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "x")]
+    )
+    assert code == 130 and "wiola export: interrupted" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -11,10 +11,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
+import signal
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from wiola.cli.arguments import add_checkpoint_arguments, non_empty_path
 
@@ -129,7 +133,20 @@ def _export_onnx(path: Path, out: Path, tokenizer: Tokenizer, args: argparse.Nam
     if replacing:  # --overwrite, once the new model has loaded
         delete_files(out, EXPORT_FILES, ONNX_PREFIX)
     t0 = time.perf_counter()
-    meta = export_onnx(model, out, tokenizer, int8_matmul=args.int8_matmul)
+    print(f"exporting {path} to {out} (ONNX; tens of seconds) ...", file=sys.stderr)
+    existed = out.exists()
+    with _interrupts() as seen:
+        try:
+            meta = export_onnx(model, out, tokenizer, int8_matmul=args.int8_matmul)
+        except BaseException as e:
+            if not (seen or isinstance(e, KeyboardInterrupt)):
+                raise
+            # Ctrl-C inside torch.export can surface as torch's own export error: it was an
+            # interrupt all the same (exit 130), and the files written so far go
+            delete_files(out, EXPORT_FILES, ONNX_PREFIX)
+            if not existed and out.is_dir() and not any(out.iterdir()):
+                out.rmdir()
+            raise KeyboardInterrupt from None
     size = sum(f.stat().st_size for f in out.glob(MODEL_FILE + "*"))
     weights = (meta["quantization"] or "fp32") + (", int8 products" if meta["int8_matmul"] else "")
     print(
@@ -138,3 +155,21 @@ def _export_onnx(path: Path, out: Path, tokenizer: Tokenizer, args: argparse.Nam
         f"run it: python {shlex.quote(str(out / 'run_onnx.py'))} {shlex.quote(str(out))} --prompt 'Once upon a time'"
     )
     return 0
+
+
+@contextlib.contextmanager
+def _interrupts() -> Iterator[list[int]]:
+    """While open, SIGINT raises ``KeyboardInterrupt`` as Python's own handler does and is also
+    recorded in the list it yields (empty: none came), for code that may wrap the interrupt in an
+    error of its own."""
+    seen: list[int] = []
+
+    def handler(sig: int, frame: Any) -> None:
+        seen.append(sig)
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGINT, handler)
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGINT, old)
