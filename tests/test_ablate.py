@@ -269,10 +269,18 @@ def test_the_report_hint_is_shell_quoted(tmp_path, capsys):
     assert hint.startswith(f"# then: {shlex.join(['wiola', 'ablate', str(spec), '--out', str(out)])}   (")
 
 
-def test_report_wording_and_figures(tmp_path):
+def test_report_wording_and_figures(tmp_path, monkeypatch):
     """One seed is "1 seed"; a no-gate variant's share of switched-off heads is not measured (—);
-    grad_norms.png wraps variants into rows of GRAD_NORM_COLUMNS panels instead of growing wide."""
+    grad_norms.png wraps variants into rows of GRAD_NORM_COLUMNS panels instead of growing wide;
+    positions.png's axis is the buckets' positions, even with one bucket."""
+    from wiola.train import ablate_report
     from wiola.train.ablate_report import write_report
+
+    axes = {}
+    save = ablate_report._save
+    monkeypatch.setattr(
+        ablate_report, "_save", lambda fig, path: axes.setdefault(path.name, fig.axes) and save(fig, path)
+    )
 
     def variant(gate: bool) -> dict:
         stat = mean_ci([4.0])
@@ -298,6 +306,9 @@ def test_report_wording_and_figures(tmp_path):
     png = (tmp_path / "grad_norms.png").read_bytes()
     width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
     assert width < 3.2 * 4 * 110 and height > 2 * 3 * 110, (width, height)  # 3 columns, 2 rows at 110 dpi
+    (positions,) = axes["positions.png"]
+    assert [t.get_text() for t in positions.get_xticklabels()] == ["0–15"] and positions.get_xlim() == (-8.0, 8.0)
+    assert all(-8 < x < 8 for line in positions.get_lines() for x in line.get_xdata())
 
 
 def test_a_run_stopped_before_its_first_checkpoint_starts_again(tmp_path):

@@ -246,7 +246,12 @@ def plot_all(results: dict[str, Any], out: Path) -> list[Path]:
         ax.errorbar(
             x, [s["mean"] for s in stats], yerr=[s["ci95"] or 0 for s in stats], label=name, capsize=3, marker="o", ms=4
         )
-    ax.set(title="validation loss by target position (95% CI)", xlabel="position bucket start", ylabel="nats/token")
+    buckets = next(iter(next(iter(variants.values()))["seeds"].values()))["positions"]  # every run's are the same
+    starts = [b["start"] for b in buckets]  # ticks at the buckets, named by their positions
+    ax.set_xticks(starts, [f"{b['start']}–{b['end'] - 1}" for b in buckets])
+    half = (buckets[0]["end"] - buckets[0]["start"]) / 2
+    ax.set_xlim(starts[0] - half, starts[-1] + half)
+    ax.set(title="validation loss by target position (95% CI)", xlabel="target positions", ylabel="nats/token")
     ax.legend()
     paths.append(_save(fig, out / "positions.png"))
     return paths
