@@ -276,11 +276,13 @@ def test_report_wording_and_figures(tmp_path, monkeypatch):
     from wiola.train import ablate_report
     from wiola.train.ablate_report import write_report
 
-    axes = {}
-    save = ablate_report._save
-    monkeypatch.setattr(
-        ablate_report, "_save", lambda fig, path: axes.setdefault(path.name, fig.axes) and save(fig, path)
-    )
+    axes, save = {}, ablate_report._save
+
+    def kept(fig, path):
+        axes[path.name] = fig.axes
+        return save(fig, path)
+
+    monkeypatch.setattr(ablate_report, "_save", kept)
 
     def variant(gate: bool) -> dict:
         stat = mean_ci([4.0])
