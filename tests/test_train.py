@@ -1015,7 +1015,7 @@ def test_progress_in_a_pipe_is_plain_lines(corpus, tmp_path) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 def test_progress_on_a_terminal_is_a_bar(corpus, tmp_path) -> None:
-    """On a terminal (tmux): tqdm bars while tokenising and training, and no plain step lines."""
+    """On a terminal (tmux): tqdm bars while tokenising, training and validating, and no plain step lines."""
     import shlex
 
     from terminal import run_to_exit
@@ -1030,6 +1030,7 @@ def test_progress_on_a_terminal_is_a_bar(corpus, tmp_path) -> None:
     written = record.read_text(errors="replace")
     assert re.search(r"6/6 \[[^\r\n]*step", written), f"no training bar was drawn:\n{written}"
     assert "tokenising train" in written, f"no tokenising bar was drawn:\n{written}"
+    assert re.search(r"validation: [^\r\n]*window", written), f"no bar while validating:\n{written}"
     assert "step 2/6: loss" not in written, "plain step lines beside the bar"
     assert "trained steps 1-6 in " in screen, screen
 

@@ -50,6 +50,7 @@ from wiola.train.data import (
     TokenData,
     check_split,
     eval_batches,
+    eval_windows,
     prepare_data,
     resolve_source,
     token_byte_lengths,
@@ -620,17 +621,23 @@ def _evaluate(run: _Run) -> None:
     """Validation numbers on every rank; gate statistics, the metrics line and the plots on rank 0."""
     cfg = run.cfg
     eval_batch = cfg.eval_batch_size or run.micro
-    run.last_eval = evaluate(
-        run.raw_model,
-        run.data.val,
-        run.byte_lengths,
-        cfg.seq_len,
-        batch_size=eval_batch,
-        max_windows=cfg.eval_windows,
-        precision=cfg.precision,
-        rank=run.rank,
-        world_size=run.world,
-    )
+    windows = -(-eval_windows(run.data.val, cfg.seq_len, cfg.eval_windows) // run.world)  # this rank's share
+    shown = Progress(windows, "validation", "window", show=run.main and cfg.progress, leave=False)
+    try:  # a bar of its own under the steps' (which stands still meanwhile), on a terminal only
+        run.last_eval = evaluate(
+            run.raw_model,
+            run.data.val,
+            run.byte_lengths,
+            cfg.seq_len,
+            batch_size=eval_batch,
+            max_windows=cfg.eval_windows,
+            precision=cfg.precision,
+            rank=run.rank,
+            world_size=run.world,
+            progress=shown.update,
+        )
+    finally:
+        shown.close()
     _check_finite(run, "the validation loss", run.last_eval.loss)  # every rank: the loss is all-reduced
     if not run.main:
         return
