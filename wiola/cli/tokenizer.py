@@ -72,9 +72,11 @@ def run_train(args: argparse.Namespace) -> int:
     if args.max_documents is not None:
         total = args.max_documents if total is None else min(total, args.max_documents)
         docs = (d for _, d in zip(range(args.max_documents), docs))
+    bars = draws_bars(args.progress)  # on a terminal the tokenizers library draws its own bars, reading included
     progress = Progress(
-        total, f"reading {source.describe()}", "doc", show=args.progress, log=lambda m: print(m, file=sys.stderr)
-    )
+        total, f"reading {source.describe()}", "doc", show=False,
+        log=None if bars else (lambda m: print(m, file=sys.stderr)),
+    )  # fmt: skip
     seen = {"documents": 0, "text": 0}
 
     def counted() -> Iterator[str]:
@@ -84,7 +86,7 @@ def run_train(args: argparse.Namespace) -> int:
             progress.update()
             yield doc
 
-    tokenizer = train_tokenizer(counted(), args.vocab_size, length=total, show_progress=draws_bars(args.progress))
+    tokenizer = train_tokenizer(counted(), args.vocab_size, length=total, show_progress=bars)
     progress.close()
     if not seen["text"]:  # a BPE of nothing would be the 260 specials and bytes alone
         found = f"{seen['documents']:,} blank documents" if seen["documents"] else "no documents"
