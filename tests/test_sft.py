@@ -150,6 +150,7 @@ def test_cli_full_finetune_lowers_the_answer_loss_and_saves_the_template(tmp_pat
     assert "data: 4 examples" in run.stdout
     losses = json.loads((out / "finetune.json").read_text())["losses"]
     assert losses[-1][1] < 0.8 * losses[0][1], losses  # 4 copies of one conversation: memorised
+    assert f"(loss curve: {out / 'loss_curve.png'})" in run.stdout and (out / "loss_curve.png").stat().st_size > 0
     from wiola.checkpoint import load_checkpoint_tokenizer
 
     assert load_checkpoint_tokenizer(out).chat_template is not None
@@ -423,7 +424,9 @@ def test_interrupted_finetune_saves_the_model_of_its_last_step(tmp_path, tiny_ch
         with pytest.raises(KeyboardInterrupt) as stopped:
             ft.finetune(config("stopped", 4), log=lines.append)
     assert getattr(stopped.value, "step", None) == 2 and getattr(stopped.value, "out", None) == tmp_path / "stopped"
-    assert f"interrupted at step 2/4; the model as of that step saved to {tmp_path / 'stopped'}" in lines, lines
+    said = f"interrupted at step 2/4; the model as of that step saved to {tmp_path / 'stopped'}"
+    assert f"{said} (loss curve: {tmp_path / 'stopped' / 'loss_curve.png'})" in lines, lines
+    assert (tmp_path / "stopped" / "loss_curve.png").stat().st_size > 0
     assert json.loads((tmp_path / "stopped" / "finetune.json").read_text())["steps_done"] == 2
     ft.finetune(config("two", 2), log=lambda _: None)
     got = wiola.WiolaModel.from_pretrained(tmp_path / "stopped").state_dict()

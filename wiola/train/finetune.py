@@ -49,13 +49,21 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # peft's names, the first what it writes
 PEFT_MODEL_CARD = "README.md"  # peft writes it beside the adapters
 RUN_FILE = "finetune.json"
+LOSS_CURVE = "loss_curve.png"  # the logged losses against the step
 DEFAULT_WARMUP = 10  # steps, at most --steps
 # A folder holding any of these holds a model or adapters: a new one there is refused without
 # --overwrite, since files of the two would mix (load_finetuned prefers adapter_config.json).
 MODEL_FILES = (CONFIG_FILE, WEIGHTS_FILE, ADAPTER_CONFIG, *ADAPTER_WEIGHTS, RUN_FILE)
 # What --overwrite deletes first: the model and adapter files and the tokenizer saved beside them
 # (and peft's model card, where the folder holds adapters: clear_model_out).
-OUTPUT_FILES = (*MODEL_FILES, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE, CHAT_TEMPLATE_FILE)
+OUTPUT_FILES = (
+    *MODEL_FILES,
+    TOKENIZER_FILE,
+    TOKENIZER_CONFIG_FILE,
+    SPECIAL_TOKENS_MAP_FILE,
+    CHAT_TEMPLATE_FILE,
+    LOSS_CURVE,
+)
 
 
 @dataclass
@@ -253,11 +261,12 @@ def finetune(cfg: FinetuneConfig, log: Callable[[str], None] = print, *, overwri
     record = {"config": asdict(cfg), "losses": losses, "examples": len(data.examples), "dropped": data.dropped}
     record |= {"steps_done": step, "seconds": seconds}
     (out / RUN_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    curve = _plot_losses(losses, out / LOSS_CURVE, log)
     what = "the adapters" if cfg.lora_rank is not None else "the model"
     if interrupted:
-        log(f"interrupted at step {step}/{cfg.steps}; {what} as of that step saved to {out}")
+        log(f"interrupted at step {step}/{cfg.steps}; {what} as of that step saved to {out}{curve}")
         raise FinetuneInterrupted(step, out)
-    log(f"{step} step{'s' if step != 1 else ''} in {seconds:.0f} s; final loss {losses[-1][1]:.4f}; saved {out}")
+    log(f"{step} step{'s' if step != 1 else ''} in {seconds:.0f} s; final loss {losses[-1][1]:.4f}; saved {out}{curve}")
     return FinetuneResult(out, losses, len(data.examples), len(data.dropped), seconds)
 
 
@@ -332,6 +341,19 @@ def require_peft() -> Any:
             f"LoRA needs the `peft` package ({e}); install the finetune extra: pip install 'wiola-slm[finetune]'"
         ) from e
     return peft
+
+
+def _plot_losses(losses: list[tuple[int, float]], path: Path, log: Callable[[str], None]) -> str:
+    """``path``, the logged answer-token losses against the step; the words naming it for the
+    summary line, or, where matplotlib (the train extra) is missing, a line saying so and ""."""
+    from wiola.train.plots import plot_loss_curve
+
+    try:
+        plot_loss_curve([{"kind": "train", "step": s, "loss": v} for s, v in losses], path, title="Wiola fine-tuning")
+    except ImportError as e:
+        log(f"no {path.name}: {e}")
+        return ""
+    return f" (loss curve: {path})"
 
 
 def save_finetuned(model: torch.nn.Module, tokenizer: Tokenizer, cfg: FinetuneConfig, init: Path) -> Path:
