@@ -177,6 +177,21 @@ def test_instruct_demo_replaces_a_previous_out_only_when_asked(tmp_path, tiny_ch
     assert check_demo_settings(cfg, out, n_train=4, samples=4, n_words=1, overwrite=True) == tiny_checkpoint
 
 
+def test_instruct_demo_ends_naming_what_it_wrote(tmp_path, tiny_checkpoint) -> None:
+    from wiola.train.instruct import instruct_demo
+
+    lines: list[str] = []
+    out = tmp_path / "demo"
+    instruct_demo(
+        tiny_checkpoint, out, n_train=4, samples=2, steps=1, batch_size=2, n_words=1, progress=False, log=lines.append
+    )
+    assert lines[-1] == (
+        f"wrote {out / 'results.json'} (both rates and the test), the training examples in {out / 'data'}, "
+        f"the fine-tuned model in {out / 'model'}"
+    )
+    assert (out / "results.json").is_file() and (out / "data").is_dir() and (out / "model").is_dir()
+
+
 def test_follow_rate_counts_its_progress_per_batch(tiny_checkpoint) -> None:
     """The measurement (minutes at the demo's defaults) reports each batch's examples as they finish."""
     from wiola.train.corpus import instruction_examples

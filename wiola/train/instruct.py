@@ -186,6 +186,8 @@ def instruct_demo(
     }
     (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     log(f"rise: z = {z:.2f}, one-sided p = {p:.2g}")
+    log(f"wrote {out / 'results.json'} (both rates and the test), the training examples in {out / 'data'}, "
+        f"the fine-tuned model in {out / 'model'}")  # fmt: skip
     return summary
 
 
