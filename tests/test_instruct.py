@@ -177,13 +177,17 @@ def test_instruct_demo_replaces_a_previous_out_only_when_asked(tmp_path, tiny_ch
     assert check_demo_settings(cfg, out, n_train=4, samples=4, n_words=1, overwrite=True) == tiny_checkpoint
 
 
-def test_instruct_demo_ends_naming_what_it_wrote(tmp_path, tiny_checkpoint) -> None:
+def test_instruct_demo_ends_naming_what_it_wrote(tmp_path) -> None:
+    from wiola.tokenizer import load_tokenizer
     from wiola.train.instruct import instruct_demo
 
+    torch.manual_seed(0)
+    config = wiola.WiolaConfig(vocab_size=32000, d_model=16, n_layers=1, n_heads=2, d_ff=16, max_seq_len=256)
+    wiola.WiolaModel(config).save_pretrained(tmp_path / "init", load_tokenizer("gpt2-32k"))
     lines: list[str] = []
     out = tmp_path / "demo"
     instruct_demo(
-        tiny_checkpoint, out, n_train=4, samples=2, steps=1, batch_size=2, n_words=1, progress=False, log=lines.append
+        tmp_path / "init", out, n_train=4, samples=2, steps=1, batch_size=2, n_words=1, progress=False, log=lines.append
     )
     assert lines[-1] == (
         f"wrote {out / 'results.json'} (both rates and the test), the training examples in {out / 'data'}, "
