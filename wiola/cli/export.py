@@ -113,12 +113,13 @@ def run_export(args: argparse.Namespace) -> int:
 def _export_onnx(path: Path, out: Path, tokenizer: Tokenizer, args: argparse.Namespace, replacing: list[str]) -> int:
     import torch
 
-    from wiola.export.onnx import export_onnx
+    from wiola.export.onnx import check_export_packages, export_onnx
     from wiola.export.runner import MODEL_FILE
     from wiola.fast import WiolaModel
     from wiola.fast.quantize import quantize
     from wiola.train.run_folder import EXPORT_FILES, ONNX_PREFIX, delete_files
 
+    check_export_packages()  # before any work, and before an --overwrite deletes the export it replaces
     model = WiolaModel.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
     held = getattr(model, "quantization", None)
     if args.quantize and held and args.quantize != held:

@@ -215,6 +215,16 @@ def _quiet_exporter() -> Any:
         logger.setLevel(level)
 
 
+def check_export_packages() -> None:
+    """``ImportError`` naming the package and the extra to install where onnx or onnxscript (what
+    the export needs beside torch) cannot be imported."""
+    for package in ("onnx", "onnxscript"):
+        try:
+            __import__(package)
+        except ImportError as e:
+            raise ImportError(f"export to ONNX needs {package}: pip install 'wiola-slm[export]'") from e
+
+
 def export_onnx(
     model: WiolaModel,
     directory: str | os.PathLike,
@@ -232,11 +242,7 @@ def export_onnx(
     Raises ``TypeError`` for something that is not a ``WiolaModel``, ``ValueError`` for a model
     the export cannot express (not fp32, not on the CPU, ``int8_matmul`` without int8 or int4 weights or
     with a width MatMulNBits cannot take), ``ImportError`` naming the missing package."""
-    for package in ("onnx", "onnxscript"):
-        try:
-            __import__(package)
-        except ImportError as e:
-            raise ImportError(f"export to ONNX needs {package}: pip install 'wiola-slm[export]'") from e
+    check_export_packages()
     if accuracy_level not in (0, 1, 2, 3, 4):
         raise ValueError(f"export: accuracy_level must be one of MatMulNBits' 0-4, got {accuracy_level!r}")
     directory = Path(directory)
