@@ -424,9 +424,10 @@ def test_ctrl_c_during_the_export_exits_130_and_leaves_no_files(tmp_path: Path, 
     tok = train_tokenizer(["The dog ran to the park and the sun was warm."] * 50, 300, show_progress=False)
     _model().save_pretrained(tmp_path / "ckpt", tok)
     monkeypatch.setattr(onnx_module, "export_onnx", interrupted)
+    before = signal.getsignal(signal.SIGINT)  # Python's, or SIG_IGN where a shell started the tests in the background
     code = cli_main(
         ["export", "--format", "onnx", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "x")]
     )
     assert code == 130 and "wiola export: interrupted" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before, "the handler before the export is not back"
