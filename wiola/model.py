@@ -577,11 +577,6 @@ class WiolaModel(nn.Module):
             raise ValueError(f"input_ids is empty: shape {tuple(input_ids.shape)}")
         if input_ids.device != self.embed.weight.device:
             raise ValueError(f"input_ids is on {input_ids.device} but the model is on {self.embed.weight.device}")
-        if self._sync_checks(input_ids):
-            lo, hi = int(input_ids.min()), int(input_ids.max())
-            if lo < 0 or hi >= self.config.vocab_size:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"token id {bad} is outside [0, vocab_size={self.config.vocab_size})")
         if attention_mask is not None:
             past = cache.length if cache is not None else 0
             S = attention_mask.shape[-1]
@@ -589,9 +584,17 @@ class WiolaModel(nn.Module):
                 raise ValueError(
                     f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids {tuple(input_ids.shape)}"
                 )
-            if attention_mask.dtype != torch.bool and self._sync_checks(attention_mask):
-                if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
-                    raise ValueError("attention_mask must hold only 0 and 1")
+        if self._sync_checks(input_ids):  # the values the checks need, read from the device in one sync
+            lo, hi = torch.aminmax(input_ids)
+            values = [lo.long(), hi.long()]
+            if attention_mask is not None and attention_mask.dtype != torch.bool:
+                values.append(((attention_mask != 0) & (attention_mask != 1)).any().to(lo.device, torch.long))
+            lo, hi, *mask_off = torch.stack(values).tolist()
+            if lo < 0 or hi >= self.config.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"token id {bad} is outside [0, vocab_size={self.config.vocab_size})")
+            if any(mask_off):
+                raise ValueError("attention_mask must hold only 0 and 1")
         if cache is None:
             if T > self.config.max_seq_len:
                 raise ValueError(f"sequence length {T} is past max_seq_len={self.config.max_seq_len}")
