@@ -184,6 +184,30 @@ def test_float64_cached_decoding_stays_float64():
 
 
 @torch.no_grad()
+def test_bf16_model_cached_decoding_within_the_references_error():
+    """A bf16 model (its cache bf16, unlike under autocast): the fast model's prefill and
+    one-token steps against the float64 full pass, within the ``BF16_ERROR_RATIO`` of the bf16
+    reference's own cached error, and its greedy tokens. Under Triton's interpreter the decoding
+    kernel's bf16 products were wrong (logits off by a relative 1.5)."""
+    ref, fast = _models()
+    exact = Reference(ref.config).to(DEVICE, torch.float64)
+    exact.load_state_dict(ref.state_dict())
+    ref, fast = ref.to(torch.bfloat16), fast.to(torch.bfloat16)
+    ids, mask = _batch(3, 12, "left")
+    real = mask.bool()
+    full = exact(ids, attention_mask=mask).logits
+
+    def cached(model):
+        cache = model.new_cache(3, 32)
+        pieces = [model(ids[:, :6], attention_mask=mask[:, :6], cache=cache).logits]
+        for t in range(6, 12):
+            pieces.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache).logits)
+        return torch.cat(pieces, dim=1)[real]
+
+    _within_reference_error("bf16 model cached logits", full[real], cached(ref), cached(fast))
+
+
+@torch.no_grad()
 def test_padded_batch_generation_matches_reference_and_rows_alone():
     """One left-padded greedy generation with eos: identical to the reference's tokens, and row
     by row to each row alone (the reference's, which equals the fast model's); the padded

@@ -126,7 +126,10 @@ _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # the training attention and the butterfly (a model under CPU bf16 autocast gave gradients 1e12x off
 # with them; with the norms, gate, loss and decoding kernels alone it stays within the reference's
 # bf16 error). Under the interpreter, bf16 runs these two on the PyTorch path. The launch-count
-# tests, which count kernels rather than read their numbers, empty it.
+# tests, which count kernels rather than read their numbers, empty it. The decoding kernel's
+# products take the cache's dtype: fp32 under autocast (right), bf16 in a bf16 model's cache (wrong
+# under the interpreter: a relative error of about 1.5 in the logits), so a bf16 cache on the CPU
+# also takes the PyTorch path (``_Ops.decode_attention``).
 INTERPRETER_BF16_WRONG: frozenset[str] = frozenset({"attention", "butterfly"})
 
 
@@ -274,6 +277,8 @@ class _Ops:
         """
         T = q.shape[1]
         decode = self._kernel("decode_attention", q) if q.shape[-1] in ATTENTION_HEAD_DIMS else None
+        if decode is not None and k_cache.dtype == torch.bfloat16 and not k_cache.is_cuda:
+            decode = None  # the interpreter's bf16 tl.dot (see INTERPRETER_BF16_WRONG)
         if decode is not None:
             flash = self._kernel("attention", q)
             if flash is not None and isinstance(start, int) and start == 0 and T > 1:
