@@ -163,6 +163,14 @@ def test_bad_inputs_raise_clear_errors(tiny):
             tiny(ok, attention_mask=mask)
     for mask in (torch.ones(2, 5, dtype=torch.bool), torch.ones(2, 5, dtype=torch.uint8), torch.ones(2, 5)):
         tiny(ok, attention_mask=mask)
+    with pytest.raises(TypeError, match="attention_mask must be a torch.Tensor or None, got list"):
+        tiny(ok, attention_mask=[[1] * 5] * 2)
+    with pytest.raises(TypeError, match="attention_mask must be a torch.Tensor or None, got ndarray"):
+        tiny(ok, attention_mask=np.ones((2, 5)))
+    with pytest.raises(ValueError, match="attention_mask is on meta but input_ids is on cpu"):
+        tiny(ok, attention_mask=torch.ones(2, 5, device="meta"))
+    with pytest.raises(TypeError, match="attention_mask must be a torch.Tensor or None, got list"):
+        tiny.generate(ok, 2, attention_mask=[[1] * 5] * 2)
     with pytest.raises(ValueError, match="labels shape"):
         tiny(ok, labels=ok[:, :3])
     with pytest.raises(ValueError, match="label 77 is outside"):

@@ -101,11 +101,24 @@ def test_do_sample_false_is_greedy_whatever_the_temperature(model, tokenizer):
         model.generate(p, 2, do_sample="yes")
     with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_argument'"):
         model.generate(p, 2, no_such_argument=1)
-    for name in ("num_beams", "repetition_penalty", "min_new_tokens"):  # refused by name, never ignored
+    for name in ("repetition_penalty", "min_new_tokens", "num_return_sequences"):  # refused by name, never ignored
         streamer = _Recorder()
         with pytest.raises(TypeError, match=rf"generate\(\) got an unexpected keyword argument '{name}': Wiola's"):
             model.generate(p, 2, streamer=streamer, **{name: 2})
         assert streamer.calls == ["end"]
+    # transformers' defaults that change nothing: one beam, top_k=0 (no top-k filter)
+    assert torch.equal(model.generate(p, 12, num_beams=1, do_sample=False), greedy)
+    assert torch.equal(
+        model.generate(p, 12, num_beams=np.int64(1), top_k=0, temperature=0.7, generator=g()),
+        model.generate(p, 12, temperature=0.7, generator=g()),
+    )
+    for beams, error in ((2, ValueError), (0, ValueError), ("1", TypeError), (True, TypeError)):
+        streamer = _Recorder()
+        with pytest.raises(error, match="num_beams"):
+            model.generate(p, 2, streamer=streamer, num_beams=beams)
+        assert streamer.calls == ["end"]
+    with pytest.raises(ValueError, match="top_k must be a positive int or None, got -1"):
+        model.generate(p, 2, top_k=-1)
 
 
 def test_transformers_text_streamer(model, tokenizer):
@@ -147,7 +160,14 @@ def test_stop_strings_end_a_row_after_the_token_that_completes_one(model, tokeni
     stop = text0[len(text0) // 2 : len(text0) // 2 + 2]  # a string the greedy row 0 surely produces
     assert stop.strip("\ufffd"), f"pick another seed: {text0!r}"
     at = next(i for i in range(len(row0)) if stop in tokenizer.decode(row0[: i + 1]))
-    out = model.generate(p, 24, attention_mask=mask, pad_token_id=3, stop_strings=[stop], tokenizer=tokenizer)
+    steps: list[torch.Tensor] = []
+    out = model.generate(
+        p, 24, attention_mask=mask, pad_token_id=3, stop_strings=[stop], tokenizer=tokenizer, streamer=steps.append
+    )
+    streamed = torch.stack(steps, dim=1)
+    assert torch.equal(streamed, out[:, T : T + streamed.shape[1]]), (
+        f"the streamer saw other tokens than the result holds (a stopped row's pad):\n{streamed}\n{out[:, T:]}"
+    )
     assert out[0, T : T + at + 1].tolist() == row0[: at + 1]
     assert (out[0, T + at + 1 :] == 3).all(), "slots after the stop must hold the pad id"
     row1 = full[1, T:].tolist()

@@ -108,7 +108,7 @@ def test_generate_rejects_bad_arguments(model):
     with pytest.raises(ValueError, match="top_p"):
         model.generate(p, 2, top_p=1.5)
     with pytest.raises(ValueError, match="top_k"):
-        model.generate(p, 2, top_k=0)
+        model.generate(p, 2, top_k=-1)  # 0 is transformers' "no filter" (tests/test_generate_hf.py)
     with pytest.raises(ValueError, match="left padding"):
         model.generate(p, 2, attention_mask=torch.tensor([[1, 1, 1, 1, 0]]))
     assert torch.equal(model.generate(p, 0), p)
@@ -153,6 +153,26 @@ def test_resolve_sampling():
     with pytest.raises(ValueError, match="finite in float32"):
         resolve_sampling(3.5e38, None, None, 100)
     assert resolve_sampling(np.float32(0.5), np.int64(3), torch.tensor(0.5), 100) == Sampling(0.5, 3, 0.5)
+
+
+@pytest.mark.parametrize("cls", ["reference", "fast"])
+def test_sampling_arguments_of_the_wrong_type_are_named_by_both_classes(cls, model, plain_cpu):
+    """The fast class checks the sampling arguments before it chooses a loop, so a wrongly typed
+    one gets the reference's named error, never a failed comparison on the way."""
+    import wiola.fast
+
+    m = model if cls == "reference" else wiola.fast.WiolaModel(model.config).eval()
+    p = torch.randint(0, 101, (1, 4), generator=torch.Generator().manual_seed(3))
+    bad = [
+        (dict(top_p="0.9"), r"top_p must be a number, got str '0\.9'"),
+        (dict(top_p=[0.9]), r"top_p must be a number, got list"),
+        (dict(top_p=torch.tensor([0.9, 0.8])), r"top_p must be a number"),
+        (dict(top_p=0.5, temperature=torch.tensor([0.5, 0.5])), r"temperature must be a number"),
+        (dict(temperature="0"), r"temperature must be a number, got str '0'"),
+    ]
+    for kwargs, match in bad:
+        with pytest.raises(TypeError, match=match):
+            m.generate(p, 2, **kwargs)
 
 
 @pytest.mark.parametrize("cls", ["reference", "fast"])

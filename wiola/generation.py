@@ -412,10 +412,14 @@ class _AllStopped(Exception):
 
 class _Front:
     """The per-step callback of ``hf_generate``: collects the new tokens, feeds the caller's streamer
-    (a callable or a ``TokenStreamer``), tracks stop strings and eos per row."""
+    (a callable or a ``TokenStreamer``), tracks stop strings and eos per row. A row stopped by a
+    stop string streams the pad id from the next step on, as the result holds it (a row that met
+    eos streams the loop's pad already)."""
 
-    def __init__(self, prompt: torch.Tensor, streamer, stops: list[str], tokenizer, eos: int | None) -> None:
-        self.streamer, self.stops, self.tokenizer, self.eos = streamer, stops, tokenizer, eos
+    def __init__(
+        self, prompt: torch.Tensor, streamer, stops: list[str], tokenizer, eos: int | None, pad: int | None
+    ) -> None:
+        self.streamer, self.stops, self.tokenizer, self.eos, self.pad = streamer, stops, tokenizer, eos, pad
         B = prompt.shape[0]
         self.prompt: torch.Tensor | None = prompt  # put to a TokenStreamer with the first tokens
         self.tokens: list[torch.Tensor] = []
@@ -427,11 +431,13 @@ class _Front:
         step = len(self.tokens)
         self.tokens.append(token)
         if self.streamer is not None:
+            stopped = [row for row, at in enumerate(self.stopped_at) if at >= 0]  # at an earlier step
+            shown = token.index_fill(0, torch.tensor(stopped, device=token.device), self.pad) if stopped else token
             if hasattr(self.streamer, "put"):
                 self.open()
-                self.streamer.put(token.cpu())
+                self.streamer.put(shown.cpu())
             else:
-                self.streamer(token)
+                self.streamer(shown)
         if not self.stops and self.eos is None:
             return
         host = token.tolist()
@@ -480,6 +486,7 @@ def hf_generate(
     inputs: torch.Tensor | None = None,
     max_length: int | None = None,
     token_type_ids: torch.Tensor | None = None,
+    num_beams: int = 1,
     **options: Any,
 ) -> torch.Tensor:
     """``loop(model, input_ids, max_new_tokens, ...)`` (a generation loop with a per-step callback
@@ -490,7 +497,8 @@ def hf_generate(
     row whose new text contains one stops there, its later slots hold the pad id, and generation
     ends once every row has stopped or hit eos. The result keeps the ``(B, T + max_new_tokens)``
     shape. A streamer's ``end`` is called whatever happens, also for a refused call (a reader
-    waiting on it finishes)."""
+    waiting on it finishes). ``num_beams=1`` and ``top_k=0`` are ``transformers``' no-ops (no beam
+    search, no top-k filter) and are taken as such; another ``num_beams`` is refused."""
     if streamer is not None and not (callable(streamer) or hasattr(streamer, "put")):
         raise TypeError(
             f"streamer must be a callable or a transformers streamer (put/end), got {type(streamer).__name__} {streamer!r}"
@@ -503,6 +511,11 @@ def hf_generate(
                 "has greedy decoding and sampling (temperature, top_k, top_p), eos, pad, stop strings and streamers, "
                 "not this"
             )
+        if as_int("num_beams", num_beams) != 1:
+            raise ValueError(f"num_beams={num_beams!r}: Wiola's generate has no beam search (num_beams=1 only)")
+        with contextlib.suppress(TypeError):  # anything else: resolve_sampling names it
+            if top_k is not None and as_int("top_k", top_k) == 0:
+                top_k = None  # transformers' "no top-k filter"
         input_ids, max_new_tokens = resolve_lengths(input_ids, inputs, max_new_tokens, max_length)
         check_token_type_ids(token_type_ids, input_ids)
         if eos_token_id is FROM_CONFIG:
@@ -514,7 +527,9 @@ def hf_generate(
             raise ValueError("stop_strings need tokenizer= (anything with decode(ids)) to read the text")
         if stops and pad is None:
             raise ValueError("stop_strings need pad_token_id or eos_token_id for the slots after a stop")
-        front = None if streamer is None and not stops else _Front(input_ids, streamer, stops, tokenizer, eos_token_id)
+        front = (
+            None if streamer is None and not stops else _Front(input_ids, streamer, stops, tokenizer, eos_token_id, pad)
+        )
         kwargs = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id)
         try:
             out = loop(model, input_ids, max_new_tokens, pad_token_id=pad, streamer=front, **kwargs, **options)

@@ -578,6 +578,10 @@ class WiolaModel(nn.Module):
         if input_ids.device != self.embed.weight.device:
             raise ValueError(f"input_ids is on {input_ids.device} but the model is on {self.embed.weight.device}")
         if attention_mask is not None:
+            if not isinstance(attention_mask, torch.Tensor):
+                raise TypeError(f"attention_mask must be a torch.Tensor or None, got {type(attention_mask).__name__}")
+            if attention_mask.device != input_ids.device:
+                raise ValueError(f"attention_mask is on {attention_mask.device} but input_ids is on {input_ids.device}")
             past = cache.length if cache is not None else 0
             S = attention_mask.shape[-1]
             if attention_mask.dim() != 2 or attention_mask.shape[0] != B or (S != T and S != past + T):

@@ -280,15 +280,14 @@ NOISE_FLOATS = 1 << 22  # Exp(1) draws held at once by the CPU loop (16 MiB): st
 
 def cpu_loop_usable(model: WiolaModel, input_ids: torch.Tensor, kwargs: dict) -> bool:
     """``generate`` runs its whole loop in C++ (``cpu_generate``) for CPU ids of a fast model whose
-    one-token steps take the C++ step, unless it samples with a nucleus (``top_p``, whose softmax
-    stays torch's, per step)."""
-    top_p = kwargs.get("top_p")
+    one-token steps take the C++ step. The arguments are not read here: ``cpu_generate`` checks them
+    first (the reference's named errors) and leaves sampling with a nucleus (``top_p``, whose
+    softmax stays torch's, per step) to the reference loop."""
     return (
         set(kwargs) <= LOOP_KEYWORDS  # what cpu_generate takes; other arguments keep the reference loop
         and isinstance(input_ids, torch.Tensor)
         and input_ids.device.type == "cpu"
         and model.kernels_enabled
-        and (top_p is None or top_p >= 1.0 or kwargs.get("temperature") == 0)
         and not torch.compiler.is_compiling()
     )
 
