@@ -16,9 +16,14 @@ import ctypes
 import dataclasses
 import os
 import platform
+import shutil
 import stat
+import subprocess
+import sys
 import tempfile
+import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -810,6 +815,103 @@ def test_build_cache_others_can_write_is_refused(how, plain_cpu, monkeypatch, tm
     ids, _ = left_padded_prompt(SMALL.vocab_size, 2, 6, 0)
     assert torch.equal(ref.generate(ids, 5, temperature=0), fast.generate(ids, 5, temperature=0))
     assert "refusing the build cache" in fast_ops.MISSING["decode_step_cpu"]
+
+
+def _load_in_a_process(env: dict[str, str]) -> Path:
+    """The library ``load()`` gives a fresh process with ``env``: its path (the process exits 0)."""
+    code = "from wiola.fast import decode_step_cpu as d; lib = d.load(); print(lib._name)"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"load() in a fresh process: exit status {proc.returncode}\n{proc.stderr[-3000:]}"
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_damaged_cached_library_is_built_again(tmp_path):
+    """A cached library cut short or overwritten after its build (a full disk, a partial copy of
+    the cache) is built again, never loaded: loading a cut-off one killed the process (SIGBUS
+    inside dlopen). The compiler is given as a launcher and its program (``CXX="env g++"``, the
+    form of ``ccache g++``)."""
+    env = {**os.environ, "WIOLA_CACHE_DIR": str(tmp_path), "WIOLA_CPU_ISA": "portable"}
+    env["CXX"] = f"env {decode_step_cpu._compiler()}"
+    target = _load_in_a_process(env)
+    assert target.parent == tmp_path and decode_step_cpu._intact(target)
+    size = target.stat().st_size
+    for damage in (target.read_bytes()[: size // 3], b"", os.urandom(4096)):
+        target.write_bytes(damage)
+        assert _load_in_a_process(env) == target
+        assert decode_step_cpu._intact(target) and target.stat().st_size > len(damage), "not built again"
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc driver")
+def test_a_c_compiler_driver_builds_a_loadable_step(tmp_path):
+    """``CXX=gcc`` (the C driver, which does not link libstdc++ by itself) builds a library that
+    loads: the build names libstdc++."""
+    env = {**os.environ, "WIOLA_CACHE_DIR": str(tmp_path), "WIOLA_CPU_ISA": "portable", "CXX": "gcc"}
+    assert decode_step_cpu._intact(_load_in_a_process(env))
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: torch's thread count and OpenMP's default agree")
+def test_the_step_takes_torchs_thread_count_in_a_new_thread():
+    """A thread that has run no parallel torch op has OpenMP's default count (every core) until
+    torch sets its own; the step's calls set it first, so ``torch.set_num_threads(1)`` holds there."""
+    script = textwrap.dedent("""
+        import threading, torch, wiola
+        from wiola.fast import decode_step_cpu as d
+        torch.set_num_threads(1)
+        config = wiola.WiolaConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=2, d_ff=32, max_seq_len=8)
+        model = wiola.WiolaModel(config).eval()
+        step = d.DecodeStepCPU(model, model.new_cache(1, 4))
+        seen = []
+        def worker():
+            step(torch.tensor([1]), 0)
+            seen.append(step.lib.wiola_sample_scratch_floats(1) // 4)  # 4 * V * omp_get_max_threads() here
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+        print(seen[0])
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "1", f"the step ran {proc.stdout.split()[-1]} OpenMP threads, torch's count is 1"
+
+
+def test_build_cache_paths_as_users_write_them(monkeypatch, tmp_path):
+    """``WIOLA_CACHE_DIR`` with ``~`` (as a service file or a Docker ENV writes it) is the home's;
+    one naming a file is refused as not a folder, naming the variable; a relative
+    ``XDG_CACHE_HOME`` is ignored, as the XDG spec says."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WIOLA_CACHE_DIR", "~/wiola-cache")
+    assert decode_step_cpu._cache_dir() == tmp_path / "wiola-cache"
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("WIOLA_CACHE_DIR", str(tmp_path / "a-file"))
+    with pytest.raises(PermissionError, match=r"a-file is not a folder; choose another WIOLA_CACHE_DIR"):
+        decode_step_cpu._cache_dir()
+    monkeypatch.delenv("WIOLA_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    assert decode_step_cpu._cache_dir() == tmp_path / ".cache" / "wiola"
+
+
+@pytest.mark.parametrize(
+    "env,value,allowed",
+    [
+        ("WIOLA_FAST_KERNELS", "maybe", "1, true, yes, on"),
+        ("WIOLA_CPU_ISA", "sse", "auto, avx512, avx2, portable"),
+        ("WIOLA_CPU_PREFILL", "garbage", "auto, fp32, bf16"),
+        ("WIOLA_CPU_GEMM", "mkl", "auto, measure, aten, onednn"),
+    ],
+)
+def test_a_mistyped_setting_is_named_when_the_model_is_made(env, value, allowed, monkeypatch):
+    """Whether or not this model's calls would read it (a one-token prompt reads no prefill mode,
+    a GPU no CPU variant), a setting no path takes is named when the fast model is made."""
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ValueError, match=rf"{env}='{value}' is not one of {allowed}"):
+        wiola.fast.WiolaModel(SMALL)
+
+
+@pytest.mark.parametrize("value,on", [("", True), ("1", True), ("On", True), ("false", False), (" OFF ", False)])
+def test_fast_kernels_setting_reads_words(value, on, monkeypatch):
+    monkeypatch.setenv("WIOLA_FAST_KERNELS", value)
+    assert fast_ops.kernels_setting() is on
 
 
 @torch.inference_mode()

@@ -312,6 +312,19 @@ def test_bad_input_is_named(plain_cpu):
 
 
 @torch.inference_mode()
+def test_isa_asked_for_is_the_steps_whatever_the_environment_names(plain_cpu, monkeypatch):
+    """``Rows(isa=...)`` binds that variant even where ``$WIOLA_CPU_ISA`` names one this CPU
+    lacks (faked here: a CPU without AVX-512 asked for avx512), which the step's binding used to
+    refuse."""
+    model = _model(SMALL)
+    compiler = decode_step_cpu._compiler()
+    monkeypatch.setitem(decode_step_cpu._FEATURES, compiler, (frozenset({"avx2", "fma"}), "test"))
+    monkeypatch.setenv("WIOLA_CPU_ISA", "avx512")
+    rows = Rows(model, 2, isa="portable")
+    assert rows.backend == "C++" and rows._step.isa == "portable"
+
+
+@torch.inference_mode()
 def test_numpy_and_torch_integer_ids_are_ints(plain_cpu):
     """Integer scalars of numpy and torch, as token ids, eos or a row handle, are the ints they
     hold: the same tokens as a request of Python ints."""

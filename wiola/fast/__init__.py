@@ -77,6 +77,7 @@ class WiolaModel(ReferenceModel):
     quantization_codec = quantize  # runs int8/bf16 checkpoints in the C++ CPU step
 
     def __init__(self, config: WiolaConfig) -> None:
+        ops.check_settings()  # a mistyped WIOLA_* setting is named here, before any weights are made
         super().__init__(config)
         self.kernels = True  # this model's switch (use_kernels); see kernels_enabled
         self.cuda_graphs = GraphSteps()
@@ -88,8 +89,8 @@ class WiolaModel(ReferenceModel):
         return not ops.ATTENTION_HEAD_DIMS or self.config.head_dim in ops.ATTENTION_HEAD_DIMS
 
     def describe(self) -> str:
-        """One line: what computes this model's feed-forward block and attention (and whether the
-        C++ CPU step can run)."""
+        """One line: what computes this model's feed-forward block and attention (whether the C++
+        CPU step built and which variant runs: ``wiola.fast.decode_step_cpu.describe()``)."""
         parts = []
         if self.config.ffn != "butterfly":
             parts.append(

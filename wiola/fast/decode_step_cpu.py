@@ -49,6 +49,7 @@ import hashlib
 import math
 import os
 import platform
+import shlex
 import shutil
 import stat
 import subprocess
@@ -95,8 +96,10 @@ def _cache_dir() -> Path:
     folder is created private and checked (``private_dir``)."""
     explicit = os.environ.get("WIOLA_CACHE_DIR")
     if explicit:
-        return private_dir(Path(explicit))
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "wiola"
+        return private_dir(Path(explicit).expanduser(), "or choose another WIOLA_CACHE_DIR")
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    # A relative XDG_CACHE_HOME is invalid and ignored, as the XDG base directory spec says.
+    root = (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "wiola"
     try:
         root.parent.mkdir(parents=True, exist_ok=True)
         root.mkdir(mode=0o700, exist_ok=True)
@@ -108,24 +111,25 @@ def _cache_dir() -> Path:
     return private_dir(Path(tempfile.gettempdir()) / f"wiola-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
 
 
-def private_dir(path: Path) -> Path:
+def private_dir(path: Path, remedy: str = "or set WIOLA_CACHE_DIR") -> Path:
     """``path``, created with mode 0700 if missing, once it is a folder owned by this user that
     neither the group nor others can write. Raises ``PermissionError`` naming the owner or the
-    mode otherwise: a library in a folder another user can write (``/tmp/wiola-<uid>`` created
-    first by someone else, say) could be theirs, and loading it would run their code."""
+    mode otherwise (``remedy`` ends the message): a library in a folder another user can write
+    (``/tmp/wiola-<uid>`` created first by someone else, say) could be theirs, and loading it
+    would run their code."""
+    if path.exists() and not path.is_dir():
+        raise PermissionError(f"the build cache {path} is not a folder; {remedy.removeprefix('or ')}")
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = path.stat()  # follows a link: the folder it leads to is what we would load from
-    if not stat.S_ISDIR(st.st_mode):
-        raise PermissionError(f"the build cache {path} is not a folder")
     if hasattr(os, "getuid") and st.st_uid != os.getuid():
         raise PermissionError(
             f"refusing the build cache {path}: it is owned by uid {st.st_uid}, not by this user "
-            f"(uid {os.getuid()}), who could not trust a library in it; remove it or set WIOLA_CACHE_DIR"
+            f"(uid {os.getuid()}), who could not trust a library in it; remove it {remedy}"
         )
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise PermissionError(
             f"refusing the build cache {path}: its mode {stat.S_IMODE(st.st_mode):#o} lets other users write "
-            f"into it; make it private (chmod 700 {path}) or set WIOLA_CACHE_DIR"
+            f"into it; make it private (chmod 700 {path}) {remedy}"
         )
     return path
 
@@ -176,6 +180,16 @@ def _compiler() -> str:
     return os.environ.get("CXX") or "g++"
 
 
+def compiler_command(compiler: str) -> list[str]:
+    """``compiler`` (``$CXX``: a program, or a launcher and its program such as ``ccache g++``)
+    as a command: its first word resolved on PATH. Raises ``RuntimeError`` when it is not there."""
+    words = shlex.split(compiler)
+    path = shutil.which(words[0]) if words else None
+    if path is None:
+        raise RuntimeError(f"no C++ compiler: `{compiler}` is not on PATH (set CXX)")
+    return [path, *words[1:]]
+
+
 def cpu_features(compiler: str | None = None) -> tuple[frozenset[str], str]:
     """The features of this CPU that the variants need (of ``avx512f``, ``avx2``, ``fma``) and
     where they were read: the compiler's macros under ``-march=native`` (what it can target
@@ -183,11 +197,14 @@ def cpu_features(compiler: str | None = None) -> tuple[frozenset[str], str]:
     compiler = compiler or _compiler()
     if compiler not in _FEATURES:
         found: tuple[frozenset[str], str] | None = None
-        path = shutil.which(compiler)
-        if path is not None and platform.machine().lower() in ("x86_64", "amd64", "i686", "i386"):
+        try:
+            command: list[str] | None = compiler_command(compiler)
+        except (RuntimeError, ValueError):  # not on PATH, or unbalanced quotes
+            command = None
+        if command is not None and platform.machine().lower() in ("x86_64", "amd64", "i686", "i386"):
             try:
                 proc = subprocess.run(
-                    [path, "-march=native", "-dM", "-E", "-x", "c++", "-"],
+                    [*command, "-march=native", "-dM", "-E", "-x", "c++", "-"],
                     input="", capture_output=True, text=True, timeout=60,
                 )  # fmt: skip
                 if proc.returncode == 0:
@@ -200,6 +217,13 @@ def cpu_features(compiler: str | None = None) -> tuple[frozenset[str], str]:
             found = (frozenset(f for f in _MACROS.values() if f in flags), "/proc/cpuinfo")
         _FEATURES[compiler] = found
     return _FEATURES[compiler]
+
+
+def check_isa_name() -> None:
+    """Raise ``ValueError`` when ``$WIOLA_CPU_ISA`` names no variant (not whether this CPU runs it)."""
+    requested = os.environ.get(ISA_ENV, "").strip().lower()
+    if requested not in ("", "auto", *ISAS):
+        raise ValueError(f"{ISA_ENV}={requested!r} is not one of auto, {', '.join(ISAS)}")
 
 
 def select_isa(isa: str | None = None, compiler: str | None = None) -> str:
@@ -228,32 +252,56 @@ def compile_variant(isa: str, target: Path, compiler: str | None = None) -> None
     on any x86 compiler). Raises ``RuntimeError`` with the compiler's error."""
     if isa not in ISAS:
         raise ValueError(f"isa={isa!r} is not one of {', '.join(ISAS)}")
-    compiler = compiler or _compiler()
-    path = shutil.which(compiler)
-    if path is None:
-        raise RuntimeError(f"no C++ compiler: `{compiler}` is not on PATH (set CXX)")
+    command = compiler_command(compiler or _compiler())
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [path, *FLAGS, *ISA_FLAGS[isa], str(SOURCE), "-o", str(out)]
+        # libstdc++ named, so that a C compiler driver (CXX=gcc) links what the step's new[] needs
+        cmd = [*command, *FLAGS, *ISA_FLAGS[isa], str(SOURCE), "-o", str(out), "-lstdc++"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             error = (proc.stderr.strip() or proc.stdout.strip())[-2000:]
             raise RuntimeError(f"`{' '.join(cmd)}` failed (exit status {proc.returncode}):\n{error}")
+        data = out.read_bytes()
+        with open(out, "rb+") as f:  # on disk before the rename: a crash leaves no renamed, short file
+            os.fsync(f.fileno())
+        digest = _digest_path(target)
+        digest_tmp = Path(tmp) / digest.name
+        digest_tmp.write_text(hashlib.sha256(data).hexdigest())
+        os.replace(digest_tmp, digest)
         os.replace(out, target)  # atomic: a concurrent build never sees half a file
 
 
+def _digest_path(target: Path) -> Path:
+    """Where the SHA-256 of the library ``target`` is kept, written by the build that made it."""
+    return target.with_name(target.name + ".sha256")
+
+
+def _intact(target: Path) -> bool:
+    """Whether the cached library ``target`` is whole: its bytes hash to the digest its build
+    wrote. Loading a cut-off library can kill the process (SIGBUS inside ``dlopen``), so a file
+    that fails this is built again, never loaded."""
+    try:
+        want = _digest_path(target).read_text().strip()
+        return hashlib.sha256(target.read_bytes()).hexdigest() == want
+    except OSError:
+        return False
+
+
 def _build(compiler: str, isa: str) -> ctypes.CDLL:
-    path = shutil.which(compiler)
-    if path is None:
-        raise RuntimeError(f"no C++ compiler: `{compiler}` is not on PATH (set CXX)")
-    version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
-    flags = " ".join((*FLAGS, *ISA_FLAGS[isa]))
+    command = compiler_command(compiler)
+    version = subprocess.run([*command, "--version"], capture_output=True, text=True).stdout
+    flags = " ".join((*FLAGS, *ISA_FLAGS[isa], "-lstdc++"))
     key = hashlib.sha256("\0".join((SOURCE.read_text(), isa, flags, version, _cpu_signature())).encode())
     target = _cache_dir() / f"decode_step_cpu-{isa}-{key.hexdigest()[:20]}.so"
-    if not target.exists():
+    if not _intact(target):  # missing, or damaged since it was built
         compile_variant(isa, target, compiler)
-    lib = ctypes.CDLL(str(target))
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError:  # built, but not loadable (a missing symbol): not kept for the next process
+        target.unlink(missing_ok=True)
+        _digest_path(target).unlink(missing_ok=True)
+        raise
     lib.wiola_workspace_floats.argtypes = [ctypes.c_void_p]
     lib.wiola_workspace_floats.restype = ctypes.c_int64
     lib.wiola_decode_step.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_float] + [ctypes.c_void_p] * 2
@@ -302,12 +350,21 @@ def _build(compiler: str, isa: str) -> ctypes.CDLL:
     return lib
 
 
+def _follow_torch_threads() -> None:
+    """Give this thread torch's thread count as its OpenMP count, which the C++ functions read
+    (``omp_get_max_threads``): torch sets it lazily per thread, so a thread that has run no
+    parallel torch op would otherwise use OpenMP's default, every core, whatever
+    ``torch.set_num_threads`` said."""
+    torch.get_num_threads()
+
+
 def load(isa: str | None = None) -> ctypes.CDLL | None:
     """The compiled library of ``select_isa(isa)`` (built on first call), or None with
     ``BUILD_ERROR`` set and, the first time, a ``RuntimeWarning`` naming the error. Raises
     ``ValueError`` when the ISA asked for (``isa`` or ``$WIOLA_CPU_ISA``) is unknown or not this
     CPU's."""
     global BUILD_ERROR
+    _follow_torch_threads()
     compiler = _compiler()
     key = (isa, os.environ.get(ISA_ENV, ""), compiler)
     known = _LOADED.get(key)  # every product and row function asks: once chosen, two lookups
@@ -695,6 +752,7 @@ class DecodeStepCPU:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.max_len:
             raise ValueError(f"CPU decode step: slot must be an int in [0, max_len={self.max_len}), got {slot!r}")
         logits = torch.empty(self.batch_size, self.config.vocab_size, dtype=torch.float32)
+        _follow_torch_threads()
         rc = self.lib.wiola_decode_step(
             self.dims, self.weights, self.scale_ptrs, self.state_ptrs, tokens.data_ptr(), slot, self.eps,
             logits.data_ptr(), self.work.data_ptr(),
@@ -710,6 +768,7 @@ class DecodeStepCPU:
         range, the ids in ``[0, V)`` and each slot below ``max_len``."""
         n = self._check_rows(rows, tokens, slots)
         logits = torch.empty(n, self.config.vocab_size, dtype=torch.float32)
+        _follow_torch_threads()
         rc = self.lib.wiola_decode_rows(
             self.dims, self.weights, self.scale_ptrs, self.state_ptrs, n, rows.data_ptr(), tokens.data_ptr(),
             slots.data_ptr(), self.eps, logits.data_ptr(), self.work.data_ptr(),
@@ -738,6 +797,7 @@ class DecodeStepCPU:
         if n and not 0 <= int(t.n_logprobs.min()) <= int(t.n_logprobs.max()) <= t.max_k:
             raise ValueError(f"CPU decode step: samplers.n_logprobs must be in [0, max_k={t.max_k}]")
         logits = torch.empty(n, self.config.vocab_size, dtype=torch.float32)
+        _follow_torch_threads()
         rc = self.lib.wiola_step_rows(
             self.dims, self.weights, self.scale_ptrs, self.state_ptrs, n, rows.data_ptr(), tokens.data_ptr(),
             slots.data_ptr(), self.eps, logits.data_ptr(), self.work.data_ptr(), t.mode.data_ptr(),
@@ -783,6 +843,7 @@ class DecodeStepCPU:
                 raise ValueError("CPU decode step: sampling (temperature > 0) needs log_noise")
             _check(log_noise, "log_noise", torch.float32, (i1 - i0, B, V))
         logits = torch.empty(self.batch_size, self.config.vocab_size, dtype=torch.float32)
+        _follow_torch_threads()
         stopped = self.lib.wiola_generate(
             self.dims, self.weights, self.scale_ptrs, self.state_ptrs, self.eps, self.work.data_ptr(), start, i0,
             i1, out.shape[1], first.data_ptr(), logits.data_ptr(), int(temperature == 0), float(temperature),

@@ -91,16 +91,52 @@ if "attention" in KERNELS:
 else:
     ATTENTION_HEAD_DIMS: tuple[int, ...] = ()
 
-_KERNELS_ON: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "wiola_fast_kernels", default=os.environ.get("WIOLA_FAST_KERNELS", "1") not in ("0", "")
-)
+KERNELS_ENV = "WIOLA_FAST_KERNELS"
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def kernels_setting() -> bool:
+    """``$WIOLA_FAST_KERNELS`` as a bool: unset or empty, ``1``/``true``/``yes``/``on`` (any case)
+    is on, ``0``/``false``/``no``/``off`` off; ``ValueError`` naming the variable otherwise."""
+    value = os.environ.get(KERNELS_ENV, "").strip().lower()
+    if value in ("", *_ON):
+        return True
+    if value in _OFF:
+        return False
+    raise ValueError(f"{KERNELS_ENV}={value!r} is not one of {', '.join(_ON)} (on), {', '.join(_OFF)} (off)")
+
+
+def _kernels_default() -> bool:
+    # Read at import: a bad value is named when a fast model is made (check_settings), and the
+    # kernels stay on meanwhile.
+    try:
+        return kernels_setting()
+    except ValueError:
+        return True
+
+
+_KERNELS_DEFAULT = _kernels_default()
+_KERNELS_ON: contextvars.ContextVar[bool] = contextvars.ContextVar("wiola_fast_kernels", default=_KERNELS_DEFAULT)
+
+
+def check_settings() -> None:
+    """Raise ``ValueError`` naming any environment variable of the fast model's paths set to a
+    value it does not take (``WIOLA_FAST_KERNELS``, ``WIOLA_CPU_ISA``, ``WIOLA_CPU_PREFILL``,
+    ``WIOLA_CPU_GEMM``), whether or not this model's calls would read it: a mistyped setting is
+    reported when the model is made, not taken silently as the default. Whether the CPU runs
+    the ISA asked for is checked where the step is built."""
+    from wiola.fast import decode_step_cpu, prefill
+
+    kernels_setting()
+    decode_step_cpu.check_isa_name()
+    prefill.check_names()
 
 
 @contextlib.contextmanager
 def use_kernels(enabled: bool) -> Iterator[None]:
     """Turn the Triton kernels (and the C++ CPU step) on or off inside a ``with`` block: the
     PyTorch path runs instead. Per thread and asyncio task; the default comes from the
-    environment variable ``WIOLA_FAST_KERNELS`` (``0`` disables). A model's own switch,
+    environment variable ``WIOLA_FAST_KERNELS`` (``0``, ``false``, ``no`` or ``off`` disables). A model's own switch,
     ``WiolaModel.use_kernels(False)``, turns them off for that model alone.
     """
     token = _KERNELS_ON.set(bool(enabled))

@@ -96,6 +96,17 @@ def _flags() -> set[str]:
     return set(_cpu()["flags"].split())
 
 
+def check_names() -> None:
+    """Raise ``ValueError`` when ``$WIOLA_CPU_PREFILL`` or ``$WIOLA_CPU_GEMM`` holds a value
+    neither takes (whether oneDNN is there is checked where the GEMM is chosen)."""
+    from wiola.ops.linear import CPU_GEMMS
+
+    for env, allowed in ((ENV, ("auto", *MODES)), (GEMM_ENV, ("auto", "measure", *CPU_GEMMS))):
+        value = os.environ.get(env, "").strip().lower()
+        if value not in ("", *allowed):
+            raise ValueError(f"{env}={value!r} is not one of {', '.join(allowed)}")
+
+
 def select(mode: str | None = None) -> str:
     """The prompt-path mode: ``mode`` if given, else ``$WIOLA_CPU_PREFILL``; ``auto`` (or unset)
     resolves from the CPU's flags (see the module). Raises ``ValueError`` naming a bad value."""

@@ -101,7 +101,8 @@ class Rows:
         model: a ``wiola.WiolaModel`` or ``wiola.fast.WiolaModel`` (any weight type).
         max_rows: how many rows may be live at once (the static cache's rows).
         max_len: the longest prompt + new tokens a row may take (default ``max_seq_len``).
-        isa: the C++ step's instruction-set variant (default ``$WIOLA_CPU_ISA`` or the best).
+        isa: the C++ step's instruction-set variant (default ``$WIOLA_CPU_ISA`` or the best); a
+            prompt's products run through the model's forward, on ``$WIOLA_CPU_ISA``'s variant.
 
     Raises ``ValueError`` for ``max_rows < 1``, ``max_len`` outside ``[1, max_seq_len]`` or an
     ``isa`` that is unknown or that this CPU lacks (also where the C++ step does not apply).
@@ -135,13 +136,18 @@ class Rows:
         if not hasattr(self.model, "kernels_enabled"):
             return None  # the reference model: no C++ step
         cache = self.model.new_cache(self.max_rows, self.max_len)
-        probe = torch.zeros(1, 1, dtype=torch.int64, device=cache.device)
-        if ops.cpu_decode_step(self.model, probe, cache) is None:
+        if cache.device.type != "cpu" or ops.kernels_usable(cache.k) or not ops.cpu_step_applies(self.model, cache):
             return None
-        from wiola.fast.decode_step_cpu import DecodeStepCPU
+        from wiola.fast import decode_step_cpu
 
+        if decode_step_cpu.load(self.isa) is None:  # the variant asked for, not $WIOLA_CPU_ISA's
+            return None
+        try:
+            step = decode_step_cpu.DecodeStepCPU(self.model, cache, isa=self.isa)
+        except decode_step_cpu.UnsupportedWeights:
+            return None
         self.cache = cache
-        return DecodeStepCPU(self.model, cache, isa=self.isa)
+        return step
 
     # ------------------------------------------------------------------ the public API
     @property
