@@ -151,6 +151,23 @@ def test_update_carry_writes_the_cache_state(fn, T, grad):
         fn(q, *weights, attention_mask=mask, update_carry=True, **rope)
 
 
+def test_any_nonzero_mask_value_is_one_real_token():
+    """A mask holding other nonzero values (0.5, 2) is a bool mask to the reference and the
+    kernel alike: every nonzero is one real token, counted once, never weighted."""
+    B, T, H, D = 2, 9, 2, 16
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(B, T, H, D, generator=gen).to(DEVICE)
+    weights = [
+        w.to(DEVICE)
+        for w in (torch.randn(H, D, generator=gen), torch.randn(H, H, generator=gen), torch.randn(H, generator=gen))
+    ]
+    odd = torch.tensor([[1.0] * 9, [0, 0, 0.5, 0.5, 1, 2, 1, 1, 1]], device=DEVICE)
+    for fn in (ref_gate, kgate.gate):
+        got, want = fn(q, *weights, attention_mask=odd), fn(q, *weights, attention_mask=odd.bool())
+        for name, a, b in zip(("g", "sum", "count"), want, got):
+            assert torch.equal(a, b), f"{fn.__module__}: {name} with a 0.5/2 mask differs from the bool mask"
+
+
 def test_strided_and_transposed_q():
     """q in a (B, H, T, D) layout seen as (B, T, H, D), and fp32 tables broadcast over the batch."""
     B, T, H, D = 2, 33, 4, 32

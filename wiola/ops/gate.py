@@ -28,8 +28,9 @@ def gate(
         cos, sin: ``(B, T, D/2)`` float32 rotation tables. When given, the gate is computed
             from rotated queries (``gate_pre_rope=False``); the head mean is rotated, which
             equals the mean of the rotated heads because the rotation is linear.
-        attention_mask: ``(B, T)``, 1 for real tokens, 0 for padding; padding is left out of
-            the running mean.
+        attention_mask: ``(B, T)``, nonzero (1, True) for real tokens, 0 for padding; padding
+            is left out of the running mean. Any nonzero value counts as one token, as in the
+            kernel and the C++ step.
         carry: ``(sum (B, D) float32, count (B,) int64)`` from earlier chunks of the same rows.
         update_carry: write the new carry into ``carry``'s tensors (a cache's running state)
             and return those tensors.
@@ -45,7 +46,7 @@ def gate(
     if attention_mask is None:
         real = torch.ones(B, T, dtype=m.dtype, device=q.device)
     else:
-        real = attention_mask.to(device=q.device, dtype=m.dtype)
+        real = attention_mask.to(device=q.device, dtype=torch.bool).to(m.dtype)
         m = m * real.unsqueeze(-1)
     running = torch.cumsum(m, dim=1)  # (B, T, D), fp32
     count = torch.cumsum(real, dim=1)  # (B, T)
