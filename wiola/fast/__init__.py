@@ -54,7 +54,7 @@ import torch
 
 from wiola.cache import Cache
 from wiola.config import WiolaConfig
-from wiola.fast import ops, prefill, quantize
+from wiola.fast import decode_step_cpu, ops, prefill, quantize
 from wiola.fast.generation import GraphSteps, cpu_generate, cpu_loop_usable, graph_generate, graphs_usable
 from wiola.fast.ops import use_kernels
 from wiola.generation import eager_generate, hf_generate
@@ -62,6 +62,17 @@ from wiola.model import ModelOutput, has_adapters
 from wiola.model import WiolaModel as ReferenceModel
 
 __all__ = ["ModelOutput", "WiolaModel", "ops", "use_kernels"]
+
+
+def check_settings() -> None:
+    """Raise ``ValueError`` naming any environment variable of the fast model's paths set to a
+    value it does not take (``WIOLA_FAST_KERNELS``, ``WIOLA_CPU_ISA``, ``WIOLA_CPU_PREFILL``,
+    ``WIOLA_CPU_GEMM``), whether or not this model's calls would read it: a mistyped setting is
+    reported when a model is made, not taken silently as the default. Whether the CPU runs the
+    ISA asked for is checked where the step is built."""
+    ops.kernels_setting()
+    decode_step_cpu.check_isa_name()
+    prefill.check_names()
 
 
 class WiolaModel(ReferenceModel):
@@ -77,7 +88,7 @@ class WiolaModel(ReferenceModel):
     quantization_codec = quantize  # runs int8/bf16 checkpoints in the C++ CPU step
 
     def __init__(self, config: WiolaConfig) -> None:
-        ops.check_settings()  # a mistyped WIOLA_* setting is named here, before any weights are made
+        check_settings()  # a mistyped WIOLA_* setting is named here, before any weights are made
         super().__init__(config)
         self.kernels = True  # this model's switch (use_kernels); see kernels_enabled
         self.cuda_graphs = GraphSteps()

@@ -119,19 +119,6 @@ _KERNELS_DEFAULT = _kernels_default()
 _KERNELS_ON: contextvars.ContextVar[bool] = contextvars.ContextVar("wiola_fast_kernels", default=_KERNELS_DEFAULT)
 
 
-def check_settings() -> None:
-    """Raise ``ValueError`` naming any environment variable of the fast model's paths set to a
-    value it does not take (``WIOLA_FAST_KERNELS``, ``WIOLA_CPU_ISA``, ``WIOLA_CPU_PREFILL``,
-    ``WIOLA_CPU_GEMM``), whether or not this model's calls would read it: a mistyped setting is
-    reported when the model is made, not taken silently as the default. Whether the CPU runs
-    the ISA asked for is checked where the step is built."""
-    from wiola.fast import decode_step_cpu, prefill
-
-    kernels_setting()
-    decode_step_cpu.check_isa_name()
-    prefill.check_names()
-
-
 @contextlib.contextmanager
 def use_kernels(enabled: bool) -> Iterator[None]:
     """Turn the Triton kernels (and the C++ CPU step) on or off inside a ``with`` block: the
