@@ -269,6 +269,66 @@ def test_stream_reply_without_a_marker_is_unchanged() -> None:
     assert pieces == [tok.decode([t]) for t in ids]
 
 
+def test_stream_reply_shows_text_held_back_for_the_marker_when_the_reply_ends_at_eos() -> None:
+    tok = _with_template(CHATML)
+    eos = tok.eos_token_id
+    for text in ("Use x <", "The tag is <|", "Say <|im"):
+        ids, pieces = _stream(tok, text, tail=[eos])
+        assert "".join(pieces) == text, pieces
+        assert ids == [*tok.encode_batch([text])[0], eos]  # the held-back text comes with eos
+
+
+def test_stream_reply_at_max_new_tokens_shows_the_text_before_an_incomplete_character() -> None:
+    tok = _with_template(None)
+    # tokens "Hi" " \xe2\x80" "\x9c" ...: the second holds a space and 2 of the 3 bytes of "“"
+    ids, pieces = _stream(tok, "Hi “yes”", max_new_tokens=2, stop_text=None)
+    assert "".join(pieces) == tok.decode(ids) == "Hi \ufffd", pieces
+
+
+def _cleaning_up(template: str | None) -> HFTokenizer:
+    """GPT-2's tokenizer with ``clean_up_tokenization_spaces`` (``decode_reach`` 3)."""
+    tok = _with_template(template).to_hf()
+    tok.chat_template, tok.clean_up_spaces = template, True
+    return tok
+
+
+def test_stream_reply_shows_what_the_clean_up_of_spaces_rewrites() -> None:
+    """With ``clean_up_tokenization_spaces`` a later token rewrites the end of the decoding
+    (" ." to ".", " do n't" to " don't"): the pieces still join to the decoding of the reply."""
+    tok = _cleaning_up(None)
+    eos = tok.eos_token_id
+    for words, text in (
+        (["Hello", " ", ".", " I", " do", " n't", " know", " ", "!"], "Hello. I don't know!"),
+        (["It", " '", "s", " fine", " ", "?"], "It's fine?"),
+    ):
+        ids = [i for w in words for i in tok.encode(w)]
+        pairs = list(stream_reply(Scripted([*ids, eos]), tok, [1, 2], 40))
+        assert "".join(p for _, p in pairs) == tok.decode(ids) == text, pairs
+        assert [t for t, _ in pairs] == [*ids, eos]  # the last characters, held back, come with eos
+
+
+def test_stream_reply_pieces_join_to_the_reply_whatever_the_clean_up_and_the_marker_do() -> None:
+    """Random replies of clean-up patterns, marker pieces and characters of several bytes, ended
+    at eos, at ``max_new_tokens`` or by the marker: the pieces join to the decoding up to the
+    marker, and the reply ends at the token that completes it."""
+    import random
+
+    rng = random.Random(0)
+    tok, marker = _cleaning_up(CHATML), "<|im_end|>"
+    alphabet = [*" .?!,'ntmsvera<|_>", "é", "“", " n't", marker]
+    for _ in range(300):
+        ids = tok.encode("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12))))
+        max_new_tokens = rng.randint(1, len(ids) + 1)  # len(ids) + 1: the reply ends at eos
+        made = ids[:max_new_tokens]
+        pairs = list(stream_reply(Scripted([*ids, tok.eos_token_id]), tok, [1, 2], max_new_tokens, stop_text=marker))
+        full = tok.decode(made)
+        want = full.split(marker)[0]
+        ends = next((k for k in range(1, len(made) + 1) if marker in tok.decode(made[:k])), None)
+        assert "".join(p for _, p in pairs) == want, (made, pairs)
+        if ends is not None:
+            assert [t for t, _ in pairs] == made[:ends], (made, pairs)
+
+
 def test_finetune_data_warns_once_when_answers_hold_no_eos(tmp_path) -> None:
     from wiola.train.sft import IGNORE, load_sft_data
 
@@ -293,13 +353,15 @@ def test_finetune_data_warns_once_when_answers_hold_no_eos(tmp_path) -> None:
 
 
 # --------------------------------------------------------------------------- wiola chat, piped
-def _chat_cli(monkeypatch, capsys, checkpoint, lines: str, *flags: str, loaded=None) -> tuple[int, str, str]:
-    """``wiola chat`` with ``lines`` on stdin (no terminal); ``loaded`` stands in for the checkpoint."""
+def _chat_cli(monkeypatch, capsys, checkpoint, lines: str | bytes, *flags: str, loaded=None) -> tuple[int, str, str]:
+    """``wiola chat`` with ``lines`` on stdin (no terminal; bytes are decoded as strict UTF-8, as
+    a UTF-8 locale's stdin is); ``loaded`` stands in for the checkpoint."""
     from wiola.cli import main
 
     if loaded is not None:
         monkeypatch.setattr("wiola.train.finetune.load_finetuned", lambda *a, **k: loaded)
-    monkeypatch.setattr(sys, "stdin", io.StringIO(lines))
+    stdin = io.TextIOWrapper(io.BytesIO(lines), encoding="utf-8") if isinstance(lines, bytes) else io.StringIO(lines)
+    monkeypatch.setattr(sys, "stdin", stdin)
     code = main(["chat", "--checkpoint", str(checkpoint), "--temperature", "0", *flags])
     out = capsys.readouterr()
     return code, out.out, out.err
@@ -312,6 +374,40 @@ def test_chat_cli_ends_a_reply_at_the_template_marker(monkeypatch, capsys) -> No
     assert code == 0
     assert "whose turns end at '<|im_end|>'" in out
     assert "model> Yes, a cat.\n" in out and "im_end" not in out.split("model> ")[-1], out
+
+
+def test_chat_cli_shows_and_keeps_text_held_back_for_the_marker_at_eos(monkeypatch, capsys) -> None:
+    tok = _with_template(CHATML)
+    model = Scripted([*tok.encode_batch(["Use x <"])[0], tok.eos_token_id])
+    saved = []
+    monkeypatch.setattr("wiola.chat.fit_history", _recording(saved))
+    code, out, _ = _chat_cli(monkeypatch, capsys, "ckpt", "first\nsecond\n", loaded=(model, tok))
+    assert code == 0 and "model> Use x <\n" in out, out
+    assert saved[-1][-2] == {"role": "assistant", "content": "Use x <"}, saved[-1]
+
+
+def _recording(saved: list):
+    """``fit_history`` that also appends each conversation it is given to ``saved``."""
+    from wiola.chat import fit_history
+
+    def record(tokenizer, messages, budget):
+        saved.append(list(messages))
+        return fit_history(tokenizer, messages, budget)
+
+    return record
+
+
+def test_chat_cli_says_a_line_that_is_not_utf8_and_goes_on(monkeypatch, capsys) -> None:
+    """A strict UTF-8 stdin would raise at the bad byte (and lose the rest of a piped chunk):
+    that line is said and skipped, the lines before and after it are answered."""
+    tok = _with_template(None)
+    model = Scripted([*tok.encode_batch(["Fine."])[0], tok.eos_token_id])
+    lines = b"hello\n\xff\xfe bad\nagain\n"
+    code, out, err = _chat_cli(monkeypatch, capsys, "ckpt", lines, loaded=(model, tok))
+    assert code == 0, err
+    assert out.count("model> Fine.") == 2, out
+    assert "(that line is not valid utf-8 text, so it was not sent)" in out, out
+    assert sys.stdin.errors == "strict"  # as it was
 
 
 def test_chat_cli_says_when_a_reply_is_only_ids_past_the_tokenizer(monkeypatch, capsys) -> None:
@@ -371,6 +467,25 @@ def test_chat_cli_refuses_a_system_message_that_leaves_no_room(monkeypatch, caps
     assert err.startswith("wiola chat: error: --system takes ") and "the model has room for 56 (64 tokens" in err, err
     code, out, _ = _chat_cli(monkeypatch, capsys, "ckpt", "hi\n", "--max-new-tokens", "8", "--system", "Be brief.",
                              loaded=(model, tok))  # fmt: skip
+    assert code == 0 and "you> " in out, out
+
+
+def test_chat_cli_refuses_max_new_tokens_that_leave_no_room_for_a_message(monkeypatch, capsys) -> None:
+    """The template's framing of an empty message must fit beside --max-new-tokens, or every
+    message would be refused: said at the start in one line, exit 2."""
+    tok = _with_template(None)
+    model = Scripted([tok.eos_token_id], max_seq_len=256)
+    need = len(apply_chat_template(tok, [{"role": "user", "content": ""}]))
+    code, out, err = _chat_cli(monkeypatch, capsys, "ckpt", "hi\n", "--max-new-tokens", "250", loaded=(model, tok))
+    assert code == 2 and out == "", out
+    assert err == (
+        f"wiola chat: error: --max-new-tokens 250 leaves no room for a message: the template takes {need} tokens "
+        "around an empty one; the model has room for 6 (256 tokens of context less --max-new-tokens 250): lower "
+        "--max-new-tokens\n"
+    ), err
+    code, out, _ = _chat_cli(  # room for an empty message only: the session starts
+        monkeypatch, capsys, "ckpt", "hi\n", "--max-new-tokens", str(256 - need), loaded=(model, tok)
+    )
     assert code == 0 and "you> " in out, out
 
 

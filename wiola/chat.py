@@ -220,14 +220,6 @@ def fit_history(tokenizer: Tokenizer, messages: list[Message], budget: int) -> t
         turns, dropped = turns[cut:], dropped + cut
 
 
-def _held_back(text: str, marker: str) -> int:
-    """How many characters at the end of ``text`` could be the start of ``marker``."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
-
-
 @torch.no_grad()
 def stream_reply(
     model: torch.nn.Module,
@@ -242,17 +234,23 @@ def stream_reply(
     stop_text: str | None = None,
 ) -> Iterator[tuple[int, str]]:
     """The reply to ``prompt`` (ids from ``apply_chat_template``) token by token: ``(token id,
-    new text)`` pairs (text held back while a character is incomplete), ending at eos (not
-    yielded) or after ``max_new_tokens``. Sampling as in ``wiola.generation.generate``; one
-    prefill, then one cached step per token. Raises ``ValueError`` when prompt and reply
-    would pass ``max_seq_len``.
+    new text)`` pairs, ending at eos or after ``max_new_tokens``. Sampling as in
+    ``wiola.generation.generate``; one prefill, then one cached step per token. Raises
+    ``ValueError`` when prompt and reply would pass ``max_seq_len``.
+
+    The text is streamed by ``wiola.text_stream.TextStream``: it is held back while a character
+    is incomplete, while the tokenizer's clean-up of spaces (``decode_reach``) may still rewrite
+    it, and while it could be the start of ``stop_text`` (resolved once the reply goes another
+    way); so the pieces join to the decoding of the reply. What is held back when the reply
+    ends comes with its last token: with eos (the only pair that carries eos, yielded only when
+    text was held back) or with the token at ``max_new_tokens`` (a character that token left
+    incomplete shows as U+FFFD, as in the decoding).
 
     ``stop_text`` (a template's end-of-turn marker that is not eos, ``turn_end_marker``): the
-    reply also ends where that text appears, which is never shown. It may span several tokens,
-    so text that could be its start is held back until it is resolved (shown once the reply
-    goes another way or ends at ``max_new_tokens``); the last pair then carries the text before
-    the marker, with the token that completed it."""
+    reply also ends where that text appears, which is never shown; the last pair then carries
+    the text before the marker, with the token that completed it."""
     from wiola.generation import resolve_sampling, sample_next
+    from wiola.text_stream import TextStream
 
     limit = model.config.max_seq_len
     if len(prompt) + max_new_tokens > limit:
@@ -261,21 +259,20 @@ def stream_reply(
     device = model.embed.weight.device if hasattr(model, "embed") else next(model.parameters()).device
     cache = model.new_cache(1, len(prompt) + max_new_tokens)
     logits = model(torch.tensor([prompt], device=device), cache=cache, logits_to_keep=1).logits[:, -1]
-    reply: list[int] = []
-    shown = 0  # characters of the reply's text yielded so far
-    for _ in range(max_new_tokens):
+    stream = TextStream(tokenizer, [stop_text] if stop_text else [], tight_hold=True)
+    for step in range(1, max_new_tokens + 1):
         token = int(sample_next(logits, sampling.temperature, sampling.top_k, sampling.top_p, generator)[0])
         if token == tokenizer.eos_token_id:
+            rest = stream.rest()
+            if rest:
+                yield token, rest
             return
-        reply.append(token)
-        text = tokenizer.decode(reply)
-        stop = text.find(stop_text, shown) if stop_text else -1
-        if stop >= 0:
-            yield token, text[shown:stop]
+        new = stream.add(token)
+        if stream.stopped:
+            yield token, new
             return
-        end = len(text) - (_held_back(text, stop_text) if stop_text and len(reply) < max_new_tokens else 0)
-        new = "" if text.endswith("\ufffd") else text[shown:end]
-        shown += len(new)
+        if step == max_new_tokens:
+            yield token, new + stream.rest()
+            return
         yield token, new
-        if len(reply) < max_new_tokens:
-            logits = model(torch.tensor([[token]], device=device), cache=cache).logits[:, -1]
+        logits = model(torch.tensor([[token]], device=device), cache=cache).logits[:, -1]

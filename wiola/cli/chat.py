@@ -5,17 +5,28 @@ The history is kept within the model's ``max_seq_len`` (the oldest turns are dro
 that is said once); ``/reset`` clears it, ``/exit`` or Ctrl-D leaves, Ctrl-C ends the reply
 being written (and keeps what was shown of it), not the session. A reply ends at eos, or at the
 template's own end-of-turn marker (ChatML's ``<|im_end|>``) where its turns end with one; the
-marker is not shown. A template that does not compile is refused before the first turn.
+marker is not shown. A template that does not compile is refused before the first turn, and so
+are a system message or ``--max-new-tokens`` that leave no room for a message.
+
+In a terminal, input goes through GNU readline: line editing and history, no limit on a line's
+length (the terminal's own line mode cuts lines at 4095 bytes), and bracketed paste, so a pasted
+text of several lines is one message, sent with Enter. A line that is not valid in stdin's
+encoding (UTF-8) is said and skipped.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Iterator
 
 from wiola.cli.arguments import non_empty, seed
 
-HELP = "commands: /reset clears the conversation, /exit (or Ctrl-D) leaves, /help; Ctrl-C stops a reply"
+HELP = (
+    "commands: /reset clears the conversation, /exit (or Ctrl-D) leaves, /help; Ctrl-C stops a reply; "
+    "a pasted text of several lines is one message"
+)
 DEFAULT_MAX_NEW_TOKENS = 200  # clamped to half the model's context when that is shorter
 
 
@@ -65,57 +76,111 @@ def run_chat(args: argparse.Namespace) -> int:
         check_chat_template(tokenizer)
     except ValueError as e:
         raise ValueError(f"{args.checkpoint}: {e}") from e
-    if system:  # kept whole in every prompt (fit_history drops turns, never it): it must leave room for one
-        from wiola.chat import apply_chat_template
-
-        budget = limit - args.max_new_tokens
-        need = len(
-            apply_chat_template(tokenizer, [*system, {"role": "user", "content": ""}], add_generation_prompt=True)
-        )
-        if need > budget:
-            raise ValueError(
-                f"--system takes {need} tokens with the template and an empty first turn; the model has room for "
-                f"{budget} ({limit} tokens of context less --max-new-tokens {args.max_new_tokens}): shorten it or "
-                "lower --max-new-tokens"
-            )
+    _check_room(tokenizer, system, limit, args.max_new_tokens)
     stop_text = turn_end_marker(tokenizer)
     ends = f", whose turns end at {stop_text!r}" if stop_text else ""
     print(f"wiola chat: {args.checkpoint} ({template} chat template{ends}, {limit} tokens of context). {HELP}")
     history: list[dict[str, str]] = []
     said_dropped = False
-    while True:
+    with _terminal_input():
+        while True:
+            try:
+                line = input("you> ")
+            except EOFError:
+                print()
+                return 0
+            except KeyboardInterrupt:
+                print()
+                continue
+            if not _is_text(line):
+                encoding = getattr(sys.stdin, "encoding", None) or "utf-8"
+                print(f"(that line is not valid {encoding} text, so it was not sent)")
+                continue
+            text = line.strip()
+            if not text:
+                continue
+            # a command is one line, named by its first word (words after it are ignored); a pasted
+            # text of several lines is a message even when it starts with "/"
+            command = "" if "\n" in text else text.split()[0]
+            if command == "/exit":
+                return 0
+            if command == "/reset":
+                history = []
+                print("(conversation cleared)")
+                continue
+            if command == "/help":
+                print(f"({HELP})")
+                continue
+            if command.startswith("/"):
+                print(f"(unknown command {command}; {HELP})")
+                continue
+            try:
+                history, dropped = _reply(model, tokenizer, system, history, text, args, generator, stop_text)
+            except KeyboardInterrupt:  # before the reply began: the turn is dropped, the session goes on
+                print(" [stopped]")
+                continue
+            if dropped and not said_dropped:
+                print(f"(older turns were dropped to fit the model's {limit}-token context; this is said once)")
+                said_dropped = True
+
+
+def _check_room(tokenizer, system: list[dict[str, str]], limit: int, max_new_tokens: int) -> None:
+    """``ValueError`` (one line) when the prompt of an empty first message, with the system
+    message, does not fit in ``limit - max_new_tokens`` tokens: every message would be refused.
+    The system message is kept whole in every prompt (``fit_history`` drops turns, never it)."""
+    from wiola.chat import apply_chat_template
+
+    budget = limit - max_new_tokens
+    need = len(apply_chat_template(tokenizer, [*system, {"role": "user", "content": ""}], add_generation_prompt=True))
+    if need <= budget:
+        return
+    room = f"the model has room for {budget} ({limit} tokens of context less --max-new-tokens {max_new_tokens})"
+    if system:
+        raise ValueError(
+            f"--system takes {need} tokens with the template and an empty first turn; {room}: shorten it or "
+            "lower --max-new-tokens"
+        )
+    raise ValueError(
+        f"--max-new-tokens {max_new_tokens} leaves no room for a message: the template takes {need} tokens around "
+        f"an empty one; {room}: lower --max-new-tokens"
+    )
+
+
+@contextlib.contextmanager
+def _terminal_input() -> Iterator[None]:
+    """Input as a person types and pastes it. In a terminal, ``input()`` goes through GNU
+    readline (line editing, history, lines past the 4095 bytes of the terminal's line mode) with
+    bracketed paste on (Python turns it off), so a paste of several lines is one line of
+    ``input()``; readline switches the terminal's paste mode on only while it reads a line, Ctrl-C
+    included. stdin decodes with ``surrogateescape`` meanwhile, so a line that is not valid text
+    reaches ``_is_text`` (a strict decoder would raise, losing the rest of a piped chunk too)."""
+    if sys.stdin.isatty():
         try:
-            line = input("you> ")
-        except EOFError:
-            print()
-            return 0
-        except KeyboardInterrupt:
-            print()
-            continue
-        text = line.strip()
-        if not text:
-            continue
-        command = text.split()[0]  # a command's first word names it; words after it are ignored
-        if command == "/exit":
-            return 0
-        if command == "/reset":
-            history = []
-            print("(conversation cleared)")
-            continue
-        if command == "/help":
-            print(f"({HELP})")
-            continue
-        if text.startswith("/"):
-            print(f"(unknown command {command}; {HELP})")
-            continue
-        try:
-            history, dropped = _reply(model, tokenizer, system, history, text, args, generator, stop_text)
-        except KeyboardInterrupt:  # before the reply began: the turn is dropped, the session goes on
-            print(" [stopped]")
-            continue
-        if dropped and not said_dropped:
-            print(f"(older turns were dropped to fit the model's {limit}-token context; this is said once)")
-            said_dropped = True
+            import readline
+        except ImportError:  # a Python built without it: the terminal's line mode
+            pass
+        else:
+            if "libedit" not in (readline.__doc__ or ""):  # libedit has no such variable
+                readline.parse_and_bind("set enable-bracketed-paste on")
+    errors = getattr(sys.stdin, "errors", None)
+    tolerant = errors not in (None, "surrogateescape") and hasattr(sys.stdin, "reconfigure")
+    if tolerant:
+        sys.stdin.reconfigure(errors="surrogateescape")
+    try:
+        yield
+    finally:
+        if tolerant:
+            sys.stdin.reconfigure(errors=errors)
+
+
+def _is_text(line: str) -> bool:
+    """Whether ``line`` decoded cleanly: ``surrogateescape`` turns each undecodable byte into a
+    lone surrogate, which no text holds and UTF-8 cannot encode."""
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _reply(model, tokenizer, system, history, text, args, generator, stop_text) -> tuple[list[dict[str, str]], int]:

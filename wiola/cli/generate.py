@@ -178,7 +178,7 @@ def finish(row: list[int], eos: int | None, enc, stops: list[str]) -> tuple[list
 
 
 class _Printer:
-    """Streams one row's text to stdout as tokens arrive through ``wiola.serve.text.TextStream``
+    """Streams one row's text to stdout as tokens arrive through ``wiola.text_stream.TextStream``
     (the server's): partial UTF-8 characters, text that could still become a stop string and text
     a later token's decoding may rewrite (a tokenizer's clean-up of spaces) are held back, so the
     printed chunks join to the row's text. The row ends at eos (whose text, such as
@@ -186,7 +186,7 @@ class _Printer:
     ``rest()`` is what was held back, once the row has ended."""
 
     def __init__(self, enc, stops: list[str], eos: int | None) -> None:
-        from wiola.serve.text import TextStream
+        from wiola.text_stream import TextStream
 
         self.stream, self.eos, self.ended = TextStream(enc, stops), eos, False
 

@@ -38,7 +38,7 @@ from wiola.serve.protocol import (
     parse_completion,
     room_after,
 )
-from wiola.serve.text import TextStream
+from wiola.text_stream import TextStream
 
 MAX_BODY = 1 << 20  # bytes: a request body past this is refused with 413
 DISCONNECT_POLL = 0.5  # seconds between checks that the client is still there, tokens flowing or not

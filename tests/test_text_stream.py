@@ -1,11 +1,11 @@
-"""``wiola.serve.text.TextStream``: streamed chunks join to the text up to a stop string, never
+"""``wiola.text_stream.TextStream``: streamed chunks join to the text up to a stop string, never
 emitting half a UTF-8 character or a tail that may still begin a stop string."""
 
 from __future__ import annotations
 
 import pytest
 
-from wiola.serve.text import TextStream
+from wiola.text_stream import TextStream
 
 
 class Bytes:

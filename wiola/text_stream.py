@@ -1,6 +1,6 @@
 """Token ids to streamed text: incremental decoding that never emits half a UTF-8 character, text
 that may still turn out to start a stop string, or text that the decoding of later tokens may
-still rewrite."""
+still rewrite. Used by ``wiola.chat.stream_reply``, the server and ``wiola generate``."""
 
 from __future__ import annotations
 
@@ -27,19 +27,23 @@ class TextStream:
     before a stop string; ``offset`` where the last added token's text begins in it.
 
     The last ``max(len(longest stop) - 1, tokenizer.decode_reach)`` characters are held back, so
-    the chunks join to ``final``. If a decoding still rewrites text already emitted (a tokenizer
-    whose ``decode_reach`` is too small), the rest is emitted all the same, from the point of the
-    new decoding up to which it matches the emitted text (in order, with the characters the
-    rewrite removed or changed skipped); ``text`` then differs from ``final`` near that point.
+    the chunks join to ``final``. With ``tight_hold``, only the last ``decode_reach`` characters
+    and, before them, the longest end that could still begin a stop string are held back: text
+    shows as soon as it cannot be part of a stop string (what a person reading a chat sees).
+
+    If a decoding still rewrites text already emitted (a tokenizer whose ``decode_reach`` is too
+    small), the rest is emitted all the same, from the point of the new decoding up to which it
+    matches the emitted text (in order, with the characters the rewrite removed or changed
+    skipped); ``text`` then differs from ``final`` near that point.
     """
 
-    def __init__(self, tokenizer: Decoder, stops: list[str]) -> None:
-        self.tokenizer, self.stops = tokenizer, stops
+    def __init__(self, tokenizer: Decoder, stops: list[str], *, tight_hold: bool = False) -> None:
+        self.tokenizer, self.stops, self.tight_hold = tokenizer, stops, tight_hold
         self.ids: list[int] = []
         self.text = ""
         self.stopped = False
         self.offset = 0
-        reach = getattr(tokenizer, "decode_reach", 0)
+        self._reach = reach = getattr(tokenizer, "decode_reach", 0)
         self._hold = max(max((len(s) - 1 for s in stops), default=0), reach)
         self._full = ""  # decode(self.ids)
         self._sent = ""  # the prefix of a decoding that the emitted chunks stand for
@@ -57,7 +61,16 @@ class TextStream:
             return self._emit(full[:cut])
         if full.endswith("\ufffd"):
             return ""
-        return self._emit(full[: max(0, len(full) - self._hold)])
+        return self._emit(full[: max(0, len(full) - self._held(full))])
+
+    def _held(self, full: str) -> int:
+        """How many characters at the end of ``full`` (no stop string in it) to hold back."""
+        if not self.tight_hold:
+            return self._hold
+        # a stop string that later tokens complete begins in the end that they may rewrite, or
+        # earlier with its start as the end of the text before that (which they leave as it is)
+        stable = full[: max(0, len(full) - self._reach)]
+        return len(full) - len(stable) + max((_stop_start(stable, s) for s in self.stops), default=0)
 
     def add_textless(self) -> None:
         """A token with no text (the eos that ends the sequence): its ``offset`` is the text's end."""
@@ -86,6 +99,14 @@ class TextStream:
         self._sent = upto
         self.text += delta
         return delta
+
+
+def _stop_start(text: str, stop: str) -> int:
+    """The length of the longest end of ``text`` that ``stop`` begins with (but is longer than)."""
+    for n in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0
 
 
 def _common_prefix(a: str, b: str) -> int:
