@@ -106,7 +106,7 @@ def measure(checkpoint: Path, windows: int, seq_len: int, new_tokens: int, work:
     from wiola.fast import WiolaModel as FastModel
     from wiola.fast import decode_step_cpu
     from wiola.fast.quantize import quantize
-    from wiola.train.evaluate import evaluate, token_byte_lengths
+    from wiola.train.evaluate import evaluate, target_bytes, token_byte_lengths
     from wiola.train.sources import resolve_source
     from wiola.train.token_cache import prepare_data
 
@@ -121,7 +121,7 @@ def measure(checkpoint: Path, windows: int, seq_len: int, new_tokens: int, work:
     inputs, targets = x[:, :-1], x[:, 1:]
     with torch.inference_mode():  # the reference's full-pass distributions, one window at a time
         ref_logits = torch.cat([reference(inputs[i : i + 1]).logits for i in range(windows)])
-    n_bytes = int(lengths[targets].sum())
+    n_bytes = int(target_bytes(lengths, x).sum())  # a Metaspace tokenizer's table has a row for documents' first tokens
     prompts = x[:PROMPTS, :PROMPT_LEN]
     want = reference.generate(prompts, new_tokens, temperature=0, eos_token_id=None)  # as the runtimes: no eos
 

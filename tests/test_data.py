@@ -13,7 +13,7 @@ from token_splits import record_tokenised_splits
 
 from wiola.tokenizer import TiktokenTokenizer
 from wiola.train import token_cache
-from wiola.train.batches import BatchStream, eval_batches, num_windows
+from wiola.train.batches import BatchStream, eval_batches, eval_windows, num_windows
 from wiola.train.corpus import EOT, write_sample_corpus
 from wiola.train.evaluate import token_byte_lengths, unigram_entropy
 from wiola.train.sources import iter_documents, resolve_source
@@ -309,13 +309,20 @@ def test_stream_bad_arguments() -> None:
 
 
 def test_eval_batches_ranks_cover_all() -> None:
+    """46 targets at T = 4: 11 full windows, then the last 2 targets as a shorter window in a
+    batch of its own; every target once, in order, over any number of ranks."""
     split = _split(np.arange(4 * 11 + 3))
-    full = torch.cat(list(eval_batches(split, 4, 3)))
-    assert full[:, 0].tolist() == [4 * k for k in range(11)], "validation windows in order"
-    parts = [torch.cat(list(eval_batches(split, 4, 2, rank=r, world_size=3))) for r in range(3)]
-    got = sorted(r[0] for p in parts for r in p.tolist())
-    assert got == full[:, 0].tolist(), "ranks together must read every validation window once"
-    assert len(torch.cat(list(eval_batches(split, 4, 3, max_windows=5)))) == 5
+    batches = list(eval_batches(split, 4, 3))
+    assert [tuple(b.shape) for b in batches] == [(3, 5)] * 3 + [(2, 5), (1, 3)], "full batches, then the tail"
+    assert eval_windows(split, 4) == 12 and eval_windows(split, 4, 5) == 5
+    targets = [t for b in batches for row in b.tolist() for t in row[1:]]
+    assert targets == list(range(1, 4 * 11 + 3)), "every target once, in order"
+    assert batches[-1].tolist() == [[44, 45, 46]]
+    parts = [list(eval_batches(split, 4, 2, rank=r, world_size=3)) for r in range(3)]
+    got = sorted(t for p in parts for b in p for row in b.tolist() for t in row[1:])
+    assert got == targets, "ranks together must read every validation target once"
+    assert sum(len(b) for b in eval_batches(split, 4, 3, max_windows=5)) == 5
+    assert len(list(eval_batches(_split(np.arange(4 * 11 + 1)), 4, 3))) == 4, "no tail: no shorter window"
 
 
 # ------------------------------------------------------------------------------------ statistics

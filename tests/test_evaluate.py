@@ -14,7 +14,7 @@ from token_splits import record_tokenised_splits
 import wiola.ops as ops
 from wiola import WiolaConfig, WiolaModel
 from wiola.ops.rope import positions_from_mask, rope_tables
-from wiola.tokenizer import TiktokenTokenizer
+from wiola.tokenizer import TiktokenTokenizer, get_encoding
 from wiola.train.corpus import generate_stories
 from wiola.train.evaluate import evaluate, gate_statistics, token_byte_lengths
 from wiola.train.plots import plot_gate_heatmap, plot_loss_curve
@@ -104,6 +104,89 @@ def test_evaluate_honours_the_precision(enc) -> None:
     # bf16 autocast vs the same under a float64 loss: ~2e-7 relative; bf16 vs fp32: ~3e-5.
     assert abs(got["bf16"] - ref) <= 2e-6 * ref, f"bf16 loss {got['bf16']} vs bf16 reference {ref}"
     assert abs(got["bf16"] - got["fp32"]) >= 1e-5 * ref, "precision='bf16' scored in fp32"
+
+
+def _window_nats(model: WiolaModel, tokens: np.ndarray, T: int) -> list[torch.Tensor]:
+    """Each target's nats (float64), window by window as ``eval_batches`` cuts ``tokens``: full
+    windows of ``T + 1`` tokens at stride ``T``, then the targets left as one shorter window."""
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(tokens) - 1, T):
+            window = torch.from_numpy(tokens[start : start + T + 1].astype(np.int64))[None]
+            logits = model(window).logits[0, :-1].double()
+            out.append(F.cross_entropy(logits, window[0, 1:], reduction="none"))
+    return out
+
+
+def test_evaluate_scores_the_last_partial_window(enc) -> None:
+    """A stream whose targets are not a multiple of ``T``: all windows score every target once
+    (the last 9 as a shorter window), the loss is the mean over targets, and the bytes are
+    those targets' bytes; ``max_windows`` of the full ones leaves the tail out."""
+    stories = generate_stories(6, seed=3)
+    tokens = np.array([t for s in stories for t in [enc.eot_token, *enc.encode_ordinary(s)]], dtype=np.uint16)
+    T = 24
+    tokens = tokens[: 13 * T + 1 + 9]
+    split = TokenSplit([tokens[:100], tokens[100:]], documents=len(stories), text_bytes=0)
+    model = _model()
+    lengths = token_byte_lengths(TiktokenTokenizer(enc))
+    got = evaluate(model, split, lengths, T, batch_size=5)
+    nats = torch.cat(_window_nats(model, tokens, T))
+    n_bytes = len(enc.decode_bytes([t for t in tokens[1:].tolist() if t != enc.eot_token]))
+    assert (got.tokens, got.bytes, got.windows) == (len(tokens) - 1, n_bytes, 14), f"counts {got}"
+    want = float(nats.mean())
+    assert abs(got.loss - want) <= 1e-6 * want, f"loss {got.loss} vs {want}: not the mean over the targets"
+    ref_bpb = float(nats.sum()) / math.log(2) / n_bytes
+    assert abs(got.bits_per_byte - ref_bpb) <= 1e-6 * ref_bpb, f"bits per byte {got.bits_per_byte} vs {ref_bpb}"
+    full = evaluate(model, split, lengths, T, batch_size=5, max_windows=13)
+    assert (full.tokens, full.windows) == (13 * T, 13), f"the first 13 windows are the full ones: {full}"
+
+
+def test_position_losses_count_the_last_partial_window(enc) -> None:
+    """``position_losses`` scores the windows ``evaluate`` scores: the shorter last window's
+    targets count at their positions, every target once."""
+    from wiola.train.evaluate import position_losses
+
+    stories = generate_stories(4, seed=5)
+    tokens = np.array([t for s in stories for t in [enc.eot_token, *enc.encode_ordinary(s)]], dtype=np.uint16)
+    T = 16
+    tokens = tokens[: 7 * T + 1 + 5]
+    split = TokenSplit([tokens], documents=len(stories), text_bytes=0)
+    model = _model()
+    got = position_losses(model, split, T, 4, batch_size=3)
+    per_window = _window_nats(model, tokens, T)
+    sums, counts = torch.zeros(T, dtype=torch.float64), torch.zeros(T)
+    for nats in per_window:
+        sums[: len(nats)] += nats
+        counts[: len(nats)] += 1
+    assert [b["tokens"] for b in got] == [32, 29, 28, 28], got  # 7 windows, then 5 targets
+    for b in got:
+        want = float(sums[b["start"] : b["end"]].sum() / counts[b["start"] : b["end"]].sum())
+        assert abs(b["loss"] - want) <= 1e-6 * want, f"bucket {b} vs {want}"
+
+
+def test_bits_per_byte_of_a_metaspace_tokenizer_count_the_text() -> None:
+    """With a Llama-2-style tokenizer (``▁`` a space, ``<0xNN>`` byte tokens, a decoder that drops
+    the ``▁`` put before a document's first word) the scored bytes of a stream of framed documents
+    are the documents' UTF-8 bytes: emoji, accents and leading spaces included."""
+    from test_tokenizer import METASPACE_TEXTS, metaspace_tokenizer
+
+    t = metaspace_tokenizer("llama2")
+    docs = METASPACE_TEXTS * 3
+    tokens = np.array(
+        [i for d in docs for i in [*t.document_prefix, *t.encode_batch([d])[0], *t.document_suffix]], dtype=np.uint16
+    )
+    text_bytes = sum(len(d.encode()) for d in docs)
+    split = TokenSplit([tokens], documents=len(docs), text_bytes=text_bytes)
+    lengths = token_byte_lengths(t)
+    assert lengths.shape == (2, t.vocab_size), "a document's first token counts apart"
+    assert token_byte_lengths(TiktokenTokenizer(get_encoding("gpt2-32k"))).shape == (32000,)
+    T = 16
+    assert (len(tokens) - 1) % T, "the stream should end in a shorter window"
+    model = _model(vocab_size=t.vocab_size)
+    got = evaluate(model, split, lengths, T, batch_size=4)
+    assert (got.tokens, got.bytes) == (len(tokens) - 1, text_bytes), f"{got} vs {text_bytes} bytes of text"
+    want = float(torch.cat(_window_nats(model, tokens, T)).sum()) / math.log(2) / text_bytes
+    assert abs(got.bits_per_byte - want) <= 1e-6 * want, f"bits per byte {got.bits_per_byte} vs {want}"
 
 
 @torch.no_grad()
@@ -320,6 +403,21 @@ def test_eval_data_paths_of_the_training_config_that_are_gone(relative_run, tmp_
     source = resolve_source(relative_run / "train.txt", relative_run / "val.txt")
     expected = _full_path_numbers(relative_run / "run", source, tmp_path / "full", None)
     assert {k: got[k] for k in expected} == expected, "numbers differ from the full pipeline's"
+
+
+def test_eval_says_the_shorter_last_window(relative_run, tmp_path, capsys) -> None:
+    """The summary line names the windows scored: the full ones and, where targets are left
+    after them, the shorter last one (the tokens scored add up to the split's targets)."""
+    from wiola.cli import main
+
+    argv = ["eval", "--checkpoint", str(relative_run / "run"), "--val-data", str(relative_run / "val.txt")]
+    argv += ["--seq-len", "16", "--cache-dir", str(tmp_path / "c"), "--no-progress", "--device", "cpu"]
+    assert main([*argv, "--json"]) == 0
+    tokens = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"]
+    full, short = divmod(tokens, 16)
+    assert short, f"{tokens} targets: a multiple of 16, the test shows no shorter window"
+    assert main(argv) == 0
+    assert f"{full} windows of 16 tokens and one of {short} (" in capsys.readouterr().out
 
 
 def test_eval_data_too_long_seq_len_is_refused_before_tokenising(relative_run, tmp_path, monkeypatch, capsys) -> None:

@@ -128,21 +128,54 @@ def test_loglikelihood_rolling_sums_windows(checkpoint):
     enc = encoding_for_vocab(lm.model.config.vocab_size)
     text = " ".join(["Once upon a time there was a little dog who liked to run."] * 12)
     ids = enc.encode(text)
-    L, n = lm.max_length, len(ids)
-    assert n > 2 * L
-    ref = WiolaModel.from_pretrained(checkpoint)
-    full = [lm.eot_token_id, *ids]  # full[i] predicts ids[i]
-    want, scale, a = 0.0, 0.0, 0
-    with torch.no_grad():
-        while a < n:
-            e = min(n, a + L)
-            inputs = full[max(0, e - L) : e]
-            logits = ref(torch.tensor([inputs])).logits[0, -(e - a) :].double()
-            want += float(torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[a:e])[:, None]).sum())
-            scale = max(scale, float(logits.abs().max()))
-            a = e
+    assert len(ids) > 2 * lm.max_length
+    assert lm.prefix_token_id == lm.eot_token_id, "GPT-2's encodings begin documents with <|endoftext|>"
+    want, scale = _rolling_reference(WiolaModel.from_pretrained(checkpoint), lm.eot_token_id, ids, lm.max_length)
     (got,) = lm.loglikelihood_rolling(_instances("loglikelihood_rolling", [(text,)]))
     assert abs(got - want) <= len(ids) * 2 * TOL[torch.float32] * scale, f"{got} vs {want} (CPU {CPU})"
+
+
+@torch.no_grad()
+def _rolling_reference(model: WiolaModel, prefix: int, ids: list[int], L: int) -> tuple[float, float]:
+    """Σ log p(ids) in disjoint windows of ``L`` predictions, each from the ``L`` tokens before
+    its end, the first predicted from ``prefix``; and max|logit|."""
+    full = [prefix, *ids]  # full[i] predicts ids[i]
+    want, scale, a = 0.0, 0.0, 0
+    while a < len(ids):
+        e = min(len(ids), a + L)
+        logits = model(torch.tensor([full[max(0, e - L) : e]])).logits[0, -(e - a) :].double()
+        want += float(torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[a:e])[:, None]).sum())
+        scale = max(scale, float(logits.abs().max()))
+        a = e
+    return want, scale
+
+
+def test_a_bos_tokenizer_scores_text_after_bos_and_never_bos_itself(checkpoint):
+    """A tokenizer that frames prompts with ``<s>`` (``wiola tokenizer train``'s): documents were
+    trained as ``<s>`` + text, so the rolling windows and an empty context are scored after
+    ``<s>`` (``prefix_token_id``), and ``tok_encode`` adds no ``<s>`` that would be scored as
+    part of a text; ``add_special_tokens=True`` asks for it."""
+    from wiola.fast import WiolaModel as FastModel
+
+    model = FastModel.from_pretrained(checkpoint).eval().requires_grad_(False)
+    model.use_kernels(False)
+    tok = _small_tokenizer()
+    lm = WiolaLM("", model=model, tokenizer=tok, batch_size=2)
+    bos = tok.bos_token_id
+    assert [lm.prefix_token_id] == tok.document_prefix == [1] and lm.eot_token_id == tok.eos_token_id == 2
+    text = " ".join(CONTEXTS + CHOICES) * 3
+    ids = tok.encode_batch([text])[0]
+    assert lm.tok_encode(text) == ids and lm.tok_encode(text, add_special_tokens=True) == [bos, *ids]
+    assert lm.tok_encode("<s>x") == [bos, *tok.encode_batch(["x"])[0]], "special-token text is its token"
+    ref = WiolaModel.from_pretrained(checkpoint)
+    assert len(ids) > 2 * lm.max_length
+    want, scale = _rolling_reference(ref, bos, ids, lm.max_length)
+    (got,) = lm.loglikelihood_rolling(_instances("loglikelihood_rolling", [(text,)]))
+    assert abs(got - want) <= len(ids) * 2 * TOL[torch.float32] * scale, f"rolling {got} vs {want} (CPU {CPU})"
+    continuation = tok.encode_batch(["Once upon a time"])[0]
+    want, scale = _rolling_reference(ref, bos, continuation, lm.max_length)
+    ((got, _),) = lm.loglikelihood(_instances("loglikelihood", [("", "Once upon a time")]))
+    assert abs(got - want) <= len(continuation) * 2 * TOL[torch.float32] * scale, f"empty context {got} vs {want}"
 
 
 def test_generate_until_equals_model_generate(checkpoint):
@@ -327,7 +360,7 @@ def test_generated_ids_past_the_tokenizer_are_left_out_with_a_warning(checkpoint
     ref = WiolaModel.from_pretrained(checkpoint)
     past = []
     for c, text in zip(CONTEXTS[:2], got):
-        prompt = torch.tensor([tok.encode(c)])
+        prompt = torch.tensor([tok.encode_batch([c])[0]])  # lm-eval's contexts come without <s>
         new = ref.generate(prompt, 6, temperature=0, eos_token_id=lm.eot_token_id)[0, prompt.shape[1] :].tolist()
         new = new[: new.index(lm.eot_token_id)] if lm.eot_token_id in new else new
         past += [t for t in new if t >= 300]

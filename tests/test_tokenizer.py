@@ -262,3 +262,66 @@ def test_ids_past_the_vocabulary_have_no_text_in_every_backend(bpe):
         ids = tokenizer.encode_batch(["Once upon a time"])[0]
         assert tokenizer.decode([*ids[:2], n, n + 63, *ids[2:]]) == tokenizer.decode(ids), tokenizer
         assert tokenizer.decode([n]) == "" and tokenizer.token_bytes(n) is None, tokenizer
+
+
+# ------------------------------------------------------- Metaspace and byte-fallback vocabularies
+METASPACE_WORDS = ["▁t", "▁th", "▁the", "▁c", "▁ca", "▁caf", "▁café", "▁a", "▁an", "▁and"]
+METASPACE_TEXTS = [
+    "the café 🐉 the",
+    " leading space and the café",
+    "  two leading spaces, naïve Zoë — 東京",
+    "tabs\tand\nnewlines 👩‍👩‍👧 ",
+    "x",
+]
+
+
+def metaspace_tokenizer(style: str) -> HFTokenizer:
+    """A small BPE in the ways Llama-style tokenizers spell text (``▁`` a space, ``<0xNN>`` a
+    byte of a character the vocabulary lacks). ``style``: ``"llama2"`` (normalizer ``Prepend("▁")``
+    and ``Replace(" ", "▁")``, decoder ``Replace``/``ByteFallback``/``Fuse``/``Strip``, lossless),
+    ``"mistral"`` (a ``Metaspace`` pre-tokenizer, the same decoder) or ``"metaspace"`` (a
+    ``Metaspace`` pre-tokenizer and decoder, no byte fallback)."""
+    from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as HFTok
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    if style != "metaspace":
+        vocab |= {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    for piece in ["▁", *"abcdefhilnorstwxé", *METASPACE_WORDS]:
+        vocab.setdefault(piece, len(vocab))
+    merges = [(w[:-1], w[-1]) for w in METASPACE_WORDS]
+    bpe = HFTok(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=style != "metaspace"))
+    fallback = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    if style == "llama2":
+        bpe.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        bpe.decoder = decoders.Sequence(fallback)
+    else:
+        bpe.pre_tokenizer = pre_tokenizers.Metaspace("▁", prepend_scheme="first")
+        bpe.decoder = decoders.Sequence(fallback) if style == "mistral" else decoders.Metaspace("▁", "first")
+    bpe.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
+    return HFTokenizer(bpe, style, {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"})
+
+
+@pytest.mark.parametrize("style", ["llama2", "mistral", "metaspace"])
+def test_metaspace_byte_counts_sum_to_the_text(style):
+    """A document's first token at its ``at_start`` length and the rest at their own sum to the
+    UTF-8 bytes of its decoding, which for Llama-2's lossless tokenizer is the text: a byte token
+    counts 1 byte (decoded alone it reads U+FFFD, 3), a ``▁`` within the text its space, the
+    ``▁`` the tokenizer put before the first word none. Each token's own bytes join to the text
+    with that first ``▁``'s space; special tokens count 0."""
+    t = metaspace_tokenizer(style)
+    within, first = t.token_byte_lengths(), t.token_byte_lengths(at_start=True)
+    assert within[t.bos_token_id] == within[t.eos_token_id] == first[t.bos_token_id] == 0
+    texts = METASPACE_TEXTS if style != "metaspace" else ["the café and the", " café", "an   x"]
+    for text in texts:
+        ids = t.encode_batch([text])[0]
+        decoded = t.decode(ids)
+        assert style != "llama2" or decoded == text, f"{text!r}: the test tokenizer is lossless"
+        assert first[ids[0]] + sum(within[i] for i in ids[1:]) == len(decoded.encode()), (style, text)
+        dropped = " " * (within[ids[0]] - first[ids[0]])  # the space of the tokenizer's first ▁
+        assert b"".join(t.token_bytes(i) for i in ids) == (dropped + decoded).encode(), (style, text)
+    if style != "metaspace":
+        f0 = t._tok.token_to_id("<0xF0>")
+        assert (within[f0], first[f0], t.token_bytes(f0)) == (1, 1, b"\xf0")
+    the = t._tok.token_to_id("▁the")
+    assert (within[the], first[the], t.token_bytes(the)) == (4, 3, b" the")

@@ -169,8 +169,15 @@ class Tokenizer:
         padded embedding rows may sample one) has no text and is left out, in every backend."""
         raise NotImplementedError
 
-    def token_byte_lengths(self) -> list[int]:
-        """The UTF-8 bytes each id decodes to (``vocab_size`` entries); special tokens count 0."""
+    def token_byte_lengths(self, at_start: bool = False) -> list[int]:
+        """The UTF-8 bytes each id adds to a text (``vocab_size`` entries); special tokens count 0.
+
+        ``at_start``: the bytes as a text's first token. They differ only for a Metaspace
+        vocabulary (Llama-2's, Mistral's: ``▁`` spells a space), whose tokenizer puts a ``▁``
+        before the first word that the text does not have and whose decoder drops the space it
+        stands for there; the other tokens of a text count that space. So a text's first token
+        at its ``at_start`` length plus the rest at theirs sum to the UTF-8 bytes of its decoding.
+        """
         raise NotImplementedError
 
     def token_bytes(self, token: int) -> bytes | None:
@@ -260,7 +267,7 @@ class TiktokenTokenizer(Tokenizer):
     def token_bytes(self, token: int) -> bytes | None:
         return self.encoding.decode_single_token_bytes(token) if 0 <= token < self.vocab_size else None
 
-    def token_byte_lengths(self) -> list[int]:
+    def token_byte_lengths(self, at_start: bool = False) -> list[int]:
         enc = self.encoding
         special = {enc.encode_single_token(s) for s in enc.special_tokens_set}
         return [0 if i in special else len(enc.decode_single_token_bytes(i)) for i in range(enc.n_vocab)]
@@ -467,10 +474,64 @@ class HFTokenizer(Tokenizer):
     def _byte_fallback(self) -> bool:
         return bool(getattr(self._tok.model, "byte_fallback", False))
 
+    @functools.cached_property
+    def _spelled_steps(self) -> list[dict[str, Any]] | None:
+        """The decoder's steps, in order, when a token's bytes follow from its spelling through
+        them (Llama-2's ``Replace("▁", " ")``, ``ByteFallback``, ``Fuse``, ``Strip``, or a
+        ``Metaspace`` decoder); None for any other decoder (byte-level vocabularies are read
+        apart, WordPiece and the rest through ``decode``)."""
+
+        def flat(step: dict[str, Any]) -> list[dict[str, Any]]:
+            return [s for inner in step["decoders"] for s in flat(inner)] if step["type"] == "Sequence" else [step]
+
+        decoder = json.loads(self._tok.to_str()).get("decoder")
+        if decoder is None:
+            return None
+        steps, fused = flat(decoder), False
+        for step in steps:
+            kind = step["type"]
+            if kind not in ("Replace", "ByteFallback", "Fuse", "Strip", "Metaspace") or (
+                kind == "Replace" and "String" not in step["pattern"]
+            ):
+                return None
+            if kind == "Strip" and fused and step["stop"]:  # strips the end of the whole text: no one token's
+                return None
+            fused = fused or kind == "Fuse"
+        return steps
+
+    def _spelled_bytes(self, token: int, at_start: bool) -> bytes:
+        """The bytes of ``token`` (not an added token) through ``_spelled_steps``: within a text,
+        or as its first token (``at_start``), where ``Strip`` once the tokens are fused and a
+        ``Metaspace`` decoder drop the space of the ``▁`` the tokenizer put before the first word."""
+        out = self._tok.id_to_token(token).encode()
+        fused = False
+        for step in self._spelled_steps or []:
+            kind = step["type"]
+            if kind == "Replace":
+                out = out.replace(step["pattern"]["String"].encode(), step["content"].encode())
+            elif kind == "ByteFallback" and (byte := re.fullmatch(rb"<0x([0-9A-Fa-f]{2})>", out)):
+                out = bytes([int(byte[1], 16)])
+            elif kind == "Fuse":
+                fused = True
+            elif kind == "Strip" and (at_start or not fused):  # fused, it strips the text's ends only
+                content = step["content"].encode()
+                for _ in range(step["start"]):
+                    out = out.removeprefix(content)
+                for _ in range(0 if fused else step["stop"]):
+                    out = out.removesuffix(content)
+            elif kind == "Metaspace":
+                mark = step["replacement"].encode()
+                scheme = step.get("prepend_scheme", "always" if step.get("add_prefix_space", True) else "never")
+                # tokenizers' Metaspace decoder drops every mark of the first token where it prepends one
+                out = out.replace(mark, b"" if at_start and scheme != "never" else b" ")
+        return out
+
     def token_bytes(self, token: int) -> bytes | None:
         """A byte-level vocabulary's token (GPT-2's, Wiola13M's) is spelled one character a byte
-        (``_bytes_to_unicode``), and a byte-fallback one reads ``<0xNN>``: their bytes are read from
-        the spelling, part of a character or not. Added tokens and other vocabularies: the base's."""
+        (``_bytes_to_unicode``); a Metaspace or byte-fallback one (Llama-2's) spells a space
+        ``▁`` and a byte ``<0xNN>`` (``_spelled_steps``): their bytes are read from the spelling,
+        part of a character or not, a leading ``▁`` a space. Added tokens and other
+        vocabularies: the base's."""
         from tokenizers import decoders
 
         if not 0 <= token < self.vocab_size:
@@ -481,11 +542,17 @@ class HFTokenizer(Tokenizer):
                 byte_of = _unicode_to_bytes()
                 if all(c in byte_of for c in spell):
                     return bytes(byte_of[c] for c in spell)
+            elif self._spelled_steps is not None:
+                return self._spelled_bytes(token, at_start=False)
             elif self._byte_fallback and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", spell):
                 return bytes([int(spell[3:5], 16)])
         return super().token_bytes(token)
 
-    def token_byte_lengths(self) -> list[int]:
+    def token_byte_lengths(self, at_start: bool = False) -> list[int]:
+        """Byte-level and Metaspace or byte-fallback vocabularies (``token_bytes``): read from each
+        token's spelling, since decoding a token alone turns a byte that is part of a character into
+        U+FFFD's 3 bytes and drops a leading ``▁``'s space (Llama-2's ``Strip`` decoder). Added
+        tokens and other vocabularies: the bytes of each token decoded alone."""
         from tokenizers import decoders
 
         special = self._special_ids()
@@ -496,7 +563,16 @@ class HFTokenizer(Tokenizer):
                 0 if i in special else sum(width.get(c, len(c.encode())) for c in spell(i))
                 for i in range(self.vocab_size)
             ]
-        return [0 if i in special else len(self._tok.decode([i]).encode()) for i in range(self.vocab_size)]
+        added = self._tok.get_added_tokens_decoder()
+
+        def length(i: int) -> int:
+            if i in special:
+                return 0
+            if self._spelled_steps is not None and i not in added and self._tok.id_to_token(i) is not None:
+                return len(self._spelled_bytes(i, at_start))
+            return len(self._tok.decode([i]).encode())
+
+        return [length(i) for i in range(self.vocab_size)]
 
     def _specials(self) -> dict[str, str | None]:
         return {

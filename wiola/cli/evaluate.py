@@ -329,7 +329,11 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"checkpoint": str(path), "seq_len": seq_len, "precision": precision, **result.to_dict()}))
     else:
-        print(f"{path}: {data.manifest['source']}, {result.windows} windows of {seq_len} tokens ({precision})")
+        full, short = divmod(result.tokens, seq_len)  # windows of seq_len targets, and a shorter last one's
+        windows = f"{full} window{'s' if full != 1 else ''} of {seq_len} tokens" + (
+            f" and one of {short}" if short else ""
+        )
+        print(f"{path}: {data.manifest['source']}, {windows} ({precision})")
         print(f"loss {result.loss:.4f}\nperplexity {result.perplexity:.3f}\nbits per byte {result.bits_per_byte:.4f}")
     return 0
 

@@ -1,11 +1,14 @@
 """Batches of ``T + 1``-token windows over a split of the token cache.
 
 Window ``k`` of a split is ``tokens[k·T : k·T + T + 1]`` (consecutive windows share one token, so
-every token is a target exactly once per epoch). ``BatchStream`` draws windows in a seeded
-per-epoch permutation (or in order), ``G = micro_batch × grad_accum × world_size`` per optimizer
-step, and gives rank ``r`` the micro-batches ``(a·world + r)`` of that list: the ranks see disjoint
-windows and the union over ranks does not depend on how the global batch is split. Its position
-is one integer, saved in checkpoints. ``eval_batches`` gives the evaluation windows in order.
+every token of the windows is a target exactly once per epoch). ``BatchStream`` draws the full
+windows in a seeded per-epoch permutation (or in order), ``G = micro_batch × grad_accum ×
+world_size`` per optimizer step, and gives rank ``r`` the micro-batches ``(a·world + r)`` of that
+list: the ranks see disjoint windows and the union over ranks does not depend on how the global
+batch is split; the last ``(n − 1) mod T`` targets, too few for a window, are not trained on. Its
+position is one integer, saved in checkpoints. ``eval_batches`` gives the evaluation windows in
+order: the full windows, then those last targets as one shorter window (the model takes any
+length up to ``max_seq_len``), so an evaluation of all windows scores every target once.
 """
 
 from __future__ import annotations
@@ -130,8 +133,9 @@ class BatchStream:
 
 
 def eval_windows(split: TokenSplit, seq_len: int, max_windows: int | None = None) -> int:
-    """How many validation windows an evaluation reads (all of them, or at most ``max_windows``)."""
-    n = num_windows(len(split), seq_len)
+    """How many validation windows an evaluation reads: the full windows and, where targets are left
+    after them, one shorter window of those (all of them, or at most the first ``max_windows``)."""
+    n = -(-max(0, len(split) - 1) // seq_len)  # ⌈targets / T⌉
     return n if max_windows is None else min(n, max_windows)
 
 
@@ -144,11 +148,16 @@ def eval_batches(
     rank: int = 0,
     world_size: int = 1,
 ) -> Iterator[torch.Tensor]:
-    """The validation windows in order, ``(≤ batch_size, T + 1)`` int64; rank ``r`` takes windows
+    """The validation windows in order, ``(≤ batch_size, T + 1)`` int64; a last window shorter than
+    ``T + 1`` tokens (``eval_windows``) comes alone, ``(1, ≤ T)``. Rank ``r`` takes windows
     ``r, r + world, …`` so the ranks together read each window once."""
     check_split(split, seq_len, "validation")
     n = eval_windows(split, seq_len, max_windows)
     mine = list(range(rank, n, world_size))
-    for i in range(0, len(mine), batch_size):
-        rows = [split.read(k * seq_len, seq_len + 1) for k in mine[i : i + batch_size]]
+    full = [k for k in mine if k * seq_len + seq_len + 1 <= len(split)]
+    for i in range(0, len(full), batch_size):
+        rows = [split.read(k * seq_len, seq_len + 1) for k in full[i : i + batch_size]]
         yield torch.from_numpy(np.stack(rows))
+    if len(full) < len(mine):  # the split's last window, shorter
+        start = mine[-1] * seq_len
+        yield torch.from_numpy(split.read(start, len(split) - start))[None]

@@ -2,10 +2,13 @@
 per-layer gradient norms; validation loss by token position.
 
 Bits per byte is the validation stream's code length in bits divided by its text's UTF-8 bytes:
-``Σ_targets nats / ln 2 / Σ_targets bytes(target)``, where a token's bytes are those it decodes
-to and ``<|endoftext|>`` counts 0 bytes (its cost — knowing where a story ends — is part of the
-code length; the text has no byte for it). Both tokenizers put one ``<|endoftext|>`` before every
-story, so the number is comparable across tokenizers, unlike the per-token loss.
+``Σ_targets nats / ln 2 / Σ_targets bytes(target)``, where a token's bytes are those it adds to
+its document's decoded text and the tokens that frame documents (``<|endoftext|>``, ``<s>``,
+``</s>``) count 0 bytes (their cost — knowing where a story ends — is part of the code length;
+the text has no byte for them). A Metaspace tokenizer (Llama-2's) puts a ``▁`` before a
+document's first word that the text does not have: that token counts its bytes without the
+space (``token_byte_lengths``). So the targets of a document sum to its UTF-8 bytes, and the
+number is comparable across tokenizers, unlike the per-token loss.
 """
 
 from __future__ import annotations
@@ -64,8 +67,10 @@ def evaluate(
     Args:
         model: a ``WiolaModel`` (or a wrapper with the same ``forward``), on any device.
         split: the validation tokens; windows of ``seq_len + 1`` tokens at stride ``seq_len``
-            (every token after the first is a target once).
-        byte_lengths: ``(V,)`` int64 bytes per token (``token_byte_lengths``).
+            and a shorter last one (``eval_windows``): with all windows every token after the
+            first is a target once. The loss is the mean over the targets, not the windows.
+        byte_lengths: int64 bytes per token (``token_byte_lengths``): ``(V,)``, or ``(2, V)``
+            whose second row counts a document's first token (a target after a 0-byte token).
         precision: ``"auto"``, ``"bf16"`` or ``"fp32"``, as in training (``wiola.train.env.autocast``).
         rank, world_size: under DDP every rank scores a disjoint share and the sums are
             all-reduced, so every rank returns the same result.
@@ -96,7 +101,7 @@ def evaluate(
             n = x[:, 1:].numel()
             nats += loss.double() * n
             counts[0] += n
-            counts[1] += byte_lengths[x[:, 1:]].sum()
+            counts[1] += target_bytes(byte_lengths, x).sum()
             if progress is not None:
                 progress(x.shape[0])
     finally:
@@ -162,12 +167,29 @@ def gate_statistics(
 
 
 def token_byte_lengths(tokenizer: Tokenizer) -> torch.Tensor:
-    """``(vocab_size,)`` int64: the UTF-8 bytes each token decodes to; special tokens count 0.
+    """int64 UTF-8 bytes per token (``Tokenizer.token_byte_lengths``); special tokens count 0.
 
-    Byte-level BPE decodes a sequence to the concatenation of its tokens' bytes, so summing this
-    table over the targets gives the exact byte count of the decoded text.
+    ``(vocab_size,)`` where a token adds the same bytes wherever it stands (byte-level BPE,
+    tiktoken). ``(2, vocab_size)`` for a Metaspace tokenizer (Llama-2's): row 0 a token's bytes
+    within a document, ▁ a space; row 1 as a document's first token, whose ``▁`` the tokenizer
+    put there and the text does not have. ``target_bytes`` picks the row of each target, so a
+    document's targets sum to its UTF-8 bytes.
     """
-    return torch.tensor(tokenizer.token_byte_lengths(), dtype=torch.int64)
+    within = tokenizer.token_byte_lengths()
+    first = tokenizer.token_byte_lengths(at_start=True)
+    return torch.tensor(within if first == within else [within, first], dtype=torch.int64)
+
+
+def target_bytes(byte_lengths: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``(B, T)`` bytes of the targets ``x[:, 1:]`` of windows ``x`` ``(B, T + 1)``, from a
+    ``(V,)`` or ``(2, V)`` ``token_byte_lengths`` table. With two rows a target after a 0-byte
+    token (a special token: in the token cache only the framing of documents) is a document's
+    first token and takes row 1."""
+    targets = x[:, 1:]
+    if byte_lengths.dim() == 1:
+        return byte_lengths[targets]
+    first = byte_lengths[0][x[:, :-1]] == 0
+    return torch.where(first, byte_lengths[1][targets], byte_lengths[0][targets])
 
 
 def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
@@ -205,8 +227,9 @@ def position_losses(
     """Validation loss by the position of the target in its window: targets ``1 ... seq_len``
     grouped by the predicting token's position ``t`` (0-based) into buckets
     ``[0, bucket), [bucket, 2·bucket), ...``. Each entry: ``start``, ``end`` (exclusive),
-    ``loss`` (mean nats), ``tokens``. Same windows as ``evaluate``. Raises ``ValueError`` for
-    ``bucket < 1``."""
+    ``loss`` (mean nats), ``tokens``. Same windows as ``evaluate``: the shorter last window's
+    targets count at their positions, so the early buckets may hold one window more than the
+    late ones. Raises ``ValueError`` for ``bucket < 1``."""
     if bucket < 1:
         raise ValueError(f"bucket must be >= 1, got {bucket}")
     device = next(model.parameters()).device
@@ -217,10 +240,11 @@ def position_losses(
     try:
         for batch in eval_batches(split, seq_len, batch_size, max_windows=max_windows):
             x = batch.to(device)
-            logits = model(x).logits[:, :-1].float()  # (B, T, V): position t predicts x[:, t + 1]
+            logits = model(x).logits[:, :-1].float()  # (B, T', V), T' ≤ T: position t predicts x[:, t + 1]
             nats = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
-            sums += nats.double().sum(0).cpu()
-            counts += x.shape[0]
+            width = nats.shape[1]
+            sums[:width] += nats.double().sum(0).cpu()
+            counts[:width] += x.shape[0]
     finally:
         model.train(was_training)
     out = []

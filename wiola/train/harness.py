@@ -11,8 +11,13 @@ Importing this module registers the model under the name ``wiola``; ``wiola eval
 (``quantize=int8|int4|bf16`` runs the C++ CPU step's weight-only forms; the prompt passes run on the
 dequantized weights; a checkpoint saved quantized runs in its own form). The harness's ``TemplateLM``
 does the text work (the context/continuation split at whitespace, an empty context scored after
-``<|endoftext|>``); here:
+``prefix_token_id``); here:
 
+- ``tok_encode``: a text's ids with no framing (special-token text is read as its token), as
+  lm-eval's HF model encodes with ``add_bos_token=False``; ``add_special_tokens=True`` adds what
+  the tokenizer adds to a prompt (a ``<s>``). So a ``<s>`` is never scored as part of a text.
+- ``prefix_token_id``: the token every training document begins with
+  (``Tokenizer.document_prefix``): ``<s>`` where the tokenizer has one, else ``<|endoftext|>``.
 - ``loglikelihood``: each (context, continuation) is scored by one forward over its last
   ``max_length`` tokens (default ``max_seq_len``); rows are batched left-padded
   (``attention_mask``), which the model computes exactly as each row alone; the answer is the sum
@@ -21,7 +26,7 @@ does the text work (the context/continuation split at whitespace, an empty conte
   score it, and scoring only its end would report a larger log-likelihood than the whole has
   (lm-eval's HF model fails on it too, with a tensor shape error).
 - ``loglikelihood_rolling``: the harness's disjoint rolling windows of ``max_length`` tokens
-  (the first predicted from ``<|endoftext|>``), summed.
+  (the first predicted from ``prefix_token_id``), summed.
 - ``generate_until``: greedy ``model.generate`` (or sampling at the request's temperature),
   left-padded batches of the same settings, at most ``max_gen_toks`` new tokens (default 256, as
   lm-eval's HF model; one that leaves no room for the context in ``max_length`` is cut to half of
@@ -143,8 +148,19 @@ class WiolaLM(TemplateLM):
     def tokenizer_name(self) -> str:
         return str(getattr(self.tok, "name", "wiola"))
 
+    @property
+    def prefix_token_id(self) -> int:
+        """What an empty context and a rolling text's first window are scored after: the token
+        training documents begin with (``<s>``, or ``<|endoftext|>`` without one)."""
+        bos = self.tok.bos_token_id
+        return self._eot if bos is None else int(bos)
+
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
-        return list(self.tok.encode(string))
+        """``string``'s ids; the tokenizer's framing (a leading ``<s>``) only with
+        ``add_special_tokens=True`` (lm-eval's ``TemplateLM`` asks for none)."""
+        from wiola.chat import encode_rendered
+
+        return list(self.tok.encode(string) if add_special_tokens else encode_rendered(self.tok, string))
 
     def tok_decode(self, tokens: list[int]) -> str:
         return self.tok.decode(list(tokens))
@@ -252,7 +268,7 @@ class WiolaLM(TemplateLM):
                 f"most {max_new} tokens after the last {self.max_length - max_new} of the context"
             )
         temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample", False) else 0.0
-        rows = [self.tok_encode(c)[-(self.max_length - max_new) :] or [self._eot] for c in contexts]
+        rows = [self.tok_encode(c)[-(self.max_length - max_new) :] or [self.prefix_token_id] for c in contexts]
         ids, mask = left_pad(rows, self._pad, self.device)
         out = self.model.generate(
             ids, max_new, attention_mask=mask, temperature=temperature, eos_token_id=self._eot, pad_token_id=self._pad
