@@ -357,7 +357,7 @@ def test_an_init_run_writes_its_run_record(runs, corpus, cache, tmp_path) -> Non
     reference lines."""
     full = runs[0]
     init = str(full.out_dir)  # a run folder: its latest checkpoint
-    cfg = _cfg(corpus, cache, tmp_path / "run", init=init, model={}, steps=1, eval_every=100)
+    cfg = _cfg(corpus, cache, tmp_path / "run", init=init, model={}, steps=1, warmup=1, eval_every=100)
     result = train(cfg, log=_quiet, references={"unigram entropy": 7.5})
     rows = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["kind"] for r in rows] == ["run", "reference", "train", "eval"]
@@ -449,6 +449,31 @@ def test_resume_with_more_steps_stretches_every_group_schedule(runs, corpus, cac
     assert logged == {4: cfg.lr * multiplier(3), 5: cfg.lr * multiplier(4)}, logged
     groups = read_optimizer_state(result.checkpoint)["optimizer"]["param_groups"]
     assert len(groups) == 2 and [g["lr"] for g in groups] == [cfg.lr * multiplier(5)] * 2, groups
+
+
+def test_resume_with_more_steps_keeps_a_fractional_warmups_length(corpus, cache, tmp_path) -> None:
+    """A warm-up given as a share of the steps (0.25 of 20: 5 steps) keeps its 5 steps when the run
+    resumes with 200: raised --steps stretch the cosine, not the warm-up, so the first resumed step
+    does not fall back inside it (at 8/50 of lr), and the checkpoints after it record the count."""
+    from wiola.train.optim import WarmupCosine
+    from wiola.train.run_folder import read_trainer_state
+
+    folder = tmp_path / "run"
+    first = train(_cfg(corpus, cache, folder, steps=20, warmup=0.25, eval_every=100), stop_at=8, log=_quiet)
+    assert first.step == 8 and first.interrupted
+    cfg = _cfg(corpus, cache, folder, steps=200, warmup=0.25, eval_every=100)
+    result = train(cfg, resume=first.checkpoint, stop_at=10, log=_quiet)
+    multiplier = WarmupCosine(5, 200, cfg.min_lr_ratio)
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r["lr"] for r in rows if r["kind"] == "train" and r["step"] in (9, 10)}
+    assert logged == {9: cfg.lr * multiplier(8), 10: cfg.lr * multiplier(9)}, logged
+    assert min(logged.values()) > 0.99 * cfg.lr, f"the rate fell back into a warm-up: {logged}"
+    assert read_trainer_state(result.checkpoint)["train_config"]["warmup"] == 5
+
+
+def test_a_warmup_longer_than_the_run_is_refused(corpus, cache, tmp_path) -> None:
+    with pytest.raises(ValueError, match="warmup of 100 steps is longer than the run's 4 steps"):
+        _cfg(corpus, cache, tmp_path / "r", steps=4, warmup=100)
 
 
 def test_an_init_run_resumes_after_its_init_checkpoint_is_gone(runs, corpus, cache, tmp_path, capsys) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -185,7 +186,7 @@ def run_train(args: argparse.Namespace) -> int:
         for name, path in result.plots.items():
             print(f"{name}: {path}")
         return 130
-    if result.eval is not None:
+    if result.eval is not None and int(os.environ.get("RANK", "0")) == 0:  # once under torchrun: every rank has it
         print(f"final validation: {result.eval}")
     for name, path in result.plots.items():
         print(f"{name}: {path}")

@@ -98,6 +98,11 @@ class TrainConfig:
             raise ValueError(
                 f"warmup {self.warmup} is a step count (>= 1), which must be whole; a fraction of steps is < 1"
             )
+        if self.warmup_steps > self.steps:  # the rate would never reach lr, nor decay
+            raise ValueError(
+                f"warmup of {self.warmup_steps:,} steps is longer than the run's {self.steps:,} steps: "
+                "lower --warmup (a fraction of the steps below 1, or a step count)"
+            )
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
         if self.weight_decay < 0:

@@ -16,7 +16,8 @@ Each checkpoint is written into a temporary folder and renamed into place, and
 RNG states are restored, and the losses of an interrupted and resumed run equal those of an
 uninterrupted one. SIGINT/SIGTERM stop after the current step with a checkpoint (under DDP,
 after the next logging step, where the ranks agree). On resumption ``steps`` may be raised (the
-cosine then stretches to the new end) and ``micro_batch`` changed (the same global batch,
+cosine then stretches to the new end; the warm-up keeps its length in steps, so a fractional
+``warmup`` is read against the steps the run began with) and ``micro_batch`` changed (the same global batch,
 accumulated differently); settings that change the numbers otherwise must match.
 
 A run that diverges stops with ``TrainingDiverged``: a non-finite training loss or gradient norm at
@@ -34,7 +35,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -241,6 +242,7 @@ def _start(
     if saved is not None:
         cfg = cfg.with_saved_paths(saved["train_config"])  # an older checkpoint's relative data paths
         _check_resume(saved, cfg, model_config, checkpoint)
+        cfg = _keep_warmup(cfg, saved["train_config"])
     check_output_folder(cfg.out_dir, "--out")
     if init is not None:  # --overwrite would delete it, and a run written around it would hide it
         check_apart(cfg.out_dir, init, "--out", "--init checkpoint")
@@ -350,6 +352,17 @@ def _check_resume(saved: dict[str, Any], cfg: TrainConfig, model_config: WiolaCo
             f"cannot resume {checkpoint} with --steps {cfg.steps:,}: it is at step {int(saved['step']):,} "
             "already (a run does not go back; raise --steps, or start a new run from it with --init)"
         )
+
+
+def _keep_warmup(cfg: TrainConfig, saved_cfg: dict[str, Any]) -> TrainConfig:
+    """``cfg`` with the warm-up of the run it resumes, as a step count: a fractional ``warmup``
+    is a share of ``steps``, so a raised ``--steps`` would otherwise lengthen the warm-up and put
+    a step past it back inside it (the rate falling to a fraction of ``lr`` mid-run). The count
+    is what later checkpoints record."""
+    saved_steps = saved_cfg.get("steps", cfg.steps)
+    if saved_steps == cfg.steps or cfg.warmup >= 1:
+        return cfg
+    return replace(cfg, warmup=round(cfg.warmup * saved_steps))
 
 
 def _restore(run: _Run, checkpoint: Path, saved: dict[str, Any]) -> None:
