@@ -30,12 +30,13 @@ checkpoints written before the divergence stay the run's latest.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -362,7 +363,9 @@ def _keep_warmup(cfg: TrainConfig, saved_cfg: dict[str, Any]) -> TrainConfig:
     saved_steps = saved_cfg.get("steps", cfg.steps)
     if saved_steps == cfg.steps or cfg.warmup >= 1:
         return cfg
-    return replace(cfg, warmup=round(cfg.warmup * saved_steps))
+    kept = copy.copy(cfg)  # not dataclasses.replace: __post_init__ would undo with_saved_paths' spelling
+    kept.warmup = round(cfg.warmup * saved_steps)
+    return kept
 
 
 def _restore(run: _Run, checkpoint: Path, saved: dict[str, Any]) -> None:
