@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
+import re
 import stat
 
 import pytest
@@ -345,3 +347,218 @@ def test_dtype_by_name_or_as_stored(tmp_path):
     for bad in ("int8", torch.int8, 3):
         with pytest.raises(ValueError, match="dtype"):
             WiolaModel.from_pretrained(tmp_path / "missing", dtype=bad)  # named before the folder is looked for
+
+
+# ------------------------------------------------------------------ generation config, shards, config.json
+@pytest.mark.parametrize("flavour", ["wiola", "wiola13m"])
+def test_generation_config_ids_win_over_config_json(tmp_path, flavour):
+    """transformers generates with generation_config.json's bos/eos/pad ids, not config.json's:
+    each id the file holds (null too) becomes the config's; one it lacks stays config.json's."""
+    if flavour == "wiola":
+        WiolaModel(CFG).save_pretrained(tmp_path)
+        plain = WiolaModel.from_pretrained(tmp_path).config
+    else:
+        write_hf(tmp_path, hf_state(0), config={**HF_CONFIG, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3})
+        plain = WiolaModel.from_pretrained(tmp_path).config
+        assert (plain.bos_token_id, plain.eos_token_id, plain.pad_token_id) == (1, 2, 3)
+    generation = tmp_path / "generation_config.json"
+    generation.write_text(json.dumps({"_from_model_config": True, "eos_token_id": 5, "pad_token_id": 7}))
+    model = WiolaModel.from_pretrained(tmp_path)
+    got = model.config
+    assert (got.bos_token_id, got.eos_token_id, got.pad_token_id) == (plain.bos_token_id, 5, 7)
+    assert dataclasses.replace(got, eos_token_id=plain.eos_token_id, pad_token_id=plain.pad_token_id) == plain
+    # generate stops a row at the generation config's eos and pads it with its pad id
+    ids = torch.tensor([[10, 11, 12]])
+    first = int(model.eval().generate(ids, 1, eos_token_id=None)[0, -1])
+    generation.write_text(json.dumps({"eos_token_id": first, "pad_token_id": 7}))
+    out = WiolaModel.from_pretrained(tmp_path).eval().generate(ids, 4)
+    assert out[0, 3:].tolist() == [first, 7, 7, 7], out[0, 3:].tolist()
+    generation.write_text(json.dumps({"eos_token_id": None}))  # an explicit null: no eos, as there
+    assert WiolaModel.from_pretrained(tmp_path).config.eos_token_id is None
+    for content, match in (
+        ({"eos_token_id": [2, 5]}, r"generation_config.json: eos_token_id \[2, 5\] is a list; Wiola takes one eos id"),
+        ({"pad_token_id": 999}, r"generation_config.json: pad_token_id 999 is outside \[0, vocab_size=120\)"),
+        ([5], r"generation_config.json does not hold a JSON object"),
+    ):
+        generation.write_text(json.dumps(content))
+        with pytest.raises(ValueError, match=match):
+            WiolaModel.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("content", [None, [1], "settings"], ids=["missing", "list", "string"])
+def test_our_config_json_without_its_settings_is_named(tmp_path, content):
+    WiolaModel(CFG).save_pretrained(tmp_path)
+    meta = json.loads((tmp_path / "config.json").read_text())
+    if content is None:
+        del meta["config"]
+        match = r"config.json lacks the key 'config', the model's settings"
+    else:
+        meta["config"] = content
+        match = r"config.json: 'config' must be a JSON object of the model's settings .*, not " + re.escape(
+            json.dumps(content)
+        )
+    (tmp_path / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=match):
+        WiolaModel.from_pretrained(tmp_path)
+
+
+def write_shards(folder, state, kind, shards=3):
+    """``state`` as transformers' ``save_pretrained(max_shard_size=...)`` lays it out: ``shards``
+    files and an index whose weight_map names the shard of each tensor."""
+    names = sorted(state)
+    single = "model.safetensors" if kind == "safetensors" else "pytorch_model.bin"
+    stem, ext = single.rsplit(".", 1)
+    weight_map = {}
+    for i in range(shards):
+        shard = f"{stem}-{i + 1:05d}-of-{shards:05d}.{ext}"
+        part = {name: state[name].clone() for name in names[i::shards]}
+        save_file(part, str(folder / shard)) if kind == "safetensors" else torch.save(part, folder / shard)
+        weight_map |= dict.fromkeys(part, shard)
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    (folder / f"{single}.index.json").write_text(json.dumps(index))
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "bin"])
+@pytest.mark.parametrize("flavour", ["wiola", "wiola13m"])
+def test_sharded_checkpoints_load_as_the_single_file_does(tmp_path, kind, flavour):
+    torch.manual_seed(0)
+    if flavour == "wiola":
+        WiolaModel(CFG).save_pretrained(tmp_path / "one")
+        state = WiolaModel.from_pretrained(tmp_path / "one").state_dict()
+        config = (tmp_path / "one" / "config.json").read_text()
+    else:
+        state = hf_state(4)
+        state.pop("lm_head.weight")  # tied: transformers stores the embedding once
+        (tmp_path / "one").mkdir()
+        write_hf(tmp_path / "one", state)
+        config = json.dumps(HF_CONFIG)
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "config.json").write_text(config)
+    write_shards(tmp_path / "shards", state, kind)
+    one, sharded = WiolaModel.from_pretrained(tmp_path / "one"), WiolaModel.from_pretrained(tmp_path / "shards")
+    ids = torch.randint(0, 120, (2, 11))
+    assert torch.equal(one(ids).logits, sharded(ids).logits)
+
+
+def test_a_sharded_checkpoint_is_checked_before_its_tensors_are_read(tmp_path, monkeypatch):
+    """Every shard the index names must be there; each tensor in the shard the index says; the
+    shapes are read from each shard's header and checked before any tensor is loaded."""
+    import wiola.checkpoint as checkpoint
+
+    WiolaModel(CFG).save_pretrained(tmp_path / "one")
+    state = WiolaModel.from_pretrained(tmp_path / "one").state_dict()
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    meta = json.loads((tmp_path / "one" / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(meta))
+    write_shards(folder, state, "safetensors")
+    index = folder / "model.safetensors.index.json"
+    good = index.read_text()
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "_read_tensors", lambda *a: pytest.fail("tensors read before the check"))
+        meta["config"]["d_model"], meta["config"]["n_heads"] = 48, 2
+        (folder / "config.json").write_text(json.dumps(meta))
+        with pytest.raises(ValueError, match=r"index.json: tensor 'embed.weight' has shape \(120, 32\), but config"):
+            WiolaModel.from_pretrained(folder)
+        (folder / "config.json").write_text((tmp_path / "one" / "config.json").read_text())
+        (folder / "model-00002-of-00003.safetensors").rename(folder / "away")
+        with pytest.raises(
+            FileNotFoundError, match=r"index.json names shard\(s\) missing from .*: model-00002-of-00003"
+        ):
+            WiolaModel.from_pretrained(folder)
+        (folder / "away").rename(folder / "model-00002-of-00003.safetensors")
+        moved = json.loads(good)
+        moved["weight_map"]["embed.weight"] = "model-00003-of-00003.safetensors"
+        index.write_text(json.dumps(moved))
+        with pytest.raises(ValueError, match=r"puts tensor 'embed.weight' in model-00003-of-00003.safetensors, but"):
+            WiolaModel.from_pretrained(folder)
+        index.write_text(json.dumps({**moved, "weight_map": {**moved["weight_map"], "embed.weight": "../x"}}))
+        with pytest.raises(ValueError, match=r"tensor 'embed.weight' is mapped to '../x', not a file beside the index"):
+            WiolaModel.from_pretrained(folder)
+        index.write_text(json.dumps({"metadata": {}}))
+        with pytest.raises(ValueError, match=r"index.json holds no \"weight_map\""):
+            WiolaModel.from_pretrained(folder)
+    index.write_text(good)
+    loaded = WiolaModel.from_pretrained(folder).state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+def test_a_hub_download_fetches_every_shard_and_the_generation_config():
+    """``snapshot_download(allow_patterns=HUB_FILES)`` keeps every file a checkpoint is read from,
+    in one file or in shards, and leaves out what it never reads."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    from wiola.checkpoint import HUB_FILES
+
+    needed = [
+        "config.json", "generation_config.json", "model.safetensors", "pytorch_model.bin",
+        "model.safetensors.index.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+        "pytorch_model.bin.index.json", "pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin",
+        "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    ]  # fmt: skip
+    unread = ["README.md", "model.onnx", "tf_model.h5", "flax_model.msgpack", "training_args.bin"]
+    assert list(filter_repo_objects(needed + unread, allow_patterns=HUB_FILES)) == needed
+
+
+def test_export_and_finetune_do_not_point_to_a_tokenizer_flag_they_lack(tmp_path, capsys):
+    """A wiola13m folder without tokenizer.json: the error says what to do, and names --tokenizer
+    only to a caller that has that flag."""
+    from wiola.checkpoint import load_checkpoint_tokenizer
+    from wiola.cli import main
+
+    (tmp_path / "hf").mkdir()
+    folder = write_hf(tmp_path / "hf", hf_state(0))
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
+    for args in (
+        ["export", "--checkpoint", str(folder), "--out", str(tmp_path / "x")],
+        ["finetune", "--init", str(folder), "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "x")],
+    ):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert "holds no tokenizer.json: its tokenizer is unknown; copy the tokenizer files" in err, err
+        assert "--tokenizer" not in err, err
+    with pytest.raises(FileNotFoundError, match=r"next to the weights, or name one with --tokenizer$"):
+        load_checkpoint_tokenizer(folder, tokenizer_flag="--tokenizer")
+
+
+def test_export_leaves_adapters_alone_and_overwrite_leaves_no_old_file(tmp_path, capsys):
+    """``wiola export`` into a LoRA folder (its tokenizer_config.json holds the chat template) is
+    refused without --overwrite, nothing in it changed; --overwrite over a transformers checkpoint
+    in shards deletes every file of it (its generation config too) and writes the export's own
+    generation_config.json, the ids of its config.json."""
+    from wiola.cli import main
+    from wiola.tokenizer import load_tokenizer
+
+    ckpt = tmp_path / "ckpt"
+    small = dict(vocab_size=32000, d_model=32, n_layers=1, n_heads=4, d_ff=48, max_seq_len=64)
+    config = WiolaConfig(**small, eos_token_id=9, pad_token_id=3)  # bos None: generation_config.json leaves it out
+    WiolaModel(config).save_pretrained(ckpt, load_tokenizer("gpt2-32k"))
+    adapters = tmp_path / "lora"
+    adapters.mkdir()
+    (adapters / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(ckpt)}))
+    (adapters / "adapter_model.safetensors").write_bytes(b"weights")
+    (adapters / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    before = {p.name: p.read_bytes() for p in adapters.iterdir()}
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(adapters)]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a model (adapter_config.json, adapter_model.safetensors, tokenizer_config.json)" in err, err
+    assert {p.name: p.read_bytes() for p in adapters.iterdir()} == before
+    out = tmp_path / "out"
+    out.mkdir()
+    stale = ["model.safetensors.index.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+             "pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model-00001-of-00002.bin", "config.json"]  # fmt: skip
+    for name in stale:
+        (out / name).write_text("old")
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 5, "pad_token_id": 7}))
+    (out / "notes.txt").write_text("mine")
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(out)]) == 2
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(out), "--overwrite"]) == 0
+    left = sorted(p.name for p in out.iterdir())
+    want = ["config.json", "generation_config.json", "model.safetensors", "notes.txt", "special_tokens_map.json"]
+    assert left == [*want, "tokenizer.json", "tokenizer_config.json"], left
+    exported = json.loads((out / "config.json").read_text())
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation == {"_from_model_config": True, "eos_token_id": 9, "pad_token_id": 3}, generation
+    assert (exported["bos_token_id"], exported["eos_token_id"], exported["pad_token_id"]) == (None, 9, 3)
+    assert WiolaModel.from_pretrained(out).config == WiolaModel.from_pretrained(ckpt).config

@@ -7,6 +7,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -321,3 +324,74 @@ def test_cli_adapters_on_a_base_of_another_shape_are_one_line(adapter_folder, tm
         main(["merge", "--adapter", adapters, "--out", str(tmp_path / "m"), "--base", str(tmp_path / "shallow")]) == 2
     )
     assert "adapt layers.1." in _one_error_line(capsys, "merge") and not (tmp_path / "m").exists()
+
+
+def test_cli_merge_overwrite_leaves_no_file_of_the_old_model(adapter_folder, tmp_path, capsys) -> None:
+    """merge --overwrite over a transformers checkpoint in shards (either kind) with its generation
+    config and over an ONNX export: none of their files stays beside the merged model (the stale
+    generation_config.json would change its eos id), a file of the user's does."""
+    from wiola.cli import main
+
+    adapters = str(adapter_folder / "lora")
+    stale = [
+        "config.json", "generation_config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
+        "pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model-00002-of-00002.bin", "model.onnx",
+        "model.onnx.data", "wiola_onnx.json", "run_onnx.py", "special_tokens_map.json", "tokenizer.json",
+    ]  # fmt: skip
+    out = tmp_path / "merged"
+    out.mkdir()
+    for name in stale:
+        (out / name).write_text(f"the old {name}")
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
+    (out / "notes.txt").write_text("mine")
+    assert main(["merge", "--adapter", adapters, "--out", str(out)]) == 2
+    assert "already holds a model or adapters (config.json, model.safetensors.index.json" in _one_error_line(
+        capsys, "merge"
+    )
+    assert main(["merge", "--adapter", adapters, "--out", str(out), "--overwrite"]) == 0
+    left = sorted(p.name for p in out.iterdir())
+    assert left == ["config.json", "model.safetensors", "notes.txt"], left
+    base = wiola.WiolaModel.from_pretrained(adapter_folder / "base").config
+    assert wiola.WiolaModel.from_pretrained(out).config == base
+
+
+LORA_HUB_SCRIPT = r"""
+import json, sys
+from wiola.cli import main
+from wiola.train.finetune import load_finetuned
+repo, data, out = sys.argv[1:4]
+code = main(["finetune", "--init", repo, "--data", data, "--out", out, "--lora-rank", "2", "--steps", "1",
+             "--batch-size", "1", "--no-progress"])
+saved = json.loads(open(out + "/adapter_config.json").read())
+print(f"rc={code} base={saved['base_model_name_or_path']} revision={saved['revision']}")
+model, tokenizer = load_finetuned(out)
+print(f"loaded={type(model).__name__}")
+print(f"merge_rc={main(['merge', '--adapter', out, '--out', out + '-merged'])}")
+"""
+
+
+def test_lora_adapters_on_a_hub_base_name_it_by_its_id_and_commit(tmp_path):
+    """``wiola finetune --init org/name --lora-rank``: the adapters record the Hub id and the commit
+    of the snapshot trained on (peft's revision), not a path into the local cache, and load and
+    merge on it later from the cache offline."""
+    from test_published import REPO, REVISION, ROOT, _hub_cache
+
+    from wiola.tokenizer import load_tokenizer
+
+    torch.manual_seed(0)
+    config = wiola.WiolaConfig(vocab_size=32000, d_model=32, n_layers=1, n_heads=4, d_ff=48, max_seq_len=64)
+    wiola.WiolaModel(config).save_pretrained(tmp_path / "base", load_tokenizer("gpt2-32k"))
+    cache = _hub_cache(tmp_path / "hub", tmp_path / "base")
+    chat = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    (tmp_path / "d.jsonl").write_text(json.dumps(chat) + "\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(tmp_path / "home")}
+    env["PYTHONPATH"] = str(ROOT)
+    args = [REPO, str(tmp_path / "d.jsonl"), str(tmp_path / "lora")]
+    proc = subprocess.run(
+        [sys.executable, "-c", LORA_HUB_SCRIPT, *args], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"rc=0 base={REPO} revision={REVISION}" in proc.stdout, proc.stdout
+    assert "loaded=PeftModel" in proc.stdout and "merge_rc=0" in proc.stdout, proc.stdout + proc.stderr
+    merged = wiola.WiolaModel.from_pretrained(tmp_path / "lora-merged")
+    assert merged.config == wiola.WiolaModel.from_pretrained(tmp_path / "base").config

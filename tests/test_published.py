@@ -107,6 +107,7 @@ def _hub_cache(root: Path, folder: Path) -> Path:
         (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(REVISION)
+    (root / "version.txt").write_text("1")  # transformers 4.x: a current cache (else, offline, it refuses to start)
     return root
 
 
@@ -169,11 +170,15 @@ def test_the_checkpoint_gives_its_tokenizer_and_special_ids(published, tokenizer
     assert isinstance(tok, HFTokenizer)
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.vocab_size) == (1, 2, 3, 2000)
     assert tok.fingerprint == load_tokenizer(tokenizer_dir).fingerprint
-    # config.json's ids win over the tokenizer files', as in transformers' generation
+    # config.json's ids win over the tokenizer files', and generation_config.json's over both, as in
+    # transformers' generation
     config = json.loads((published / "config.json").read_text())
     other = published.parent / "other-eos"
     shutil.copytree(published, other)
     (other / "config.json").write_text(json.dumps({**config, "eos_token_id": 3, "pad_token_id": 0}))
+    tok = load_checkpoint_tokenizer(other)
+    assert (tok.eos_token_id, tok.pad_token_id) == (2, 3), "generation_config.json's ids lost to config.json's"
+    (other / "generation_config.json").unlink()
     tok = load_checkpoint_tokenizer(other)
     assert (tok.eos_token_id, tok.pad_token_id) == (3, 0)
     (other / "tokenizer.json").unlink()
@@ -385,3 +390,98 @@ def test_training_starts_from_the_published_folder_and_resumes(published, tmp_pa
     assert WiolaModel.from_pretrained(ckpt).config.pad_token_id == 3
     again = train(TrainConfig(**{**cfg.to_dict(), "steps": 3}), resume=tmp_path / "run", log=lambda m: None)
     assert again.step == 3 and again.checkpoint.name == "step_0000003"
+
+
+# ------------------------------------------------------------------ shards, generation config, adapters on a Hub base
+SHARDED_SCRIPT = r"""
+import sys, torch
+from wiola import WiolaModel
+repo, folder = sys.argv[1:3]
+ids = torch.arange(1, 40)[None]
+a = WiolaModel.from_pretrained(repo).eval()(ids).logits
+b = WiolaModel.from_pretrained(folder).eval()(ids).logits
+print(f"same_logits={torch.equal(a, b)}")
+"""
+
+
+@pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "bin"])
+def test_a_sharded_wiola13m_checkpoint_loads_as_the_single_file(published, tmp_path, safe):
+    """``save_pretrained(max_shard_size=...)`` writes shards and an index (either kind): the model
+    is the one the single file gives, bit for bit, and wiola13m's; from a Hub id in an offline cache
+    too. Without a shard the load names it."""
+    from wiola13m import WiolaForCausalLM
+
+    theirs = WiolaForCausalLM.from_pretrained(published).eval()
+    sharded = tmp_path / "sharded"
+    theirs.save_pretrained(sharded, max_shard_size="200KB", safe_serialization=safe)
+    stem = "model" if safe else "pytorch_model"
+    shards = sorted(sharded.glob(f"{stem}-*-of-*"))
+    assert len(shards) > 2 and (sharded / f"{stem}{'.safetensors' if safe else '.bin'}.index.json").is_file()
+    assert not (sharded / "model.safetensors").exists() and not (sharded / "pytorch_model.bin").exists()
+    ids = torch.randint(0, 2000, (2, 23))
+    with torch.no_grad():
+        want = WiolaModel.from_pretrained(published).eval()(ids).logits
+        got = WiolaModel.from_pretrained(sharded).eval()(ids).logits
+        there = theirs(ids).logits
+    assert torch.equal(got, want), "the shards load other weights than the single file"
+    assert (got - there).abs().max() <= 1e-5, "logits differ from wiola13m's"
+    cache = _hub_cache(tmp_path / "hub", sharded)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(tmp_path / "home")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", SHARDED_SCRIPT, REPO, str(sharded)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0 and "same_logits=True" in proc.stdout, proc.stdout + proc.stderr
+    shards[1].unlink()
+    with pytest.raises(FileNotFoundError, match=f"names shard\\(s\\) missing from .*: {shards[1].name}"):
+        WiolaModel.from_pretrained(sharded)
+
+
+def test_the_generation_config_gives_the_ids_wiola13m_generates_with(published, tmp_path):
+    """A folder whose generation_config.json gives other eos and pad ids than config.json: the ids
+    wiola13m's generate uses are ours, in the model's config and the tokenizer; the greedy tokens
+    stop where wiola13m's stop."""
+    from wiola13m import WiolaForCausalLM
+
+    theirs = WiolaForCausalLM.from_pretrained(published).eval()
+    ids = torch.tensor([[1, 50, 60, 70]])
+    with torch.no_grad():
+        free = theirs.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    eos = int(free[0, 6])  # the third new token: the row must end there
+    theirs.generation_config.eos_token_id, theirs.generation_config.pad_token_id = eos, 9
+    folder = tmp_path / "gen"
+    theirs.save_pretrained(folder)
+    shutil.copy(published / "tokenizer.json", folder)
+    assert json.loads((folder / "config.json").read_text())["eos_token_id"] == 2
+    reloaded = WiolaForCausalLM.from_pretrained(folder).eval()
+    ours = WiolaModel.from_pretrained(folder).eval()
+    g = reloaded.generation_config
+    assert (ours.config.bos_token_id, ours.config.eos_token_id, ours.config.pad_token_id) == (
+        g.bos_token_id, g.eos_token_id, g.pad_token_id) == (1, eos, 9)  # fmt: skip
+    tok = load_checkpoint_tokenizer(folder)
+    assert (tok.eos_token_id, tok.pad_token_id) == (eos, 9)
+    with torch.no_grad():
+        there = reloaded.generate(ids, max_new_tokens=6, do_sample=False)
+    here = ours.generate(ids, 6)
+    assert there[0].tolist() == here[0, : there.shape[1]].tolist() and int(there[0, -1]) == eos
+    assert here[0, there.shape[1] :].tolist() == [9] * (here.shape[1] - there.shape[1])
+
+
+def test_export_writes_the_generation_config_wiola13m_writes(tokenizer_dir, tmp_path, capsys):
+    """``wiola export`` writes generation_config.json as wiola13m's own save_pretrained writes it
+    for that config.json; wiola13m generates with the ids of the model exported."""
+    pytest.importorskip("wiola13m")
+    from wiola13m import WiolaForCausalLM
+
+    ours = WiolaModel(WiolaConfig(vocab_size=2000, d_model=64, n_layers=1, n_heads=4, d_ff=128, max_seq_len=64))
+    ours.save_pretrained(tmp_path / "ours", load_tokenizer(tokenizer_dir))
+    assert main(["export", "--checkpoint", str(tmp_path / "ours"), "--out", str(tmp_path / "theirs")]) == 0
+    theirs = WiolaForCausalLM.from_pretrained(tmp_path / "theirs")
+    theirs.save_pretrained(tmp_path / "again")
+    read = lambda folder: json.loads((tmp_path / folder / "generation_config.json").read_text())
+    want = {k: v for k, v in read("again").items() if k != "transformers_version"}
+    assert (
+        read("theirs") == want == {"_from_model_config": True, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}
+    )
+    g = theirs.generation_config
+    assert (g.bos_token_id, g.eos_token_id, g.pad_token_id) == (1, 2, 3)

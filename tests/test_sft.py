@@ -277,6 +277,74 @@ def test_cli_out_holding_a_model_or_adapters_is_refused_without_overwrite(
     assert type(model) is wiola.WiolaModel, "the stale adapters were loaded"
 
 
+# What other writers leave in a folder: an ONNX export, a tokenizer alone, and a transformers
+# checkpoint saved in shards (both kinds) with its generation config.
+ONNX_EXPORT = ("model.onnx", "model.onnx.data", "wiola_onnx.json", "run_onnx.py", "tokenizer.json",
+               "tokenizer_config.json", "special_tokens_map.json")  # fmt: skip
+TOKENIZER_ONLY = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+SHARDED = ("config.json", "generation_config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
+           "model-00002-of-00002.safetensors", "pytorch_model.bin", "pytorch_model.bin.index.json",
+           "pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin")  # fmt: skip
+
+
+def _folder(path, names):
+    path.mkdir()
+    for name in names:
+        (path / name).write_text(f"the old {name}")
+    (path / "notes.txt").write_text("mine")
+    return {p.name: p.read_bytes() for p in path.iterdir()}
+
+
+@pytest.mark.parametrize(
+    ("names", "held"),
+    [
+        (ONNX_EXPORT, "a model or adapters (model.onnx, model.onnx.data, wiola_onnx.json, tokenizer.json"),
+        (TOKENIZER_ONLY, "the tokenizer or settings of a model (tokenizer.json, tokenizer_config.json"),
+        (SHARDED, "a model or adapters (config.json, model.safetensors.index.json, model-00001-of-00002.safetensors"),
+    ],
+    ids=["onnx-export", "tokenizer", "sharded"],
+)
+def test_cli_out_holding_any_models_files_is_left_whole_without_overwrite(
+    tmp_path, tiny_checkpoint, monkeypatch, capsys, names, held
+) -> None:
+    """finetune and merge into an ONNX export, a tokenizer's folder or a sharded checkpoint: exit 2
+    before loading, every file as it was (a tokenizer beside an ONNX graph is not deleted)."""
+    _no_loading(monkeypatch)
+    out = tmp_path / "o"
+    before = _folder(out, names)
+    adapters = tmp_path / "lora"
+    adapters.mkdir()
+    (adapters / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_checkpoint)}))
+    data = _write(tmp_path / "d.jsonl", [{"messages": CHAT}])
+    for args in (
+        ["finetune", "--init", str(tiny_checkpoint), "--data", str(data), "--steps", "1"],
+        ["merge", "--adapter", str(adapters)],
+    ):
+        assert main([*args, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--out {str(out)!r} already holds {held}" in err[0], err
+        assert "--overwrite" in err[0], err
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before, f"wiola {args[0]} changed --out"
+
+
+def test_cli_overwrite_leaves_no_file_of_the_old_model(tmp_path, tiny_checkpoint) -> None:
+    """finetune --overwrite over an ONNX export and over a sharded transformers checkpoint: none
+    of their files stays (a stale generation_config.json would change the eos id the new model
+    loads with), and a file of the user's does."""
+    data = _write(tmp_path / "d.jsonl", [{"messages": CHAT}])
+    for i, names in enumerate((ONNX_EXPORT, SHARDED)):
+        out = tmp_path / f"o{i}"
+        _folder(out, names)
+        (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 5, "pad_token_id": 7}))
+        args = ["finetune", "--init", str(tiny_checkpoint), "--data", str(data), "--out", str(out), "--steps", "1"]
+        assert main([*args, "--batch-size", "1", "--no-progress", "--overwrite"]) == 0
+        stale = [p.name for p in out.iterdir() if p.read_bytes().startswith(b"the old ")]
+        assert not stale and not (out / "generation_config.json").exists(), f"old files stayed: {stale}"
+        assert (out / "notes.txt").read_text() == "mine", "--overwrite deleted a file that is not the model's"
+        want = wiola.WiolaModel.from_pretrained(tiny_checkpoint).config
+        assert wiola.WiolaModel.from_pretrained(out).config == want
+
+
 def test_cli_out_holding_a_training_run_is_refused(tmp_path, tiny_checkpoint, monkeypatch, capsys) -> None:
     """finetune and merge into a run folder (metrics.jsonl, checkpoints/), its checkpoints/ folder
     or one of its checkpoints, --overwrite or not: exit 2 before loading, nothing written. A model

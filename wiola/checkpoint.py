@@ -2,21 +2,23 @@
 from a folder or a Hugging Face Hub id, each with the tokenizer it was trained with.
 
 A ``wiola13m`` directory holds a Hugging Face style ``config.json`` (``model_type: "wiola"``)
-and ``model.safetensors`` or ``pytorch_model.bin`` with ``model.layers.N...`` names; it is
-converted on load, and the model then computes the same logits as that package on those
-weights (for unpadded input; its gate also averages padding tokens, ours does not).
-``export_wiola13m`` writes any of our models back in that format.
+and ``model.safetensors`` or ``pytorch_model.bin`` (or their shards and index) with
+``model.layers.N...`` names; it is converted on load, and the model then computes the same
+logits as that package on those weights (for unpadded input; its gate also averages padding
+tokens, ours does not). ``export_wiola13m`` writes any of our models back in that format.
 
 The tokenizer is ``tokenizer.json`` (+ ``tokenizer_config.json``, ``special_tokens_map.json``)
 next to the weights, or a tiktoken name under ``"tokenizer"`` in our ``config.json``; the
-config's bos/eos/pad ids win over the tokenizer's own. A model quantized by ``wiola.fast.quantize`` is saved with its
-packed int8 or bf16 matrices and a ``quantization`` record in ``config.json``; only
-``wiola.fast.WiolaModel`` loads such a checkpoint. Nothing here unpickles code:
+config's bos/eos/pad ids win over the tokenizer's own, and ``generation_config.json``'s over
+both. A model quantized by ``wiola.fast.quantize`` is saved with its packed int8 or bf16
+matrices and a ``quantization`` record in ``config.json``; only ``wiola.fast.WiolaModel`` loads
+such a checkpoint. Nothing here unpickles code:
 ``pytorch_model.bin`` is read with ``weights_only=True``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -39,6 +41,13 @@ FORMAT = "wiola"
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+BIN_WEIGHTS_FILE = "pytorch_model.bin"
+# transformers' generation settings: its bos/eos/pad ids, where given, win over config.json's
+GENERATION_CONFIG_FILE = "generation_config.json"
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# A checkpoint saved in shards (transformers' save_pretrained(max_shard_size=...)): an index whose
+# "weight_map" names the shard holding each tensor, for either kind of weights file.
+SHARD_INDEXES = {WEIGHTS_FILE: WEIGHTS_FILE + ".index.json", BIN_WEIGHTS_FILE: BIN_WEIGHTS_FILE + ".index.json"}
 
 # wiola13m config key -> ours
 HF_CONFIG_KEYS = {
@@ -62,7 +71,8 @@ HF_CONFIG_KEYS = {
 # names the newest in checkpoints/latest.
 RUN_CHECKPOINTS = "checkpoints"
 LATEST_FILE = "latest"
-HUB_FILES = ["*.json", "*.safetensors", "pytorch_model.bin"]  # what a checkpoint needs from a Hub repo
+# What a checkpoint needs from a Hub repo: the configs and shard indexes, the weights in one file or shards
+HUB_FILES = ["*.json", "*.safetensors", "pytorch_model*.bin"]
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -210,7 +220,43 @@ def quantization_of(checkpoint: str | Path) -> str | None:
 
 
 def read_config(directory: str | Path) -> tuple[WiolaConfig, str]:
-    """The config of a checkpoint directory and its flavour (``"wiola"`` or ``"wiola13m"``)."""
+    """The config of a checkpoint directory and its flavour (``"wiola"`` or ``"wiola13m"``), with
+    the bos/eos/pad ids a ``generation_config.json`` beside it gives (``generation_ids``).
+
+    Raises ``FileNotFoundError`` for a missing folder or ``config.json``, ``ValueError`` naming the
+    file for one that does not describe a Wiola model."""
+    config, flavour = _read_model_config(Path(directory))
+    ids = generation_ids(directory)
+    if ids:
+        config = _config(Path(directory) / GENERATION_CONFIG_FILE, lambda: dataclasses.replace(config, **ids))
+    return config, flavour
+
+
+def generation_ids(directory: str | Path) -> dict[str, int | None]:
+    """The bos/eos/pad ids the ``generation_config.json`` of a checkpoint folder sets, each one
+    the file holds (``null`` too); none without the file. ``transformers`` generates with these
+    rather than ``config.json``'s, and so do we: they become the config's, and the tokenizer's.
+
+    Raises ``ValueError`` naming the file for a list of eos ids (Wiola ends a row at one)."""
+    path = Path(directory) / GENERATION_CONFIG_FILE
+    if not path.is_file():
+        return {}
+    raw = _read_json(path)
+    ids = {name: raw[name] for name in SPECIAL_IDS if name in raw}
+    _check_one_eos(path, ids.get("eos_token_id"))
+    return ids
+
+
+def _check_one_eos(path: Path, eos: Any) -> None:
+    if isinstance(eos, list):
+        raise ValueError(
+            f"{path}: eos_token_id {eos!r} is a list; Wiola takes one eos id (one id ends a row): keep the one its "
+            "tokenizer ends a text with"
+        )
+
+
+def _read_model_config(directory: Path) -> tuple[WiolaConfig, str]:
+    """``config.json`` alone: the config and the flavour (``read_config``)."""
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise FileNotFoundError(f"{str(directory)!r} is a file, not a checkpoint directory")
@@ -228,7 +274,15 @@ def read_config(directory: str | Path) -> tuple[WiolaConfig, str]:
     if raw.get("format") == FORMAT:
         if raw.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{path}: unsupported format_version {raw.get('format_version')!r}")
-        return _config(path, lambda: WiolaConfig.from_dict(raw["config"])), "wiola"
+        if "config" not in raw:
+            raise ValueError(f"{path} lacks the key 'config', the model's settings (vocab_size, d_model, ...)")
+        settings = raw["config"]
+        if not isinstance(settings, dict):
+            raise ValueError(
+                f"{path}: 'config' must be a JSON object of the model's settings (vocab_size, d_model, ...), "
+                f"not {json.dumps(settings)[:60]}"
+            )
+        return _config(path, lambda: WiolaConfig.from_dict(settings)), "wiola"
     if "model_type" in raw:
         if raw["model_type"] != "wiola":
             raise ValueError(f"{path} describes a {raw['model_type']!r} model, not a Wiola model")
@@ -240,11 +294,7 @@ def read_config(directory: str | Path) -> tuple[WiolaConfig, str]:
         fields = {ours: raw[theirs] for theirs, ours in HF_CONFIG_KEYS.items() if raw.get(theirs) is not None}
         if "d_ff" not in fields:
             fields["d_ff"] = 2 * fields["d_model"]  # wiola13m's default: d_inner = 2d
-        if isinstance(fields.get("eos_token_id"), list):
-            raise ValueError(
-                f"{path}: eos_token_id {fields['eos_token_id']!r} is a list; Wiola takes one eos id (one id ends a "
-                "row): keep the one its tokenizer ends a text with"
-            )
+        _check_one_eos(path, fields.get("eos_token_id"))
         return _config(path, lambda: WiolaConfig(**fields)), "wiola13m"
     raise ValueError(f"{path} is neither a Wiola checkpoint config nor a wiola13m config")
 
@@ -257,37 +307,110 @@ def _config(path: Path, make: Callable[[], WiolaConfig]) -> WiolaConfig:
         raise ValueError(f"{path}: {e}") from e
 
 
-def _read_tensors(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
-    st, pt = directory / WEIGHTS_FILE, directory / "pytorch_model.bin"
-    if st.is_file():
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
+def _weight_files(directory: str | Path) -> tuple[list[Path], Path]:
+    """The weights files of a checkpoint folder, in the order ``transformers`` looks for them:
+    ``model.safetensors``, the shards ``model.safetensors.index.json`` names, ``pytorch_model.bin``,
+    the shards ``pytorch_model.bin.index.json`` names. Returns ``(files, source)``: the file alone
+    or the shards in their order, and the file errors name (the index for shards).
 
-        try:
-            return load_file(str(st)), st
-        except (SafetensorError, OSError, ValueError) as e:
-            raise ValueError(f"{st} is corrupt or not a safetensors file: {e}") from e
-    if pt.is_file():
-        state = safe_torch_load(pt, "a PyTorch state dict")
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise ValueError(f"{pt} does not hold a dict of tensors")
-        return state, pt
-    raise FileNotFoundError(f"no weights in {directory}: expected {WEIGHTS_FILE} (or pytorch_model.bin)")
+    Raises ``FileNotFoundError`` where there are none or a shard the index names is missing,
+    ``ValueError`` for an index that is no ``{"weight_map": {tensor: shard}}``."""
+    directory = Path(directory)
+    for single, index in SHARD_INDEXES.items():
+        if (directory / single).is_file():
+            return [directory / single], directory / single
+        if (directory / index).is_file():
+            return _shards(directory / index), directory / index
+    raise FileNotFoundError(
+        f"no weights in {directory}: expected {WEIGHTS_FILE} or {BIN_WEIGHTS_FILE} (or their shards and "
+        f"{SHARD_INDEXES[WEIGHTS_FILE]} / {SHARD_INDEXES[BIN_WEIGHTS_FILE]})"
+    )
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """``{tensor name: shard file name}`` of a shard index; ``ValueError`` naming it when malformed
+    or when a shard is not a plain file name (one beside the index)."""
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f'{index} holds no "weight_map" naming the shard of each tensor')
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard or Path(shard).name != shard or shard in (".", ".."):
+            raise ValueError(f"{index}: tensor {name!r} is mapped to {shard!r}, not a file beside the index")
+    return weight_map
+
+
+def _shards(index: Path) -> list[Path]:
+    """The shard files an index names, in the order of their first tensor; ``FileNotFoundError``
+    naming those missing."""
+    shards = [index.parent / name for name in dict.fromkeys(_weight_map(index).values())]
+    missing = [path.name for path in shards if not path.is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{index} names shard(s) missing from {index.parent}: {', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}; download or copy every shard of the checkpoint"
+        )
+    return shards
+
+
+def _merge_shards(parts: list[tuple[Path, dict[str, Any]]], source: Path) -> dict[str, Any]:
+    """One ``{tensor name: value}`` from each shard's, checked against ``source``, the index (when
+    there is one): every tensor in the shard the index names for it, and in no other."""
+    merged: dict[str, Any] = {}
+    where: dict[str, Path] = {}
+    for shard, tensors in parts:
+        for name, value in tensors.items():
+            if name in where:
+                raise ValueError(f"{source}: tensor {name!r} is in two shards, {where[name].name} and {shard.name}")
+            merged[name], where[name] = value, shard
+    if source.name in SHARD_INDEXES.values():
+        for name, shard in _weight_map(source).items():
+            if name not in where:
+                raise ValueError(f"{source} puts tensor {name!r} in {shard}, which does not hold it")
+            if where[name].name != shard:
+                raise ValueError(f"{source} puts tensor {name!r} in {shard}, but {where[name].name} holds it")
+    return merged
+
+
+def _read_tensors(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """Every tensor of a checkpoint folder's weights (``_weight_files``: one file or its shards)
+    and the file errors name."""
+    files, source = _weight_files(directory)
+    parts = []
+    for path in files:
+        if path.suffix == ".safetensors":
+            from safetensors import SafetensorError
+            from safetensors.torch import load_file
+
+            try:
+                state = load_file(str(path))
+            except (SafetensorError, OSError, ValueError) as e:
+                raise ValueError(f"{path} is corrupt or not a safetensors file: {e}") from e
+        else:
+            state = safe_torch_load(path, "a PyTorch state dict")
+            if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+                raise ValueError(f"{path} does not hold a dict of tensors")
+        parts.append((path, state))
+    return _merge_shards(parts, source), source
 
 
 def _header_shapes(directory: Path) -> tuple[dict[str, tuple[int, ...]], Path] | None:
-    """Name -> shape of every tensor in ``model.safetensors``, from its header alone (no tensor is
-    read); None when the folder has no safetensors file. Raises ``ValueError`` for a damaged file."""
-    st = directory / WEIGHTS_FILE
-    if not st.is_file():
+    """Name -> shape of every tensor in the safetensors weights (one file or every shard), from
+    their headers alone (no tensor is read); None when the weights are ``pytorch_model.bin`` (no
+    header to read). Raises ``ValueError`` for a damaged file, ``FileNotFoundError`` as
+    ``_weight_files`` does."""
+    files, source = _weight_files(directory)
+    if files[0].suffix != ".safetensors":
         return None
     from safetensors import SafetensorError, safe_open
 
-    try:
-        with safe_open(str(st), framework="pt") as f:
-            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}, st
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ValueError(f"{st} is corrupt or not a safetensors file: {e}") from e
+    parts = []
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                parts.append((path, {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"{path} is corrupt or not a safetensors file: {e}") from e
+    return _merge_shards(parts, source), source
 
 
 def _check_shapes(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], source: Any) -> None:
@@ -427,13 +550,17 @@ def _pickle_globals(path: Path) -> list[str]:
         return []
 
 
-def load_checkpoint_tokenizer(directory: str | Path, revision: str | None = None) -> Tokenizer:
+def load_checkpoint_tokenizer(
+    directory: str | Path, revision: str | None = None, *, tokenizer_flag: str | None = None
+) -> Tokenizer:
     """The tokenizer a checkpoint (a folder or Hub id) was saved with, with the bos/eos/pad ids of
-    its ``config.json`` (those win over the tokenizer's, as in ``transformers``' generation).
+    its config (``read_config``: ``config.json``, then ``generation_config.json``; those win over
+    the tokenizer's, as in ``transformers``' generation).
 
     A checkpoint of ours without a tokenizer record (written before there was one) gets the
     tiktoken encoding matching its vocabulary. Raises ``FileNotFoundError`` for a ``wiola13m``
-    folder without ``tokenizer.json``, ``ValueError`` for a corrupt tokenizer.
+    folder without ``tokenizer.json`` (its message names ``tokenizer_flag``, the caller's option
+    that gives a tokenizer instead, where there is one), ``ValueError`` for a corrupt tokenizer.
     """
     from wiola.tokenizer import (
         TOKENIZER_FILE,
@@ -455,7 +582,8 @@ def load_checkpoint_tokenizer(directory: str | Path, revision: str | None = None
     else:
         raise FileNotFoundError(
             f"{directory} holds no {TOKENIZER_FILE}: its tokenizer is unknown; copy the tokenizer files of the "
-            "model's training run next to the weights, or name one with --tokenizer"
+            "model's training run next to the weights"
+            + (f", or name one with {tokenizer_flag}" if tokenizer_flag else "")
         )
     tokenizer = tokenizer.with_special_ids(config.bos_token_id, config.eos_token_id, config.pad_token_id)
     tokenizer.chat_template = tokenizer.chat_template or read_chat_template(directory)  # a tiktoken one's too
@@ -464,7 +592,8 @@ def load_checkpoint_tokenizer(directory: str | Path, revision: str | None = None
 
 def export_wiola13m(model: nn.Module, directory: str | Path, tokenizer: Tokenizer | None = None) -> None:
     """Write ``model`` (a ``WiolaModel``) in the ``wiola13m`` / ``transformers`` format:
-    ``config.json`` (``model_type: "wiola"``), ``model.safetensors`` under ``wiola13m``'s names, and
+    ``config.json`` (``model_type: "wiola"``), ``model.safetensors`` under ``wiola13m``'s names,
+    ``generation_config.json`` (its bos/eos/pad ids, as ``save_pretrained`` there writes it), and
     ``tokenizer`` as ``tokenizer.json`` + ``tokenizer_config.json`` + ``special_tokens_map.json``
     (a tiktoken tokenizer converted), the files ``wiola13m.WiolaForCausalLM.from_pretrained`` and
     ``transformers.PreTrainedTokenizerFast.from_pretrained`` read.
@@ -495,6 +624,11 @@ def export_wiola13m(model: nn.Module, directory: str | Path, tokenizer: Tokenize
     del state["lm_head.weight"]  # tied: transformers stores the embedding once
     _atomic_write(directory / WEIGHTS_FILE, lambda p: save_file(state, p, metadata={"format": "pt"}))
     _atomic_write(directory / CONFIG_FILE, lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
+    # transformers' GenerationConfig.from_model_config: the ids config.json sets, none of them null
+    generation = {"_from_model_config": True, **{k: theirs[k] for k in SPECIAL_IDS if theirs[k] is not None}}
+    _atomic_write(
+        directory / GENERATION_CONFIG_FILE, lambda p: Path(p).write_text(json.dumps(generation, indent=2) + "\n")
+    )
     if tokenizer is not None:
         (tokenizer.to_hf() if isinstance(tokenizer, TiktokenTokenizer) else tokenizer).save(directory)
 

@@ -52,7 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace the model a folder already holds (a checkpoint or an export); without it such an --out is refused",
+        help="replace the model a folder already holds (a checkpoint, an export or adapters, and the files saved "
+        "beside them), deleting its files; without it such an --out is refused",
     )
     p.set_defaults(func=run_export)
 
@@ -65,14 +66,12 @@ def run_export(args: argparse.Namespace) -> int:
             f"--quantize and --int8-matmul are for --format onnx; the {args.format} format stores fp32 weights"
         )
     from wiola.train.run_folder import (
-        EXPORT_FILES,
-        MODEL_FILES,
-        ONNX_PREFIX,
         check_apart,
         check_not_a_run,
         check_output_folder,
-        delete_files,
-        held_files,
+        clear_model_folder,
+        describe_model_files,
+        held_model_files,
     )
 
     out = Path(args.out)
@@ -80,10 +79,10 @@ def run_export(args: argparse.Namespace) -> int:
     path = resolve_checkpoint(args.checkpoint, args.revision)  # a run folder: its latest checkpoint
     check_apart(out, path, "--out", "checkpoint")  # a run folder's --out is refused too: it holds the checkpoint
     check_not_a_run(out)
-    held = held_files(out, MODEL_FILES, ONNX_PREFIX)
+    held = held_model_files(out)
     if held and not args.overwrite:
         raise ValueError(
-            f"--out {str(out)!r} already holds a model ({', '.join(held)}): pass --overwrite to replace it, or "
+            f"--out {str(out)!r} already holds {describe_model_files(held)}: pass --overwrite to replace it, or "
             "export to another folder"
         )
     tokenizer = load_checkpoint_tokenizer(path)
@@ -103,7 +102,7 @@ def run_export(args: argparse.Namespace) -> int:
             )
         model = WiolaModel.from_pretrained(path)
         if held:  # --overwrite, once the new model has loaded
-            delete_files(out, EXPORT_FILES, ONNX_PREFIX)
+            clear_model_folder(out)
         export_wiola13m(model, out, tokenizer)
         print(f"{path} -> {out} (wiola13m format, tokenizer {tokenizer.name!r}, {tokenizer.vocab_size:,} ids)")
         return 0
@@ -117,7 +116,7 @@ def _export_onnx(path: Path, out: Path, tokenizer: Tokenizer, args: argparse.Nam
     from wiola.export.runner import MODEL_FILE
     from wiola.fast import WiolaModel
     from wiola.fast.quantize import quantize
-    from wiola.train.run_folder import EXPORT_FILES, ONNX_PREFIX, delete_files
+    from wiola.train.run_folder import clear_model_folder
 
     check_export_packages()  # before any work, and before an --overwrite deletes the export it replaces
     model = WiolaModel.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
@@ -132,7 +131,7 @@ def _export_onnx(path: Path, out: Path, tokenizer: Tokenizer, args: argparse.Nam
     if args.quantize and not held:
         quantize(model, args.quantize)
     if replacing:  # --overwrite, once the new model has loaded
-        delete_files(out, EXPORT_FILES, ONNX_PREFIX)
+        clear_model_folder(out)
     t0 = time.perf_counter()
     print(f"exporting {path} to {out} (ONNX; tens of seconds) ...", file=sys.stderr)
     existed = out.exists()
@@ -144,7 +143,7 @@ def _export_onnx(path: Path, out: Path, tokenizer: Tokenizer, args: argparse.Nam
                 raise
             # Ctrl-C inside torch.export can surface as torch's own export error: it was an
             # interrupt all the same (exit 130), and the files written so far go
-            delete_files(out, EXPORT_FILES, ONNX_PREFIX)
+            clear_model_folder(out)
             if not existed and out.is_dir() and not any(out.iterdir()):
                 out.rmdir()
             raise KeyboardInterrupt from None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -28,42 +29,33 @@ from typing import Any
 import torch
 
 from wiola.chat import add_role_tokens, resize_token_embeddings, with_chat_template
-from wiola.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint_tokenizer, resolve_checkpoint
+from wiola.checkpoint import REPO_ID, load_checkpoint_tokenizer, resolve_checkpoint
 from wiola.model import ADAPTER_TARGETS
-from wiola.tokenizer import (
-    CHAT_TEMPLATE_FILE,
-    SPECIAL_TOKENS_MAP_FILE,
-    TOKENIZER_CONFIG_FILE,
-    TOKENIZER_FILE,
-    Tokenizer,
-    load_tokenizer,
-    read_chat_template,
-)
+from wiola.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, read_chat_template
 from wiola.train.env import Progress, autocast, model_class, require, resolve_device
 from wiola.train.loop import StopFlag, TrainingDiverged
 from wiola.train.optim import WarmupCosine
-from wiola.train.run_folder import check_apart, check_not_a_run, check_output_folder, delete_files, held_files
+from wiola.train.run_folder import (
+    MODEL_FILES,
+    check_apart,
+    check_not_a_run,
+    check_output_folder,
+    clear_model_folder,
+    describe_model_files,
+    held_files,
+    held_model_files,
+)
 from wiola.train.sft import FORMATS, batches, collate, load_sft_data
 
+# What finetune writes into --out, among run_folder.MODEL_FOLDER_FILES: an --out holding any of
+# those is refused without --overwrite, since two models' files would mix there (load_finetuned
+# prefers adapter_config.json), and cleared first with it.
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # peft's names, the first what it writes
-PEFT_MODEL_CARD = "README.md"  # peft writes it beside the adapters
 RUN_FILE = "finetune.json"
 LOSS_CURVE = "loss_curve.png"  # the logged losses against the step
 DEFAULT_WARMUP = 10  # steps, at most --steps
-# A folder holding any of these holds a model or adapters: a new one there is refused without
-# --overwrite, since files of the two would mix (load_finetuned prefers adapter_config.json).
-MODEL_FILES = (CONFIG_FILE, WEIGHTS_FILE, ADAPTER_CONFIG, *ADAPTER_WEIGHTS, RUN_FILE)
-# What --overwrite deletes first: the model and adapter files and the tokenizer saved beside them
-# (and peft's model card, where the folder holds adapters: clear_model_out).
-OUTPUT_FILES = (
-    *MODEL_FILES,
-    TOKENIZER_FILE,
-    TOKENIZER_CONFIG_FILE,
-    SPECIAL_TOKENS_MAP_FILE,
-    CHAT_TEMPLATE_FILE,
-    LOSS_CURVE,
-)
+COMMIT = re.compile(r"[0-9a-f]{40}")  # a Hub snapshot folder's name: the commit it holds
 
 
 @dataclass
@@ -257,7 +249,7 @@ def finetune(cfg: FinetuneConfig, log: Callable[[str], None] = print, *, overwri
     # still has a finite loss and gradient norm.
     if not bool(torch.stack([torch.isfinite(p.detach()).all() for p in trainable]).all()):
         raise _diverged(cfg, step, "the model's weights are not finite")
-    out = save_finetuned(model, tokenizer, cfg, init)
+    out = save_finetuned(model, tokenizer, cfg, init, overwrite=overwrite)
     record = {"config": asdict(cfg), "losses": losses, "examples": len(data.examples), "dropped": data.dropped}
     record |= {"steps_done": step, "seconds": seconds}
     (out / RUN_FILE).write_text(json.dumps(record, indent=2) + "\n")
@@ -278,7 +270,7 @@ def _check_finite(cfg: FinetuneConfig, step: int, what: str, value: float) -> No
 
 def _diverged(cfg: FinetuneConfig, step: int, what: str) -> TrainingDiverged:
     """The error that stops a diverged fine-tune (``wiola finetune`` exits 1): nothing was saved."""
-    held = any((Path(cfg.out) / name).exists() for name in MODEL_FILES)
+    held = bool(held_files(cfg.out, MODEL_FILES))
     kept = f" (the model in {cfg.out} is unchanged)" if held else ""
     return TrainingDiverged(
         f"{what} at step {step}: the fine-tune diverged; lower --lr (now {cfg.lr:g}) and start again; "
@@ -356,36 +348,48 @@ def _plot_losses(losses: list[tuple[int, float]], path: Path, log: Callable[[str
     return f" (loss curve: {path})"
 
 
-def save_finetuned(model: torch.nn.Module, tokenizer: Tokenizer, cfg: FinetuneConfig, init: Path) -> Path:
-    """Write a full checkpoint, or (a peft model) the adapters in PEFT's format with the base's path."""
+def save_finetuned(
+    model: torch.nn.Module, tokenizer: Tokenizer, cfg: FinetuneConfig, init: Path, *, overwrite: bool = False
+) -> Path:
+    """Write a full checkpoint, or (a peft model) the adapters in PEFT's format naming their base
+    (``base_source``). With ``overwrite``, the files of a model already in ``cfg.out`` are deleted
+    first (``check_model_out`` refused such a folder without it)."""
     out = Path(cfg.out)
-    clear_model_out(out)  # finetune refused a folder holding a model unless --overwrite
+    if overwrite:
+        clear_model_folder(out)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.lora_rank is None:
         model.save_pretrained(out, tokenizer)
         return out
-    model.peft_config["default"].base_model_name_or_path = str(Path(init).resolve())
+    peft_config = model.peft_config["default"]
+    peft_config.base_model_name_or_path, peft_config.revision = base_source(cfg.init, init)
     model.save_pretrained(str(out), save_embedding_layers=False)  # adapters only (the embedding is never one)
     tokenizer.save(out)  # its files (GPT-2's: the chat template alone); config.json is the base's
     return out
 
 
 def check_model_out(out: str | os.PathLike, overwrite: bool) -> None:
-    """``ValueError`` when ``out`` already holds a model or adapters (``MODEL_FILES``) and
-    ``overwrite`` is not set: writing there would replace it or mix two models' files."""
-    held = held_files(out, MODEL_FILES)
+    """``ValueError`` when ``out`` already holds a model, adapters or the files saved beside them
+    (``run_folder.held_model_files``) and ``overwrite`` is not set: writing there would replace
+    them or mix two models' files."""
+    held = held_model_files(out)
     if held and not overwrite:
         raise ValueError(
-            f"--out {str(out)!r} already holds a model or adapters ({', '.join(held)}); "
+            f"--out {str(out)!r} already holds {describe_model_files(held, 'a model or adapters')}; "
             "choose another --out, or pass --overwrite to replace them"
         )
 
 
-def clear_model_out(out: str | os.PathLike) -> list[str]:
-    """Delete the model, adapter and tokenizer files (``OUTPUT_FILES``) in ``out``, and peft's
-    model card where ``out`` holds adapters, so a new model there has no stale files beside it;
-    anything else stays. Returns the names deleted."""
-    return delete_files(out, (*OUTPUT_FILES, PEFT_MODEL_CARD) if is_adapter_folder(out) else OUTPUT_FILES)
+def base_source(name: str | os.PathLike, resolved: Path) -> tuple[str, str | None]:
+    """``(base_model_name_or_path, revision)`` for adapters trained on the checkpoint ``name``
+    (as given) read from ``resolved``: a local one's absolute path and no revision; a Hub id as
+    given, with the commit of the snapshot it was read from, so that the adapters load on those
+    very weights later (``resolve_adapter_base``), from the local Hub cache offline too."""
+    if Path(name).exists() or not REPO_ID.match(str(name)):
+        return str(Path(resolved).resolve()), None
+    resolved = Path(resolved)
+    commit = resolved.name if resolved.parent.name == "snapshots" and COMMIT.fullmatch(resolved.name) else None
+    return str(name), commit
 
 
 def checkpoint_dir(path: str | os.PathLike) -> Path:
@@ -401,17 +405,38 @@ def is_adapter_folder(path: str | os.PathLike) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
+def _adapter_config(path: str | os.PathLike) -> dict[str, Any]:
+    config = Path(path) / ADAPTER_CONFIG
+    try:
+        raw = json.loads(config.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config} is not valid JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config} is not a JSON object")
+    return raw
+
+
 def adapter_base(path: str | os.PathLike) -> str:
     """The base checkpoint a LoRA folder's ``adapter_config.json`` names; ``ValueError`` when it
     names none (then ``--base`` gives it)."""
-    config = Path(path) / ADAPTER_CONFIG
-    try:
-        base = json.loads(config.read_text()).get("base_model_name_or_path")
-    except (json.JSONDecodeError, AttributeError) as e:
-        raise ValueError(f"{config} is not a JSON object: {e}") from e
+    base = _adapter_config(path).get("base_model_name_or_path")
     if not base:
-        raise ValueError(f"{config} names no base model: give it with --base")
+        raise ValueError(f"{Path(path) / ADAPTER_CONFIG} names no base model: give it with --base")
     return base
+
+
+def resolve_adapter_base(path: str | os.PathLike, base: str | os.PathLike | None = None) -> Path:
+    """The local folder of a LoRA folder's base: ``base`` when given, else the checkpoint its
+    ``adapter_config.json`` names, a Hub id at the ``revision`` recorded there
+    (``resolve_checkpoint``: the local Hub cache does offline)."""
+    if base is not None:
+        return resolve_checkpoint(base)
+    name = adapter_base(path)
+    revision = _adapter_config(path).get("revision")
+    if revision is not None and not isinstance(revision, str):
+        raise ValueError(f"{Path(path) / ADAPTER_CONFIG}: revision {revision!r} is not a string")
+    # peft records a revision for Hub ids; for a local folder there is none to apply
+    return resolve_checkpoint(name, None if Path(name).exists() else revision)
 
 
 def load_finetuned(
@@ -438,7 +463,7 @@ def load_finetuned(
         raise ValueError(
             f"{path} holds {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS[0]}: the adapters' weights are missing"
         )
-    base_dir = resolve_checkpoint(adapter_base(path) if base is None else base)
+    base_dir = resolve_adapter_base(path, base)
     base_model = cls.from_pretrained(base_dir, device=device)
     check_adapter_shapes(path, base_model, base_dir)
     model = peft.PeftModel.from_pretrained(base_model, str(path)).eval()
@@ -496,13 +521,12 @@ def merge_adapters(
     check_output_folder(out, "--out")
     check_not_a_run(out, "--out")
     check_apart(out, path, "--out", "adapter folder")
-    if base is None:
-        base = adapter_base(path)
-    base_dir = resolve_checkpoint(base)
+    base_dir = resolve_adapter_base(path, base)
     check_apart(out, base_dir, "--out", "base checkpoint")
     check_model_out(out, overwrite)
     model, tokenizer = load_finetuned(path, base=base_dir)
     merged = model.merge_and_unload()
-    clear_model_out(out)
+    if overwrite:
+        clear_model_folder(out)
     merged.save_pretrained(Path(out), tokenizer)
     return Path(out)

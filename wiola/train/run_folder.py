@@ -17,6 +17,7 @@ a planted pickle is refused, never run.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import random
@@ -202,7 +203,7 @@ def check_no_model(out: str | os.PathLike, why: str, name: str = "--out") -> Non
     or a model (``MODEL_FILES``), for commands that write beside a model's files but never replace
     them (``tokenizer train``, ``instruct-demo``); ``why`` says what writing there would do."""
     check_not_a_run(out, name)
-    model = held_files(out, MODEL_FILES, ONNX_PREFIX)
+    model = held_files(out, MODEL_FILES)
     if model:
         raise ValueError(f"{name} {str(out)!r} holds a model ({', '.join(model)}){why}: use another folder")
 
@@ -214,38 +215,86 @@ def clear_run(out_dir: str | os.PathLike) -> list[str]:
     return [name for name in RUN_FILES if remove_path(out / name)]
 
 
-# What a checkpoint or an export of either format consists of: a folder holding one of the model
-# files holds a model (``wiola export``, ``tokenizer train`` and ``instruct-demo`` check an --out
-# for them); export's --overwrite deletes all of EXPORT_FILES before writing, so that no file of the
-# old model stays beside the new one (a tokenizer, the other format's weights).
-MODEL_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", "model.onnx", "wiola_onnx.json")
-ONNX_PREFIX = "model.onnx"  # the graph and its external data (model.onnx.data)
-EXPORT_FILES = (*MODEL_FILES, "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "run_onnx.py")
+# The files of a model folder, as glob patterns. Any of MODEL_FILES means a model is there: a
+# checkpoint of ours or of transformers' (one weights file, or shards and their index), an ONNX
+# export (the graph, its external data and its record), LoRA adapters, a fine-tune's record.
+MODEL_FILES = (
+    "config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "model-*-of-*.safetensors",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+    "pytorch_model-*-of-*.bin",
+    "model.onnx*",
+    "wiola_onnx.json",
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+    "finetune.json",
+)
+# What is written beside a model's files: its tokenizer (and chat template), transformers'
+# generation settings, the ONNX runner, a fine-tune's loss curve.
+MODEL_COMPANIONS = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "run_onnx.py",
+    "loss_curve.png",
+)
+# The commands that write a model (export, finetune, merge) refuse an --out holding any of these
+# unless --overwrite is given, and then delete them all first (clear_model_folder): a new model
+# never mixes with, or silently replaces, an old one's files, and no old file stays beside it.
+MODEL_FOLDER_FILES = (*MODEL_FILES, *MODEL_COMPANIONS)
+PEFT_MODEL_CARD = "README.md"  # peft writes it beside adapters: the old model's only there
 
 
-def held_files(folder: str | os.PathLike, names: tuple[str, ...], prefix: str | None = None) -> list[str]:
-    """Which of ``names`` (in their order), then which files starting with ``prefix`` (sorted),
-    the folder holds: the files of a model there (a checkpoint, adapters, an export)."""
+def held_files(folder: str | os.PathLike, patterns: tuple[str, ...]) -> list[str]:
+    """The names of the entries in ``folder`` that match ``patterns`` (``fnmatch`` globs; a plain
+    name matches itself), in the patterns' order, sorted within one: the files of a model there."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    held = [name for name in names if (folder / name).exists()]
-    if prefix is not None:
-        held += sorted(f.name for f in folder.iterdir() if f.name.startswith(prefix) and f.name not in held)
+    names = sorted(entry.name for entry in folder.iterdir())
+    held: list[str] = []
+    for pattern in patterns:
+        held += [name for name in names if fnmatch.fnmatchcase(name, pattern) and name not in held]
     return held
 
 
-def delete_files(folder: str | os.PathLike, names: tuple[str, ...], prefix: str | None = None) -> list[str]:
+def held_model_files(folder: str | os.PathLike) -> list[str]:
+    """Which files of a model (``MODEL_FOLDER_FILES``) ``folder`` holds: none where it is new or
+    holds only other files."""
+    return held_files(folder, MODEL_FOLDER_FILES)
+
+
+def describe_model_files(held: list[str], model: str = "a model") -> str:
+    """``held`` (``held_model_files``) in words for an error: ``model`` (what the command calls
+    one) and the names, or, where none of them is a model's own file, a tokenizer or settings."""
+    own = any(fnmatch.fnmatchcase(name, pattern) for name in held for pattern in MODEL_FILES)
+    return f"{model if own else 'the tokenizer or settings of a model'} ({', '.join(held)})"
+
+
+def delete_files(folder: str | os.PathLike, patterns: tuple[str, ...]) -> list[str]:
     """Delete the files ``held_files`` finds (a file or a link, never a folder); anything else in
-    ``folder`` stays. For ``--overwrite``: a new model there has no stale file beside it. Returns
-    the names deleted."""
+    ``folder`` stays. Returns the names deleted."""
     gone = []
-    for name in held_files(folder, names, prefix):
+    for name in held_files(folder, patterns):
         path = Path(folder) / name
         if path.is_file() or path.is_symlink():
             path.unlink()
             gone.append(name)
     return gone
+
+
+def clear_model_folder(folder: str | os.PathLike) -> list[str]:
+    """Delete the files of the model in ``folder`` (``MODEL_FOLDER_FILES``, and peft's model card
+    where it holds adapters), for ``--overwrite`` once the new model is ready to be written: no
+    file of the old model stays beside it. Anything else stays. Returns the names deleted."""
+    adapters = (Path(folder) / "adapter_config.json").is_file()
+    return delete_files(folder, (*MODEL_FOLDER_FILES, PEFT_MODEL_CARD) if adapters else MODEL_FOLDER_FILES)
 
 
 def remove_path(path: Path) -> bool:
