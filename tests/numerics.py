@@ -195,3 +195,21 @@ def assert_within(name: str, want: torch.Tensor, got: torch.Tensor, allowed: Any
         f"bound {float(allowed.flatten()[worst]):.3e} ({float(ratio.max()):.2f}x; max |reference| "
         f"{float(want.abs().max()):.3e}); {platform_line(isa)}"
     )
+
+
+def log_softmax_bound(logit_bound: torch.Tensor | float, logits: torch.Tensor) -> torch.Tensor:
+    """The largest difference allowed between two log-softmaxes (over the last dimension) of
+    logits ``(..., V)`` that differ elementwise by at most ``logit_bound`` (a tensor broadcasting
+    to ``logits``, or a float; e.g. ``bound``), each side computed in fp32 or better; ``logits``
+    are one side's (float64 result, broadcasting to them).
+
+    ``log_softmax(z)_i = z_i - logsumexp(z)``, and logsumexp moves by at most ``max_j |Δz_j|`` (its
+    gradient is the softmax: nonnegative, summing to 1), so a value moves by at most twice the
+    row's largest logit bound. Each side's own rounding of an fp32 log-softmax: ``z_j - max z``
+    (``u·range`` through the exponentials), the sum of V exponentials (``λ·√V·u`` relative, as in
+    ``bound``, plus ``2u`` for exp and log) and the result's rounding (``u·|log p|``)."""
+    z = logits.detach().double()
+    allowed = torch.as_tensor(logit_bound, dtype=torch.float64).expand_as(z)
+    spread = z.amax(-1, keepdim=True) - z.amin(-1, keepdim=True)
+    own = U32 * (spread + LAMBDA * math.sqrt(z.shape[-1]) + 2 + torch.log_softmax(z, -1).abs())
+    return 2 * allowed.amax(-1, keepdim=True) + 2 * own

@@ -246,8 +246,11 @@ def test_split_read_across_shards(shard) -> None:
     split = _split(tokens, shard)
     for start, n in [(0, 50), (5, 9), (13, 1), (48, 2)]:
         assert np.array_equal(split.read(start, n), tokens[start : start + n]), f"read({start}, {n})"
-    with pytest.raises(IndexError):
-        split.read(45, 6)
+    # Past the end, and a negative start (which, unchecked, would read another shard's tokens or
+    # slice from the end): refused by the range check itself, named by its message.
+    for start, n in [(45, 6), (50, 1), (-1, 2), (-3, 3)]:
+        with pytest.raises(IndexError, match=rf"^tokens \[{start}, {start + n}\) are outside the split of 50 tokens$"):
+            split.read(start, n)
 
 
 @pytest.mark.parametrize("shuffle", [True, False], ids=["random", "sequential"])

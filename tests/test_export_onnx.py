@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -23,7 +24,7 @@ onnx = pytest.importorskip("onnx")
 
 from wiola import WiolaConfig, WiolaModel  # noqa: E402
 from wiola.cli import main as cli_main  # noqa: E402
-from wiola.export.onnx import export_onnx  # noqa: E402
+from wiola.export.onnx import OPSET, export_onnx  # noqa: E402
 from wiola.export.runner import META_FILE, MODEL_FILE, OnnxModel, read_meta  # noqa: E402
 from wiola.fast import WiolaModel as FastModel  # noqa: E402
 from wiola.fast.quantize import GROUP, quantize  # noqa: E402
@@ -98,25 +99,94 @@ def test_logits_equal_the_full_pass(exports: dict[str, Path], mode: str) -> None
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_int8_matmul_runs_int8_products_close_to_the_oracle(exports: dict[str, Path], scheme: str) -> None:
+    """Every MatMulNBits node of the export (accuracy level 4), run alone in ONNX Runtime on its own
+    initializers, against the oracle's (dequantized) matrix of the same name, in float64:
+
+    - activations that int8 holds exactly (integers up to 127 times a power of two, each 16
+      inputs holding ±127): level 4's rounding of them is exact, so the product is the oracle's
+      up to fp32 rounding, ``λ·√K·u·Σ|w·x|`` (one fp32 side against float64, ``tests/numerics.py``);
+    - random activations: each is rounded to int8 on its block's scale ``s_b = max|x_b| / 127``
+      (the node's ``block_size`` inputs; ONNX Runtime's MLAS, ``QuantizeARow_CompInt8``), an error
+      of at most ``s_b / 2`` an input, so an output moves by at most ``Σ_b (s_b / 2)·Σ_{k∈b}|w_k|``
+      beyond the fp32 bound; and somewhere by more than the fp32 bound alone (the rounding is in
+      effect: level 4, not the oracle's function).
+
+    The graph around these nodes is the level-0 export's (``_same_graph_but_the_level``), whose
+    logits are within the fp32 bound of the oracle."""
     graph = onnx.load(str(exports[f"{scheme}-matmul"] / MODEL_FILE), load_external_data=False).graph
     nbits = [n for n in graph.node if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"]
     assert len(nbits) == 1 + 7 * SMALL["n_layers"]  # the head and every layer's seven matrices
-    attrs = {(a.name, a.i) for n in nbits for a in n.attribute if a.name in ("bits", "block_size")}
+    attrs = {(a.name, a.i) for n in nbits for a in n.attribute if a.name in ("bits", "block_size", "accuracy_level")}
+    assert {a for a in attrs if a[0] == "accuracy_level"} == {("accuracy_level", 4)}, attrs
     if scheme == "int4":
-        assert attrs == {("bits", 4), ("block_size", GROUP)}, attrs
+        assert attrs == {("bits", 4), ("block_size", GROUP), ("accuracy_level", 4)}, attrs
     biggest_float = max(
         (int(np.prod(t.dims)) for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT), default=0
     )
     assert biggest_float < SMALL["d_model"] * SMALL["vocab_size"] // 4, "an fp32 copy of a matrix is stored"
-    # Not the oracle's function (the activations are rounded to int8), but close to it:
-    ref = reference_on(_quantized(scheme))
-    ids, _ = left_padded_prompt(SMALL["vocab_size"], 2, 16, 0)
-    want = ref(ids).logits
-    logits: list[np.ndarray] = []
-    OnnxModel(exports[f"{scheme}-matmul"]).driver.generate(ids.numpy(), 0, logits_out=logits)
-    got = torch.from_numpy(np.stack(logits, axis=1))
-    err = float((got - want).abs().max() / want.abs().max())
-    assert 0 < err < 0.05, f"relative error {err:.2e}"
+    matrices = _oracle_matrices(reference_on(_quantized(scheme)))
+    assert sorted(n.input[1] for n in nbits) == sorted(matrices)
+    gen = torch.Generator().manual_seed(0)
+    for node in nbits:
+        _nbits_node_within_its_bound(graph, node, matrices[node.input[1]], gen)
+
+
+def _oracle_matrices(ref: WiolaModel) -> dict[str, torch.Tensor]:
+    """The oracle's matrices by the export's initializer names (``embed.weight``,
+    ``matrices.{layer}.{projection}.weight``), float64."""
+    out = {"embed.weight": ref.embed.weight.detach().double()}
+    for i, layer in enumerate(ref.layers):
+        for part, names in (
+            ("attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+            ("ffn", ("up_proj", "bypass_proj", "down_proj")),
+        ):
+            for name in names:
+                out[f"matrices.{i}.{name}.weight"] = layer.get_submodule(f"{part}.{name}").weight.detach().double()
+    return out
+
+
+def _nbits_node_within_its_bound(graph: onnx.GraphProto, node: onnx.NodeProto, w: torch.Tensor, gen) -> None:
+    """``node`` alone in ONNX Runtime against ``x · wᵀ`` (``w`` the oracle's matrix, float64): see
+    ``test_int8_matmul_runs_int8_products_close_to_the_oracle``."""
+    import onnxruntime as ort
+    from numerics import LAMBDA, U32
+
+    attrs = {a.name: a.i for a in node.attribute}
+    K, N, block = attrs["K"], attrs["N"], attrs["block_size"]
+    assert w.shape == (N, K), f"{node.input[1]}: oracle {tuple(w.shape)} != (N, K) = ({N}, {K})"
+    inits = {t.name: t for t in graph.initializer}
+    helper = onnx.helper
+    one = helper.make_graph(
+        [helper.make_node("MatMulNBits", ["A", *node.input[1:]], ["Y"], domain="com.microsoft", **attrs)],
+        "one_product",
+        [helper.make_tensor_value_info("A", onnx.TensorProto.FLOAT, ["M", K])],
+        [helper.make_tensor_value_info("Y", onnx.TensorProto.FLOAT, ["M", N])],
+        [inits[name] for name in node.input[1:]],
+    )
+    opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)]
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    model = helper.make_model(one, opset_imports=opsets).SerializeToString()
+    session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    M, name = 8, f"{node.input[1]} (MatMulNBits bits={attrs['bits']}, block {block}, level {attrs['accuracy_level']})"
+
+    def run(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        got = torch.from_numpy(session.run(None, {"A": x.numpy()})[0]).double()
+        x = x.double()
+        return got, x @ w.T, LAMBDA * math.sqrt(K) * U32 * (x.abs() @ w.abs().T)
+
+    # Exactly int8: j·2^e with |j| <= 127 and ±127 first in every 16 inputs (so in every block).
+    j = torch.randint(-127, 128, (M, K), generator=gen)
+    j[:, ::16] = 127 * (2 * torch.randint(0, 2, (M, K // 16), generator=gen) - 1)
+    got, want, fp32 = run((j * 2.0 ** torch.randint(-8, 3, (M, 1), generator=gen)).float())
+    assert_within(f"{name}, int8-exact activations", want, got, fp32, "ONNX Runtime CPU")
+
+    x = torch.randn(M, K, generator=gen)
+    got, want, fp32 = run(x)
+    half_step = x.double().abs().view(M, K // block, block).amax(-1) / 127 / 2  # (M, blocks): s_b / 2
+    rounding = half_step @ w.abs().view(N, K // block, block).sum(-1).T  # Σ_b (s_b / 2)·Σ_{k∈b} |w_k|
+    assert_within(f"{name}, int8-rounded activations", want, got, rounding + fp32, "ONNX Runtime CPU")
+    assert float(((got - want).abs() / fp32).max()) > 1, f"{name}: no activation was rounded (not level 4?)"
 
 
 def _weight_bytes(folder: Path) -> int:
@@ -124,12 +194,15 @@ def _weight_bytes(folder: Path) -> int:
     return sum(onnx.numpy_helper.to_array(t).nbytes for t in graph.initializer)
 
 
-def test_int8_matmul_at_accuracy_level_0_is_exact(tmp_path: Path) -> None:
-    """MatMulNBits with fp32 products (level 0, for comparisons): the oracle's greedy tokens."""
+def test_int8_matmul_at_accuracy_level_0_is_exact(exports: dict[str, Path], tmp_path: Path) -> None:
+    """MatMulNBits with fp32 products (level 0, for comparisons): the oracle's greedy tokens, its
+    logits within the fp32 bound; the graph is the level-4 export's but for the level."""
     export_onnx(_quantized("int8"), tmp_path, int8_matmul=True, accuracy_level=0)
     graph = onnx.load(str(tmp_path / MODEL_FILE)).graph
     levels = {a.i for n in graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "accuracy_level"}
     assert levels == {0}
+    _same_graph_but_the_level(tmp_path, exports["int8-matmul"])
+    _onnx_vs_oracle(tmp_path, "int8", "int8 MatMulNBits level 0")
     ids, mask = left_padded_prompt(SMALL["vocab_size"], 3, 12, 4)
     want = reference_on(_quantized("int8")).generate(ids, 30, attention_mask=mask)
     got = OnnxModel(tmp_path).generate(ids.numpy(), 30, attention_mask=mask.numpy())
@@ -138,10 +211,40 @@ def test_int8_matmul_at_accuracy_level_0_is_exact(tmp_path: Path) -> None:
         export_onnx(_quantized("int8"), tmp_path / "x", int8_matmul=True, accuracy_level=7)
 
 
-def test_int4_matmul_at_accuracy_level_0_is_within_the_bound(tmp_path: Path) -> None:
-    """4-bit MatMulNBits with fp32 products (level 0): the oracle's function, up to fp32 rounding."""
+def test_int4_matmul_at_accuracy_level_0_is_within_the_bound(exports: dict[str, Path], tmp_path: Path) -> None:
+    """4-bit MatMulNBits with fp32 products (level 0): the oracle's function, up to fp32 rounding;
+    the graph is the level-4 export's but for the level."""
     export_onnx(_quantized("int4"), tmp_path, int8_matmul=True, accuracy_level=0)
+    _same_graph_but_the_level(tmp_path, exports["int4-matmul"])
     _onnx_vs_oracle(tmp_path, "int4", "int4 MatMulNBits level 0")
+
+
+def _same_graph_but_the_level(level_0: Path, level_4: Path) -> None:
+    """The two exports' nodes (but for MatMulNBits' ``accuracy_level``), initializers, inputs and
+    outputs are the same: what the level-0 export's logits show of the graph holds for the
+    level-4 one, whose products are checked alone
+    (``test_int8_matmul_runs_int8_products_close_to_the_oracle``)."""
+
+    def parts(folder: Path) -> dict[str, list[bytes]]:
+        graph = onnx.load(str(folder / MODEL_FILE)).graph
+        nodes = []
+        for node in graph.node:
+            bare = onnx.NodeProto()
+            bare.CopyFrom(node)
+            kept = [a for a in bare.attribute if a.name != "accuracy_level"]
+            del bare.attribute[:]
+            bare.attribute.extend(kept)
+            nodes.append(bare.SerializeToString())
+        return {
+            "nodes": nodes,
+            "initializers": sorted(t.SerializeToString() for t in graph.initializer),
+            "inputs": [v.SerializeToString() for v in graph.input],
+            "outputs": [v.SerializeToString() for v in graph.output],
+        }
+
+    a, b = parts(level_0), parts(level_4)
+    for key in a:
+        assert a[key] == b[key], f"the level-0 and level-4 exports' {key} differ"
 
 
 def test_quantized_exports_are_smaller_and_recorded(exports: dict[str, Path]) -> None:

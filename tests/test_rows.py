@@ -14,7 +14,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from numerics import TOL
+from numerics import AbsSums, assert_within, bound, log_softmax_bound, platform_line
 
 import wiola
 import wiola.fast
@@ -22,7 +22,6 @@ from wiola.fast.quantize import quantize
 from wiola.fast.rows import RowRequest, Rows
 
 decode_step_cpu = pytest.importorskip("wiola.fast.decode_step_cpu")
-FP32 = TOL[torch.float32]
 
 SMALL = wiola.WiolaConfig(vocab_size=1000, d_model=64, n_layers=2, n_heads=2, d_ff=128, max_seq_len=96)
 ODD = wiola.WiolaConfig(vocab_size=301, d_model=40, n_layers=2, n_heads=4, d_ff=72, max_seq_len=96)
@@ -352,26 +351,46 @@ def _drain(rows: Rows) -> list:
 
 @torch.inference_mode()
 def test_logprobs_are_the_unfiltered_log_softmax(plain_cpu):
-    """A greedy row's logprob is the best of its ``top``; values are log-softmax of the model's
-    logits for the prefix (checked against a full forward pass of the reference)."""
+    """Beside each other, a sampled row (temperature 1, top-k 2) and a greedy row: each token's
+    ``logprob`` and its ``top`` values are the log-softmax of the unfiltered logits of the reference
+    model for the prefix (a full pass), within the bound through the log-softmax of the two-sided
+    fp32 logit bound (``log_softmax_bound``); ``top`` is the best ids, best first; a greedy row's
+    token is ``top[0]`` and its logprob ``top[0]``'s value, bitwise."""
     model = _model(SMALL)
-    ref = wiola.WiolaModel(SMALL).eval()
+    ref = wiola.WiolaModel(SMALL).eval().requires_grad_(False)
     ref.load_state_dict(model.state_dict())
     rows = Rows(model, max_rows=2)
-    prompt = [3, 14, 15, 92]
-    rows.join(RowRequest(prompt, 3, logprobs=4, temperature=1.0, top_k=2, seed=0))
-    seq = list(prompt)
-    for _ in range(3):
-        (t,) = rows.step()
-        logits = ref(torch.tensor([seq])).logits[0, -1].double()
-        want = torch.log_softmax(logits, -1)
-        # The step's logits are within FP32 relative error of the reference's (test_decode_step_cpu);
-        # a log-softmax moves by at most twice the largest logit error.
-        bound = 2 * FP32 * float(logits.abs().max())
-        assert abs(t.logprob - float(want[t.token])) <= bound, (t.logprob, float(want[t.token]), bound)
-        assert [i for i, _ in t.top] == torch.topk(want, 4).indices.tolist()
-        assert all(a[1] >= b[1] for a, b in zip(t.top, t.top[1:], strict=False))
-        seq.append(t.token)
+    assert rows.backend == "C++"
+    isa = decode_step_cpu.select_isa(rows.isa)
+    prompts = {"sampled": [3, 14, 15, 92], "greedy": [65, 35, 89]}
+    handles = {
+        rows.join(RowRequest(prompts["sampled"], 5, logprobs=4, temperature=1.0, top_k=2, seed=0)): "sampled",
+        rows.join(RowRequest(prompts["greedy"], 5, logprobs=4)): "greedy",
+    }
+    seqs = {name: list(prompt) for name, prompt in prompts.items()}
+    sampled_not_best = False
+    for step in range(5):
+        for t in rows.step():
+            name = handles[t.row]
+            seq = seqs[name]
+            with AbsSums(ref) as sums:
+                logits = ref(torch.tensor([seq])).logits[0, -1]
+            want = torch.log_softmax(logits.double(), -1)
+            allowed = log_softmax_bound(bound(SMALL, len(seq), sums.head[0, -1]), logits)
+            what = f"{name} row, token {step}"
+            best = torch.topk(want, 4).indices.tolist()
+            assert [i for i, _ in t.top] == best, (
+                f"{what}: top ids {[i for i, _ in t.top]} != {best}; {platform_line(isa)}"
+            )
+            ids = torch.tensor([t.token, *best])
+            got = torch.tensor([t.logprob, *(v for _, v in t.top)], dtype=torch.float64)
+            assert_within(f"{what}: logprob and top values", want[ids], got, allowed[ids], isa)
+            if name == "greedy":
+                assert (t.token, t.logprob) == t.top[0], f"{what}: ({t.token}, {t.logprob}) != top[0] {t.top[0]}"
+            else:
+                sampled_not_best |= t.token != best[0]
+            seq.append(t.token)
+    assert sampled_not_best, "the sampled row took the best token every time: the test shows nothing of sampling"
 
 
 def _finish(rows: Rows, got: dict[int, list[int]], reasons: dict[int, str]) -> None:
