@@ -520,6 +520,8 @@ def test_export_and_finetune_do_not_point_to_a_tokenizer_flag_they_lack(tmp_path
         assert "--tokenizer" not in err, err
     with pytest.raises(FileNotFoundError, match=r"next to the weights, or name one with --tokenizer$"):
         load_checkpoint_tokenizer(folder, tokenizer_flag="--tokenizer")
+    assert main(["generate", "--checkpoint", str(folder), "--prompt", "a", "--max-new-tokens", "1"]) == 2
+    assert capsys.readouterr().err.rstrip().endswith("or name one with --tokenizer"), "generate has the flag"
 
 
 def test_export_leaves_adapters_alone_and_overwrite_leaves_no_old_file(tmp_path, capsys):

@@ -355,6 +355,21 @@ def test_quantized_checkpoint_with_a_stray_tensor_is_refused(scheme, tmp_path):
         wiola.fast.WiolaModel.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantized_checkpoint_with_a_misshaped_matrix_names_it(scheme, tmp_path):
+    """A packed matrix of another shape than the config's is named, not the scale read for it."""
+    from safetensors.torch import load_file, save_file
+
+    _quantized(ODD, scheme).save_pretrained(tmp_path)
+    path = str(tmp_path / "model.safetensors")
+    stored = load_file(path)
+    name = "layers.0.attn.q_proj.weight"
+    stored[name] = stored[name][:-1].contiguous()  # one row short
+    save_file(stored, path)
+    with pytest.raises(ValueError, match=re.escape(f"'{name}' has shape")):
+        wiola.fast.WiolaModel.from_pretrained(tmp_path)
+
+
 def test_quantized_checkpoint_refuses_what_cannot_run_it(tmp_path):
     _quantized(ODD, "int8").save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="only wiola.fast.WiolaModel runs"):

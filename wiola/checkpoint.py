@@ -111,17 +111,37 @@ def _atomic_write(path: Path, write: Callable[[str], object]) -> None:
     """Write through a temporary file in the same folder (``write(temporary path)``), then rename
     over ``path``. The file gets mode 0o666 less the umask, as ``open()`` would create it: the
     temporary file (``tempfile.mkstemp``) and safetensors' own writes are 0o600 whatever the
-    umask, and the rename keeps the mode."""
+    umask, and the rename keeps the mode.
+
+    Raises ``OSError`` ``"cannot write {path}: ..."`` (with the cause's ``errno``, where it has
+    one) when the write fails: safetensors' ``SafetensorError`` (a full disk among others) is no
+    ``OSError``, and the temporary file an ``OSError`` would name is gone by then. ``path`` is
+    left as it was."""
+    from safetensors import SafetensorError
+
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
+    except (OSError, SafetensorError) as e:
+        os.path.exists(tmp) and os.unlink(tmp)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        error = OSError(f"cannot write {path}: {reason}")
+        error.errno = getattr(e, "errno", None) or _errno_in(reason)
+        raise error from e
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _errno_in(message: str) -> int | None:
+    """The errno a Rust I/O error's text gives (``"... (os error 28)"``, as safetensors reports
+    one), None when it names none."""
+    found = re.search(r"os error (\d+)", message)
+    return int(found.group(1)) if found else None
 
 
 def save_pretrained(model: nn.Module, directory: str | Path, tokenizer: Tokenizer | None = None) -> None:
@@ -703,7 +723,7 @@ def load_pretrained(
     if flavour == "wiola13m":
         state = convert_wiola13m_state(state, config.n_layers, source)
     if record is not None:
-        state, packed = quantize.unpack_state(state, scheme, config.n_layers, source)
+        state, packed = quantize.unpack_state(state, scheme, config.n_layers, source, expected)
     _check_shapes(expected, {name: tuple(t.shape) for name, t in state.items()}, source)
     for name, tensor in state.items():
         if not tensor.dtype.is_floating_point:

@@ -79,7 +79,7 @@ def load_model(args: argparse.Namespace):
         if args.tokenizer:
             tokenizer = load_tokenizer(args.tokenizer).with_special_ids(c.bos_token_id, c.eos_token_id, c.pad_token_id)
         else:
-            tokenizer = load_checkpoint_tokenizer(path)
+            tokenizer = load_checkpoint_tokenizer(path, tokenizer_flag="--tokenizer")
         tokenizer.check_fits(c.vocab_size)
         return model, tokenizer
     torch.manual_seed(args.seed)

@@ -326,10 +326,16 @@ def read_record(record: Any, where: Any) -> str:
 
 
 def unpack_state(
-    state: dict[str, torch.Tensor], scheme: str, n_layers: int, where: Any
+    state: dict[str, torch.Tensor],
+    scheme: str,
+    n_layers: int,
+    where: Any,
+    shapes: dict[str, tuple[int, ...]] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor | None]]]:
     """A checkpoint's packed state -> (the state dict with dequantized fp32 matrices, the packed
-    matrices for ``attach``). Raises ``ValueError`` naming a missing or malformed tensor."""
+    matrices for ``attach``). ``shapes``: the model's ``(N, K)`` of each matrix, from its config;
+    a packed matrix of another shape is named before its scale is read. Raises ``ValueError``
+    naming a missing or malformed tensor."""
     state = dict(state)
     packed: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
     for name in matrix_names(n_layers):
@@ -338,6 +344,14 @@ def unpack_state(
             raise ValueError(f"{where}: missing tensor {name!r}")
         if q.dtype != PACKED_DTYPE[scheme] or q.dim() != 2:
             raise ValueError(f"{where}: {name!r} is a {q.dtype} {tuple(q.shape)} tensor, expected a 2-D {scheme} one")
+        if shapes is not None and name in shapes:
+            n, k = shapes[name]
+            stored = (n, k // 2) if scheme == "int4" else (n, k)  # int4: two weights a byte
+            if tuple(q.shape) != stored:
+                raise ValueError(
+                    f"{where}: {name!r} has shape {tuple(q.shape)}; the config's {n}×{k} matrix is stored as {stored} "
+                    f"in {scheme}"
+                )
         want = {"int8": q.shape[:1], "int4": (q.shape[0], 2 * q.shape[1] // GROUP)}.get(scheme)
         scale = state.pop(name + SCALE_SUFFIX, None) if want is not None else None  # bf16's: left as unexpected
         if scheme == "int4" and (2 * q.shape[1]) % GROUP:
