@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -326,6 +327,19 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again(tmp_path):
     assert train_arguments(run)[-1] == "--overwrite"
     (run.run_dir / "checkpoints").mkdir()  # damaged (no latest): never overwritten, train names the problem
     assert "--overwrite" not in train_arguments(run) and "--resume" not in train_arguments(run)
+
+
+def test_a_run_folder_without_its_run_record_is_named(tmp_path):
+    """A metrics.jsonl with evaluations but no run record (the model's size and settings) is a
+    ValueError naming the file, not a StopIteration from deep in the report."""
+    from wiola.train.ablate_report import _run_summary
+
+    run = plan(parse_spec(_spec(grid={"ffn": ["butterfly"]})), tmp_path)[0]
+    run.run_dir.mkdir(parents=True)
+    path = run.run_dir / "metrics.jsonl"
+    path.write_text('{"kind": "eval", "step": 12, "loss": 4.0, "bits_per_byte": 1.5, "gates": [[0.5]]}\n')
+    with pytest.raises(ValueError, match=re.escape(f"{path} has no run record")):
+        _run_summary(run, {"buckets": []}, 0.1)
 
 
 def _sweep(spec: Path, out: Path) -> subprocess.Popen:

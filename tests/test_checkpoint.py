@@ -296,6 +296,41 @@ def test_saved_files_get_the_mode_open_gives(tmp_path, umask):
     assert not [p.name for p in (tmp_path / "ours").iterdir() if p.name.startswith(".")], "temporary file left"
 
 
+@pytest.mark.parametrize(
+    "error",
+    [
+        "Error while serializing: I/O error: No space left on device (os error 28)",  # safetensors' own error
+        OSError(28, "No space left on device", "the-temporary-file"),
+    ],
+    ids=["SafetensorError", "OSError"],
+)
+def test_a_full_disk_while_saving_is_an_oserror_naming_the_file(tmp_path, monkeypatch, error):
+    """A write that fails (a full disk) is an OSError naming the file it was to replace, with
+    the errno (a SafetensorError is none): the files saved before stay as they were, and no
+    temporary file is left."""
+    import errno
+
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    WiolaModel(CFG).save_pretrained(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def full(state, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"cut short")
+        raise SafetensorError(error) if isinstance(error, str) else error
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    expected = f"cannot write {tmp_path / 'model.safetensors'}: " + (
+        error if isinstance(error, str) else error.strerror
+    )
+    with pytest.raises(OSError, match=f"^{re.escape(expected)}$") as caught:
+        WiolaModel(CFG).save_pretrained(tmp_path)
+    assert caught.value.errno == errno.ENOSPC
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
 class _Planted:
     def __reduce__(self):
         return (os.system, ("true",))

@@ -1075,3 +1075,207 @@ def test_progress_off_a_terminal_logs_lines_and_a_summary(monkeypatch) -> None:
     bar.close("tokens: done")
     assert not bar.drawn
     assert lines == ["tokenising train: 100/200 docs (50%)", "tokenising train: 200/200 docs (100%)", "tokens: done"]
+
+
+# ------------------------------------------------------------------- a damaged or full run folder
+def _fail_at_step(monkeypatch, what: str, step: int) -> dict[str, bytes]:
+    """Make the checkpoint of ``step`` fail as on a full disk while writing ``what`` (``weights``:
+    safetensors' error; ``optimizer``: torch.save's short write), after writing part of the file.
+    Returns the complete files ``checkpoints/`` held when the failing write began (filled in then)."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    before: dict[str, bytes] = {}
+    real = safetensors.torch.save_file if what == "weights" else torch.save
+
+    def failing(obj, path, *args, **kwargs):
+        if f".step_{step:07d}.tmp-" not in str(path):
+            return real(obj, path, *args, **kwargs)
+        root = Path(path).parent.parent
+        before.update({name: data for name, data in _snapshot(root).items() if not name.startswith(".")})
+        Path(path).write_bytes(b"PK\x03\x04 cut short")
+        if what == "weights":
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+
+    if what == "weights":
+        monkeypatch.setattr(safetensors.torch, "save_file", failing)
+    else:
+        monkeypatch.setattr(torch, "save", failing)
+    return before
+
+
+@pytest.mark.parametrize(
+    "what, file, reason",
+    [
+        ("weights", "model.safetensors", r"No space left on device \(os error 28\) \(the disk is full: "),
+        ("optimizer", "optimizer.pt", r"unexpected pos 576 vs 534 \(a short write, as on a full disk: "),
+    ],
+)  # fmt: skip
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_keeps_the_last_checkpoint(
+    what, file, reason, corpus, cache, tmp_path, monkeypatch, capsys
+) -> None:
+    """The step-4 checkpoint cannot be written: exit 2 (not 1, "diverged") with one line naming the
+    file, the cause with the space left, and the step-2 checkpoint, which is byte for byte as it
+    was and still the latest; nothing temporary is left, and --resume goes on from it."""
+    from wiola.cli import main
+
+    out = tmp_path / "run"
+    before = _fail_at_step(monkeypatch, what, 4)
+    flags = ["--steps", "6", "--log-every", "2", "--save-every", "2", "--eval-every", "100"]
+    assert main(_train_command(corpus, cache, out, *flags)) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    good = out / "checkpoints" / "step_0000002"
+    size = sum(len(data) for name, data in before.items() if name.startswith("step_0000002/")) / 2**20
+    assert re.fullmatch(
+        re.escape(f"wiola train: error: cannot write {out / 'checkpoints' / 'step_0000004' / file}: ")
+        + r".*"
+        + reason
+        + r"[\d,.]+ MiB free, "
+        + re.escape(f"a checkpoint takes {size:,.1f} MiB)")
+        + re.escape(
+            f"; the last complete checkpoint, {good}, is as it was (checkpoints/latest names it): "
+            f"make room, then continue with wiola train --resume {out}"
+        ),
+        err,
+    ), err
+    assert _snapshot(out / "checkpoints") == before, "the failed write changed the complete checkpoint"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_0000002"]
+    monkeypatch.undo()
+    assert main([*_train_command(corpus, cache, out, *flags), "--resume", str(out)]) == 0, capsys.readouterr().err
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_0000006"
+
+
+def test_a_run_whose_first_checkpoint_failed_is_started_again(corpus, cache, tmp_path, monkeypatch, capsys) -> None:
+    """The first checkpoint cannot be written: the message says there is none, no empty
+    checkpoints/ is left, and the folder (its metrics only) is refused by a plain run and by
+    --resume, each saying to start again with --overwrite, which then works."""
+    from wiola.cli import main
+
+    out = tmp_path / "run"
+    _fail_at_step(monkeypatch, "weights", 2)
+    flags = ["--steps", "2", "--log-every", "1", "--eval-every", "100"]
+    assert main(_train_command(corpus, cache, out, *flags)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("; the run has no complete checkpoint: make room, then start it again (--overwrite)"), err
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"], "an empty checkpoints/ was left"
+    monkeypatch.undo()
+    assert main(_train_command(corpus, cache, out, *flags)) == 2
+    err = capsys.readouterr().err.strip()
+    assert "already holds a run with no complete checkpoint" in err and "--overwrite" in err, err
+    assert "--resume" not in err, "it points to --resume, which has nothing to continue from"
+    (out / "checkpoints" / ".step_0000002.tmp-999999999").mkdir(parents=True)  # what a killed first save leaves
+    assert main([*_train_command(corpus, cache, out, *flags), "--resume", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{out} holds a training run with no complete checkpoint" in err, err
+    assert err.endswith(f"start the run again with wiola train --out {out} --overwrite"), err
+    assert main([*_train_command(corpus, cache, out, *flags), "--overwrite"]) == 0, capsys.readouterr().err
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_0000002"
+
+
+def test_a_torn_last_metrics_line_is_dropped_and_resume_goes_on(runs, corpus, cache, tmp_path) -> None:
+    """A run killed while appending to metrics.jsonl leaves a cut-short last line: --resume drops
+    it with a warning naming the file and goes on; the log holds only whole lines again."""
+    folder = tmp_path / "run"
+    shutil.copytree(runs[0].out_dir, folder)
+    metrics = folder / "metrics.jsonl"
+    whole = metrics.read_text()
+    metrics.write_text(whole + '{"kind": "train", "step": 7, "lo')
+    lines: list[str] = []
+    result = train(_cfg(corpus, cache, folder, steps=7), resume=folder, log=lines.append)
+    assert result.step == 7
+    assert f"{metrics}: dropped its last line ({whole.count(chr(10)) + 1}), cut short" in "\n".join(lines), lines
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]  # every line whole
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_metrics_lines_that_do_not_parse(tmp_path) -> None:
+    """Only the last line may be cut short (dropped, with a warning); a damaged line before it, or
+    one that is not an object, is a ValueError naming the file and the line."""
+    from wiola.train.run_folder import MetricsLog, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "run", "step": 0}\n\n{"kind": "train", "step": 1}\n{"kind": "tr')
+    with pytest.warns(UserWarning, match=re.escape(f"{path}: dropped its last line (4), cut short")):
+        assert [r["step"] for r in read_metrics(path)] == [0, 1]
+    log: list[str] = []
+    MetricsLog(path, True, 1, path, log.append).close()
+    assert path.read_text() == '{"kind": "run", "step": 0}\n{"kind": "train", "step": 1}\n' and len(log) == 1
+    path.write_text('{"kind": "run", "step": 0}\n{"kind": "tr\n{"kind": "train", "step": 1}\n')
+    with pytest.raises(ValueError, match=re.escape(f"{path}, line 2: not valid JSON")):
+        read_metrics(path)
+    path.write_text('{"kind": "run", "step": 0}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=re.escape(f"{path}, line 2: not a JSON object")):
+        read_metrics(path)
+
+
+def _dead_pid() -> int:
+    """The id of a process that has ended."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_killed_writers_temporaries_are_removed_and_a_live_ones_kept(tmp_path) -> None:
+    """What a process killed mid-checkpoint leaves in checkpoints/ goes (its temporary folder and
+    latest; the checkpoint it had moved aside comes back where it is missing); a running process's
+    entries and anything else stay."""
+    from wiola.train.run_folder import remove_stale_temporaries
+
+    root = tmp_path / "checkpoints"
+    dead, live = _dead_pid(), os.getppid()
+    for name in (f".step_0000009.tmp-{dead}", f".step_0000009.tmp-{live}", f".step_0000006.old-{dead}",
+                 f".step_0000004.old-{dead}", "step_0000006", f".step_0000008.tmp-{os.getpid()}", ".notes"):  # fmt: skip
+        (root / name).mkdir(parents=True)
+        (root / name / "trainer.json").write_text(name)
+    (root / f".latest.tmp-{dead}").write_text("step_0000009\n")
+    gone = remove_stale_temporaries(root)
+    assert sorted(gone) == sorted(
+        [f".latest.tmp-{dead}", f".step_0000004.old-{dead}", f".step_0000006.old-{dead}",
+         f".step_0000008.tmp-{os.getpid()}", f".step_0000009.tmp-{dead}"]
+    )  # fmt: skip
+    assert sorted(p.name for p in root.iterdir()) == [
+        ".notes",
+        f".step_0000009.tmp-{live}",
+        "step_0000004",
+        "step_0000006",
+    ]
+    assert (root / "step_0000004" / "trainer.json").read_text() == f".step_0000004.old-{dead}", "not moved back"
+    assert (root / "step_0000006" / "trainer.json").read_text() == "step_0000006", "the newer checkpoint was replaced"
+
+
+def test_saving_a_checkpoint_removes_a_killed_writers_temporary_folder(runs, corpus, cache, tmp_path) -> None:
+    folder = tmp_path / "run"
+    shutil.copytree(runs[0].out_dir, folder)
+    dead, live = _dead_pid(), os.getppid()
+    for pid in (dead, live):
+        (folder / "checkpoints" / f".step_0000007.tmp-{pid}").mkdir()
+    train(_cfg(corpus, cache, folder, steps=7), resume=folder, log=_quiet)
+    left = sorted(p.name for p in (folder / "checkpoints").iterdir())
+    assert left == [f".step_0000007.tmp-{live}", "latest", "step_0000006", "step_0000007"], left
+
+
+def test_a_run_resumed_into_another_folder_holds_its_whole_history(runs, corpus, cache, tmp_path) -> None:
+    """Resumed from the step-3 checkpoint into a new --out: the new metrics.jsonl starts with the
+    run record and rows 1-3 of the run it came from, and reads as the uninterrupted run's."""
+    full, part, _ = runs
+    checkpoint = part.out_dir / "checkpoints" / "step_0000003"
+    moved = tmp_path / "moved"
+    result = train(_cfg(corpus, cache, moved), resume=checkpoint, log=_quiet)
+    assert result.step == 6
+    rows = {name: _metric_rows(folder) for name, folder in (("moved", moved), ("full", full.out_dir))}
+    for got in rows.values():
+        got[0]["config"].pop("plots")  # the uninterrupted run drew them
+    assert rows["moved"] == rows["full"], "the new folder's history is not whole"
+
+
+def test_init_from_a_folder_without_a_tokenizer_points_to_the_tokenizer_flag(tmp_path, capsys) -> None:
+    from wiola.checkpoint import export_wiola13m
+    from wiola.cli import main
+
+    folder = tmp_path / "wiola13m"
+    export_wiola13m(model_class(False)(WiolaConfig(**SMALL, vocab_size=300)), folder)
+    assert main(["train", "--init", str(folder), "--out", str(tmp_path / "run"), "--data", "sample"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("holds no tokenizer.json: its tokenizer is unknown; copy the tokenizer files of the model's "
+                        "training run next to the weights, or name one with --tokenizer"), err  # fmt: skip

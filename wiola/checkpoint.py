@@ -125,16 +125,15 @@ def _atomic_write(path: Path, write: Callable[[str], object]) -> None:
         write(tmp)
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
-    except (OSError, SafetensorError) as e:
-        os.path.exists(tmp) and os.unlink(tmp)
+    except BaseException as e:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        if not isinstance(e, (OSError, SafetensorError)):
+            raise
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         error = OSError(f"cannot write {path}: {reason}")
         error.errno = getattr(e, "errno", None) or _errno_in(reason)
         raise error from e
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _errno_in(message: str) -> int | None:

@@ -43,8 +43,9 @@ def mean_ci(values: list[float], level: float = 0.95) -> dict[str, Any]:
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    from wiola.train.run_folder import METRICS_FILE, read_metrics
+
+    return read_metrics(run_dir / METRICS_FILE)
 
 
 def _run_summary(run: Any, positions: dict[str, Any], threshold: float) -> dict[str, Any]:
@@ -54,7 +55,12 @@ def _run_summary(run: Any, positions: dict[str, Any], threshold: float) -> dict[
     # and the next line's loss then averages a shorter interval (not the same curve).
     steps, every = run.config.steps, run.config.log_every
     train = [r for r in records if r["kind"] == "train" and (r["step"] % every == 0 or r["step"] == steps)]
-    head = next(r for r in records if r["kind"] == "run")
+    head = next((r for r in records if r.get("kind") == "run"), None)
+    if head is None:
+        raise ValueError(
+            f'{run.run_dir / "metrics.jsonl"} has no run record (kind "run", the run\'s model and settings): '
+            "delete that run folder and run wiola ablate again to train it anew"
+        )
     if not evals:
         raise ValueError(f"{run.run_dir} has no evaluation: set eval_every <= steps")
     gates = [np.asarray(r["gates"]) for r in evals]

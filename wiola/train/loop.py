@@ -11,7 +11,11 @@ evaluation) and ``checkpoints/step_NNNNNNN/`` with
 - ``optimizer.pt``: optimizer and scheduler state and the RNG states.
 
 Each checkpoint is written into a temporary folder and renamed into place, and
-``checkpoints/latest`` names the newest, so a crash never leaves a half checkpoint behind.
+``checkpoints/latest`` names the newest, so a crash never leaves a half checkpoint behind (the
+temporary folder of a killed run goes at the next save). A checkpoint that cannot be written (a
+full disk) raises ``OSError`` naming the file and the last complete checkpoint, which stays the
+latest. A run resumed into another ``out_dir`` starts its ``metrics.jsonl`` with the resumed
+run's rows up to the checkpoint, so each run folder holds a whole history.
 ``train(..., resume=DIR)`` continues bit for bit: model, optimizer, schedule, data position and
 RNG states are restored, and the losses of an interrupted and resumed run equal those of an
 uninterrupted one. SIGINT/SIGTERM stop after the current step with a checkpoint (under DDP,
@@ -43,7 +47,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from wiola.checkpoint import load_checkpoint_tokenizer, load_pretrained, read_config, resolve_checkpoint
+from wiola.checkpoint import (
+    RUN_CHECKPOINTS,
+    load_checkpoint_tokenizer,
+    load_pretrained,
+    read_config,
+    resolve_checkpoint,
+)
 from wiola.config import WiolaConfig
 from wiola.tokenizer import Tokenizer
 from wiola.train.config import RESUMABLE_CHANGES, TrainConfig
@@ -251,7 +261,7 @@ def _start(
     if not overwrite and (checkpoint is None or Path(cfg.out_dir).resolve() != checkpoint.parent.parent.resolve()):
         check_new_run(cfg.out_dir)
     if model_source is not None and cfg.tokenizer is None:
-        tokenizer = load_checkpoint_tokenizer(model_source)
+        tokenizer = load_checkpoint_tokenizer(model_source, tokenizer_flag="--tokenizer")
     else:
         tokenizer = tokenizer_for(model_config, cfg.tokenizer)
     data = _load_data(cfg, tokenizer, rank, world, log)
@@ -274,11 +284,16 @@ def _start(
     raw_model = build_model(cfg, model_config, device)
     optimizer = build_optimizer(raw_model, cfg, device)
     scheduler = build_scheduler(optimizer, cfg)
+    # A run resumed into another folder starts its log with the checkpoint's run's rows up to the step.
+    history = (
+        checkpoint.parent.parent / METRICS_FILE if checkpoint and checkpoint.parent.name == RUN_CHECKPOINTS else None
+    )
+    resume_step = None if saved is None else int(saved["step"])
     run = _Run(
         cfg, log, rank, world, device, micro, grad_accum, model_config, data, tokenizer, stream,
         token_byte_lengths(tokenizer),
         raw_model, raw_model, optimizer, scheduler,
-        MetricsLog(Path(cfg.out_dir) / METRICS_FILE, rank == 0, None if checkpoint is None else int(saved["step"])),
+        MetricsLog(Path(cfg.out_dir) / METRICS_FILE, rank == 0, resume_step, history, log),
     )  # fmt: skip
     run.init = init
     if checkpoint is not None:

@@ -17,12 +17,17 @@ a planted pickle is refused, never run.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fnmatch
 import json
 import os
 import random
+import re
 import shutil
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -82,7 +87,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def find_checkpoint(path: str | os.PathLike) -> Path:
     """A checkpoint folder from either itself or a run folder (its ``checkpoints/latest``).
 
-    Raises ``FileNotFoundError`` naming what is missing.
+    Raises ``FileNotFoundError`` naming what is missing; for a run folder with no complete
+    checkpoint (a run stopped before its first), saying so and to start it again.
     """
     path = Path(path)
     if (path / TRAINER_FILE).is_file():
@@ -96,6 +102,12 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
         )
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path {str(path)!r} does not exist")
+    if held_run_files(path):
+        raise FileNotFoundError(
+            f"{path} holds a training run with no complete checkpoint (no checkpoints/{LATEST_FILE}: it stopped "
+            f"before its first checkpoint was written): there is nothing to resume; start the run again with "
+            f"wiola train --out {path} --overwrite"
+        )
     raise FileNotFoundError(
         f"{path} is neither a training checkpoint (no {TRAINER_FILE}) nor a run folder (no checkpoints/latest)"
     )
@@ -168,10 +180,15 @@ def check_new_run(out_dir: str | os.PathLike) -> None:
     a new run there would rewrite its metrics, repoint ``checkpoints/latest`` and rotate its
     checkpoints away."""
     held = held_run_files(out_dir)
-    if held:
+    if held and (Path(out_dir) / "checkpoints" / LATEST_FILE).is_file():
         raise ValueError(
             f"--out {str(out_dir)!r} already holds a run ({' and '.join(held)}); continue it with --resume {out_dir}, "
             "choose another --out, or pass --overwrite to delete it and start again"
+        )
+    if held:  # a run stopped before its first checkpoint: --resume has nothing to continue from
+        raise ValueError(
+            f"--out {str(out_dir)!r} already holds a run with no complete checkpoint ({' and '.join(held)}, no "
+            f"checkpoints/{LATEST_FILE}); pass --overwrite to delete it and start again, or choose another --out"
         )
 
 
@@ -321,18 +338,64 @@ def ensure_writable(directory: Path) -> None:
         raise ValueError(f"output folder {str(directory)!r} is not writable: {e}") from e
 
 
-class MetricsLog:
-    """``metrics.jsonl`` (rank 0): one JSON object per line, flushed at once."""
+def read_metrics(path: Path, warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl``, one JSON object per line (blank lines skipped).
 
-    def __init__(self, path: Path, enabled: bool, resume_step: int | None) -> None:
+    A last line that does not parse is dropped, with a warning naming the file (``warn``, else
+    ``warnings.warn``): a run killed while appending a line leaves exactly that. Raises
+    ``ValueError`` naming the file and the line for any other line that is not a JSON object.
+    """
+    lines = path.read_text().split("\n")
+    last = max((n for n, line in enumerate(lines) if line.strip()), default=-1)
+    records = []
+    for n, line in enumerate(lines[: last + 1]):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if n < last:
+                raise ValueError(f"{path}, line {n + 1}: not valid JSON ({e}); the metrics log is damaged") from e
+            message = f"{path}: dropped its last line ({n + 1}), cut short (a run stopped while writing it)"
+            if warn is None:
+                warnings.warn(message, stacklevel=2)
+            else:
+                warn(message)
+            continue
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}, line {n + 1}: not a JSON object; the metrics log is damaged")
+        records.append(record)
+    return records
+
+
+class MetricsLog:
+    """``metrics.jsonl`` (rank 0): one JSON object per line, flushed at once.
+
+    A resumed run (``resume_step``) starts from the rows of ``history`` up to that step: the
+    ``metrics.jsonl`` of the checkpoint's run folder, which is ``path`` itself when the run goes
+    on in its own folder, and is copied when it goes on in another, so that every run folder
+    holds its run's whole history (its run record, the loss curve from step 1). What a crashed
+    run logged after the checkpoint is dropped. None (a checkpoint outside a run folder): the log
+    starts at the resumed step. ``log`` gets the warnings (``read_metrics``'s, a missing history)."""
+
+    def __init__(
+        self,
+        path: Path,
+        enabled: bool,
+        resume_step: int | None,
+        history: Path | None = None,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
         self.path, self.enabled = path, enabled
         self.records: list[dict[str, Any]] = []
         if not enabled:
             return
-        if resume_step is not None and path.is_file():
-            # Keep what happened up to the checkpoint; drop what a crashed run logged after it.
-            old = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if resume_step is not None and history is not None and history.is_file():
+            old = read_metrics(history, log)
             self.records = [r for r in old if r.get("step", 0) <= resume_step]
+        elif resume_step is not None and log is not None:
+            where = "the checkpoint lies outside a run folder" if history is None else f"{history} is missing"
+            log(f"{where}: {path} starts at step {resume_step:,}, without the rows of the steps before it")
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
         os.replace(tmp, path)
@@ -367,18 +430,27 @@ def save_checkpoint(
     """Write ``checkpoints/step_NNNNNNN`` atomically, point ``latest`` at it, prune old ones.
 
     ``log_interval`` is the loss of the steps since the last log line (``loop._Meter.state_dict``),
-    kept so that a resumed run logs the interval's full loss."""
+    kept so that a resumed run logs the interval's full loss. What a killed writer left in
+    ``checkpoints/`` goes first (``remove_stale_temporaries``).
+
+    Raises ``OSError`` naming the file that could not be written, why (a full disk: with the space
+    left) and the last complete checkpoint, which stays as it was, as does ``latest``; a
+    ``checkpoints/`` folder left empty is removed, so the run folder reads as one stopped before
+    its first checkpoint."""
     root = out_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(root)
     name = f"step_{step:07d}"
     final = root / name
     tmp = root / f".{name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    writing = tmp
     try:
         model.save_pretrained(tmp, tokenizer)
+        writing = tmp / OPTIMIZER_FILE
         torch.save(
             {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()},
-            tmp / OPTIMIZER_FILE,
+            writing,
         )
         state = {
             "step": step,
@@ -396,7 +468,9 @@ def save_checkpoint(
             "eval": last_eval.to_dict() if last_eval is not None else None,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
-        (tmp / TRAINER_FILE).write_text(json.dumps(state, indent=1) + "\n")
+        writing = tmp / TRAINER_FILE
+        writing.write_text(json.dumps(state, indent=1) + "\n")
+        writing = final
         if final.exists():
             old = root / f".{name}.old-{os.getpid()}"
             os.replace(final, old)
@@ -404,14 +478,100 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the first checkpoint failed: the folder holds no run yet
+            if not any(root.iterdir()):
+                root.rmdir()
+        if isinstance(e, (OSError, RuntimeError)):  # torch.save's short write is a RuntimeError
+            raise _write_failure(e, writing, out_dir, tmp, final) from e
         raise
     latest_tmp = root / f".{LATEST_FILE}.tmp-{os.getpid()}"
-    latest_tmp.write_text(name + "\n")
-    os.replace(latest_tmp, root / LATEST_FILE)
+    try:
+        latest_tmp.write_text(name + "\n")
+        os.replace(latest_tmp, root / LATEST_FILE)
+    except OSError as e:
+        latest_tmp.unlink(missing_ok=True)
+        raise _write_failure(e, root / LATEST_FILE, out_dir, tmp, final) from e
     kept = sorted(p for p in root.glob("step_*") if p.is_dir())
     for old in kept[: max(0, len(kept) - cfg.keep_checkpoints)]:
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _write_failure(error: BaseException, writing: Path, out_dir: Path, tmp: Path, final: Path) -> OSError:
+    """The ``OSError`` of a checkpoint of the run folder ``out_dir`` that could not be written: the
+    file (under the name it was to have, ``final`` for ``tmp``), the reason, the space left where
+    the disk is full, and the last complete checkpoint (``latest``'s), which the failure left as
+    it was."""
+    reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if isinstance(error, OSError) and error.filename and error.strerror:
+        writing, reason = Path(error.filename), error.strerror
+    what = reason if reason.startswith("cannot write ") else f"cannot write {writing}: {reason}"
+    what = what.replace(str(tmp), str(final))
+    try:
+        last = latest_checkpoint(out_dir)
+    except OSError:  # latest names a folder that is gone
+        last = None
+    full = getattr(error, "errno", None) == errno.ENOSPC or re.search(r"No space left|os error 28", reason)
+    short = re.search(r"unexpected pos|write failed", reason)  # how torch.save's zip writer says it
+    if full or short:
+        try:  # measured once the partial checkpoint is gone: what there is to write the next one into
+            room = f"{shutil.disk_usage(out_dir).free / 2**20:,.1f} MiB free"
+        except OSError:
+            room = "free space unknown"
+        if last is not None:
+            size = sum(f.stat().st_size for f in last.iterdir() if f.is_file())
+            room += f", a checkpoint takes {size / 2**20:,.1f} MiB"
+        what += f" (the disk is full: {room})" if full else f" (a short write, as on a full disk: {room})"
+    if last is not None:
+        way_on = (
+            f"the last complete checkpoint, {last}, is as it was (checkpoints/{LATEST_FILE} names it): "
+            f"make room, then continue with wiola train --resume {out_dir}"
+        )
+    else:
+        way_on = "the run has no complete checkpoint: make room, then start it again (--overwrite)"
+    return OSError(f"{what}; {way_on}")
+
+
+# A temporary entry of save_checkpoint: the checkpoint being written, the one it replaces (a
+# checkpoint of the same step), the next ``latest``; each named after the writing process.
+TEMPORARY = re.compile(r"\.(?P<name>step_\d+|latest)\.(?P<kind>tmp|old)-(?P<pid>\d+)")
+
+
+def remove_stale_temporaries(root: Path) -> list[str]:
+    """Delete the temporary entries (``TEMPORARY``) a killed writer left in a run's ``checkpoints/``
+    folder ``root``: those of a process that no longer runs, or of this one (it writes one
+    checkpoint at a time, so an entry of its process id is an earlier process's under a reused
+    id, as in a container). A live process's are never touched. A ``.step_N.old-PID`` goes back
+    to ``step_N`` where that is missing: it is the complete checkpoint a killed writer had moved
+    aside. Returns the names dealt with."""
+    done = []
+    for entry in sorted(root.iterdir()):
+        match = TEMPORARY.fullmatch(entry.name)
+        if match is None:
+            continue
+        if _process_runs(int(match["pid"])):
+            continue
+        if match["kind"] == "old" and not (root / match["name"]).exists():
+            os.replace(entry, root / match["name"])
+        else:
+            remove_path(entry)
+        done.append(entry.name)
+    return done
+
+
+def _process_runs(pid: int) -> bool:
+    """Whether another process ``pid`` runs on this machine (``kill(pid, 0)``, which sends nothing)."""
+    if pid == os.getpid():
+        return False
+    if os.name == "nt":  # Windows' os.kill ends the process whatever the signal: take it to run
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process (EPERM): it runs
+        return True
+    return True
