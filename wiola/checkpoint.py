@@ -215,7 +215,9 @@ def resolve_checkpoint(name: str | os.PathLike, revision: str | None = None) -> 
         ) from e
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in the file ``path``; ``ValueError`` naming the file when it does not parse
+    or holds something else (``OSError`` where it cannot be read)."""
     try:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -260,7 +262,7 @@ def generation_ids(directory: str | Path) -> dict[str, int | None]:
     path = Path(directory) / GENERATION_CONFIG_FILE
     if not path.is_file():
         return {}
-    raw = _read_json(path)
+    raw = read_json_object(path)
     ids = {name: raw[name] for name in SPECIAL_IDS if name in raw}
     _check_one_eos(path, ids.get("eos_token_id"))
     return ids
@@ -289,7 +291,7 @@ def _read_model_config(directory: Path) -> tuple[WiolaConfig, str]:
         )
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: not a checkpoint directory")
-    raw = _read_json(path)
+    raw = read_json_object(path)
     if raw.get("format") == FORMAT:
         if raw.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{path}: unsupported format_version {raw.get('format_version')!r}")
@@ -349,7 +351,7 @@ def _weight_files(directory: str | Path) -> tuple[list[Path], Path]:
 def _weight_map(index: Path) -> dict[str, str]:
     """``{tensor name: shard file name}`` of a shard index; ``ValueError`` naming it when malformed
     or when a shard is not a plain file name (one beside the index)."""
-    weight_map = _read_json(index).get("weight_map")
+    weight_map = read_json_object(index).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise ValueError(f'{index} holds no "weight_map" naming the shard of each tensor')
     for name, shard in weight_map.items():
@@ -594,7 +596,7 @@ def load_checkpoint_tokenizer(
     if (directory / TOKENIZER_FILE).is_file():
         tokenizer = load_tokenizer(directory)
     elif flavour == "wiola":
-        name = _read_json(directory / CONFIG_FILE).get("tokenizer")
+        name = read_json_object(directory / CONFIG_FILE).get("tokenizer")
         tokenizer = (
             load_tokenizer(name) if name is not None else TiktokenTokenizer(encoding_for_vocab(config.vocab_size))
         )
@@ -695,7 +697,7 @@ def load_pretrained(
     dtype = resolve_dtype(dtype)
     directory = resolve_checkpoint(directory, revision)
     config, flavour = read_config(directory)
-    record = _read_json(directory / CONFIG_FILE).get("quantization") if flavour == "wiola" else None
+    record = read_json_object(directory / CONFIG_FILE).get("quantization") if flavour == "wiola" else None
     packed = None
     if record is not None:  # a quantized checkpoint (wiola.fast.quantize): only wiola.fast runs it
         quantize = getattr(cls, "quantization_codec", None)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from wiola.chat import add_role_tokens, resize_token_embeddings, with_chat_template
-from wiola.checkpoint import REPO_ID, load_checkpoint_tokenizer, resolve_checkpoint
+from wiola.checkpoint import REPO_ID, load_checkpoint_tokenizer, read_json_object, resolve_checkpoint
 from wiola.model import ADAPTER_TARGETS
 from wiola.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, read_chat_template
 from wiola.train.env import Progress, autocast, model_class, require, resolve_device
@@ -406,14 +406,7 @@ def is_adapter_folder(path: str | os.PathLike) -> bool:
 
 
 def _adapter_config(path: str | os.PathLike) -> dict[str, Any]:
-    config = Path(path) / ADAPTER_CONFIG
-    try:
-        raw = json.loads(config.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config} is not valid JSON: {e}") from e
-    if not isinstance(raw, dict):
-        raise ValueError(f"{config} is not a JSON object")
-    return raw
+    return read_json_object(Path(path) / ADAPTER_CONFIG)
 
 
 def adapter_base(path: str | os.PathLike) -> str:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from wiola.checkpoint import LATEST_FILE, latest_checkpoint
+from wiola.checkpoint import LATEST_FILE, latest_checkpoint, read_json_object
 
 if TYPE_CHECKING:
     from wiola.config import WiolaConfig
@@ -124,14 +124,7 @@ def read_trainer_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
 
     Raises ``FileNotFoundError`` (see ``find_checkpoint``) or ``ValueError`` for a damaged file.
     """
-    path = find_checkpoint(checkpoint) / TRAINER_FILE
-    try:
-        state = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(state, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    return state
+    return read_json_object(find_checkpoint(checkpoint) / TRAINER_FILE)
 
 
 def check_output_folder(path: str | os.PathLike, name: str = "output folder") -> None:
