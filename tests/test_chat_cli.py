@@ -111,6 +111,9 @@ def test_chat_edits_lines_takes_long_lines_and_a_paste_as_one_message(tmp_path) 
         screen = term.wait_for(lambda s: "(conversation cleared)" in s, "the session to go on after the paste")
         assert screen.count("model> ") == 1 and "EXIT=" not in screen, screen
         term._tmux("send-keys", "-t", "term", "-l", "never sent")
+        # Ctrl-C once readline shows the text: it is then waiting for keys (a SIGINT that lands
+        # before it waits, as a key sent at once can, is seen only at the next key)
+        term.wait_for(lambda s: s.rstrip().endswith("you> never sent"), "readline to show the typed text")
         term.key("C-c")
         term.wait_for(lambda s: s.rstrip().endswith("you>") and "never sent" in s, "Ctrl-C at the prompt")
         term._tmux("send-keys", "-t", "term", "-l", "xit")
