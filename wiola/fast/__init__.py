@@ -54,7 +54,7 @@ import torch
 
 from wiola.cache import Cache
 from wiola.config import WiolaConfig
-from wiola.fast import decode_step_cpu, ops, prefill, quantize
+from wiola.fast import ops, prefill, quantize
 from wiola.fast.generation import GraphSteps, cpu_generate, cpu_loop_usable, graph_generate, graphs_usable
 from wiola.fast.ops import use_kernels
 from wiola.generation import eager_generate, hf_generate
@@ -70,6 +70,8 @@ def check_settings() -> None:
     ``WIOLA_CPU_GEMM``), whether or not this model's calls would read it: a mistyped setting is
     reported when a model is made, not taken silently as the default. Whether the CPU runs the
     ISA asked for is checked where the step is built."""
+    from wiola.fast import decode_step_cpu  # here, not at import: a GPU-only program need not load it
+
     ops.kernels_setting()
     decode_step_cpu.check_isa_name()
     prefill.check_names()
