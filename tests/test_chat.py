@@ -72,6 +72,47 @@ def test_ids_equal_transformers_apply_chat_template(small_bpe, tmp_path) -> None
             )
 
 
+# What transformers' template environment adds to Jinja's: its tojson (no escaping of non-ASCII or
+# <>&'), {% break %}/{% continue %}, {% generation %}, every named special token, tools=None.
+RICH_TEMPLATE = (
+    "{{ bos_token }}[{{ unk_token }}|{{ pad_token }}|{{ sep_token }}|{{ cls_token }}|{{ mask_token }}]"
+    "{% if tools is none %}(no tools){% endif %}{% if documents is none %}(no documents){% endif %}"
+    "{% for m in messages %}{% if loop.index > 3 %}{% break %}{% endif %}"
+    "{% if m['role'] == 'system' %}{% continue %}{% endif %}"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] | tojson }}{% endgeneration %}"
+    "{% else %}{{ m | tojson(indent=1) }}{% endif %}{{ eos_token }}{% endfor %}"
+)
+RICH_MESSAGES = [
+    {"role": "system", "content": "skipped"},
+    {"role": "user", "content": "Hi café 😀 <b> & 'x'"},
+    {"role": "assistant", "content": "Ça va ✓"},
+    {"role": "user", "content": "after the break"},
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["all roles", "no bos", "gpt2"])
+def test_template_environment_equals_transformers(small_bpe, tmp_path, variant) -> None:
+    folder = tmp_path / "tok"
+    if variant == "gpt2":
+        with_chat_template(load_tokenizer("gpt2-32k"), RICH_TEMPLATE).to_hf().save(folder)
+    else:
+        small_bpe.save(folder)
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            config = json.loads((folder / name).read_text())
+            config.update(sep_token="</s>", cls_token="<s>", mask_token="<unk>", chat_template=RICH_TEMPLATE)
+            if variant == "no bos":
+                config.pop("bos_token")
+            (folder / name).write_text(json.dumps(config))
+    tok = load_tokenizer(folder)
+    text = render_chat(tok, RICH_MESSAGES, add_generation_prompt=False)
+    assert "café 😀 <b> & 'x'" in text and "(no tools)(no documents)" in text and "after the break" not in text
+    assert text.startswith("<s>[" if variant == "all roles" else "[" if variant == "no bos" else "<|endoftext|>[")
+    ours = apply_chat_template(tok, RICH_MESSAGES, add_generation_prompt=False)
+    theirs = _transformers_ids(folder, RICH_MESSAGES, False)
+    assert ours == theirs, f"{variant}: ours {ours[:24]} != transformers' {theirs[:24]}"
+
+
 def test_role_tokens_are_one_id_each(small_bpe) -> None:
     tok = add_role_tokens(small_bpe)
     assert tok.vocab_size == small_bpe.vocab_size + 3

@@ -211,6 +211,31 @@ def test_save_carries_the_padding_and_truncation_settings(bpe, tmp_path):
     assert {key: more[key] for key in settings} == settings
 
 
+@pytest.mark.parametrize(
+    "cls", ["LlamaTokenizerFast", "LlamaTokenizer", "GemmaTokenizerFast", "PreTrainedTokenizerFast"]
+)
+def test_save_keeps_what_transformers_reads_of_the_folder(bpe, tmp_path, cls):
+    """A saved copy is a ``PreTrainedTokenizerFast``: it keeps the left padding a Llama-class folder
+    had by default in ``transformers`` 4 (``wiola13m``'s), and the sep/cls/mask tokens the folder
+    named. (``transformers`` 5 loads a ByteLevel file under a Llama class as its generic backend.)"""
+    transformers = pytest.importorskip("transformers")
+    roles = {"sep_token": "</s>", "cls_token": "<s>", "mask_token": "<unk>"}
+    folder = _with_config(bpe, tmp_path / "tok", tokenizer_class=cls, **roles)
+    t = load_tokenizer(folder)
+    specials = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+    assert t.special_tokens_map == {**specials, **roles}
+    t.save(tmp_path / "saved")
+    after = transformers.AutoTokenizer.from_pretrained(tmp_path / "saved")
+    assert after.padding_side == ("right" if cls == "PreTrainedTokenizerFast" else "left"), cls
+    assert {role: getattr(after, role) for role in roles} == roles, cls
+    if int(transformers.__version__.split(".")[0]) < 5:
+        before = transformers.AutoTokenizer.from_pretrained(folder)
+        assert after.padding_side == before.padding_side, cls
+    bad = _with_config(bpe, tmp_path / "bad", mask_token="<nope>")
+    with pytest.raises(ValueError, match="its mask_token '<nope>' is not in the vocabulary"):
+        load_tokenizer(bad)
+
+
 def test_the_ends_match_transformers_4(bpe, tmp_path):
     """As ``transformers`` 4 (the ``wiola13m`` package's) encodes each case of ``END_FLAGS``;
     ``transformers`` 5 reads tokenizer.json's post-processor alone."""

@@ -20,7 +20,9 @@ Also here: ``add_role_tokens`` (the tokenizer) and ``resize_token_embeddings`` (
 
 from __future__ import annotations
 
+import datetime
 import functools
+import json
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -64,17 +66,43 @@ def check_messages(messages: Any, *, need_assistant: bool = False) -> list[Messa
     return messages
 
 
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    """``tojson`` as ``transformers`` defines it for chat templates: plain ``json.dumps`` (Jinja's
+    own escapes non-ASCII text and ``<>&'`` for HTML, which would change the prompt's ids)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.datetime.now().strftime(format)
+
+
 @functools.lru_cache(maxsize=8)
 def _compiled(template: str) -> Any:
+    from jinja2 import ext, nodes
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    # transformers' settings: trim_blocks/lstrip_blocks, the same sandbox, raise_exception
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    class Generation(ext.Extension):
+        """``{% generation %}...{% endgeneration %}``, which marks an assistant turn for
+        ``transformers``' assistant-token mask; its body renders as written."""
+
+        tags = frozenset({"generation"})
+
+        def parse(self, parser: Any) -> list[nodes.Node]:
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    # transformers' environment: trim_blocks/lstrip_blocks, the same sandbox, {% break %} and
+    # {% continue %}, {% generation %}, and its tojson, raise_exception and strftime_now
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols, Generation])
+    env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = _strftime_now
     return env.from_string(template)
 
 
@@ -85,18 +113,21 @@ def _token_text(tokenizer: Tokenizer, token_id: int | None) -> str:
 def render_chat(tokenizer: Tokenizer, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
     """The text of ``messages`` under ``tokenizer.chat_template`` (``CHAT_TEMPLATE`` when it has none).
 
-    ``bos_token`` is the tokenizer's document prefix (``<s>``, or GPT-2's ``<|endoftext|>``),
-    ``eos_token`` its eos. Raises ``ValueError`` for bad messages or a template error."""
+    The template sees what ``transformers``' ``apply_chat_template`` passes it on the saved folder:
+    the tokenizer's special tokens by role (``tokenizer.special_tokens_map``: ``bos_token`` is
+    ``<s>``, or GPT-2's ``<|endoftext|>``; a role the tokenizer lacks is undefined, which renders
+    as nothing), ``tools`` and ``documents`` as None. Raises ``ValueError`` for bad messages or a
+    template error."""
     from jinja2.exceptions import TemplateError
 
     check_messages(list(messages))
-    bos = tokenizer.document_prefix[0]
     try:
         return _compiled(tokenizer.chat_template or CHAT_TEMPLATE).render(
             messages=list(messages),
+            tools=None,
+            documents=None,
             add_generation_prompt=add_generation_prompt,
-            bos_token=_token_text(tokenizer, bos),
-            eos_token=_token_text(tokenizer, tokenizer.eos_token_id),
+            **tokenizer.special_tokens_map,
         )
     except TemplateError as e:
         raise ValueError(f"chat template: {e}") from e

@@ -99,6 +99,9 @@ def encoding_for_vocab(vocab_size: int, bpe_file: str | None = None) -> tiktoken
 # ------------------------------------------------------------------------------ the interface
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")  # Wiola13M's, ids 0..3 in a trained tokenizer
 SPECIAL_ROLES = ("unk_token", "bos_token", "eos_token", "pad_token")
+# transformers' other named special tokens: read from the files, written back by save and shown
+# to a chat template (wiola only uses the ids of SPECIAL_ROLES).
+OTHER_ROLES = ("sep_token", "cls_token", "mask_token")
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
@@ -118,6 +121,14 @@ CLEAN_UP_REPLACEMENTS = (
 # tokenizer_config.json settings a saved tokenizer carries on as they were read (transformers reads
 # them for padding and truncation; the ids themselves do not depend on them).
 CARRIED_SETTINGS = ("model_max_length", "padding_side", "truncation_side")
+# The padding side of transformers' tokenizer classes whose default is left: a folder naming one
+# of them without a padding_side pads on the left, which its saved copy (PreTrainedTokenizerFast,
+# right by default) keeps by writing padding_side.
+LEFT_PADDING_CLASSES = frozenset(
+    f"{name}{fast}"
+    for name in ("LlamaTokenizer", "CodeLlamaTokenizer", "GemmaTokenizer", "CohereTokenizer", "XLNetTokenizer")
+    for fast in ("", "Fast")
+)
 
 
 def read_chat_template(directory: str | os.PathLike) -> str | None:
@@ -244,6 +255,19 @@ class Tokenizer:
                 f"vocabulary of {model_vocab_size:,}: this tokenizer does not belong to this model"
             )
 
+    @property
+    def special_tokens_map(self) -> dict[str, str]:
+        """The special tokens' text by role (``bos_token``, ``eos_token``, ...), as ``transformers``'
+        ``special_tokens_map`` gives them for this tokenizer's saved folder: what a chat template
+        sees (``wiola.chat.render_chat``). Roles the tokenizer lacks are left out."""
+        ids = {
+            "bos_token": self.bos_token_id,
+            "eos_token": self.eos_token_id,
+            "unk_token": getattr(self, "unk_token_id", None),
+            "pad_token": self.pad_token_id,
+        }
+        return {role: self.decode([i]) for role, i in ids.items() if i is not None}
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, vocab_size={self.vocab_size})"
 
@@ -279,6 +303,13 @@ class TiktokenTokenizer(Tokenizer):
         for token, rank in sorted(enc._mergeable_ranks.items(), key=lambda kv: kv[1]):
             h.update(rank.to_bytes(4, "little") + len(token).to_bytes(2, "little") + token)
         return h.hexdigest()
+
+    @property
+    def special_tokens_map(self) -> dict[str, str]:
+        """``<|endoftext|>`` as bos, eos and unk, as in the exported folder (``to_hf``); a bos id
+        set by a checkpoint (``with_special_ids``) is the bos."""
+        eot = self.decode([self.eos_token_id])
+        return {"bos_token": self.decode(self.document_prefix), "eos_token": eot, "unk_token": eot}
 
     def save(self, directory: str | os.PathLike) -> dict[str, Any]:
         """Nothing but the name goes to ``config.json``; a chat template goes to ``tokenizer_config.json``."""
@@ -402,6 +433,7 @@ class HFTokenizer(Tokenizer):
         )
         self.unk_token_id = None
         self.carried: dict[str, Any] = {}  # CARRIED_SETTINGS read from the folder, written back by save
+        self.other_specials: dict[str, str] = {}  # OTHER_ROLES' text read from the folder, saved back
         for role in SPECIAL_ROLES:
             text = specials.get(role)
             if text is None:
@@ -444,6 +476,14 @@ class HFTokenizer(Tokenizer):
         name = file.parent.name if file.name == TOKENIZER_FILE else file.stem
         out = cls(tok, name, specials, bool(settings.get("clean_up_tokenization_spaces", False)))
         out.carried = {key: settings[key] for key in CARRIED_SETTINGS if key in settings}
+        if "padding_side" not in out.carried and settings.get("tokenizer_class") in LEFT_PADDING_CLASSES:
+            out.carried["padding_side"] = "left"
+        for role in OTHER_ROLES:
+            text = _token_text(settings.get(role))
+            if text is not None:
+                if tok.token_to_id(text) is None:
+                    raise ValueError(f"tokenizer {name!r}: its {role} {text!r} is not in the vocabulary")
+                out.other_specials[role] = text
         out.chat_template = read_chat_template(file.parent)
         return out
 
@@ -580,6 +620,10 @@ class HFTokenizer(Tokenizer):
             for role in SPECIAL_ROLES
         }
 
+    @property
+    def special_tokens_map(self) -> dict[str, str]:
+        return {**{r: t for r, t in self._specials().items() if t is not None}, **self.other_specials}
+
     @functools.cached_property
     def fingerprint(self) -> str:
         ids = [getattr(self, f"{role}_id") for role in SPECIAL_ROLES]
@@ -602,7 +646,11 @@ class HFTokenizer(Tokenizer):
         out = HFTokenizer(tok, self.name, self._specials(), self.clean_up_spaces)
         for role in ("bos", "eos", "pad"):  # ids a checkpoint's config set (with_special_ids) stay
             setattr(out, f"{role}_token_id", getattr(self, f"{role}_token_id"))
-        out.chat_template, out.carried = self.chat_template, dict(self.carried)
+        out.chat_template, out.carried, out.other_specials = (
+            self.chat_template,
+            dict(self.carried),
+            dict(self.other_specials),
+        )
         return out
 
     def save(self, directory: str | os.PathLike) -> dict[str, Any]:
@@ -611,7 +659,7 @@ class HFTokenizer(Tokenizer):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(directory / TOKENIZER_FILE))
-        specials = {role: text for role, text in self._specials().items() if text is not None}
+        specials = self.special_tokens_map
         config = {
             "tokenizer_class": "PreTrainedTokenizerFast",  # tokenizer.json's post-processor adds what it adds
             "clean_up_tokenization_spaces": self.clean_up_spaces,
