@@ -259,6 +259,29 @@ def test_compiled_forward_with_a_new_length_and_a_mask():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("cls", [WiolaModel, Fast], ids=["reference", "fast"])
+def test_compiled_training_with_traced_lengths(cls, plain_cpu):
+    """``torch.compile(model, fullgraph=True, dynamic=True)`` trains at two lengths with no mask
+    (on a plain CPU the fast model's causal path: a traced length must not reach SDPA's
+    ``is_causal`` as a SymBool), with the eager model's loss and gradients."""
+    torch._dynamo.reset()
+    model = _model(cls)
+    compiled = torch.compile(model, backend="eager", fullgraph=True, dynamic=True)
+    for T in (9, 5):
+        ids, _ = _batch(2, T)
+        model.zero_grad()
+        want = model(ids, labels=ids).loss
+        want.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        got = compiled(ids, labels=ids).loss
+        got.backward()
+        assert_close(f"{cls.__module__} loss[compiled, T={T}]", want, got, FP32)
+        for (name, p), g in zip(model.named_parameters(), grads, strict=True):
+            assert_close(f"{cls.__module__} grad {name}[compiled, T={T}]", g, p.grad, FP32)
+    torch._dynamo.reset()
+
+
 @torch.no_grad()
 @pytest.mark.skipif(DEVICE != "cpu", reason="the derived weights are kept for CPU inference")
 def test_derived_weights_follow_updates_and_stay_off_parameters():

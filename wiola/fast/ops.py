@@ -529,7 +529,10 @@ def _sdpa(
     k, v = k_rot.transpose(1, 2), v.transpose(1, 2)
     scale = 1.0 / math.sqrt(D)
     if key_mask is None and q_start == 0 and Tq == S:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=Tq > 1, scale=scale)
+        # A branch, not is_causal=Tq > 1: under torch.compile a traced length makes that a SymBool,
+        # which SDPA refuses; the branch is a guard and leaves a plain bool.
+        causal = True if Tq > 1 else False
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
         return o.transpose(1, 2)
     if Tq > 1 or q_start + Tq != S:
         t = torch.arange(Tq, device=q.device).view(-1, 1) + q_start
