@@ -67,6 +67,40 @@ def test_shared_flags_keep_each_command_s_defaults():
         assert (args.checkpoint, args.revision) == ("org/name", "v1"), command
 
 
+def _commands(parser, path=()):
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from _commands(child, (*path, name))
+    yield path, parser
+
+
+def test_every_help_shows_the_defaults():
+    """Each option's default is in its command's ``--help`` (``wiola generate`` samples unless told
+    otherwise: a user must be able to read that)."""
+    from wiola.cli import build_parser
+
+    checked = 0
+    for path, parser in _commands(build_parser()):
+        text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            if not action.option_strings or action.default is None or isinstance(action.default, bool):
+                continue
+            if action.help == "==SUPPRESS==" or action.default == "==SUPPRESS==":
+                continue
+            shown = f"default: {action.default}" in text or "default" in (action.help or "").lower()
+            assert shown, (
+                f"wiola {' '.join(path)} --help: {action.option_strings[0]}'s default {action.default!r} is not shown"
+            )
+            checked += 1
+    assert checked > 40
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["generate"].format_help().split())
+    for flag in ("--temperature TEMPERATURE sampling temperature; 0 is greedy (default: 0.8)", "(default: 0.95)"):
+        assert flag in help_text, help_text
+
+
 @pytest.mark.parametrize(
     "command, flag",
     [

@@ -44,6 +44,27 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Add ``(default: X)`` to the help of each option of ``parser`` and its sub-commands that has
+    a default its help does not already state (a flag's False and an unset None say nothing)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _show_defaults(child)
+            continue
+        default, text = action.default, action.help or ""
+        if (
+            not action.option_strings
+            or text == argparse.SUPPRESS
+            or default is None
+            or isinstance(default, bool)
+            or default == argparse.SUPPRESS
+            or "default" in text.lower()
+        ):
+            continue
+        action.help = f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="wiola", description="Wiola small language model")
     parser.add_argument("--version", action="version", version=f"wiola {__version__}")
@@ -51,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = (budget, generate, train, evaluate, demo, tokenizer, export, ablate, finetune, merge, chat, serve, bench)
     for command in commands:
         command.register(sub)
+    _show_defaults(parser)
     return parser
 
 

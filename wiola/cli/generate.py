@@ -38,11 +38,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", metavar="TEXT", help="stop a sample at this text (repeatable)")
     p.add_argument("--json", action="store_true", help="one JSON object a sample: ids, text, finish_reason, tokens/s")
     p.add_argument("--no-echo", action="store_true", help="print only the new text, not the prompt")
-    p.add_argument("--max-new-tokens", type=int, default=100)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=100, help="new tokens a sample")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 is greedy")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest tokens only")
+    p.add_argument(
+        "--top-p", type=float, default=0.95, help="sample from the likeliest tokens holding this probability"
+    )
+    p.add_argument("--seed", type=seed, default=0, help="the sampler's seed")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
         "--quantize", choices=("int8", "int4", "bf16"),
