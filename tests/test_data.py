@@ -40,6 +40,24 @@ def _split(tokens: list[int] | np.ndarray, shard: int | None = None) -> TokenSpl
 
 
 # ----------------------------------------------------------------------------------- sources
+def test_token_cache_shares_the_build_cache_folder(monkeypatch, tmp_path) -> None:
+    """Token shards default to the C++ step's cache folder (``$WIOLA_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/wiola`` or ``~/.cache/wiola``); ``$WIOLA_CACHE`` sets theirs alone."""
+    from wiola.fast import decode_step_cpu
+
+    for name in ("WIOLA_CACHE", "WIOLA_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert token_cache.default_cache_dir() == tmp_path / ".cache" / "wiola" == decode_step_cpu._cache_dir()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert token_cache.default_cache_dir() == tmp_path / "xdg" / "wiola" == decode_step_cpu._cache_dir()
+    monkeypatch.setenv("WIOLA_CACHE_DIR", "~/both")
+    assert token_cache.default_cache_dir() == tmp_path / "both" == decode_step_cpu._cache_dir()
+    monkeypatch.setenv("WIOLA_CACHE", "~/tokens")
+    assert token_cache.default_cache_dir() == tmp_path / "tokens"
+    assert decode_step_cpu._cache_dir() == tmp_path / "both"
+
+
 def test_sources_and_bad_paths(tmp_path) -> None:
     assert resolve_source(None).kind == "hf"
     assert resolve_source("sample").kind == "sample"

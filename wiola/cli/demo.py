@@ -40,7 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--samples", type=int, default=3, help="stories to generate at the end")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument(
-        "--cache-dir", type=non_empty_path, help="token cache folder (default $WIOLA_CACHE or ~/.cache/wiola)"
+        "--cache-dir",
+        type=non_empty_path,
+        help="token cache folder (default: $WIOLA_CACHE, else $WIOLA_CACHE_DIR, $XDG_CACHE_HOME/wiola or ~/.cache/wiola)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -71,7 +71,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--val-fraction", type=float)
     g.add_argument(
-        "--cache-dir", type=non_empty_path, help="token cache folder (default $WIOLA_CACHE or ~/.cache/wiola)"
+        "--cache-dir",
+        type=non_empty_path,
+        help="token cache folder (default: $WIOLA_CACHE, else $WIOLA_CACHE_DIR, $XDG_CACHE_HOME/wiola or ~/.cache/wiola)",
     )
     g.add_argument("--seq-len", type=int, help="T: tokens predicted per window (default min(512, max_seq_len - 1))")
     g.add_argument("--batch-size", type=int, help="global batch: windows per optimizer step")

@@ -94,12 +94,11 @@ def _cache_dir() -> Path:
     """``$WIOLA_CACHE_DIR``, else ``$XDG_CACHE_HOME/wiola`` or ``~/.cache/wiola``; a per-user
     folder under the temporary directory when that cannot be written (a read-only home). The
     folder is created private and checked (``private_dir``)."""
-    explicit = os.environ.get("WIOLA_CACHE_DIR")
-    if explicit:
-        return private_dir(Path(explicit).expanduser(), "or choose another WIOLA_CACHE_DIR")
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    # A relative XDG_CACHE_HOME is invalid and ignored, as the XDG base directory spec says.
-    root = (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "wiola"
+    from wiola.user_cache import CACHE_DIR_VARIABLE, standard_cache_dir, user_cache_dir
+
+    if os.environ.get(CACHE_DIR_VARIABLE):
+        return private_dir(user_cache_dir(), f"or choose another {CACHE_DIR_VARIABLE}")
+    root = standard_cache_dir()
     try:
         root.parent.mkdir(parents=True, exist_ok=True)
         root.mkdir(mode=0o700, exist_ok=True)

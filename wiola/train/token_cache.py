@@ -32,6 +32,7 @@ import numpy as np
 from wiola.tokenizer import Tokenizer
 from wiola.train.env import Progress
 from wiola.train.sources import PIPELINE_VERSION, DataSource, iter_documents, source_fingerprint
+from wiola.user_cache import user_cache_dir
 
 SHARD_TOKENS = 1 << 28  # 256 Mi tokens = 512 MiB per uint16 shard
 SPLITS = ("train", "val")
@@ -39,8 +40,11 @@ VAL_ONLY_SUFFIX = ".val"  # the folder of a cache of the validation split alone:
 
 
 def default_cache_dir() -> Path:
-    """``$WIOLA_CACHE`` or ``~/.cache/wiola``: where token shards are kept."""
-    return Path(os.environ.get("WIOLA_CACHE") or Path.home() / ".cache" / "wiola")
+    """Where token shards are kept: ``$WIOLA_CACHE`` (token shards only, ``~`` expanded), else
+    ``wiola.user_cache.user_cache_dir()`` (``$WIOLA_CACHE_DIR``, ``$XDG_CACHE_HOME/wiola`` or
+    ``~/.cache/wiola``), beside the C++ step's builds."""
+    tokens_only = os.environ.get("WIOLA_CACHE")
+    return Path(tokens_only).expanduser() if tokens_only else user_cache_dir()
 
 
 @dataclass
@@ -296,7 +300,7 @@ def _build_cache(
         raise OSError(
             e.errno,
             f"cannot write the token cache under {directory.parent} ({e.strerror}): give a writable "
-            "--cache-dir (or $WIOLA_CACHE)",
+            "--cache-dir (or $WIOLA_CACHE_DIR)",
         ) from None
     threads = num_threads or min(8, os.cpu_count() or 1)
     written: dict[str, Any] = {}
