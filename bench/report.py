@@ -47,8 +47,16 @@ class Run:
 
     @property
     def cpu(self) -> str:
-        """The CPU the records name (``cpu_label``), or "" where none does."""
-        return next((cpu_label(r) for r in self.records if r.get("cpu_model")), "")
+        """The CPU the records name (``cpu_label``), with the family and model numbers that
+        pytest-benchmark's ``machine_info`` gives where the records lack them (those before
+        2026-12-03), or that ``machine_info``'s CPU alone where no record names one; else ""."""
+        seen = self.meta.get("machine_cpu") or {}
+        record = next((r for r in self.records if r.get("cpu_model")), None)
+        if record is None:
+            if not seen.get("name"):
+                return ""
+            record = {"cpu_model": seen["name"], "cpu_flags": seen.get("flags", "")}
+        return cpu_label(record, seen.get("numbers"))
 
     @property
     def machine(self) -> str:
@@ -75,11 +83,25 @@ def vector_units(flags: str) -> str:
     return ""
 
 
-def cpu_label(record: dict[str, Any]) -> str:
+def cpu_label(record: dict[str, Any], numbers: str | None = None) -> str:
     """A CPU record's machine: its model name (x86's family and model numbers with it in records
-    that have them) and vector units, ``"AMD EPYC (family 25, model 17), AVX-512 with BF16/VNNI"``."""
+    that have them, else ``numbers``, ``"family 25, model 17"``, where given) and vector units,
+    ``"AMD EPYC (family 25, model 17), AVX-512 with BF16/VNNI"``."""
+    name = str(record["cpu_model"])
+    if numbers and "(family " not in name:
+        name = f"{name} ({numbers})"
     units = vector_units(record.get("cpu_flags") or "")
-    return f"{record['cpu_model']}, {units}" if units else str(record["cpu_model"])
+    return f"{name}, {units}" if units else name
+
+
+def _machine_cpu(machine_info: dict[str, Any]) -> dict[str, str]:
+    """The CPU in pytest-benchmark's ``machine_info`` (py-cpuinfo's): its name, x86's family and
+    model numbers as ``cpu_label`` writes them, and its flags."""
+    cpu = machine_info.get("cpu") or {}
+    out = {"name": str(cpu.get("brand_raw") or ""), "flags": " ".join(cpu.get("flags") or [])}
+    if cpu.get("family") is not None and cpu.get("model") is not None:
+        out["numbers"] = f"family {cpu['family']}, model {cpu['model']}"
+    return out
 
 
 # ---------------------------------------------------------------------------------- loading
@@ -91,6 +113,7 @@ def _entries_from_file(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]
         data = None
     if isinstance(data, dict) and "benchmarks" in data:
         meta = dict(data.get("machine_info", {}).get("wiola", {}))
+        meta["machine_cpu"] = _machine_cpu(data.get("machine_info", {}))
         if "date" not in meta and "datetime" in data:
             meta["date"] = data["datetime"]
         return data["benchmarks"], meta

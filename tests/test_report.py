@@ -184,10 +184,21 @@ ZEN4_FLAGS = "fpu sse2 avx avx2 fma avx512f avx512bw avx512_bf16 avx512_vnni vae
 ZEN3_FLAGS = "fpu sse2 avx avx2 fma vaes"
 
 
-def _cpu_run(directory: Path, date: str, model: str, flags: str, tok_s: float, read_pct: float | None) -> Path:
-    """A CPU results file like bench/test_decode_cpu.py's: the fixture's decode record moved to a CPU."""
+def _cpu_run(
+    directory: Path,
+    date: str,
+    model: str,
+    flags: str,
+    tok_s: float,
+    read_pct: float | None,
+    cpuinfo: dict | None = None,
+) -> Path:
+    """A CPU results file like bench/test_decode_cpu.py's: the fixture's decode record moved to a
+    CPU (``cpuinfo``: pytest-benchmark's ``machine_info["cpu"]``, py-cpuinfo's fields)."""
     data = json.loads(FIXTURE.read_text())
     data["machine_info"]["wiola"] = {"date": date, "gpu": None, "cpu": "x86_64", "cpu_count": 2, "torch": "t"}
+    if cpuinfo is not None:
+        data["machine_info"]["cpu"] = cpuinfo
     decode = next(b for b in data["benchmarks"] if b["extra_info"].get("op") == "decode")
     info = decode["extra_info"]
     info.update(device="cpu", cpu_model=model, cpu_flags=flags, time_s=256 / tok_s, tokens_per_s=tok_s)
@@ -233,6 +244,31 @@ def test_cpu_runs_grouped_by_machine(tmp_path: Path) -> None:
         "AMD_EPYC_AVX2_decode_greedy.png",
         "AMD_EPYC_family_25_model_17_AVX-512_with_BF16_VNNI_decode_greedy.png",
     ], charts
+
+
+def test_cpu_numbers_from_machine_info(tmp_path: Path) -> None:
+    """Records without the family and model numbers take them from pytest-benchmark's
+    ``machine_info`` (py-cpuinfo), so an older run joins its own CPU when two numbered CPUs share
+    the name and units; a run whose records name no CPU is labelled from ``machine_info`` alone."""
+    zen4, zen5 = "AMD EPYC (family 25, model 17)", "AMD EPYC (family 26, model 2)"
+    info = {"brand_raw": "AMD EPYC", "family": 25, "model": 17, "flags": ZEN4_FLAGS.split()}
+    runs = [
+        _cpu_run(tmp_path / "r" / "zen4", "2000-03-01T00:00:00Z", zen4, ZEN4_FLAGS, 2000.0, 41.0),
+        _cpu_run(tmp_path / "r" / "zen5", "2000-03-02T00:00:00Z", zen5, ZEN4_FLAGS, 3000.0, 80.0),
+        _cpu_run(tmp_path / "r" / "old", "2000-02-01T00:00:00Z", "AMD EPYC", ZEN4_FLAGS, 1000.0, None, info),
+        _cpu_run(tmp_path / "r" / "bare", "2000-01-01T00:00:00Z", "", "", 900.0, None, info),
+    ]
+    out = tmp_path / "BENCHMARKS.md"
+    assert report.main([*map(str, runs), "--out", str(out)]) == 0
+    md = out.read_text()
+    titles = [line for line in md.splitlines() if line.startswith("## ")]
+    assert titles == [
+        "## CPU: AMD EPYC (family 26, model 2), AVX-512 with BF16/VNNI — latest run",
+        "## CPU: AMD EPYC (family 25, model 17), AVX-512 with BF16/VNNI — latest run",
+    ], titles
+    zen4_section = md[md.index(titles[1].removeprefix("## ")) :]
+    for name in ("old", "bare"):
+        assert f"[r/{name}/bench.json]" in zen4_section, name
 
 
 @pytest.mark.parametrize("ceiling, cell", [(129.4, "129%"), (7.25, "7.2%"), (None, "—")])
