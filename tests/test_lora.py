@@ -332,6 +332,30 @@ def test_cli_adapters_on_a_base_of_another_shape_are_one_line(adapter_folder, tm
     assert "adapt layers.1." in _one_error_line(capsys, "merge") and not (tmp_path / "m").exists()
 
 
+def test_cli_quantized_base_or_init_is_one_line_naming_the_way(adapter_folder, tmp_path, capsys) -> None:
+    """Merging into, or fine-tuning, an int8 checkpoint: exit 2, one line saying to use the
+    full-precision checkpoint and quantize the result, before anything is loaded or written."""
+    from wiola.cli import main
+    from wiola.fast import WiolaModel as Fast
+    from wiola.fast.quantize import quantize
+    from wiola.tokenizer import load_tokenizer
+
+    base = Fast.from_pretrained(adapter_folder / "base").eval().requires_grad_(False)
+    quantize(base, "int8").save_pretrained(tmp_path / "int8", load_tokenizer("gpt2-32k"))
+    adapters = str(adapter_folder / "lora")
+    assert main(["merge", "--adapter", adapters, "--out", str(tmp_path / "m"), "--base", str(tmp_path / "int8")]) == 2
+    line = _one_error_line(capsys, "merge")
+    assert "holds int8-quantized weights, which only decode: merge the adapters into its full-precision" in line
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "a", "completion": "b"}\n')
+    args = ["finetune", "--init", str(tmp_path / "int8"), "--data", str(data), "--out", str(tmp_path / "f")]
+    assert main([*args, "--steps", "1", "--no-progress"]) == 2
+    assert "holds int8-quantized weights, which only decode: fine-tune its full-precision" in _one_error_line(
+        capsys, "finetune"
+    )
+    assert not (tmp_path / "m").exists() and not (tmp_path / "f").exists()
+
+
 def test_cli_merge_overwrite_leaves_no_file_of_the_old_model(adapter_folder, tmp_path, capsys) -> None:
     """merge --overwrite over a transformers checkpoint in shards (either kind) with its generation
     config and over an ONNX export: none of their files stays beside the merged model (the stale

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from wiola.chat import add_role_tokens, resize_token_embeddings, with_chat_template
-from wiola.checkpoint import REPO_ID, load_checkpoint_tokenizer, read_json_object, resolve_checkpoint
+from wiola.checkpoint import REPO_ID, load_checkpoint_tokenizer, quantization_of, read_json_object, resolve_checkpoint
 from wiola.model import ADAPTER_TARGETS
 from wiola.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, read_chat_template
 from wiola.train.env import Progress, autocast, model_class, require, resolve_device
@@ -191,6 +191,7 @@ def finetune(cfg: FinetuneConfig, log: Callable[[str], None] = print, *, overwri
     init = checkpoint_dir(cfg.init)
     check_apart(cfg.out, init, "--out", "--init checkpoint")
     check_model_out(cfg.out, overwrite)
+    check_full_precision(init, "--init checkpoint", "fine-tune")
     model = model_class(cfg.fast).from_pretrained(init, device=device)
     if cfg.lora_rank is not None:
         check_lora_rank(model, cfg.lora_rank, cfg.targets)
@@ -497,6 +498,17 @@ def check_adapter_shapes(path: str | os.PathLike, base: torch.nn.Module, base_di
                 )
 
 
+def check_full_precision(checkpoint: str | os.PathLike, role: str, action: str) -> None:
+    """``ValueError`` when ``checkpoint`` holds quantized weights (``wiola.fast.quantize``): they
+    are a decoding form, not weights to train or add an update to."""
+    scheme = quantization_of(checkpoint)
+    if scheme is not None:
+        raise ValueError(
+            f"the {role} {checkpoint} holds {scheme}-quantized weights, which only decode: {action} its "
+            "full-precision checkpoint, then quantize the result (--quantize, or wiola.fast.quantize)"
+        )
+
+
 def merge_adapters(
     path: str | os.PathLike,
     out: str | os.PathLike,
@@ -517,6 +529,7 @@ def merge_adapters(
     base_dir = resolve_adapter_base(path, base)
     check_apart(out, base_dir, "--out", "base checkpoint")
     check_model_out(out, overwrite)
+    check_full_precision(base_dir, "base checkpoint", "merge the adapters into")
     model, tokenizer = load_finetuned(path, base=base_dir)
     merged = model.merge_and_unload()
     if overwrite:
