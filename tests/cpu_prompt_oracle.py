@@ -19,6 +19,8 @@ PROMPT_CASES = [
     (2, 130, 4, 64, 140, 0, 20),  # D 64: two passes of values a tile on AVX-512; left padding
     (2, 19, 2, 48, 300, 250, 3),  # D 48: a pass of two vectors and one of one; a long prefix
     (2, 1, 2, 32, 30, 17, 5),  # one token after 17 cached slots (a step outside the C++ step); padding
+    (2, 23, 2, 40, 50, 9, 4),  # D 40: whole vectors, then 8 (AVX-512) columns one at a time; padding
+    (1, 17, 3, 10, 20, 0, 0),  # D 10: fewer columns than a vector's lanes on AVX2 and AVX-512
 ]
 
 

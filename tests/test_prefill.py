@@ -368,22 +368,42 @@ def test_prompt_row_alone_equals_the_row_in_a_batch(plain_cpu, monkeypatch, sche
     model = _wide(scheme)
     gen = torch.Generator().manual_seed(1)
     for T in (2, 5, 12, 64, 65, 130):
-        ids = torch.randint(0, WIDE.vocab_size, (8, T), generator=gen)
-        runs = {}
-        for name, rows, at in (("alone", ids[3:4], 0), ("row 3 of 8", ids, 3)):
-            every = model(rows, cache=model.new_cache(rows.shape[0], T)).logits[at]
-            cache = model.new_cache(rows.shape[0], T + 3)
-            out = model(rows, cache=cache, logits_to_keep=1).logits[:, -1]
-            seq = [every, out[at]]
-            for _ in range(3):
-                out = model(out.argmax(-1, keepdim=True), cache=cache).logits[:, -1]
-                seq.append(out[at])
-            runs[name] = seq
-        for i, what in enumerate(
-            ("every position's prompt logits", "the prompt's last logits", "step 1", "step 2", "step 3")
-        ):
-            a, b = runs["alone"][i], runs["row 3 of 8"][i]
-            assert torch.equal(a, b), (
-                f"{scheme}, {prefill._describe_gemm()}, {T} positions: {what} of row 3 of 8 differ from the row alone "
-                f"(max {float((a - b).abs().max()):.2e}); {platform_line()}"
-            )
+        _check_row_alone_and_in_a_batch(model, torch.randint(0, WIDE.vocab_size, (8, T), generator=gen), scheme)
+
+
+def _check_row_alone_and_in_a_batch(model: wiola.fast.WiolaModel, ids: torch.Tensor, what_model: str) -> None:
+    """Row 3 of ``ids`` alone and in the batch: every position's prompt logits, the last one's,
+    and 3 greedy steps, bitwise the same."""
+    T = ids.shape[1]
+    runs = {}
+    for name, rows, at in (("alone", ids[3:4], 0), ("row 3 of 8", ids, 3)):
+        every = model(rows, cache=model.new_cache(rows.shape[0], T)).logits[at]
+        cache = model.new_cache(rows.shape[0], T + 3)
+        out = model(rows, cache=cache, logits_to_keep=1).logits[:, -1]
+        seq = [every, out[at]]
+        for _ in range(3):
+            out = model(out.argmax(-1, keepdim=True), cache=cache).logits[:, -1]
+            seq.append(out[at])
+        runs[name] = seq
+    for i, what in enumerate(
+        ("every position's prompt logits", "the prompt's last logits", "step 1", "step 2", "step 3")
+    ):
+        a, b = runs["alone"][i], runs["row 3 of 8"][i]
+        assert torch.equal(a, b), (
+            f"{what_model}, {prefill._describe_gemm()}, {T} positions: {what} of row 3 of 8 differ from the row alone "
+            f"(max {float((a - b).abs().max()):.2e}); {platform_line()}"
+        )
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("head_dim", [40, 10])
+def test_odd_head_width_row_alone_equals_the_row_in_a_batch(plain_cpu, head_dim):
+    """The same for head widths that are not a multiple of the vectors' lanes (the C++ prompt
+    attention's last columns one at a time; PyTorch's batched SDPA would differ by the batch)."""
+    config = wiola.WiolaConfig(vocab_size=101, d_model=2 * head_dim, n_layers=1, n_heads=2, d_ff=64, max_seq_len=96)
+    torch.manual_seed(2)
+    with pytest.warns(UserWarning, match=f"head width {head_dim}"):
+        model = wiola.fast.WiolaModel(config).eval().requires_grad_(False)
+    gen = torch.Generator().manual_seed(3)
+    for T in (5, 17, 70):
+        _check_row_alone_and_in_a_batch(model, torch.randint(0, 101, (8, T), generator=gen), f"head width {head_dim}")

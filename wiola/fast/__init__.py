@@ -113,7 +113,7 @@ class WiolaModel(ReferenceModel):
         if not self._attention_kernels():
             parts.append(
                 f"head width {self.config.head_dim} has no attention kernel (built for {ops.ATTENTION_HEAD_DIMS}); "
-                "attention and decoding attention run on PyTorch (SDPA) on a GPU"
+                "attention and decoding attention run on PyTorch (SDPA) on a GPU (on a CPU, in the C++ step's code)"
             )
         if not parts:
             return "wiola.fast: every op on its fused kernel where usable (the butterfly included)"

@@ -1608,7 +1608,25 @@ struct PromptAttention {
     for (int64_t r = n; r < kTileRows; ++r) std::fill(sc + r * Sp, sc + r * Sp + reach, 0.0f);
     int64_t j = 0;
     for (; j + kValueVecs * kLanes <= D; j += kValueVecs * kLanes) values<kValueVecs>(p, b, t0, n, last, sc, j, padded);
-    for (; j < D; j += kLanes) values<1>(p, b, t0, n, last, sc, j, padded);  // D % kLanes == 0 (checked by the caller)
+    for (; j + kLanes <= D; j += kLanes) values<1>(p, b, t0, n, last, sc, j, padded);
+    if (j < D) value_columns(p, b, t0, n, last, sc, j, padded);  // D not a multiple of kLanes
+  }
+
+  // Output columns [j0, D), fewer than kLanes: the same sums as values', a column at a time.
+  void value_columns(int64_t p, int64_t b, int64_t t0, int64_t n, int64_t last, const float* sc, int64_t j0,
+                     bool padded) {
+    const float* vc = v_cache + p * S * D;
+    const bool* km = key_mask + b * S;
+    const int64_t h = p % H;
+    for (int64_t r = 0; r < n; ++r) {
+      float* o = out + ((b * T + t0 + r) * H + h) * D;
+      for (int64_t j = j0; j < D; ++j) {
+        float acc = 0.0f;
+        for (int64_t s = 0; s <= last; ++s)
+          if (!padded || km[s]) acc += sc[r * Sp + s] * vc[s * D + j];
+        o[j] = acc;
+      }
+    }
   }
 
   // Output columns [j, j + NV·kLanes) of the tile's queries: Σ_s p_s v_s over the real slots

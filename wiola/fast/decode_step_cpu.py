@@ -924,8 +924,8 @@ def decode_attention(
 
     None where it does not apply, for the caller's PyTorch path: the library not built, other
     than fp32 CPU tensors, ``q``/``k``/``v`` not the fused projection's views (head stride ``D``,
-    unit element stride, one layout for the three), ``D`` not a multiple of 16, a cache of other
-    rows or layout, or ``start`` not a Python int. ``isa``: the variant (``select_isa``)."""
+    unit element stride, one layout for the three), a cache of other rows or layout, or ``start``
+    not a Python int. ``isa``: the variant (``select_isa``)."""
     lib = load(isa)
     if lib is None or not isinstance(start, int) or q.dim() != 4:
         return None
@@ -934,7 +934,6 @@ def decode_attention(
     fp32 = (q, k, v, g, cos, sin, k_cache, v_cache)
     if (
         T < 1
-        or D % 16
         or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in fp32)
         or k.stride() != q.stride()
         or v.stride() != q.stride()
