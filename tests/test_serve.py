@@ -273,6 +273,16 @@ def test_quantized_server_equals_generate_on_the_same_weights(checkpoint, tmp_pa
     assert f"({scheme}) on http://127.0.0.1:{served.port}" in served.log.read_text()
 
 
+def test_openai_client_retrieves_the_model(server):
+    openai = pytest.importorskip("openai")
+    client = _client(server)
+    card = client.models.retrieve("tiny-wiola")
+    assert (card.id, card.object, card.owned_by) == ("tiny-wiola", "model", "wiola")
+    assert [m.id for m in client.models.list()] == ["tiny-wiola"]
+    with pytest.raises(openai.NotFoundError, match="this server serves 'tiny-wiola'"):
+        client.models.retrieve("gpt-4")
+
+
 def test_seeded_sampling_equals_generate_with_that_seed(server, solo):
     client = _client(server)
     _, text, _ = solo(PROMPTS[0], 30, 0.9, 0.95, 11)
@@ -540,6 +550,10 @@ def test_models_health_tokenize_detokenize(server):
         assert r.status_code == status and r.json()["error"]["message"] == message, r.text
     models = httpx.get(server.url + "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny-wiola"
+    assert httpx.get(server.url + "/v1/models/tiny-wiola").json() == models["data"][0]
+    r = httpx.get(server.url + "/v1/models/other/model")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+    assert r.json()["error"]["message"] == "no model 'other/model': this server serves 'tiny-wiola'"
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     ids = httpx.post(server.url + "/tokenize", json={"prompt": "The cat"}).json()["tokens"]
     assert httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"].endswith("The cat")

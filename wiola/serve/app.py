@@ -447,11 +447,23 @@ async def _stream_chat(server: Server, request: Request, s: Sampling, jobs, head
 
 
 # ---------------------------------------------------------------------- the rest
-async def models(request: Request) -> Response:
+def _model_card(request: Request) -> dict[str, Any]:
     server: Server = request.app.state.server
-    card = {"id": server.model_name, "object": "model", "created": request.app.state.started, "owned_by": "wiola",
+    return {"id": server.model_name, "object": "model", "created": request.app.state.started, "owned_by": "wiola",
             "max_model_len": server.max_len}  # fmt: skip
-    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(request)]})
+
+
+async def model(request: Request) -> Response:
+    """``GET /v1/models/{id}`` (the ``openai`` client's ``models.retrieve``): the served model's
+    card, or a 404 naming the one model this server has."""
+    name, served = request.path_params["model"], request.app.state.server.model_name
+    if name != served:
+        return _error(ApiError(f"no model {name!r}: this server serves {served!r}", "model", 404, "model_not_found"))
+    return JSONResponse(_model_card(request))
 
 
 async def health(request: Request) -> Response:
@@ -511,6 +523,7 @@ def create_app(server: Server) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models),
+        Route("/v1/models/{model:path}", model),
         Route("/health", health),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
