@@ -7,6 +7,7 @@ consistent with itself."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -133,6 +134,20 @@ def test_table_and_batch(step_available):
     assert "±" not in cells[5], "one run has no spread to show"
     assert "1 threads" in done.stdout and "median time of 1 run;" in done.stdout
     assert any(re.fullmatch(r"int8: [\d.]+ MB of matrices, head (streamed|cached), \d+ rows prefetched ahead, a thread per 2 MiB; threads' parts: .*", line) for line in lines), lines  # fmt: skip
+
+
+def test_default_forms_leave_out_int4_where_the_widths_do_not_take_it(step_available, tmp_path):
+    """Every form by default: a model whose d_model is not a multiple of int4's group runs the
+    other three and says why int4 is left out; asked for by name, int4 is refused (exit 2)."""
+    odd = dataclasses.replace(SMALL, d_model=40, n_heads=2, d_ff=64)
+    torch.manual_seed(0)
+    WiolaModel(odd).save_pretrained(tmp_path / "odd")
+    done = _run("--checkpoint", str(tmp_path / "odd"), "-p", "4", "-n", "3", "-r", "1", "--json")
+    assert done.returncode == 0, done.stderr
+    assert sorted({json.loads(line)["weights"] for line in done.stdout.splitlines()}) == ["bf16", "fp32", "int8"]
+    assert "int4 left out: int4 needs every matrix's K to be a multiple of the group size 32" in done.stderr
+    refused = _run("--checkpoint", str(tmp_path / "odd"), "--weights", "int4", "-p", "4", "-n", "3", "-r", "1")
+    assert refused.returncode == 2 and "multiple of the group size 32" in refused.stderr, refused.stderr
 
 
 def test_pp_only_notes_say_nothing_of_tg(step_available):

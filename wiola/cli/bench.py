@@ -42,7 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", default="13m", choices=sorted(PRESETS), help="random model when no checkpoint")
     p.add_argument(
         "--weights",
-        help=f"comma-separated weight forms ({', '.join(FORMS)}; default: all, or a quantized checkpoint's own)",
+        help=f"comma-separated weight forms ({', '.join(FORMS)}; default: all the model takes, int4 only with "
+        "widths that are multiples of 32, or a quantized checkpoint's own)",
     )
     p.add_argument("-p", "--prompt-tokens", type=int, default=512, help="pp: the prompt's length (0: no pp row)")
     p.add_argument("-n", "--new-tokens", type=int, default=128, help="tg: tokens decoded (0: no tg row)")
@@ -170,7 +171,7 @@ def _bench(args: argparse.Namespace) -> int:
     from wiola import WiolaConfig
     from wiola.checkpoint import resolve_checkpoint
     from wiola.fast import WiolaModel, decode_step_cpu, prefill, speed
-    from wiola.fast.quantize import quantize
+    from wiola.fast.quantize import int4_refusal, quantize
 
     if args.revision is not None and not args.checkpoint:
         raise ValueError(f"--revision {args.revision!r} applies to a Hub id --checkpoint; none was given")
@@ -189,6 +190,9 @@ def _bench(args: argparse.Namespace) -> int:
         model_name = f"{args.preset} (random)"
     base = base.eval().requires_grad_(False)
     stored = getattr(base, "quantization", None)
+    if args.weights is None and "int4" in forms and (reason := int4_refusal(base)) is not None:
+        forms.remove("int4")  # every form by default: the ones this model has (asked for by name, refused)
+        print(f"int4 left out: {reason}", file=sys.stderr)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     path = decode_step_cpu.describe()

@@ -159,13 +159,23 @@ def quantize(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
         p = params[name]
         if p.dtype != torch.float32 or p.device.type != "cpu":
             raise ValueError(f"quantize: {name} is {p.dtype} on {p.device}; quantize an fp32 model on the CPU")
-        if scheme == "int4" and p.shape[1] % GROUP:
-            raise ValueError(
-                f"quantize: int4 needs every matrix's K to be a multiple of the group size {GROUP}; {name} is "
-                f"{tuple(p.shape)} (d_model={model.config.d_model}, d_ff={model.config.d_ff})"
-            )
+    if scheme == "int4" and (reason := int4_refusal(model)) is not None:
+        raise ValueError(f"quantize: {reason}")
     attach(model, scheme, {name: quantize_tensor(params[name], scheme) for name in matrix_names(model.config.n_layers)})
     return model
+
+
+def int4_refusal(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s matrices cannot be int4 (a K that is not a multiple of ``GROUP``), or None."""
+    params = dict(model.named_parameters())
+    for name in matrix_names(model.config.n_layers):
+        shape = tuple(params[name].shape)
+        if shape[1] % GROUP:
+            return (
+                f"int4 needs every matrix's K to be a multiple of the group size {GROUP}; {name} is {shape} "
+                f"(d_model={model.config.d_model}, d_ff={model.config.d_ff})"
+            )
+    return None
 
 
 def _check_model(model: Any) -> None:
