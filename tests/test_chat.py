@@ -460,6 +460,42 @@ def test_chat_cli_says_when_a_reply_is_only_ids_past_the_tokenizer(monkeypatch, 
     assert "the empty reply is left out of the conversation" in out
 
 
+def test_chat_cli_says_a_reply_was_cut_at_max_new_tokens(monkeypatch, capsys) -> None:
+    """A reply cut at ``--max-new-tokens`` says so; one that ends at eos, or at the template's
+    marker on its last allowed token, does not."""
+    tok = _with_template(CHATML)
+    text = tok.encode_batch(["one two three four five six"])[0]
+    cases = (([*text, tok.eos_token_id], "3", True), ([*text[:2], tok.eos_token_id], "3", False))
+    for script, limit, cut in cases:
+        model = Scripted(script)
+        code, out, _ = _chat_cli(monkeypatch, capsys, "ckpt", "hi\n", "--max-new-tokens", limit, loaded=(model, tok))
+        assert code == 0 and ("[cut at --max-new-tokens 3]" in out) is cut, out
+    marker = tok.encode_batch(["ok<|im_end|>"])[0]
+    model = Scripted(marker)
+    code, out, _ = _chat_cli(
+        monkeypatch, capsys, "ckpt", "hi\n", "--max-new-tokens", str(len(marker)), loaded=(model, tok)
+    )
+    assert code == 0 and "model> ok\n" in out and "[cut" not in out, out
+    generator = stream_reply(Scripted(text), tok, [1, 2], 2)
+    assert [t for t, _ in generator] == text[:2]
+
+
+@pytest.mark.parametrize("command", ["chat", "generate"])
+def test_top_k_0_is_no_filter_on_the_command_line(command, capsys) -> None:
+    """``--top-k 0`` means no top-k filter, as ``generate(top_k=0)`` and the server read it (chat
+    samples with top-k 50 by default: 0 is how to turn that off); a negative one is named."""
+    from wiola.cli import build_parser
+    from wiola.cli.arguments import check_sampling_flags
+
+    args = build_parser().parse_args([command, "--checkpoint", "x", "--top-k", "0"])
+    assert args.top_k is None
+    check_sampling_flags(1.0, args.top_k, None)
+    with pytest.raises(ValueError, match="--top-k -2: top_k must be a positive int"):
+        check_sampling_flags(
+            1.0, build_parser().parse_args([command, "--checkpoint", "x", "--top-k", "-2"]).top_k, None
+        )
+
+
 def test_chat_cli_exit_with_words_after_it_leaves(monkeypatch, capsys) -> None:
     tok = _with_template(None)
     model = Scripted([tok.eos_token_id])

@@ -23,7 +23,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -263,9 +263,10 @@ def stream_reply(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
     stop_text: str | None = None,
-) -> Iterator[tuple[int, str]]:
+) -> Generator[tuple[int, str], None, str]:
     """The reply to ``prompt`` (ids from ``apply_chat_template``) token by token: ``(token id,
-    new text)`` pairs, ending at eos or after ``max_new_tokens``. Sampling as in
+    new text)`` pairs, ending at eos or after ``max_new_tokens``; the generator's return value is
+    why it ended, ``"length"`` (cut at ``max_new_tokens``) or ``"stop"``. Sampling as in
     ``wiola.generation.generate``; one prefill, then one cached step per token. Raises
     ``ValueError`` when prompt and reply would pass ``max_seq_len``.
 
@@ -297,13 +298,14 @@ def stream_reply(
             rest = stream.rest()
             if rest:
                 yield token, rest
-            return
+            return "stop"
         new = stream.add(token)
         if stream.stopped:
             yield token, new
-            return
+            return "stop"
         if step == max_new_tokens:
             yield token, new + stream.rest()
-            return
+            return "length"
         yield token, new
         logits = model(torch.tensor([[token]], device=device), cache=cache).logits[:, -1]
+    return "length"  # max_new_tokens = 0

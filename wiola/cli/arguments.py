@@ -43,6 +43,16 @@ def seed(value: str) -> int:
     return number
 
 
+def top_k(value: str) -> int | None:
+    """``--top-k``: an int, 0 meaning no top-k filter (None), as ``generate``'s ``top_k=0`` and the
+    server's; a negative one is left to ``check_sampling_flags`` to name."""
+    try:
+        k = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {value!r}") from None
+    return None if k == 0 else k
+
+
 def add_length_arguments(p: argparse.ArgumentParser, *, steps: int, batch_size: int, lr: float) -> None:
     """``--steps``, ``--batch-size`` and ``--lr`` of a training run, with these defaults."""
     p.add_argument("--steps", type=int, default=steps)

@@ -21,7 +21,7 @@ import contextlib
 import sys
 from collections.abc import Iterator
 
-from wiola.cli.arguments import non_empty, seed
+from wiola.cli.arguments import non_empty, seed, top_k
 
 HELP = (
     "commands: /reset clears the conversation, /exit (or Ctrl-D) leaves, /help; Ctrl-C stops a reply; "
@@ -45,7 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"reply length limit (default {DEFAULT_MAX_NEW_TOKENS}, or half the model's context if that is less)",
     )
     p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument(
+        "--top-k", type=top_k, default=50, help="sample from the k likeliest tokens only; 0: no top-k filter"
+    )
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--fast", action="store_true", help="wiola.fast (the C++ CPU step for a plain checkpoint)")
@@ -199,18 +201,25 @@ def _reply(model, tokenizer, system, history, text, args, generator, stop_text) 
     sys.stdout.write("model> ")
     sys.stdout.flush()
     answer, textless = "", []
+    reply = stream_reply(
+        model,
+        tokenizer,
+        prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        generator=generator,
+        stop_text=stop_text,
+    )
     try:
-        for token, piece in stream_reply(
-            model,
-            tokenizer,
-            prompt,
-            args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            generator=generator,
-            stop_text=stop_text,
-        ):
+        while True:
+            try:
+                token, piece = next(reply)
+            except StopIteration as end:  # its value: why the reply ended
+                if end.value == "length":
+                    sys.stdout.write(f" [cut at --max-new-tokens {args.max_new_tokens}]")
+                break
             textless += [token] if token >= tokenizer.vocab_size else []
             answer += piece
             sys.stdout.write(piece)

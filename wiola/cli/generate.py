@@ -16,7 +16,7 @@ from typing import TextIO
 
 import torch
 
-from wiola.cli.arguments import add_checkpoint_arguments, check_sampling_flags, non_empty_path, seed
+from wiola.cli.arguments import add_checkpoint_arguments, check_sampling_flags, non_empty_path, seed, top_k
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,7 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-echo", action="store_true", help="print only the new text, not the prompt")
     p.add_argument("--max-new-tokens", type=int, default=100, help="new tokens a sample")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 is greedy")
-    p.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest tokens only")
+    p.add_argument(
+        "--top-k", type=top_k, default=None, help="sample from the k likeliest tokens only; 0: no top-k filter"
+    )
     p.add_argument(
         "--top-p", type=float, default=0.95, help="sample from the likeliest tokens holding this probability"
     )
