@@ -599,3 +599,16 @@ def test_export_leaves_adapters_alone_and_overwrite_leaves_no_old_file(tmp_path,
     assert generation == {"_from_model_config": True, "eos_token_id": 9, "pad_token_id": 3}, generation
     assert (exported["bos_token_id"], exported["eos_token_id"], exported["pad_token_id"]) == (None, 9, 3)
     assert WiolaModel.from_pretrained(out).config == WiolaModel.from_pretrained(ckpt).config
+
+
+def test_save_pretrained_names_a_tokenizer_of_another_type_before_writing(tmp_path) -> None:
+    """A tiktoken ``Encoding`` (what ``get_encoding`` gives) is not a ``wiola.tokenizer.Tokenizer``:
+    a ``TypeError`` saying what to pass, and no folder left behind."""
+    from wiola.tokenizer import get_encoding
+
+    model = WiolaModel(WiolaConfig(vocab_size=32000, d_model=16, n_layers=1, n_heads=2, d_ff=16, max_seq_len=32))
+    with pytest.raises(
+        TypeError, match=r"tokenizer must be a wiola\.tokenizer\.Tokenizer .*got tiktoken\.core\.Encoding"
+    ):
+        model.save_pretrained(tmp_path / "out", get_encoding("gpt2-32k"))
+    assert not (tmp_path / "out").exists()

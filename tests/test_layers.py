@@ -153,6 +153,52 @@ def test_core_install_is_light_and_training_names_its_extra() -> None:
     assert "Traceback" not in proc.stderr, proc.stderr
 
 
+MISSING_CHECK = r"""
+import json, sys, tempfile
+from pathlib import Path
+
+import pyarrow as pa, pyarrow.parquet as pq
+import torch
+import wiola
+from wiola.tokenizer import load_tokenizer
+
+root = Path(tempfile.mkdtemp())
+torch.manual_seed(0)
+config = wiola.WiolaConfig(vocab_size=32000, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=64)
+wiola.WiolaModel(config).save_pretrained(root / "ckpt", load_tokenizer("gpt2-32k"))
+(root / "ft.jsonl").write_text('{"prompt": "Hi", "completion": " there"}\n{"prompt": "Yo", "completion": " man"}\n')
+pq.write_table(pa.table({"text": ["One day a cat sat.", "The dog ran home."]}), root / "docs.parquet")
+(root / "spec.json").write_text(json.dumps({"seeds": [0], "base": {"preset": "tiny", "data": "sample", "steps": 1},
+                                             "grid": {"ffn": ["butterfly", "gelu"]}}))
+for name in ("matplotlib", "scipy", "pyarrow"):  # from here on, as if these were not installed
+    for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+        del sys.modules[loaded]
+    sys.modules[name] = None
+from wiola.cli import main
+code = main(["finetune", "--init", str(root / "ckpt"), "--format", "completion", "--data", str(root / "ft.jsonl"),
+             "--out", str(root / "ft"), "--steps", "1", "--batch-size", "2", "--no-progress"])
+print("finetune", code, (root / "ft" / "model.safetensors").is_file())
+print("ablate", main(["ablate", str(root / "spec.json"), "--out", str(root / "sweep")]), (root / "sweep").exists())
+print("eval", main(["eval", "--checkpoint", str(root / "ckpt"), "--val-data", str(root / "docs.parquet"), "--seq-len", "8"]))
+"""
+
+
+def test_missing_extras_are_named_before_the_work_or_skipped_after_it() -> None:
+    """Without matplotlib, ``finetune`` saves its model and leaves out only the loss curve; without
+    scipy (the ablate extra), ``ablate`` is refused before any run; without pyarrow, a Parquet
+    file's message names the train extra."""
+    proc = subprocess.run([sys.executable, "-c", MISSING_CHECK], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out, err = proc.stdout, proc.stderr
+    assert proc.returncode == 0, out + err
+    assert "finetune 0 True" in out and "no loss_curve.png: plotting needs the `matplotlib` package" in out + err, (
+        out + err
+    )
+    assert "ablate 2 False" in out, out + err
+    assert "the sweep's report needs the `scipy` package" in err and "pip install 'wiola-slm[ablate]'" in err, err
+    assert "eval 2" in out and "reading Parquet files needs the `pyarrow` package" in err, err
+    assert "Traceback" not in err, err
+
+
 def test_python_m_wiola_is_the_command() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "wiola", "budget", "--preset", "13m"], cwd=ROOT, capture_output=True, text=True

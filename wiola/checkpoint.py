@@ -148,6 +148,13 @@ def save_pretrained(model: nn.Module, directory: str | Path, tokenizer: Tokenize
     with a ``config``) into ``directory`` (created if needed), and ``tokenizer`` beside them."""
     from safetensors.torch import save_file
 
+    from wiola.tokenizer import Tokenizer
+
+    if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+        raise TypeError(
+            f"save_pretrained: tokenizer must be a wiola.tokenizer.Tokenizer (load_tokenizer('gpt2-32k'), or a "
+            f"tokenizer.json folder's), got {type(tokenizer).__module__}.{type(tokenizer).__qualname__}"
+        )
     directory = Path(directory)
     state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": model.config.to_dict()}

@@ -44,6 +44,7 @@ def check_flags(args: argparse.Namespace) -> None:
 
 def run_ablate(args: argparse.Namespace) -> int:
     from wiola.train.ablate import commands, load_spec, prepare_sweep, run_sweep
+    from wiola.train.ablate_report import check_report_packages
 
     check_flags(args)
     spec = load_spec(args.spec)
@@ -56,6 +57,7 @@ def run_ablate(args: argparse.Namespace) -> int:
         then = shlex.join(["wiola", "ablate", args.spec, "--out", str(out)])
         print(f"# then: {then}   (writes the report once every run has finished)")
         return 0
+    check_report_packages()  # before any run: the report is written once they have all finished
     jobs = 1 if args.jobs is None else args.jobs
     report = run_sweep(spec, out, jobs=jobs, log=log, progress=args.progress, overwrite=args.overwrite)
     if report is None:

@@ -29,12 +29,12 @@ TRAIN_EXTRA = "pip install 'wiola-slm[train]'"
 
 
 def require(module: str, purpose: str) -> ModuleType:
-    """Import ``module`` (a package of the ``train`` extra), or raise ``RuntimeError`` naming the
+    """Import ``module`` (a package of the ``train`` extra), or raise ``ImportError`` naming the
     extra that installs it."""
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise RuntimeError(
+        raise ImportError(
             f"{purpose} needs the `{module.split('.')[0]}` package, which cannot be imported ({e}); "
             f"install the training extra: {TRAIN_EXTRA} (in a checkout: pip install -e '.[train]')"
         ) from e

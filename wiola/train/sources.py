@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from wiola.train.env import TRAIN_EXTRA
+from wiola.train.env import TRAIN_EXTRA, require
 
 PIPELINE_VERSION = 2  # part of the cache key: bump when tokenisation or the shard layout changes
 TEXT_SUFFIXES = {
@@ -190,7 +190,7 @@ def _read_file(path: Path) -> Iterator[str]:
                 yield doc
         return
     if kind == "parquet":
-        import pyarrow.parquet as pq
+        pq = require("pyarrow.parquet", "reading Parquet files")
 
         pf = pq.ParquetFile(path)
         names = pf.schema_arrow.names
