@@ -113,6 +113,30 @@ def test_template_environment_equals_transformers(small_bpe, tmp_path, variant) 
     assert ours == theirs, f"{variant}: ours {ours[:24]} != transformers' {theirs[:24]}"
 
 
+def test_fit_history_drops_a_user_turn_with_its_answer() -> None:
+    """Over budget, the oldest user turn goes with the answer after it (never leaving an answer
+    without its question), the system message stays, and the last turn is always kept."""
+    from wiola.chat import fit_history
+
+    tok = load_tokenizer("gpt2-32k")
+    system = {"role": "system", "content": "Be brief."}
+    turns = [
+        {"role": "user", "content": "Tell me about the red boat on the lake."},
+        {"role": "assistant", "content": "It was small and it floated near the old pier all day."},
+        {"role": "user", "content": "And then?"},
+    ]
+    whole = len(apply_chat_template(tok, [system, *turns]))
+    last = len(apply_chat_template(tok, [system, turns[-1]]))
+    ids, kept, dropped = fit_history(tok, [system, *turns], whole)
+    assert (kept, dropped) == ([system, *turns], 0) and len(ids) == whole
+    for budget in (whole - 1, last):
+        ids, kept, dropped = fit_history(tok, [system, *turns], budget)
+        assert [m["role"] for m in kept] == ["system", "user"] and kept[-1] == turns[-1], (budget, kept)
+        assert dropped == 2 and ids == apply_chat_template(tok, kept)
+    with pytest.raises(ValueError, match=f"the model has room for {last - 1}"):
+        fit_history(tok, [system, *turns], last - 1)
+
+
 def test_role_tokens_are_one_id_each(small_bpe) -> None:
     tok = add_role_tokens(small_bpe)
     assert tok.vocab_size == small_bpe.vocab_size + 3

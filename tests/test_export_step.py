@@ -99,6 +99,11 @@ def test_eos_stops_a_row_and_pads_it_as_generate_does() -> None:
     got = driver(model).generate(ids.numpy(), 20, attention_mask=mask.numpy(), eos_token_id=eos, pad_token_id=7)
     np.testing.assert_array_equal(got, ref.numpy())
     assert (got[0, 8 + 5 :] == 7).all()
+    # Row 0 alone: every row has finished, so the loop ends early and pads the rest itself.
+    ref = model.generate(ids[:1], 20, attention_mask=mask[:1], eos_token_id=eos, pad_token_id=7)
+    got = driver(model).generate(ids[:1].numpy(), 20, attention_mask=mask[:1].numpy(), eos_token_id=eos, pad_token_id=7)
+    np.testing.assert_array_equal(got, ref.numpy())
+    assert (got[0, 8 + 5 :] == 7).all() and got.shape == (1, 8 + 20)
 
 
 def test_the_step_leaves_the_model_alone() -> None:

@@ -196,6 +196,13 @@ def test_load_state_dict_of_other_weights_is_refused(scheme, tmp_path, plain_cpu
             model.load_state_dict(other.state_dict(), assign=assign)
         for name, t in model.state_dict().items():
             assert torch.equal(t, before[name]), f"{name} changed by a refused load (assign={assign})"
+    nudged = model.state_dict()  # its own weights but one element, by far less than a rounding step
+    q = "layers.0.attn.q_proj.weight"
+    nudged[q] = nudged[q].clone()
+    nudged[q][0, 0] += 1e-4 * float(nudged[q].abs().max())
+    with pytest.raises(ValueError, match=rf"the state dict's {re.escape(q)} differs"):
+        model.load_state_dict(nudged)
+    assert torch.equal(model.state_dict()[q], before[q]), "a nearly equal matrix was loaded"
     with torch.inference_mode():
         assert fast_ops.cpu_decode_step(model, ids[:, :1], model.new_cache(1, 4)) is not None
         assert torch.equal(model.generate(ids, 8), tokens)

@@ -401,6 +401,32 @@ def _finish(rows: Rows, got: dict[int, list[int]], reasons: dict[int, str]) -> N
                 reasons[t.row] = t.finish_reason
 
 
+@pytest.mark.parametrize("backend", ["C++", "PyTorch"])
+def test_a_step_that_raises_after_drawing_restores_torchs_generator(backend, plain_cpu, monkeypatch):
+    """A row without a seed draws from torch's default generator: a step that raises after that
+    draw (C++: in the step's call, after the rows' noise was drawn; PyTorch: in the second row's
+    forward, after the unseeded first row sampled) leaves the generator's state as it was."""
+    model = _model(SMALL, cls=wiola.WiolaModel if backend == "PyTorch" else wiola.fast.WiolaModel)
+    rows = Rows(model, max_rows=2, max_len=40)
+    assert rows.backend == backend
+    rows.join(RowRequest([5, 6, 7], 6, temperature=1.0))  # no seed: torch's default generator
+    rows.join(RowRequest([8, 9], 6))  # greedy
+    rows.step()
+    state = torch.random.get_rng_state()
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    if backend == "C++":
+        monkeypatch.setattr(rows._step, "step_rows", fail)
+    else:
+        calls = []
+        model.register_forward_pre_hook(lambda module, args: fail() if calls.append(1) or len(calls) == 2 else None)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        rows.step()
+    assert torch.equal(torch.random.get_rng_state(), state), f"{backend}: a failed step moved torch's generator"
+
+
 @torch.no_grad()  # not inference mode, in which the in-place change below would move no version counter
 @pytest.mark.parametrize("backend", ["C++", "PyTorch"])
 def test_a_step_that_raises_changes_nothing(backend, plain_cpu):

@@ -541,6 +541,26 @@ def test_the_eos_token_is_at_the_texts_end_and_not_a_chat_content_token(checkpoi
         assert streamed == content
 
 
+def test_legacy_top_logprobs_keep_the_best_of_tokens_that_decode_alike():
+    """OpenAI's legacy ``top_logprobs`` is keyed by text: two byte tokens of a split character both
+    read U+FFFD, and that key keeps the better log-probability; the keys come best first."""
+    from types import SimpleNamespace
+
+    from wiola.fast.rows import RowToken
+    from wiola.serve.app import Server
+    from wiola.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("gpt2-32k")
+    lead, cont = (tok.encoding.encode_single_token(bytes([b])) for b in (0xE2, 0x80))
+    a = tok.encoding.encode_single_token(b"a")
+    assert tok.decode([lead]) == tok.decode([cont]) == "\ufffd"
+    server = SimpleNamespace(token_text=lambda t: tok.decode([t]))
+    token = RowToken(0, a, -0.5, [(lead, -3.0), (a, -0.5), (cont, -1.0)])
+    entry = Server.logprobs_entry(server, token, 7)
+    assert list(entry["top"].items()) == [("a", -0.5), ("\ufffd", -1.0)], entry
+    assert (entry["token"], entry["logprob"], entry["offset"]) == ("a", -0.5, 7)
+
+
 def test_models_health_tokenize_detokenize(server):
     for method, path, status, message in (
         ("GET", "/v1/nothing", 404, "no endpoint /v1/nothing"),
