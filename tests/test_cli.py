@@ -291,7 +291,7 @@ def test_chat_checks_sampling_flags_before_loading(tmp_path, monkeypatch, capsys
     import wiola.train.finetune
 
     monkeypatch.setattr(wiola.train.finetune, "load_finetuned", lambda *_, **__: pytest.fail("loaded first"))
-    _refuses(["chat", "--checkpoint", str(tmp_path), "--top-k", "0"], capsys, "--top-k 0: top_k must be a positive")
+    _refuses(["chat", "--checkpoint", str(tmp_path), "--top-k", "-1"], capsys, "--top-k -1: top_k must be a positive")
     _refuses(["chat", "--checkpoint", str(tmp_path), "--temperature", "inf"], capsys, "--temperature inf:")
 
 

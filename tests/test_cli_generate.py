@@ -276,7 +276,7 @@ def test_streamed_text_ends_before_eos(gpt2_checkpoints, capsys):
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
     [
-        ("--top-k", "0", "--top-k 0: top_k must be a positive int"),
+        ("--top-k", "-3", "--top-k -3: top_k must be a positive int"),
         ("--temperature", "-1", "--temperature -1.0: temperature must be >= 0"),
         ("--temperature", "inf", "--temperature inf: temperature must be >= 0 and finite"),
         ("--temperature", "nan", "--temperature nan: temperature must be >= 0 and finite"),

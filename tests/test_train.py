@@ -1004,7 +1004,7 @@ def test_one_autocast_rule() -> None:
 def test_missing_plotting_package_names_the_extra(corpus, tmp_path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if matplotlib were not installed
     cache = tmp_path / "c"
-    with pytest.raises(RuntimeError, match=r"`matplotlib` package.*pip install 'wiola-slm\[train\]'"):
+    with pytest.raises(ImportError, match=r"`matplotlib` package.*pip install 'wiola-slm\[train\]'"):
         train(_cfg(corpus, cache, tmp_path / "o", plots=True), log=_quiet)
     assert _fresh_cache_untouched(cache), "tokenisation started before the packages were checked"
 
