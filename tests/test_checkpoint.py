@@ -612,3 +612,21 @@ def test_save_pretrained_names_a_tokenizer_of_another_type_before_writing(tmp_pa
     ):
         model.save_pretrained(tmp_path / "out", get_encoding("gpt2-32k"))
     assert not (tmp_path / "out").exists()
+
+
+def test_a_wiola13m_config_without_intermediate_size_means_twice_hidden_size(tmp_path) -> None:
+    """wiola13m's default ``d_inner`` is ``2 * hidden_size``: a config.json that leaves
+    ``intermediate_size`` out loads the same weights."""
+    from wiola.checkpoint import export_wiola13m
+
+    torch.manual_seed(0)
+    config = WiolaConfig(vocab_size=300, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=32)
+    model = WiolaModel(config)
+    export_wiola13m(model, tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw.pop("intermediate_size")
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    loaded = WiolaModel.from_pretrained(tmp_path)
+    assert loaded.config.d_ff == 64
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name

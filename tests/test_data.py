@@ -530,3 +530,49 @@ def test_resume_with_absolute_and_older_relative_data_paths(tmp_path, monkeypatc
     assert main(["train", "--resume", str(legacy), "--steps", "3", "--data", str(root / "train.txt")]) == 2
     assert "data: checkpoint 'train.txt'" in capsys.readouterr().err
     assert _trainer_state(legacy)["step"] == 2
+
+
+def test_windows_of_a_split_whose_length_is_a_multiple_of_seq_len() -> None:
+    """A window is ``seq_len + 1`` tokens (inputs and shifted targets): 16 tokens hold 3 windows of
+    4, not 4, and a stream draws every one of them without reading past the split."""
+    from wiola.train.batches import BatchStream, num_windows
+
+    assert (num_windows(16, 4), num_windows(17, 4), num_windows(5, 4), num_windows(4, 4)) == (3, 4, 1, 0)
+    stream = BatchStream(TokenSplit([np.arange(16, dtype=np.uint16)], 1, 16), 4, micro_batch=1, shuffle=False)
+    assert stream.n_windows == 3
+    drawn = [stream.next_step()[0].tolist() for _ in range(stream.n_windows)]
+    assert drawn == [[[0, 1, 2, 3, 4]], [[4, 5, 6, 7, 8]], [[8, 9, 10, 11, 12]]], drawn
+
+
+def test_a_position_from_another_number_of_windows_is_refused() -> None:
+    from wiola.train.batches import BatchStream
+
+    a = BatchStream(TokenSplit([np.arange(41, dtype=np.uint16)], 1, 41), 4, 2)
+    b = BatchStream(TokenSplit([np.arange(81, dtype=np.uint16)], 1, 81), 4, 2)
+    a.next_step()
+    with pytest.raises(ValueError, match="n_windows"):
+        b.load_state_dict(a.state_dict())
+
+
+def test_token_shards_hold_large_vocabularies_and_count_utf8_bytes(tmp_path) -> None:
+    """Ids of a vocabulary past 65,536 are stored as uint32, losslessly; a split's ``text_bytes``
+    is its documents' UTF-8 bytes, not characters."""
+    from wiola.tokenizer import Tokenizer
+    from wiola.train.token_cache import _ShardWriter, _tokenize_split, token_dtype
+
+    assert (token_dtype(1 << 16), token_dtype((1 << 16) + 1)) == (np.uint16, np.uint32)
+
+    class Wide(Tokenizer):
+        name, vocab_size, bos_token_id, eos_token_id = "wide", 100_000, 1, 2
+
+        def encode_batch(self, texts, *, num_threads=1):
+            return [[70_000 + len(t), 5] for t in texts]
+
+    docs = ["héllo wörld", "ünïcode"]
+    writer = _ShardWriter(tmp_path, "train", 1 << 20)
+    n_docs, n_tokens, n_bytes = _tokenize_split(
+        iter(docs), None, Wide(), writer, num_threads=1, batch_docs=8, desc="x", progress=False
+    )
+    assert (n_docs, n_bytes) == (2, sum(len(d.encode()) for d in docs)) == (2, 22)
+    stored = np.fromfile(tmp_path / "train_0000.bin", dtype=token_dtype(100_000)).tolist()
+    assert 70_011 in stored and 70_007 in stored and len(stored) == n_tokens, stored

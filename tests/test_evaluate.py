@@ -627,3 +627,14 @@ def test_eval_tasks_names_are_checked_before_lm_eval(small_model, monkeypatch, c
 
     monkeypatch.setattr(wiola.train.harness, "task_manager", lambda *_: pytest.fail("tasks loaded before the check"))
     _one_line_error(capsys, ["eval", "--checkpoint", str(small_model.model), "--tasks", names], message)
+
+
+@pytest.mark.parametrize("bad", [{"max_windows": 0}, {"max_windows": -1}, {"batch_size": 0}, {"seq_len": 0}])
+def test_nothing_to_score_is_refused(bad) -> None:
+    """``max_windows`` 0 (or a batch or length of 0) scores nothing: refused, never a loss of 0."""
+    config = WiolaConfig.preset("tiny")
+    split = TokenSplit([np.arange(200, dtype=np.uint16) % config.vocab_size], 1, 200)
+    args = {"seq_len": 16, **bad}
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=f"{name} must be >= 1"):
+        evaluate(WiolaModel(config), split, torch.ones(config.vocab_size, dtype=torch.int64), **args)

@@ -534,3 +534,20 @@ def test_ctrl_c_during_the_export_exits_130_and_leaves_no_files(tmp_path: Path, 
     assert code == 130 and "wiola export: interrupted" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
     assert signal.getsignal(signal.SIGINT) is before, "the handler before the export is not back"
+
+
+def test_recorded_ids_are_the_configs_then_the_tokenizers_and_pad_falls_back_to_eos() -> None:
+    """The ids an export records (``special_ids``): the model config's win over the tokenizer's,
+    the tokenizer's fill the rest, and without a pad id anywhere pad is eos (not bos)."""
+    from types import SimpleNamespace
+
+    from wiola.export.onnx import special_ids
+    from wiola.tokenizer import load_tokenizer
+
+    gpt2 = load_tokenizer("gpt2")  # eos 50256, no bos or pad
+    config = SimpleNamespace(bos_token_id=None, eos_token_id=7, pad_token_id=None)
+    assert special_ids(config, gpt2) == {"bos_token_id": None, "eos_token_id": 7, "pad_token_id": 7}
+    config = SimpleNamespace(bos_token_id=1, eos_token_id=2, pad_token_id=None)
+    assert special_ids(config, None) == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+    config = SimpleNamespace(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    assert special_ids(config, gpt2) == {"bos_token_id": None, "eos_token_id": 50256, "pad_token_id": 50256}

@@ -350,3 +350,11 @@ def test_metaspace_byte_counts_sum_to_the_text(style):
         assert (within[f0], first[f0], t.token_bytes(f0)) == (1, 1, b"\xf0")
     the = t._tok.token_to_id("▁the")
     assert (within[the], first[the], t.token_bytes(the)) == (4, 3, b" the")
+
+
+def test_special_ids_one_past_the_vocabulary_are_refused():
+    tok = load_tokenizer("gpt2")
+    assert tok.with_special_ids(eos_token_id=tok.vocab_size - 1).eos_token_id == tok.vocab_size - 1
+    for role in ("bos", "eos", "pad"):
+        with pytest.raises(ValueError, match=rf"{role}_token_id 50257 is outside 'gpt2''s 50257 ids"):
+            tok.with_special_ids(**{f"{role}_token_id": tok.vocab_size})

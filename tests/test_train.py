@@ -1279,3 +1279,50 @@ def test_init_from_a_folder_without_a_tokenizer_points_to_the_tokenizer_flag(tmp
     err = capsys.readouterr().err.strip()
     assert err.endswith("holds no tokenizer.json: its tokenizer is unknown; copy the tokenizer files of the model's "
                         "training run next to the weights, or name one with --tokenizer"), err  # fmt: skip
+
+
+def test_one_non_finite_weight_stops_a_checkpoint(monkeypatch) -> None:
+    """A checkpoint is refused when any weight is not finite, not only when all are (a single
+    parameter blowing up, the rest finite)."""
+    import types
+
+    from wiola import WiolaModel
+    from wiola.train import loop
+
+    model = WiolaModel(WiolaConfig.preset("tiny"))
+    with torch.no_grad():
+        model.layers[0].ffn.up_proj.weight[0, 0] = float("nan")
+    saved = []
+    monkeypatch.setattr(loop, "save_checkpoint", lambda *args, **kwargs: saved.append(args) or "checkpoint")
+    run = types.SimpleNamespace(
+        raw_model=model, step=5, world=1, main=True, cfg=types.SimpleNamespace(lr=1e-3, grad_clip=1.0), last_good=None,
+        out_dir=None, optimizer=None, scheduler=None, stream=None, model_config=None, data=None, tokenizer=None,
+        last_eval=None, train_loss=1.0, last_ckpt=None,
+    )  # fmt: skip
+    meter = types.SimpleNamespace(state_dict=lambda: {"start_step": 5, "loss_sums": [0.0]})
+    with pytest.raises(TrainingDiverged, match="the model's weights are not finite at step 5"):
+        loop._save(run, meter)
+    assert saved == [] and run.last_good is None
+
+
+def test_each_logged_loss_is_the_mean_of_its_own_steps() -> None:
+    """The training loss of a log line is the mean over the steps since the previous line: two
+    intervals of two steps whose losses are all 3.0 both log 3.0."""
+    import types
+
+    from wiola.train import loop
+
+    lines = []
+    run = types.SimpleNamespace(
+        device=torch.device("cpu"), world=1, step=0, layer_grad_norms=None, losses=[],
+        cfg=types.SimpleNamespace(batch_size=1, seq_len=8, peak_flops=1.0), model_config=WiolaConfig.preset("tiny"),
+        stream=types.SimpleNamespace(epoch=0.0), metrics=types.SimpleNamespace(write=lines.append), train_loss=None,
+        last_good=None,
+    )  # fmt: skip
+    meter = loop._Meter(run)
+    for step in range(1, 7):
+        run.step = step
+        meter.loss_sum += 3.0 if step <= 2 else 5.0
+        if step % 2 == 0:
+            meter.record(1e-3, None)
+    assert [(r["step"], r["loss"]) for r in lines] == [(2, 3.0), (4, 5.0), (6, 5.0)], lines

@@ -225,6 +225,20 @@ def check_export_packages() -> None:
             raise ImportError(f"export to ONNX needs {package}: pip install 'wiola-slm[export]'") from e
 
 
+def special_ids(config: Any, tokenizer: Any) -> dict[str, int | None]:
+    """The bos/eos/pad ids an export records: the model config's, else the tokenizer's; pad
+    falls back to eos, as ``wiola.generation`` resolves it."""
+    specials = {}
+    for role in ("bos", "eos", "pad"):
+        value = getattr(config, f"{role}_token_id")
+        if value is None and tokenizer is not None:
+            value = getattr(tokenizer, f"{role}_token_id")
+        specials[f"{role}_token_id"] = value
+    if specials["pad_token_id"] is None:
+        specials["pad_token_id"] = specials["eos_token_id"]
+    return specials
+
+
 def export_onnx(
     model: WiolaModel,
     directory: str | os.PathLike,
@@ -277,14 +291,7 @@ def export_onnx(
             stale.unlink()
         for produced in Path(tmp).iterdir():
             os.replace(produced, directory / produced.name)
-    specials = {}
-    for role in ("bos", "eos", "pad"):
-        value = getattr(c, f"{role}_token_id")
-        if value is None and tokenizer is not None:
-            value = getattr(tokenizer, f"{role}_token_id")
-        specials[f"{role}_token_id"] = value
-    if specials["pad_token_id"] is None:
-        specials["pad_token_id"] = specials["eos_token_id"]  # as wiola.generation resolves it
+    specials = special_ids(c, tokenizer)
     if tokenizer is not None:
         from wiola.tokenizer import TiktokenTokenizer
 
