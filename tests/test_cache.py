@@ -178,3 +178,25 @@ def test_backward_through_a_cached_forward_is_refused_by_name(fast, n_layers):
     for t in (out.loss, out.logits.sum()):
         with pytest.raises(RuntimeError, match="backward through a forward with a cache is not supported"):
             t.backward(retain_graph=True)
+
+
+@torch.no_grad()
+def test_reorder_keeps_every_buffer_of_the_rows_it_picks() -> None:
+    """``reorder([1, 0])`` gives a cache equal, buffer by buffer (keys, values, the gate's sum and
+    count, positions, mask), to one filled in the swapped order, and the same next logits."""
+    torch.manual_seed(0)
+    model = WiolaModel(WiolaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=32, max_seq_len=16))
+    for p in model.parameters():
+        p.normal_(0, 0.5)
+    a, b, nxt = torch.randint(0, 64, (1, 5)), torch.randint(0, 64, (1, 7)), torch.randint(0, 64, (2, 1))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[0, :2] = 0  # a is left-padded to b's length
+    a = torch.cat([torch.zeros(1, 2, dtype=torch.long), a], dim=1)
+    cache, swapped = model.new_cache(2, 9), model.new_cache(2, 9)
+    model(torch.cat([a, b]), attention_mask=mask, cache=cache)
+    cache.reorder(torch.tensor([1, 0]))
+    model(torch.cat([b, a]), attention_mask=mask.flip(0), cache=swapped)
+    for name, t in vars(cache).items():
+        if isinstance(t, torch.Tensor):
+            assert torch.equal(t, getattr(swapped, name)), f"reorder left {name} of other rows"
+    assert torch.equal(model(nxt, cache=cache).logits, model(nxt, cache=swapped).logits)

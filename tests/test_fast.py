@@ -516,3 +516,19 @@ def test_cuda_graph_generation():
     ]  # fmt: skip
     assert torch.equal(draws[0], draws[1]), "sampling with the same generator seed is not reproducible"
     assert ((draws[0] >= 0) & (draws[0] < 1000)).all(), "sampled ids out of range"
+
+
+@torch.no_grad()
+def test_torch_path_chunk_after_a_left_padded_prompt():
+    """A left-padded prompt in a cache, then a chunk of several tokens with no mask (all real):
+    on the PyTorch path the chunk must still skip the padding slots, as the reference does."""
+    ref, fast = _models()
+    ids, mask = _batch(3, 9, "left")
+    chunk = ids[:, -3:].flip(1)
+    outs = []
+    with use_kernels(False):
+        for model in (ref, fast):
+            cache = model.new_cache(3, 12)
+            model(ids, attention_mask=mask, cache=cache)
+            outs.append(model(chunk, cache=cache).logits)
+    assert_close("chunk logits after a left-padded prompt", outs[0], outs[1], FP32)

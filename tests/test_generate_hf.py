@@ -301,3 +301,12 @@ def test_transformers_names_of_the_model_its_output_and_config(model, tokenizer,
     assert type(model).from_pretrained(tmp_path, torch_dtype="bfloat16").dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype or torch_dtype"):
         type(model).from_pretrained(tmp_path, dtype=torch.float32, torch_dtype=torch.float32)
+
+
+def test_max_length_equal_to_the_prompt_returns_the_prompt() -> None:
+    torch.manual_seed(0)
+    model = wiola.WiolaModel(WiolaConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, d_ff=32, max_seq_len=16))
+    prompt = torch.randint(0, 64, (2, 5))
+    assert torch.equal(model.generate(prompt, max_length=5), prompt)
+    with pytest.raises(ValueError, match="max_length=4 is shorter than the prompt"):
+        model.generate(prompt, max_length=4)

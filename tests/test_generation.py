@@ -213,3 +213,15 @@ def test_eos_and_pad_ids_are_checked_before_any_work(cls, model, plain_cpu):
     assert want[0, 6 + 4 :].eq(100).all() and not want[1, 6:].eq(100).all()
     for e, pad in ((np.int64(eos), np.int32(100)), (torch.tensor(eos), torch.tensor(100)), (eos, [100][0])):
         assert torch.equal(m.generate(p, 12, eos_token_id=e, pad_token_id=pad), want), (type(e), type(pad))
+
+
+def test_finished_rows_hold_eos_when_no_pad_id_is_given() -> None:
+    """Without ``pad_token_id`` and with none in the config, a finished row holds its eos id."""
+    torch.manual_seed(0)
+    model = WiolaModel(WiolaConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, d_ff=32, max_seq_len=32)).eval()
+    prompt = torch.randint(0, 64, (2, 4))
+    eos = int(model.generate(prompt, 8)[0, 5])  # row 0's second new token
+    assert getattr(model.config, "pad_token_id", None) is None
+    out = model.generate(prompt, 8, eos_token_id=eos)
+    first = int((out[0, 4:] == eos).nonzero()[0])
+    assert (out[0, 4 + first :] == eos).all(), out[0].tolist()

@@ -157,3 +157,14 @@ def test_bad_inputs_raise(monkeypatch):
     monkeypatch.setattr(kernel_utils, "kernels_usable", lambda t: False)
     with pytest.raises(ValueError, match=r"use wiola\.ops\.rms_norm"):
         kr.rms_norm(x, weight)
+
+
+def test_eps_keeps_a_near_zero_row_finite_and_small() -> None:
+    """``eps`` is inside the root: a row of zeros normalises to zeros (not NaN), and a row far
+    below ``sqrt(eps)`` is scaled by about ``1/sqrt(eps)``, not to unit RMS."""
+    w = torch.ones(8, device=DEVICE)
+    assert torch.equal(reference(torch.zeros(2, 8, device=DEVICE), w), torch.zeros(2, 8, device=DEVICE))
+    x = torch.full((1, 8), 1e-6, device=DEVICE)
+    want = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert_close("rms_norm of a tiny row", want, reference(x, w, eps=1e-6), TOL[torch.float32])
+    assert float(reference(x, w, eps=1e-6).abs().max()) < 2e-3  # without eps it would be 1
