@@ -182,21 +182,23 @@ def test_backward_through_a_cached_forward_is_refused_by_name(fast, n_layers):
 
 @torch.no_grad()
 def test_reorder_keeps_every_buffer_of_the_rows_it_picks() -> None:
-    """``reorder([1, 0])`` gives a cache equal, buffer by buffer (keys, values, the gate's sum and
-    count, positions, mask), to one filled in the swapped order, and the same next logits."""
+    """``reorder(index)`` gives each row every buffer of the row ``index`` names (keys, values,
+    the gate's running sum and count, positions, mask), exactly: no buffer keeps another row's."""
     torch.manual_seed(0)
     model = WiolaModel(WiolaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=32, max_seq_len=16))
     for p in model.parameters():
         p.normal_(0, 0.5)
-    a, b, nxt = torch.randint(0, 64, (1, 5)), torch.randint(0, 64, (1, 7)), torch.randint(0, 64, (2, 1))
-    mask = torch.ones(2, 7, dtype=torch.long)
-    mask[0, :2] = 0  # a is left-padded to b's length
-    a = torch.cat([torch.zeros(1, 2, dtype=torch.long), a], dim=1)
-    cache, swapped = model.new_cache(2, 9), model.new_cache(2, 9)
-    model(torch.cat([a, b]), attention_mask=mask, cache=cache)
-    cache.reorder(torch.tensor([1, 0]))
-    model(torch.cat([b, a]), attention_mask=mask.flip(0), cache=swapped)
-    for name, t in vars(cache).items():
-        if isinstance(t, torch.Tensor):
-            assert torch.equal(t, getattr(swapped, name)), f"reorder left {name} of other rows"
-    assert torch.equal(model(nxt, cache=cache).logits, model(nxt, cache=swapped).logits)
+    ids = torch.randint(0, 64, (3, 7))
+    mask = torch.ones(3, 7, dtype=torch.long)
+    mask[0, :2] = 0  # rows of different lengths: every buffer differs between them
+    mask[2, :4] = 0
+    cache = model.new_cache(3, 9)
+    model(ids, attention_mask=mask, cache=cache)
+    before = {name: t.clone() for name, t in vars(cache).items() if isinstance(t, torch.Tensor)}
+    assert set(before) == {"k", "v", "key_mask", "gate_sum", "gate_count", "n_real"}, sorted(before)
+    index = torch.tensor([2, 0, 1])
+    cache.reorder(index)
+    for name, t in before.items():
+        row_dim = 0 if name in ("key_mask", "n_real") else 1  # the per-layer buffers: (L, B, ...)
+        assert not torch.equal(t, t.index_select(row_dim, index)), f"{name}: the rows do not differ"
+        assert torch.equal(getattr(cache, name), t.index_select(row_dim, index)), f"reorder left {name} of other rows"

@@ -500,12 +500,21 @@ def test_chat_cli_says_a_reply_was_cut_at_max_new_tokens(monkeypatch, capsys) ->
         monkeypatch, capsys, "ckpt", "hi\n", "--max-new-tokens", str(len(marker)), loaded=(model, tok)
     )
     assert code == 0 and "model> ok\n" in out and "[cut" not in out, out
-    generator = stream_reply(Scripted(text), tok, [1, 2], 2)
-    assert [t for t, _ in generator] == text[:2]
+    for script, limit, why in (
+        (text, 2, "length"),
+        ([*text[:1], tok.eos_token_id], 5, "stop"),
+        (marker, len(marker), "stop"),
+        ([], 0, "length"),
+    ):
+        reply = stream_reply(Scripted(script or [0]), tok, [1, 2], limit, stop_text="<|im_end|>")
+        with pytest.raises(StopIteration) as end:
+            while True:
+                next(reply)
+        assert end.value.value == why, (script, limit)
 
 
 @pytest.mark.parametrize("command", ["chat", "generate"])
-def test_top_k_0_is_no_filter_on_the_command_line(command, capsys) -> None:
+def test_top_k_0_is_no_filter_on_the_command_line(command) -> None:
     """``--top-k 0`` means no top-k filter, as ``generate(top_k=0)`` and the server read it (chat
     samples with top-k 50 by default: 0 is how to turn that off); a negative one is named."""
     from wiola.cli import build_parser

@@ -63,6 +63,7 @@ import torch
 
 from wiola.fast import quantize
 from wiola.fast import step_layout as layout
+from wiola.user_cache import CACHE_DIR_VARIABLE, standard_cache_dir, user_cache_dir
 
 if TYPE_CHECKING:
     from wiola.cache import Cache
@@ -94,8 +95,6 @@ def _cache_dir() -> Path:
     """``$WIOLA_CACHE_DIR``, else ``$XDG_CACHE_HOME/wiola`` or ``~/.cache/wiola``; a per-user
     folder under the temporary directory when that cannot be written (a read-only home). The
     folder is created private and checked (``private_dir``)."""
-    from wiola.user_cache import CACHE_DIR_VARIABLE, standard_cache_dir, user_cache_dir
-
     if os.environ.get(CACHE_DIR_VARIABLE):
         return private_dir(user_cache_dir(), f"or choose another {CACHE_DIR_VARIABLE}")
     root = standard_cache_dir()

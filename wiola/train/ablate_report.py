@@ -14,7 +14,6 @@ folder's own ``loss_curve.png`` shows it).
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -23,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from wiola.train.env import require
 from wiola.train.plots import _figure, _save
 
 RESULTS_FILE, REPORT_FILE = "results.json", "report.md"
@@ -31,20 +31,11 @@ REPORT_FILES = (RESULTS_FILE, REPORT_FILE, *FIGURES)  # what ``write_report`` wr
 GRAD_NORM_COLUMNS = 3  # panels per row of grad_norms.png: more variants wrap into rows
 
 
-ABLATE_EXTRA = "pip install 'wiola-slm[ablate]'"
-
-
 def check_report_packages() -> None:
     """``ImportError`` naming the ``ablate`` extra when the report's packages (scipy for the
     intervals, matplotlib for the figures) do not import: a sweep checks before its first run."""
     for module in ("scipy.stats", "matplotlib"):
-        try:
-            importlib.import_module(module)
-        except ImportError as e:
-            raise ImportError(
-                f"the sweep's report needs the `{module.split('.')[0]}` package, which cannot be imported ({e}); "
-                f"install the ablate extra: {ABLATE_EXTRA} (in a checkout: pip install -e '.[ablate]')"
-            ) from e
+        require(module, "the sweep's report", extra="ablate")
 
 
 def mean_ci(values: list[float], level: float = 0.95) -> dict[str, Any]:

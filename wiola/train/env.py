@@ -28,15 +28,15 @@ PRECISIONS = ("auto", "bf16", "fp32")
 TRAIN_EXTRA = "pip install 'wiola-slm[train]'"
 
 
-def require(module: str, purpose: str) -> ModuleType:
-    """Import ``module`` (a package of the ``train`` extra), or raise ``ImportError`` naming the
-    extra that installs it."""
+def require(module: str, purpose: str, extra: str = "train") -> ModuleType:
+    """Import ``module`` (a package of the optional dependencies ``extra``, ``train`` by default),
+    or raise ``ImportError`` naming the extra that installs it."""
     try:
         return importlib.import_module(module)
     except ImportError as e:
         raise ImportError(
             f"{purpose} needs the `{module.split('.')[0]}` package, which cannot be imported ({e}); "
-            f"install the training extra: {TRAIN_EXTRA} (in a checkout: pip install -e '.[train]')"
+            f"install the {extra} extra: pip install 'wiola-slm[{extra}]' (in a checkout: pip install -e '.[{extra}]')"
         ) from e
 
 

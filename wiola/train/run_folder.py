@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from wiola.checkpoint import LATEST_FILE, latest_checkpoint, read_json_object
+from wiola.checkpoint import LATEST_FILE, RUN_CHECKPOINTS, latest_checkpoint, read_json_object
 
 if TYPE_CHECKING:
     from wiola.config import WiolaConfig
@@ -159,13 +159,13 @@ def check_apart(out: str | os.PathLike, source: str | os.PathLike, out_name: str
         raise ValueError(f"{out_name} {str(out)!r} holds the {source_name} {str(source)!r}; write elsewhere")
 
 
-RUN_FILES = (METRICS_FILE, "checkpoints", "loss_curve.png", "gates.png")  # what a run writes in its folder
+RUN_FILES = (METRICS_FILE, RUN_CHECKPOINTS, "loss_curve.png", "gates.png")  # what a run writes in its folder
 
 
 def held_run_files(out_dir: str | os.PathLike) -> list[str]:
     """Which of a run's own files (``metrics.jsonl``, ``checkpoints/``) ``out_dir`` holds: a run's
     folder when any."""
-    return [name for name in (METRICS_FILE, "checkpoints") if (Path(out_dir) / name).exists()]
+    return [name for name in (METRICS_FILE, RUN_CHECKPOINTS) if (Path(out_dir) / name).exists()]
 
 
 def check_new_run(out_dir: str | os.PathLike) -> None:
@@ -173,7 +173,7 @@ def check_new_run(out_dir: str | os.PathLike) -> None:
     a new run there would rewrite its metrics, repoint ``checkpoints/latest`` and rotate its
     checkpoints away."""
     held = held_run_files(out_dir)
-    if held and (Path(out_dir) / "checkpoints" / LATEST_FILE).is_file():
+    if held and (Path(out_dir) / RUN_CHECKPOINTS / LATEST_FILE).is_file():
         raise ValueError(
             f"--out {str(out_dir)!r} already holds a run ({' and '.join(held)}); continue it with --resume {out_dir}, "
             "choose another --out, or pass --overwrite to delete it and start again"
@@ -430,7 +430,7 @@ def save_checkpoint(
     left) and the last complete checkpoint, which stays as it was, as does ``latest``; a
     ``checkpoints/`` folder left empty is removed, so the run folder reads as one stopped before
     its first checkpoint."""
-    root = out_dir / "checkpoints"
+    root = out_dir / RUN_CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(root)
     name = f"step_{step:07d}"
