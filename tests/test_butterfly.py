@@ -19,9 +19,12 @@ from wiola.ops.butterfly import butterfly as reference
 from wiola_kernels import _utils as kernel_utils
 from wiola_kernels import butterfly as kb
 
-# (lead shape of x, d, d_ff): N = 1, 17, 300 rows; d 64/256; d_ff 128/512.
+# (lead shape of x, d, d_ff): N = 1, 17, 300 rows; d 64/256; d_ff 128/512; and widths that are
+# not a multiple of any tile (d 48/100, d_ff 96/72): the last K and N blocks run part-masked.
 SHAPES = [((1,), 64, 128), ((17,), 64, 128), ((3, 100), 64, 128), ((17,), 256, 512), ((300,), 256, 512)]
+SHAPES += [((17,), 48, 96), ((5,), 100, 72)]
 SHAPE_IDS = ["N1-d64-ff128", "N17-d64-ff128", "B3-T100-d64-ff128", "N17-d256-ff512", "N300-d256-ff512"]
+SHAPE_IDS += ["N17-d48-ff96", "N5-d100-ff72"]
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # residual: none, same dtype as the branch, and (for half branches) fp32, the model's residual
 # stream under autocast.
@@ -72,7 +75,11 @@ def test_matches_reference(lead, d, d_ff, dtype, residual):
         assert_close(name, r, gt, TOL[t.dtype])
 
 
-@pytest.mark.parametrize(("N", "d", "d_ff"), [(17, 64, 128), (33, 256, 512)], ids=["N17-d64-ff128", "N33-d256-ff512"])
+@pytest.mark.parametrize(
+    ("N", "d", "d_ff"),
+    [(17, 64, 128), (33, 256, 512), (9, 100, 72)],
+    ids=["N17-d64-ff128", "N33-d256-ff512", "N9-d100-ff72"],
+)
 def test_kernels_write_every_element(N, d, d_ff):
     """Each launch writes its whole output: the buffers start as NaN."""
     x, w, res = _inputs((N,), d, d_ff, torch.float32, "same")

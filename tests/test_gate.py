@@ -26,11 +26,12 @@ def nan_buffers():
 
 
 def run(fn, qkv, weights, mask, rope, state, dg, dsum):
-    """Forward with ``fn``, then gradients of <g, dg> + <sum, dsum> for every differentiable input."""
+    """Forward with ``fn``, then gradients of <g, dg> + <sum, dsum> for every differentiable input,
+    ``dg`` and ``dsum`` handed to the backward as the upstream gradients themselves."""
     q = qkv.unbind(2)[0]  # (B, T, H, D) strided view
     g, total, count = fn(q, *weights, attention_mask=mask, carry=state, **rope)
     inputs = [qkv, *weights] + ([state[0]] if state is not None else [])
-    grads = torch.autograd.grad((g * dg).sum() + (total * dsum).sum(), inputs)
+    grads = torch.autograd.grad((g, total), inputs, (dg, dsum))  # dg as it is, strides included
     names = ["dq", "dw1", "dw2", "db2", "dcarry_sum"]
     return {"g": g, "sum": total, "count": count, **dict(zip(names, grads))}
 
@@ -65,6 +66,8 @@ def test_gate_matches_reference(case, dtype):
     )
     gen = torch.Generator().manual_seed(1)
     dg = torch.randn(B, T, H, generator=gen).to(DEVICE)
+    if T > 1:  # g's upstream gradient as a loss that reads g transposed hands it: strides (T*H, 1, T)
+        dg = torch.randn(B, H, T, generator=gen).to(DEVICE).transpose(1, 2)
     dsum = torch.randn(B, D, generator=gen).to(DEVICE)
     ref = run(ref_gate, qkv, weights, mask, rope, state, dg, dsum)
     got = run(kgate.gate, qkv, weights, mask, rope, state, dg, dsum)

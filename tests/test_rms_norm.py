@@ -168,3 +168,25 @@ def test_eps_keeps_a_near_zero_row_finite_and_small() -> None:
     want = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
     assert_close("rms_norm of a tiny row", want, reference(x, w, eps=1e-6), TOL[torch.float32])
     assert float(reference(x, w, eps=1e-6).abs().max()) < 2e-3  # without eps it would be 1
+
+
+@pytest.mark.parametrize("scale", [0.0, 1e-6, 1e-3, 1.0], ids=["zeros", "1e-6", "1e-3", "1"])
+def test_kernel_eps_inside_the_root_at_small_magnitudes(scale: float) -> None:
+    """The kernel's ``eps`` sits where the reference's does, inside the root: rows whose mean
+    square is near or below ``eps`` (where ``1/(sqrt(ms) + eps)`` would give another function)
+    match the float64 reference, forward and both gradients, each scale a row of its own."""
+    eps = 1e-6
+    x = _rand((3, 64), torch.float32, 0, scale=scale)
+    weight = _rand((64,), torch.float32, 1, scale=0.2, shift=1.0)
+    grad = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    got = kr.rms_norm(x, weight, eps)
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, weight))
+    want = reference(x64, w64, eps)
+    assert_close(f"y at scale {scale}", want.detach(), got.detach(), TOL[torch.float32])
+    got_grads = torch.autograd.grad(got, [x, weight], grad)
+    want_grads = torch.autograd.grad(want, [x64, w64], grad.double())
+    for name, w, g in zip(["dx", "dweight"], want_grads, got_grads):
+        if scale == 0.0 and name == "dweight":  # y = 0 for any weight: dweight is exactly zero
+            assert torch.equal(g, torch.zeros_like(g)), f"dweight at scale 0: {g.abs().max():.3e}, not zero"
+            continue
+        assert_close(f"{name} at scale {scale}", w, g, TOL[torch.float32])
