@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 
 import numpy as np
@@ -152,6 +153,28 @@ def _read_error(path) -> str:
     return str(info.value)
 
 
+def test_a_parquet_text_column_of_other_values_is_named(tmp_path) -> None:
+    """A Parquet ``text`` column of numbers or lists is refused naming the file, the column and
+    its type (not an ``AttributeError`` from the reader); nulls in a string column are skipped;
+    a dataset column's non-string value is named with its row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from wiola.train.sources import _column_texts
+
+    pq.write_table(pa.table({"text": [1, 2, 3]}), tmp_path / "ints.parquet")
+    assert (
+        _read_error(tmp_path / "ints.parquet") == f"{tmp_path / 'ints.parquet'}: column 'text' holds int64, not strings"
+    )
+    pq.write_table(pa.table({"story": [["a"], ["b"]]}), tmp_path / "lists.parquet")
+    assert re.search(r": column 'story' holds list<\w+: string>, not strings$", _read_error(tmp_path / "lists.parquet"))
+    pq.write_table(pa.table({"text": ["a story", None, "  ", "another"]}), tmp_path / "nulls.parquet")
+    assert list(iter_documents(resolve_source(tmp_path / "nulls.parquet", val_fraction=0.5), "train")[0]) == ["a story"]
+    assert list(_column_texts(["a", None, " b "], "ds: 'text'")) == ["a", "b"]
+    with pytest.raises(ValueError, match=r"^ds: 'text' row 2: holds int, not a string$"):
+        list(_column_texts(["a", None, 7], "ds: 'text'"))
+
+
 def test_bad_json_is_named_by_file_and_line(tmp_path) -> None:
     bad = tmp_path / "d.jsonl"
     bad.write_text(json.dumps({"text": "a"}) + "\n\n" + '{"text": broken\n')
@@ -245,6 +268,29 @@ def test_empty_corpus_raises(tmp_path, enc) -> None:
     with pytest.raises(ValueError, match="empty corpus"):
         prepare_data(resolve_source(tmp_path), TiktokenTokenizer(enc), tmp_path / "cache", progress=False, log=_quiet)
     assert not list((tmp_path / "cache" / "tokens").iterdir()), "a failed run left a cache folder"
+
+
+def test_too_few_documents_to_hold_one_out_names_the_count_and_the_fix(tmp_path, enc) -> None:
+    """A file of 50 documents holds none out at 1 in 100: the message says how many documents there
+    are and which --val-fraction holds out one, and that fraction does; an empty .md file is told
+    how documents are separated in text files."""
+    docs = [f"Story {i}: the cat sat on the mat." for i in range(50)]
+    (tmp_path / "s50.txt").write_text(EOT.join(docs))
+    tok = TiktokenTokenizer(enc)
+    with pytest.raises(ValueError) as info:
+        prepare_data(resolve_source(tmp_path / "s50.txt"), tok, tmp_path / "c", progress=False, log=_quiet)
+    assert str(info.value).endswith(
+        "holds no documents: 1 document in 100 is held out for validation (--val-fraction 0.01), and the files "
+        "hold 50; pass --val-data FILE, or --val-fraction 0.02 to hold out 1 of the 50"
+    ), str(info.value)
+    data = prepare_data(resolve_source(tmp_path / "s50.txt", val_fraction=0.02), tok, tmp_path / "c",
+                        progress=False, log=_quiet)  # fmt: skip
+    assert (data.val.documents, data.train.documents) == (1, 49)
+    for n in (2, 3, 7, 99):  # the fraction printed holds out exactly one of n
+        assert resolve_source(tmp_path / "s50.txt", val_fraction=float(f"{1 / n:.10g}")).holdout_every == n
+    (tmp_path / "notes.md").write_text("  \n")
+    with pytest.raises(ValueError, match=r"empty corpus\); in a \.md file documents are separated by <\|endoftext\|>"):
+        prepare_data(resolve_source(tmp_path / "notes.md"), tok, tmp_path / "c", progress=False, log=_quiet)
 
 
 def test_an_unwritable_cache_folder_is_named(tmp_path, enc) -> None:
@@ -344,6 +390,10 @@ def test_eval_batches_ranks_cover_all() -> None:
     assert got == targets, "ranks together must read every validation target once"
     assert sum(len(b) for b in eval_batches(split, 4, 3, max_windows=5)) == 5
     assert len(list(eval_batches(_split(np.arange(4 * 11 + 1)), 4, 3))) == 4, "no tail: no shorter window"
+    short = list(eval_batches(_split(np.arange(3)), 4, 3))  # fewer tokens than one window: one short one
+    assert [b.tolist() for b in short] == [[[0, 1, 2]]] and eval_windows(_split(np.arange(3)), 4) == 1
+    with pytest.raises(ValueError, match="the validation split holds 1 token, no target to score"):
+        list(eval_batches(_split(np.arange(1)), 4, 3))
 
 
 # ------------------------------------------------------------------------------------ statistics

@@ -141,6 +141,36 @@ def test_evaluate_scores_the_last_partial_window(enc) -> None:
     assert (full.tokens, full.windows) == (13 * T, 13), f"the first 13 windows are the full ones: {full}"
 
 
+def test_evaluate_a_split_shorter_than_one_window(enc) -> None:
+    """A validation split of fewer than ``T + 1`` tokens is one shorter window: every target scored."""
+    tokens = np.array([enc.eot_token, *enc.encode_ordinary(generate_stories(1, seed=4)[0])], dtype=np.uint16)[:11]
+    split = TokenSplit([tokens], documents=1, text_bytes=0)
+    model = _model()
+    got = evaluate(model, split, token_byte_lengths(TiktokenTokenizer(enc)), 24, batch_size=5)
+    (nats,) = _window_nats(model, tokens, 24)
+    assert (got.tokens, got.windows) == (10, 1), f"counts {got}"
+    assert abs(got.loss - float(nats.mean())) <= 1e-6 * float(nats.mean()), f"loss {got.loss} vs {float(nats.mean())}"
+
+
+def test_a_perplexity_past_a_float_is_inf_and_null_in_json(enc) -> None:
+    """A loss past ``MAX_EXP`` nats (a diverged model) has perplexity inf, not a capped number:
+    printed as ``inf``, ``None`` (JSON null) in ``to_dict``; a large finite one prints in 4 digits."""
+    from wiola.train.evaluate import MAX_EXP, EvalResult
+
+    tokens = np.array([enc.eot_token, *enc.encode_ordinary(generate_stories(1, seed=4)[0])], dtype=np.uint16)[:25]
+    model = _model()
+    with torch.no_grad():
+        model.embed.weight.mul_(1e5)  # logits of order 1e3-1e4 (the tied head): losses of thousands of nats
+    got = evaluate(
+        model, TokenSplit([tokens], documents=1, text_bytes=0), token_byte_lengths(TiktokenTokenizer(enc)), 24
+    )
+    assert got.loss > MAX_EXP and got.perplexity == math.inf, f"loss {got.loss}: perplexity {got.perplexity}"
+    assert json.loads(json.dumps(got.to_dict(), allow_nan=False))["perplexity"] is None
+    assert "perplexity inf " in str(got)
+    big = EvalResult(loss=20.0, perplexity=math.exp(20.0), bits_per_byte=1.0, tokens=1, bytes=1, windows=1)
+    assert big.perplexity_text() == "4.852e+08" and big.to_dict()["perplexity"] == math.exp(20.0)
+
+
 def test_position_losses_count_the_last_partial_window(enc) -> None:
     """``position_losses`` scores the windows ``evaluate`` scores: the shorter last window's
     targets count at their positions, every target once."""

@@ -94,7 +94,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"training: {result.step} steps in {train_seconds:.0f} s; final train loss {result.train_loss:.3f}")
     if ev is not None:
         print(
-            f"validation: loss {ev.loss:.3f} nats/token (unigram entropy {entropy:.3f}), perplexity {ev.perplexity:.2f}, "
+            f"validation: loss {ev.loss:.3f} nats/token (unigram entropy {entropy:.3f}), perplexity {ev.perplexity_text()}, "
             f"{ev.bits_per_byte:.3f} bits/byte"
         )
     print(f"checkpoint: {result.checkpoint}")

@@ -330,11 +330,16 @@ def run_eval(args: argparse.Namespace) -> int:
         print(json.dumps({"checkpoint": str(path), "seq_len": seq_len, "precision": precision, **result.to_dict()}))
     else:
         full, short = divmod(result.tokens, seq_len)  # windows of seq_len targets, and a shorter last one's
-        windows = f"{full} window{'s' if full != 1 else ''} of {seq_len} tokens" + (
-            f" and one of {short}" if short else ""
-        )
+        if full:
+            windows = f"{full} window{'s' if full != 1 else ''} of {seq_len} tokens" + (
+                f" and one of {short}" if short else ""
+            )
+        else:
+            windows = f"one window of {short} tokens"
         print(f"{path}: {data.manifest['source']}, {windows} ({precision})")
-        print(f"loss {result.loss:.4f}\nperplexity {result.perplexity:.3f}\nbits per byte {result.bits_per_byte:.4f}")
+        print(
+            f"loss {result.loss:.4f}\nperplexity {result.perplexity_text()}\nbits per byte {result.bits_per_byte:.4f}"
+        )
     return 0
 
 

@@ -249,6 +249,8 @@ def plot_all(results: dict[str, Any], out: Path) -> list[Path]:
             _band(ax, [[[s, n[layer]] for s, n in r] for r in runs], f"layer {layer}")
         ax.set(title=f"{name}: gradient norm per layer", xlabel="step", yscale="log")
         ax.legend(fontsize=7)
+    for ax in axes[::cols]:  # the panels share their y axis: its label at the left of each row
+        ax.set_ylabel("L2 norm of the layer's gradient (before clipping)")
     paths.append(_save(fig, out / "grad_norms.png"))
     fig = _figure(6, 4)
     ax = fig.subplots()

@@ -36,6 +36,16 @@ def check_split(split: TokenSplit, seq_len: int, name: str) -> None:
         )
 
 
+def check_targets(split: TokenSplit, name: str) -> None:
+    """Raise ``ValueError`` unless ``split`` holds a target to score (two tokens): what an evaluation
+    needs, since ``eval_batches`` scores the targets past the last full window as one shorter window."""
+    if len(split) < 2:
+        raise ValueError(
+            f"the {name} split holds {len(split)} token{'s' if len(split) != 1 else ''}, no target to score "
+            "(a target needs a token before it); use more data"
+        )
+
+
 class BatchStream:
     """The training windows of one rank, ``micro_batch × grad_accum`` per optimizer step.
 
@@ -151,7 +161,7 @@ def eval_batches(
     """The validation windows in order, ``(≤ batch_size, T + 1)`` int64; a last window shorter than
     ``T + 1`` tokens (``eval_windows``) comes alone, ``(1, ≤ T)``. Rank ``r`` takes windows
     ``r, r + world, …`` so the ranks together read each window once."""
-    check_split(split, seq_len, "validation")
+    check_targets(split, "validation")
     n = eval_windows(split, seq_len, max_windows)
     mine = list(range(rank, n, world_size))
     full = [k for k in mine if k * seq_len + seq_len + 1 <= len(split)]

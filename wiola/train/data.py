@@ -8,7 +8,7 @@ their public names (and ``tokenizer_for`` from ``wiola.train.env``, ``token_byte
 
 from __future__ import annotations
 
-from wiola.train.batches import BatchStream, check_split, eval_batches, eval_windows, num_windows
+from wiola.train.batches import BatchStream, check_split, check_targets, eval_batches, eval_windows, num_windows
 from wiola.train.env import tokenizer_for
 from wiola.train.evaluate import token_byte_lengths, unigram_entropy
 from wiola.train.sources import (
@@ -50,6 +50,7 @@ __all__ = [
     "TokenSplit",
     "absolute_data_path",
     "check_split",
+    "check_targets",
     "default_cache_dir",
     "eval_batches",
     "eval_windows",

@@ -28,22 +28,28 @@ from wiola.train.token_cache import TokenSplit
 if TYPE_CHECKING:
     from wiola.tokenizer import Tokenizer
 
+MAX_EXP = 709.0  # exp(709) ≈ 8.2e307; exp(710) overflows a float: the perplexity is inf past it
+
 
 @dataclass
 class EvalResult:
     loss: float  # mean next-token cross-entropy in nats
-    perplexity: float  # exp(loss)
+    perplexity: float  # exp(loss); inf past a float's range (None in ``to_dict``: JSON has no inf)
     bits_per_byte: float
     tokens: int  # targets scored
     bytes: int  # UTF-8 bytes of the scored targets' text
     windows: int
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "perplexity": self.perplexity if math.isfinite(self.perplexity) else None}
+
+    def perplexity_text(self) -> str:
+        """The perplexity to print: 3 decimals, or 4 significant digits once it is large."""
+        return f"{self.perplexity:.3f}" if self.perplexity < 1e6 else f"{self.perplexity:.4g}"
 
     def __str__(self) -> str:
         return (
-            f"loss {self.loss:.4f}  perplexity {self.perplexity:.3f}  bits/byte {self.bits_per_byte:.4f}  "
+            f"loss {self.loss:.4f}  perplexity {self.perplexity_text()}  bits/byte {self.bits_per_byte:.4f}  "
             f"({self.tokens:,} tokens, {self.bytes:,} bytes)"
         )
 
@@ -115,7 +121,7 @@ def evaluate(
     loss = total_nats / max(n_tokens, 1)
     return EvalResult(
         loss=loss,
-        perplexity=math.exp(min(loss, 700.0)),
+        perplexity=math.exp(loss) if loss <= MAX_EXP else math.inf,
         bits_per_byte=total_nats / math.log(2) / max(n_bytes, 1),
         tokens=n_tokens,
         bytes=n_bytes,

@@ -61,6 +61,7 @@ from wiola.train.data import (
     BatchStream,
     TokenData,
     check_split,
+    check_targets,
     eval_batches,
     eval_windows,
     prepare_data,
@@ -337,7 +338,7 @@ def _load_data(cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int, lo
         data = prepare_data(source, tokenizer, cfg.cache_dir, progress=False, log=lambda m: None)
     assert data is not None
     check_split(data.train, cfg.seq_len, "training")
-    check_split(data.val, cfg.seq_len, "validation")
+    check_targets(data.val, "validation")
     return data
 
 

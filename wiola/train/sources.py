@@ -25,7 +25,7 @@ import codecs
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -191,12 +191,16 @@ def _read_file(path: Path) -> Iterator[str]:
         return
     if kind == "parquet":
         pq = require("pyarrow.parquet", "reading Parquet files")
+        pa = require("pyarrow", "reading Parquet files")
 
         pf = pq.ParquetFile(path)
         names = pf.schema_arrow.names
         column = next((c for c in TEXT_FIELDS if c in names), None)
         if column is None:
             raise ValueError(f"{path}: no text column; expected one of {TEXT_FIELDS}, found {names}")
+        held = pf.schema_arrow.field(column).type
+        if not (pa.types.is_string(held) or pa.types.is_large_string(held) or str(held) == "string_view"):
+            raise ValueError(f"{path}: column {column!r} holds {held}, not strings")
         for batch in pf.iter_batches(columns=[column], batch_size=4096):
             for doc in batch.column(0).to_pylist():
                 if doc and doc.strip():
@@ -262,6 +266,18 @@ def _record_text(record: Any, where: str) -> str:
     return text
 
 
+def _column_texts(values: Iterable[Any], where: str) -> Iterator[str]:
+    """The stripped, non-empty texts of a dataset column; a null is skipped, anything else that is
+    not a string is a ``ValueError`` naming its row."""
+    for i, value in enumerate(values):
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise ValueError(f"{where} row {i}: holds {type(value).__name__}, not a string")
+        if value.strip():
+            yield value.strip()
+
+
 def _hf_split(name: str, split: str) -> Any:
     try:
         import datasets
@@ -297,7 +313,7 @@ def iter_documents(source: DataSource, split: str) -> tuple[Iterator[str], int |
         column = next((c for c in TEXT_FIELDS if c in ds.column_names), None)
         if column is None:
             raise ValueError(f"{source.name}: no text column; expected one of {TEXT_FIELDS}, found {ds.column_names}")
-        return (d.strip() for d in ds[column] if d and d.strip()), len(ds)
+        return _column_texts(ds[column], f"{source.name}: {column!r}"), len(ds)
 
     def from_files(files: list[Path], keep: Any) -> Iterator[str]:
         i = 0

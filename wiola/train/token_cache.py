@@ -31,7 +31,14 @@ import numpy as np
 
 from wiola.tokenizer import Tokenizer
 from wiola.train.env import Progress
-from wiola.train.sources import PIPELINE_VERSION, DataSource, iter_documents, source_fingerprint
+from wiola.train.sources import (
+    EOT_TEXT,
+    PIPELINE_VERSION,
+    TEXT_SUFFIXES,
+    DataSource,
+    iter_documents,
+    source_fingerprint,
+)
 from wiola.user_cache import user_cache_dir
 
 SHARD_TOKENS = 1 << 28  # 256 Mi tokens = 512 MiB per uint16 shard
@@ -279,6 +286,27 @@ def _counts(data: TokenData, splits: tuple[str, ...]) -> str:
     return " / ".join(f"{len(getattr(data, split)):,} {split}" for split in splits)
 
 
+def _empty_split(source: DataSource, split: str, train_documents: int | None) -> str:
+    """The message for a split without documents: a held-out split too small to get one says how
+    many documents there are and what to pass; an empty text file says how documents are separated."""
+    every = source.holdout_every
+    if split == "val" and source.kind == "files" and not source.val_files:
+        held = f"1 document in {every} is held out for validation (--val-fraction {source.val_fraction:g})"
+        if train_documents is None:
+            return f"the val split of {source.describe()} holds no documents: {held}, and the files hold fewer than {every}; pass --val-data FILE"
+        n = train_documents
+        fraction = "" if n < 2 else f", or --val-fraction {1 / n:.10g} to hold out 1 of the {n}"
+        return (
+            f"the val split of {source.describe()} holds no documents: {held}, and the files hold {n}; "
+            f"pass --val-data FILE{fraction}"
+        )
+    hint = ""
+    text_files = [f for f in source.train_files + source.val_files if TEXT_SUFFIXES.get(f.suffix.lower()) == "text"]
+    if source.kind == "files" and text_files:
+        hint = f"; in a {text_files[0].suffix} file documents are separated by {EOT_TEXT} (a file without it is one document)"
+    return f"the {split} split of {source.describe()} holds no documents (empty corpus){hint}"
+
+
 def _build_cache(
     directory: Path,
     source: DataSource,
@@ -321,12 +349,7 @@ def _build_cache(
                 log=log,
             )
             if n_docs == 0:
-                hint = ""
-                if source.kind == "files" and any(f.suffix == ".txt" for f in source.train_files + source.val_files):
-                    hint = (
-                        "; in a .txt file documents are separated by <|endoftext|> (a file without it is one document)"
-                    )
-                raise ValueError(f"the {split} split of {source.describe()} holds no documents (empty corpus){hint}")
+                raise ValueError(_empty_split(source, split, written.get("train", {}).get("documents")))
             written[split] = {"shards": writer.shards, "documents": n_docs, "tokens": n_tokens, "bytes": n_bytes}
         manifest = {
             "format": PIPELINE_VERSION,
