@@ -484,6 +484,33 @@ def test_chat_cli_says_when_a_reply_is_only_ids_past_the_tokenizer(monkeypatch, 
     assert "the empty reply is left out of the conversation" in out
 
 
+def test_an_empty_reply_leaves_its_question_out_of_the_history(capsys) -> None:
+    """``_reply``: a reply with no text leaves the history as it was (no user turn without its
+    answer, which would put two user turns in a row); a reply with text adds both turns."""
+    import argparse
+
+    from wiola.cli.chat import _reply
+
+    tok = _with_template(None)
+    args = argparse.Namespace(max_new_tokens=3, temperature=0.0, top_k=None, top_p=None)
+    before = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Fine."}]
+    history, dropped = _reply(Scripted([32005], vocab_size=32064), tok, [], before, "hello", args, None, None)
+    assert (history, dropped) == (before, 0), history
+    fine = tok.encode_batch(["Fine."])[0]
+    history, _ = _reply(Scripted([*fine, tok.eos_token_id]), tok, [], before, "again", args, None, None)
+    assert history == [*before, {"role": "user", "content": "again"}, {"role": "assistant", "content": "Fine."}]
+    capsys.readouterr()
+
+
+def test_stream_reply_may_fill_the_context_exactly() -> None:
+    """A prompt and ``max_new_tokens`` that together make ``max_seq_len`` run; one more is refused."""
+    tok = _with_template(None)
+    model = Scripted([7], max_seq_len=32)
+    assert [t for t, _ in stream_reply(model, tok, [1] * 24, 8)] == [7] * 8
+    with pytest.raises(ValueError, match="max_seq_len"):
+        list(stream_reply(model, tok, [1] * 24, 9))
+
+
 def test_chat_cli_says_a_reply_was_cut_at_max_new_tokens(monkeypatch, capsys) -> None:
     """A reply cut at ``--max-new-tokens`` says so; one that ends at eos, or at the template's
     marker on its last allowed token, does not."""

@@ -106,6 +106,23 @@ def test_echo_and_stop_text_of_one_prompt(checkpoint, capsys):
     assert capsys.readouterr().out == PROMPTS[0] + text[: text.index(stop)] + "\n"
     assert main([*args, "--temperature", "0", "--device", "cpu", "--no-echo"]) == 0
     assert capsys.readouterr().out == text + "\n"
+    zero = [
+        "generate",
+        "--checkpoint",
+        str(checkpoint),
+        "--prompt",
+        PROMPTS[0],
+        "--max-new-tokens",
+        "0",
+        "--device",
+        "cpu",
+    ]
+    assert main(zero) == 0, "--max-new-tokens 0 (>= 0 is allowed): the prompt alone"
+    captured = capsys.readouterr()
+    assert captured.out == PROMPTS[0] + "\n" and "[0 tokens in " in captured.err, captured
+    assert main([*zero, "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert (record["ids"], record["text"], record["finish_reason"]) == ([], "", "length"), record
 
 
 @pytest.mark.parametrize(
@@ -353,6 +370,22 @@ def test_generated_ids_past_the_tokenizer_are_left_out_with_a_warning(padded_che
     assert main(args) == 0  # streamed: the same text
     captured = capsys.readouterr()
     assert captured.out == PROMPTS[0] + record["text"] + "\n" and want in captured.err, captured
+
+
+def test_an_id_equal_to_the_tokenizers_size_is_past_it(checkpoint, capsys):
+    """The first id past a tokenizer of V ids is V itself: it has no text and is warned of."""
+    import argparse
+
+    from wiola.checkpoint import load_checkpoint_tokenizer
+    from wiola.cli.generate import _report
+
+    tok = load_checkpoint_tokenizer(checkpoint)
+    V = tok.vocab_size
+    args = argparse.Namespace(stop=None, num_samples=1, json=True, no_echo=True)
+    assert _report(args, ["p"], [[5]], [[7, V, 8, V - 1]], tok, 1.0, None) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["text"] == tok.decode([7, 8, V - 1]), captured.out
+    assert f"warning: 1 generated token(s) (first id {V}) lie past the {V:,} ids" in captured.err, captured.err
 
 
 def test_a_tokenizer_larger_than_the_model_is_refused(checkpoint, offline_tokenizer, capsys):

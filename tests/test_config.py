@@ -64,6 +64,20 @@ def test_flops_by_hand_for_a_small_shape():
     assert b.forward_flops == 448 and b.training_flops == 1344
 
 
+@pytest.mark.parametrize("ffn", ["butterfly", "swiglu", "gelu"])
+@pytest.mark.parametrize("gate", [True, False], ids=["gate", "no-gate"])
+def test_one_token_flops_are_the_models_counted_matmul_flops(ffn, gate):
+    """At one token (no attention over other positions) ``forward_flops`` is what torch's
+    ``FlopCounterMode`` counts in the reference model's products, for every feed-forward block."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = WiolaConfig.preset("tiny", ffn=ffn, gate=gate, max_seq_len=8)
+    model = WiolaModel(cfg).eval()
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(torch.zeros(1, 1, dtype=torch.long))
+    assert budget(cfg, seq_len=1).forward_flops == counter.get_total_flops(), f"ffn={ffn} gate={gate}"
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [

@@ -88,6 +88,32 @@ def _loop_equals_the_torch_loop(setting: str, scheme: str, isa: str, monkeypatch
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("streamed", [False, True], ids=["one-call", "streamed"])
+def test_every_row_stopping_early_leaves_the_generator_and_streamer_as_the_torch_loop(streamed):
+    """Sampling where the rows hit eos long before ``max_new_tokens``: the same tokens, the
+    generator left after as many draws as the torch loop makes, and the streamer called for the
+    same steps (none after the last row finished)."""
+    model = _model()
+    ids = torch.tensor([[5, 6, 7]])
+    kwargs = {"temperature": 1.0, "top_k": 50}
+    probe = reference_loop.generate(model, ids, 12, generator=torch.Generator().manual_seed(3), **kwargs)
+    eos = int(probe[0, 3 + 2])  # the row stops by its third token
+    runs = {}
+    for name, run in (("torch", reference_loop.generate), ("C++", model.generate)):
+        g, calls = torch.Generator().manual_seed(3), []
+        out = run(model, ids, 30, generator=g, eos_token_id=eos, pad_token_id=0,
+                  streamer=calls.append if streamed else None, **kwargs) if name == "torch" else \
+            run(ids, 30, generator=g, eos_token_id=eos, pad_token_id=0,
+                streamer=calls.append if streamed else None, **kwargs)  # fmt: skip
+        runs[name] = (out, torch.rand(4, generator=g), calls)
+    (want, g_want, s_want), (got, g_got, s_got) = runs["torch"], runs["C++"]
+    assert torch.equal(want, got), f"tokens differ\n{want}\n{got}"
+    assert want[0, 3:].tolist().index(eos) <= 2 and want[0, -1] == 0, f"no early stop: the test shows nothing {want}"
+    assert torch.equal(g_want, g_got), "the generator was left after another number of draws"
+    assert len(s_got) == len(s_want) and all(map(torch.equal, s_want, s_got)), (len(s_want), len(s_got))
+
+
+@torch.inference_mode()
 def test_loop_is_one_call_per_chunk(monkeypatch):
     """Greedy: one C++ call per request; sampling: one per chunk of ``NOISE_FLOATS`` draws; an
     early stop (every row at its eos) ends the loop inside a chunk."""

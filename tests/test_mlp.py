@@ -114,6 +114,18 @@ def test_match_params_within_tolerance(preset, gate, kind):
         assert matched == base
 
 
+def test_match_params_breaks_a_tie_toward_the_smaller_d_ff():
+    """A swiglu base of d_ff 65 lies exactly between gelu's d_ff 97 and 98 (32 parameters each
+    way): the smaller is taken, as the docstring says."""
+    shape = dict(vocab_size=1000, d_model=32, n_heads=2, n_layers=1, max_seq_len=64)
+    base = WiolaConfig(**shape, d_ff=65, ffn="swiglu")
+    cfg = WiolaConfig(**shape, d_ff=1, ffn="gelu")
+    target = budget(base).total_params
+    gaps = [budget(dataclasses.replace(cfg, d_ff=f)).total_params - target for f in (97, 98)]
+    assert gaps == [-32, 32], f"not a tie: {gaps}"
+    assert match_params(cfg, base).d_ff == 97
+
+
 def test_match_params_refuses_what_cannot_match():
     base = WiolaConfig(**SMALL)
     with pytest.raises(ValueError, match="no d_ff matches"):

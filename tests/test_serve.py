@@ -534,6 +534,11 @@ def test_the_eos_token_is_at_the_texts_end_and_not_a_chat_content_token(checkpoi
         done = client.post("/v1/chat/completions", json=chat).json()
         content = done["choices"][0]["logprobs"]["content"]
         assert done["choices"][0]["message"]["content"] == text and done["usage"]["completion_tokens"] == 3
+        r = client.post(
+            "/v1/chat/completions", json={**chat, "stream": True, "stream_options": {"include_usage": True}}
+        )
+        (usage,) = [c["usage"] for c in map(json.loads, re.findall(r"^data: (\{.*)$", r.text, re.M)) if c.get("usage")]
+        assert usage["completion_tokens"] == 3, f"streamed usage counts the eos token too: {usage}"
         assert [bytes(e["bytes"]) for e in content] == [tok.token_bytes(t) for t in new[:2]]  # no eos entry
         r = client.post("/v1/chat/completions", json={**chat, "stream": True})
         chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
@@ -660,6 +665,50 @@ def test_bad_requests_are_clear_4xx(server, content, status, message):
     error = r.json()["error"]
     assert message in error["message"] and error["type"] == "invalid_request_error"
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_values_at_each_bound_are_taken_and_one_past_is_a_400(server):
+    """OpenAI's ranges include their ends: temperature 2, top_p 1, 4 stop strings, a body nested
+    ``MAX_DEPTH`` levels; one past each is a 400 naming the parameter, as are token ids equal to
+    the vocabulary's size (in a prompt and to /detokenize)."""
+    from wiola.serve.app import MAX_DEPTH
+    from wiola.serve.protocol import MAX_STOP
+
+    def post(body: bytes | dict, path: str = "/v1/completions") -> httpx.Response:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return httpx.post(server.url + path, content=content, headers={"Content-Type": "application/json"}, timeout=60)
+
+    base = {"prompt": "The cat", "max_tokens": 2}
+    for extra in ({"temperature": 2}, {"temperature": 2.0}, {"top_p": 1.0}, {"stop": ["x"] * MAX_STOP}):
+        r = post({**base, **extra})
+        assert r.status_code == 200, (extra, r.text)
+    nested = b'{"prompt": "a", "max_tokens": 1, "x": ' + b"[" * (MAX_DEPTH - 1) + b"]" * (MAX_DEPTH - 1) + b"}"
+    assert post(nested).status_code == 200, "a body of MAX_DEPTH levels (the object and 31 lists) is taken"
+    refused = [
+        ({**base, "temperature": 2.0001}, "temperature", "temperature must be in [0.0, 2.0]"),
+        ({**base, "top_p": 1.0001}, "top_p", "top_p must be in (0.0, 1.0]"),
+        ({**base, "stop": ["x"] * (MAX_STOP + 1)}, "stop", f"stop takes at most {MAX_STOP} strings, got 5"),
+        ({**base, "prompt": [5, 320]}, "prompt", "prompt has token id 320 outside [0, 320)"),
+    ]
+    for body, param, message in refused:
+        r = post(body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        assert message in r.json()["error"]["message"], (body, r.text)
+    deeper = b'{"prompt": "a", "x": ' + b"[" * MAX_DEPTH + b"]" * MAX_DEPTH + b"}"
+    assert "nested too deeply" in post(deeper).json()["error"]["message"]
+    r = post({"tokens": [5, 320]}, "/detokenize")
+    assert r.status_code == 400 and r.json()["error"]["message"] == "token id 320 is outside [0, 320)", r.text
+
+
+def test_a_chat_prompt_of_exactly_the_context_has_no_room():
+    """``room_after``: a chat prompt of ``max_len - 1`` tokens leaves room for one, one of
+    ``max_len`` tokens is ``context_length_exceeded`` (not a request for 0 tokens)."""
+    from wiola.serve.protocol import ApiError, room_after
+
+    assert room_after([0] * (MAX_SEQ - 1), MAX_SEQ) == 1
+    with pytest.raises(ApiError, match=f"take {MAX_SEQ} tokens with the chat template") as info:
+        room_after([0] * MAX_SEQ, MAX_SEQ)
+    assert info.value.code == "context_length_exceeded"
 
 
 @pytest.mark.parametrize("stream", [False, True])
