@@ -277,6 +277,7 @@ def measure_cpu_ceilings() -> Ceilings:
     """The fp32 matmul rate (1024³: the faster of ATen's ``torch.mm`` and oneDNN's fp32 matmul,
     which ``wiola.ops.linear`` may run; on an AMD EPYC Zen 5 oneDNN's was about twice MKL's) and a
     256 MiB memory copy rate on this CPU."""
+    from wiola.fast.decode_step_cpu import last_level_cache_bytes
     from wiola.ops.linear import onednn_available, onednn_linear
 
     n = 1024
@@ -293,7 +294,7 @@ def measure_cpu_ceilings() -> Ceilings:
     dst = torch.empty_like(src)
     t_cp = min(time_cpu(lambda: dst.copy_(src), [()], target_s=0.3, min_reps=5, max_reps=30))
     name = f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
-    llc = last_level_cache_bytes()
+    llc = last_level_cache_bytes()  # the C++ step's reading of sysfs: one rule for both
     cache_rate, cache_what = None, ""
     if llc:  # both buffers in half the cache, each past the L2 of a core (2 MiB here)
         small = max(llc // 4, 4 << 20) if llc >= (16 << 20) else llc // 4
@@ -305,24 +306,6 @@ def measure_cpu_ceilings() -> Ceilings:
         "cpu", name, 2 * n**3 / t_mm, 2 * nbytes / t_cp, f"fp32 {n}x{n}x{n} ({gemm}, best of reps)", "256 MiB copy",
         cache_rate, cache_what, llc,
     )  # fmt: skip
-
-
-def last_level_cache_bytes() -> int | None:
-    """The size of CPU 0's last-level cache (Linux sysfs), or None where it cannot be read."""
-    from pathlib import Path
-
-    best = None
-    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
-        try:
-            level = int((index / "level").read_text())
-            text = (index / "size").read_text().strip()
-        except (OSError, ValueError):
-            continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        size = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
-        if best is None or level > best[0]:
-            best = (level, size)
-    return None if best is None else best[1]
 
 
 # ------------------------------------------------------------------------------ helpers

@@ -38,7 +38,9 @@ def test_each_value_is_timed_with_equal_logits(knob, values, step_built, tmp_pat
         torch.set_num_threads(threads)
     assert torch.equal(torch.rand(1), before), "the run moved the global generator"
     assert rec["knob"] == knob and rec["isa"] == decode_step_cpu.select_isa()
-    assert "family" in rec["cpu"] and rec["chosen"] == rec["tuning"][knob]
+    info = decode_step_cpu.cpu_info()
+    assert rec["cpu"] == f"{info['model']} (family {info['family']}, model {info['model_number']})", rec["cpu"]
+    assert rec["chosen"] == rec["tuning"][knob]
     assert list(rec["values"]) == [str(v) for v in values]
     for r in rec["values"].values():
         assert len(r["times_us"]) == 2 and min(r["times_us"]) == r["min_us"] > 0
@@ -64,6 +66,9 @@ def test_a_knob_that_changes_results_is_caught(step_built, monkeypatch):
         (["--knob", "threads", "--values", "1", "2"], "--knob 'threads' is not one of"),
         (["--knob", "stream_head", "--values", "0", "2"], "--values [2] out of range for stream_head"),
         (["--knob", "prefetch_rows", "--values", "8"], "at least two distinct values"),
+        (["--knob", "prefetch_rows", "--values", "8", "8"], "at least two distinct values, got [8, 8]"),
+        (["--knob", "prefetch_rows", "--values", "8", "16", "--batch", "0"], "--batch must be >= 1, got 0"),
+        (["--knob", "prefetch_rows", "--values", "8", "16", "--steps", "0"], "--steps must be >= 1, got 0"),
         (["--knob", "prefetch_rows", "--values", "8", "16", "--scheme", "int3"], "--scheme 'int3' is not one of"),
         (["--knob", "prefetch_rows", "--values", "8", "16", "--rounds", "0"], "--rounds must be >= 1"),
     ],

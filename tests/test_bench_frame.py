@@ -228,6 +228,29 @@ def test_ours_is_recorded_before_any_baseline_and_an_interrupted_baseline_is_kep
     assert header[-3:] == ["first", "hangs", "never"] and rows[0][-1] == "n/a [2]" and notes[1] == report.PENDING
 
 
+def test_the_l3_floor_uses_the_cache_copy_rate() -> None:
+    """With a measured cache copy rate, ``pct_floor_l3`` is the floor at that rate (every byte from
+    the L3), beside ``pct_floor`` at the DRAM copy rate."""
+    ceilings = frame.Ceilings("cpu", "fake cpu", 1e12, 1e10, "fp32 test", "test copy", 1e11, "test L3 copy", 32 << 20)
+    bench = frame.Bench(FakeBenchmark(), "cpu", ceilings)
+    m = bench._metrics(1.0, Cost(0, 1e10), None)
+    assert (m["pct_floor"], m["pct_floor_l3"]) == (pytest.approx(100.0), pytest.approx(10.0)), m
+
+
+def test_cpu_ceilings_arithmetic(monkeypatch) -> None:
+    """``measure_cpu_ceilings`` on a fake clock (every timed call 1 s): the matmul rate is 2n³ a
+    second, a copy moves its bytes twice (read and written), the cache copy is sized from the
+    last-level cache."""
+    from wiola.fast import decode_step_cpu
+
+    monkeypatch.setattr(frame, "time_cpu", lambda *a, **k: [1.0])
+    monkeypatch.setattr(decode_step_cpu, "last_level_cache_bytes", lambda: 32 << 20)
+    c = frame.measure_cpu_ceilings()
+    assert c.matmul_flops == 2 * 1024**3 and c.copy_bytes_per_s == 2 * (256 << 20), c
+    assert c.cache_copy_bytes_per_s == 2 * (8 << 20) and c.cache_bytes == 32 << 20, c
+    assert c.cache_copy == "8 MiB copy in a 32 MiB L3", c
+
+
 def test_greedy_agreement_by_hand() -> None:
     prompt = torch.tensor([[5, 6], [7, 8], [9, 9]])
     expected = torch.cat((prompt, torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]])), 1)
@@ -237,6 +260,8 @@ def test_greedy_agreement_by_hand() -> None:
     assert a["prefix_agreement"] == pytest.approx((4 + 1 + 2) / 12)  # equal prefixes 4, 1, 2 of 4 new tokens
     assert a["first_divergence"] == {"row": 1, "step": 1}
     assert frame.greedy_agreement(expected, expected, 2)["first_divergence"] is None
+    same_step = torch.cat((prompt, torch.tensor([[1, 2, 3, 4], [9, 2, 3, 4], [9, 9, 9, 9]])), 1)
+    assert frame.greedy_agreement(expected, same_step, 2)["first_divergence"] == {"row": 1, "step": 0}
     with pytest.raises(ValueError, match="same"):
         frame.greedy_agreement(expected, got[:, :-1], 2)
     with pytest.raises(ValueError, match="start 6"):

@@ -370,6 +370,62 @@ def test_read_floor_refuses_less_than_a_row():
     assert set(got) == {"s", "reader", *(f"{name} GB/s" for name in speed.READERS)}
 
 
+class _Clock:
+    """A ``time`` whose ``perf_counter`` moves only when a fake reader or kernel says it ran."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_floors_keep_the_fastest_reader_and_chain_count_and_count_every_thread(monkeypatch):
+    """The arithmetic of ``read_floor``, ``product_floor`` and ``fma_peak`` on a fake clock: the
+    read floor is the faster reader's time; the product rate counts every thread's multiply-adds;
+    the FMA peak is the fastest chain count's rate."""
+    import types
+
+    clock = _Clock()
+    monkeypatch.setattr(speed, "time", clock)
+    monkeypatch.setattr(speed, "_READS", {})
+    monkeypatch.setattr(speed, "_PRODUCTS", {})
+    monkeypatch.setattr(speed, "_PEAKS", {})
+
+    def reader(cost):
+        def read(A, x):
+            clock.now += cost
+
+        return read
+
+    monkeypatch.setattr(speed, "READERS", {"slow": reader(0.004), "fast": reader(0.001)})
+    got = speed.read_floor(1 << 20, repeats=3)
+    assert got["reader"] == "fast" and got["s"] == pytest.approx(0.001), got
+    assert got["fast GB/s"] == pytest.approx((1 << 20) / 0.001 / 1e9) and got["slow GB/s"] < got["fast GB/s"]
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    config = WiolaConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=16)
+
+    def product_reps(*args):  # (dims, w, scale, N, K, x, batch, y, reps, threads): 1 s a call
+        clock.now += 1.0
+        return 0
+
+    lib = types.SimpleNamespace(_name="fake", wiola_product_reps=product_reps)
+    step = types.SimpleNamespace(config=config, step_tensors=[torch.zeros(64, 32)], scales=[None], dims=[1], lib=lib)
+    got = speed.product_floor(step, 1, repeats=1)
+    N, K = 64, 32  # the head's first 16 KiB of 128-byte rows: all 64
+    reps = speed.PRODUCT_MACS // (N * K)
+    assert got["macs_per_s"] == 2 * reps * N * K, f"two threads' multiply-adds in 1 s: {got}"
+    assert got["s"] == pytest.approx(speed.step_macs(config, 1) / got["macs_per_s"])
+
+    def peak(chains, reps, nth, ptr):  # 16 chains run at 2 G multiply-adds a second a thread, the rest at 1
+        clock.now += reps * chains * 16 / (2e9 if chains == 16 else 1e9)
+        return 16
+
+    got = speed.fma_peak(types.SimpleNamespace(lib=types.SimpleNamespace(_name="fake", wiola_fma_peak=peak)), 1)
+    assert got["chains"] == 16 and got["macs_per_s"] == pytest.approx(2 * 2e9), got
+
+
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 def test_in_a_terminal(step_available, checkpoint, tmp_path):
     """On a terminal: the progress bar while it runs (cleared after), then the CPU line, the table

@@ -376,6 +376,13 @@ def test_head_prefetch_counts_every_matrix(d_ff, stream, monkeypatch):
         (25, 17, None, 0),
         (25, 1, None, 8),  # Zen 3: the default
         (26, 68, "bf16", 8),  # a Zen 5 desktop part (not measured): the default
+        (26, 0, "bf16", 16),  # the ends of the Zen 5 EPYC's models, 0-31
+        (26, 31, "bf16", 16),
+        (26, 32, "bf16", 8),
+        (25, 16, "bf16", 0),  # the ends of the Zen 4 EPYC's models, 16-31
+        (25, 31, None, 0),
+        (25, 15, None, 8),
+        (25, 32, None, 8),
     ],
 )
 def test_prefetch_distance_choice(family, model, scheme, ahead, monkeypatch):
@@ -542,6 +549,91 @@ def test_load_answers_from_its_cache_until_the_choice_changes(monkeypatch):
     assert decode_step_cpu.load() is first
     monkeypatch.setitem(decode_step_cpu._FEATURES, compiler, (frozenset(), "test"))  # no AVX2: portable
     assert decode_step_cpu.load() is decode_step_cpu._BUILDS[(compiler, "portable")]
+
+
+def test_tuning_records_the_variant_the_step_builds(monkeypatch):
+    """``tuning()`` (what every benchmark record holds) names the variant ``WIOLA_CPU_ISA`` forces,
+    and the thread rule SPEC states: one thread per 2 MiB streamed."""
+    for isa in ISAS_HERE:
+        monkeypatch.setenv("WIOLA_CPU_ISA", isa)
+        got = decode_step_cpu.tuning()
+        assert got["isa"] == isa == decode_step_cpu.select_isa(), got
+        assert got["bytes_per_thread"] == 2 << 20, got
+    monkeypatch.delenv("WIOLA_CPU_ISA")
+    assert decode_step_cpu.tuning()["isa"] == decode_step_cpu.select_isa()
+
+
+def test_the_build_is_named_by_everything_it_depends_on(monkeypatch):
+    """The cached library's name changes with the compiler's version, the CPU's flags and model
+    name, and the variant, so a new compiler or another CPU (a VM moved to a host without AVX-512)
+    builds again instead of loading a library made for another; a line that changes from boot to
+    boot (the clock rate) does not."""
+    cpu = {
+        "lines": (
+            "vendor_id\t: AuthenticAMD",
+            "model name\t: AMD EPYC",
+            "flags\t: avx2 fma avx512f",
+            "cpu MHz\t: 2600.0",
+        )
+    }
+    version = {"text": "g++ (GCC) 12.2.0\n"}
+    real_run = subprocess.run
+
+    def run(cmd, *args, **kwargs):
+        if cmd[-1] == "--version":
+            return subprocess.CompletedProcess(cmd, 0, stdout=version["text"], stderr="")
+        return real_run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(decode_step_cpu.subprocess, "run", run)
+    monkeypatch.setattr(decode_step_cpu, "_cpuinfo_lines", lambda: cpu["lines"])
+
+    def name(isa: str = "portable") -> str:
+        return decode_step_cpu.library_path("g++", isa).name
+
+    first = name()
+    assert name() == first, "not a function of its inputs"
+    cpu["lines"] = (*cpu["lines"][:3], "cpu MHz\t: 3000.0")
+    assert name() == first, "a clock rate is not what the build depends on"
+    changes = {
+        "the compiler's version": lambda: version.update(text="g++ (GCC) 14.1.0\n"),
+        "the CPU's flags": lambda: cpu.update(lines=(cpu["lines"][0], cpu["lines"][1], "flags\t: avx2 fma")),
+        "the CPU's model name": lambda: cpu.update(
+            lines=(cpu["lines"][0], "model name\t: Intel Xeon", *cpu["lines"][2:])
+        ),
+    }
+    names = {first}
+    for what, change in changes.items():
+        change()
+        assert name() not in names, f"{what} changed, and the build's name did not"
+        names.add(name())
+    assert name("avx2") not in names
+
+
+@pytest.mark.parametrize(
+    "sizes,want",
+    [
+        ((("Data", "32K"), ("Instruction", "32K"), ("Unified", "1024K"), ("Unified", "32768K")), 32 << 20),
+        ((("Data", "48K"), ("Instruction", "64K"), ("Unified", "2M"), ("Unified", "260M")), 260 << 20),
+        ((("Data", "32K"), ("Instruction", "4M")), 32 << 10),  # an instruction cache is not a data cache
+        ((("Unified", "1G"),), 1 << 30),
+        ((("Unified", "524288"),), 524288),  # no suffix: bytes
+        ((), None),
+    ],
+)
+def test_last_level_cache_size_from_sysfs(sizes, want, tmp_path):
+    """The largest data or unified cache of a sysfs cache folder, whatever its units."""
+    for i, (kind, size) in enumerate(sizes):
+        (tmp_path / f"index{i}").mkdir()
+        (tmp_path / f"index{i}" / "type").write_text(kind + "\n")
+        (tmp_path / f"index{i}" / "size").write_text(size + "\n")
+    assert decode_step_cpu.last_level_cache_bytes(tmp_path) == want
+
+
+def test_settings_are_read_without_case_or_spaces(monkeypatch):
+    """``WIOLA_CPU_ISA=" Portable "`` is the portable variant, for the model's check as for the step."""
+    monkeypatch.setenv("WIOLA_CPU_ISA", " Portable ")
+    wiola.fast.WiolaModel(SMALL)  # its check of the setting passes
+    assert decode_step_cpu.select_isa() == "portable"
 
 
 def test_forced_variant_runs_and_is_described(monkeypatch):

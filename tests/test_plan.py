@@ -210,6 +210,10 @@ def test_default_plan_puts_the_headline_first_and_fits() -> None:
     assert all(p.fits for p in plans if not p.stage.optional)
     text = plan.format_plan(plans, 420, "fallback")
     assert text.index("== headline") < text.index("== parity") and "each fits its budget" in text
+    required = [p for p in plans if not p.stage.optional]  # the totals line counts these alone
+    estimate, budgets = sum(p.wall_s for p in required), sum(p.stage.budget_s for p in required)
+    assert f"required stages (setup, headline, parity): estimate {estimate:.0f} s, budgets {budgets:.0f} s of" in text
+    assert estimate <= budgets <= 420 and any(p.stage.optional for p in plans), "the optional stages are left out"
 
 
 def test_a_short_run_shrinks_the_required_stages_as_the_script_does(capsys) -> None:

@@ -4,11 +4,12 @@ on distributions with closed-form answers; ``main`` refuses what it cannot measu
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 import torch
 
-from bench.quality import kl_statistics, main
+from bench.quality import PROMPT_LEN, agreement, kl_statistics, main
 
 
 def test_identical_distributions():
@@ -31,6 +32,27 @@ def test_two_token_distributions():
     assert math.isclose(stats["kl_p99"], ordered[2] + 0.97 * (ordered[3] - ordered[2]), rel_tol=1e-12)
     # The reference's argmax of a tie is token 0, which every q also ranks first.
     assert stats["same_top_pct"] == 100.0
+    assert math.isclose(stats["kl_mean_stderr"], statistics.stdev(want) / math.sqrt(4), rel_tol=1e-12)
+
+
+def test_top_tokens_that_differ():
+    """Two positions: the same top token at the first, another at the second: 50%."""
+    ref = torch.tensor([[2.0, 0.0, 1.0], [2.0, 0.0, 1.0]])
+    got = torch.tensor([[3.0, 0.0, 0.0], [0.0, 2.0, 1.0]])
+    assert kl_statistics(ref, got)["same_top_pct"] == 50.0
+
+
+def test_agreement_by_hand():
+    """Greedy continuations after ``PROMPT_LEN`` tokens: equal tokens before each row's first
+    difference (a row that differs at its first new token has none), and the share of equal ones."""
+    ref = torch.zeros(3, PROMPT_LEN + 4, dtype=torch.long)
+    got = ref.clone()
+    got[0, PROMPT_LEN] = 1  # differs at once, then the same again
+    got[1, PROMPT_LEN + 2] = 1  # two equal, then one different
+    got[:, 0] = 7  # the prompts are not compared
+    got_stats = agreement(ref, got)
+    assert (got_stats["mean_before_diff"], got_stats["min_before_diff"]) == (2.0, 0), got_stats
+    assert math.isclose(got_stats["same_pct"], 100 * 10 / 12, rel_tol=1e-12), got_stats
 
 
 @pytest.mark.parametrize(

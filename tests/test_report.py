@@ -269,6 +269,8 @@ def test_cpu_numbers_from_machine_info(tmp_path: Path) -> None:
     zen4_section = md[md.index(titles[1].removeprefix("## ")) :]
     for name in ("old", "bare"):
         assert f"[r/{name}/bench.json]" in zen4_section, name
+    for model in ("AMD EPYC", zen4):  # the numbers once, whether the record's name has them or not
+        assert report.cpu_label({"cpu_model": model, "cpu_flags": "avx2 fma"}, "family 25, model 17") == f"{zen4}, AVX2"
 
 
 @pytest.mark.parametrize("ceiling, cell", [(129.4, "129%"), (7.25, "7.2%"), (None, "—")])

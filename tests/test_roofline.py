@@ -67,6 +67,8 @@ def test_rms_norm_counts() -> None:
     assert rl.rms_norm(3, 8, torch.float16, "fwd", residual=False) == Cost(96, 48 + 16 + 48)
     # bwd with residual: 9 FLOPs/element -> 216; reads dy, h, dh, γ; writes dx, dγ.
     assert rl.rms_norm(3, 8, torch.float16, "bwd") == Cost(216, 3 * 48 + 16 + 48 + 16)
+    # bwd without: 8 FLOPs/element -> 192; reads dy, h, γ; writes dx, dγ.
+    assert rl.rms_norm(3, 8, torch.float16, "bwd", residual=False) == Cost(192, 2 * 48 + 16 + 48 + 16)
 
 
 def test_linear_cross_entropy_counts() -> None:

@@ -53,6 +53,28 @@ def test_tables_hold_each_run_and_ratios_within_it(tmp_path, capsys):
     assert not any(line.startswith("| form |") for line in out)  # no ONNX rows in these runs
 
 
+def test_onnx_rows_make_their_table(tmp_path, capsys):
+    """Runs with ONNX Runtime's rows (``test_decode_cpu_onnx``) get the ONNX table: each form's
+    tokens/s (tokens over time) beside ours on the same weights, per run."""
+    runs = []
+    for scale in (1.0, 2.0):
+        run = _run(scale)
+        for form in run_tables.ONNX_FORMS:
+            for B in (1, 8):
+                info = {
+                    "tokens": 128 * B,
+                    "time_s": 0.1 / scale,
+                    "baselines": {"wiola.fast": {"tokens_per_s": 2000.0 * B}},
+                }
+                run["benchmarks"].append({"name": f"test_decode_cpu_onnx[B{B}-P16-N128-{form}]", "extra_info": info})
+        runs.append(run)
+    assert run_tables.main([str(_folder(tmp_path, runs))]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "| form | ONNX Runtime B1 | ours B1 | ONNX Runtime B8 | ours B8 |" in out, out
+    for form in run_tables.ONNX_FORMS:
+        assert f"| {form} | 1,280 / 2,560 | 2,000 / 2,000 | 10,240 / 20,480 | 16,000 / 16,000 |" in out, (form, out)
+
+
 def test_tg128_alone_where_the_runs_hold_nothing_else(tmp_path, capsys):
     assert run_tables.main([str(_folder(tmp_path, [_run(1.0, prefill=False)]))]) == 0
     out = capsys.readouterr().out

@@ -286,12 +286,20 @@ def _intact(target: Path) -> bool:
         return False
 
 
-def _build(compiler: str, isa: str) -> ctypes.CDLL:
+def library_path(compiler: str, isa: str) -> Path:
+    """Where the build of ``isa`` by ``compiler`` is cached: named by a hash of everything the
+    binary depends on (the source, the variant and its flags, the compiler's ``--version``, and
+    the CPU's model name and flags, which ``-mtune=native`` and the variant's choice read), so
+    that a change to any of them builds again instead of loading a library made for another."""
     command = compiler_command(compiler)
     version = subprocess.run([*command, "--version"], capture_output=True, text=True).stdout
     flags = " ".join((*FLAGS, *ISA_FLAGS[isa], "-lstdc++"))
     key = hashlib.sha256("\0".join((SOURCE.read_text(), isa, flags, version, _cpu_signature())).encode())
-    target = _cache_dir() / f"decode_step_cpu-{isa}-{key.hexdigest()[:20]}.so"
+    return _cache_dir() / f"decode_step_cpu-{isa}-{key.hexdigest()[:20]}.so"
+
+
+def _build(compiler: str, isa: str) -> ctypes.CDLL:
+    target = library_path(compiler, isa)
     if not _intact(target):  # missing, or damaged since it was built
         compile_variant(isa, target, compiler)
     try:
@@ -444,12 +452,15 @@ CACHED_HEAD_PAST_LLC_CPUS = (("AuthenticAMD", 25, range(16, 32)),)  # Zen 4 EPYC
 BYTES_PER_THREAD = 1 << 21  # a parallel region takes one thread per this many bytes streamed
 
 
+CACHE_SYSFS = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
 @functools.cache
-def last_level_cache_bytes() -> int | None:
-    """The size of this CPU's largest cache (``/sys/devices/system/cpu/cpu0/cache``), or None; read
-    once a process."""
+def last_level_cache_bytes(root: Path = CACHE_SYSFS) -> int | None:
+    """The size of this CPU's largest data or unified cache (``root``'s ``index*/size``, in bytes
+    or with a K, M or G suffix), or None; read once a process."""
     best = None
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+    for index in root.glob("index*"):
         try:
             text = (index / "size").read_text().strip().upper()
             kind = (index / "type").read_text().strip()
