@@ -184,6 +184,8 @@ def test_a_sweep_folder_of_another_spec_is_refused_before_anything_is_written(tm
     variants = [{"ffn": "butterfly"}, {"name": "no-gate", "gate": False}]
     old, out = _write_spec(tmp_path / "old.json", variants=variants), tmp_path / "sweep"
     _fake_checkpoints(old, out, 12)
+    for log in ("runs/butterfly/seed0.log", "runs/no-gate/seed1.log"):  # each run's output, beside its folder
+        (out / log).write_text("the old run's output\n")
     assert main(["ablate", str(old), "--out", str(out), "--print-commands"]) == 0  # the same spec: all finished
     assert [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")] == []
     before = _snapshot(out)
@@ -199,6 +201,7 @@ def test_a_sweep_folder_of_another_spec_is_refused_before_anything_is_written(tm
     lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
     assert len(lines) == 4 and not any("--resume" in line or "--overwrite" in line for line in lines)
     assert not list(out.glob("runs/*/seed*/")), "--overwrite keeps no old run folder"
+    assert not list(out.glob("runs/*/seed*.log")), "--overwrite keeps an old log (the new run would append to it)"
 
 
 def test_a_moved_sweep_of_the_same_spec_continues(tmp_path, capsys):
@@ -365,6 +368,10 @@ def test_sweep_report_and_killed_sweep_continues_bit_identically(tmp_path):
     swiglu = results["variants"]["swiglu"]
     assert set(swiglu["final"]["loss"]) == {"mean", "ci95", "n", "values"} and swiglu["final"]["loss"]["n"] == 2
     assert swiglu["paired_vs_baseline"]["loss"]["ci95"] > 0
+    butterfly = results["variants"]["butterfly"]
+    for k in ("loss", "bits_per_byte"):  # variant minus baseline, seed by seed
+        deltas = [swiglu["seeds"][s]["final"][k] - butterfly["seeds"][s]["final"][k] for s in ("0", "1")]
+        assert swiglu["paired_vs_baseline"][k]["values"] == deltas, (k, swiglu["paired_vs_baseline"][k], deltas)
     assert [b["start"] for b in swiglu["seeds"]["0"]["positions"]] == [0, 16]
     assert len(swiglu["seeds"]["0"]["layer_grad_norms"][-1][1]) == 2
     for name in ("report.md", "loss_curves.png", "gates.png", "grad_norms.png", "positions.png"):
@@ -421,6 +428,24 @@ def test_a_short_series_is_drawn_with_markers_on_whole_steps():
     assert line.get_marker() == "o" and list(line.get_xdata()) == [6]
     fig.canvas.draw()
     assert all(float(t).is_integer() for t in ax.get_xticks()), ax.get_xticks()
+
+
+def test_a_runs_summary_takes_the_logging_grid_and_the_last_step(tmp_path):
+    """The training lines a run's summary keeps: those on the ``log_every`` grid and the last
+    step's (25 of 25, logged though off the grid); a line of a step it stopped at and resumed
+    from (15) averages a shorter interval and is left out."""
+    from types import SimpleNamespace
+
+    from wiola.train.ablate_report import _run_summary
+
+    lines = [{"kind": "run", "parameters": 1, "model_config": {"d_ff": 8}}]
+    lines += [{"kind": "train", "step": s, "loss": 1.0, "layer_grad_norms": [s / 10, s / 5]} for s in (10, 15, 20, 25)]
+    lines += [{"kind": "eval", "step": 25, "loss": 2.0, "bits_per_byte": 1.0, "gates": [[0.5, 0.3]]}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    run = SimpleNamespace(run_dir=tmp_path, config=SimpleNamespace(steps=25, log_every=10))
+    got = _run_summary(run, {"buckets": []}, 0.4)
+    assert [step for step, _ in got["layer_grad_norms"]] == [10, 20, 25], got["layer_grad_norms"]
+    assert got["final"] == {"loss": 2.0, "bits_per_byte": 1.0, "step": 25} and got["gate_share_under"] == [[25, 0.5]]
 
 
 def test_paired_differences_carry_their_sign():

@@ -403,6 +403,11 @@ def test_runner_checks_eos_pad_and_threads(exports: dict[str, Path]) -> None:
         exported.generate(ids, 4, eos_token_id=np.int64(9), pad_token_id=np.int32(3)),
         exported.generate(ids, 4, eos_token_id=9, pad_token_id=3),
     )
+    fill = SMALL["max_seq_len"] - ids.shape[1]  # a prompt and new tokens that fill the context exactly
+    want = reference_on(_quantized("fp32")).generate(torch.from_numpy(ids), fill)
+    np.testing.assert_array_equal(exported.generate(ids, fill), want.numpy())
+    with pytest.raises(ValueError, match=rf"3 prompt \+ {fill + 1} new tokens = 65 is past max_seq_len=64"):
+        exported.generate(ids, fill + 1)
     for threads in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="threads must be a positive int or None"):
             OnnxModel(exports["fp32"], threads=threads)

@@ -85,6 +85,20 @@ def test_loglikelihood_equals_the_reference_model(checkpoint, quantize):
             assert greedy == want_greedy
 
 
+def test_a_continuation_is_greedy_only_if_every_token_is_the_argmax(checkpoint):
+    """``is_greedy`` of a continuation whose first token is the model's argmax and whose second is
+    its argmin is False; the two argmax tokens in a row are True."""
+    lm = WiolaLM(str(checkpoint), device="cpu")
+    lm.model.use_kernels(False)
+    context = [5, 6, 7]
+    with torch.no_grad():
+        first = int(lm.model(torch.tensor([context])).logits[0, -1].argmax())
+        second = lm.model(torch.tensor([[*context, first]])).logits[0, -1]
+    mixed, both = [first, int(second.argmin())], [first, int(second.argmax())]
+    got = lm._loglikelihood_tokens([(("", ""), context, mixed), (("", ""), context, both)], disable_tqdm=True)
+    assert [greedy for _, greedy in got] == [False, True], got
+
+
 def test_scoring_bar_only_on_a_terminal_with_progress(checkpoint, capsys, monkeypatch):
     """The ``wiola loglikelihood`` bar follows ``draws_bars``: none off a terminal (stderr is a
     pipe here) even when lm-eval leaves its bars on, none with progress off, one on a terminal."""

@@ -181,6 +181,7 @@ def test_cli_lora_finetune_saves_peft_format_and_merges(tmp_path) -> None:
     assert main([*args, "--lora-rank", "2", "--lora-targets", "q_proj,v_proj,down_proj"]) == 0
     saved = json.loads((tmp_path / "lora" / "adapter_config.json").read_text())
     assert saved["r"] == 2 and sorted(saved["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
+    assert saved["lora_alpha"] == 4, "--lora-alpha defaults to 2 x rank (SPEC)"
     lora, tok = load_finetuned(tmp_path / "lora")
     assert isinstance(lora, peft.PeftModel) and tok.chat_template is not None
     # only the adapters trained: the base weights under them are the checkpoint's
@@ -285,6 +286,8 @@ def test_cli_lora_rank_above_the_narrowest_projection_is_refused(adapter_folder,
     assert main([*args, "--lora-rank", "49", "--lora-targets", "up_proj"]) == 2  # d -> 2 d_ff: 32 wide on one side
     assert "--lora-rank 49 exceeds the smallest adapted projection (32)" in _one_error_line(capsys, "finetune")
     assert not (tmp_path / "o").exists()
+    assert main([*args, "--lora-rank", "32"]) == 0, "a rank equal to the narrowest projection is taken"
+    assert json.loads((tmp_path / "o" / "adapter_config.json").read_text())["r"] == 32
 
 
 def test_cli_adapter_folder_without_weights_is_one_line_without_the_hub(adapter_folder, tmp_path, monkeypatch, capsys):

@@ -524,6 +524,34 @@ def test_resume_with_other_config_is_refused(runs, corpus, tmp_path) -> None:
     assert _fresh_cache_untouched(cache), "work started before the checkpoint was checked"
 
 
+@pytest.mark.parametrize(
+    "change",
+    [{"lr": 1e-4}, {"seed": 1}, {"batch_size": 16}, {"min_lr_ratio": 0.1}, {"warmup": 0.1}, {"betas": [0.9, 0.99]},
+     {"eps": 1e-6}, {"weight_decay": 0.1}, {"grad_clip": 0.5}, {"shuffle": False}, {"val_fraction": 0.02},
+     {"precision": "bf16"}],
+    ids=lambda change: next(iter(change)),
+)  # fmt: skip
+def test_resume_refuses_each_setting_that_changes_the_numbers(change) -> None:
+    """A resumed run is the run it continues, bitwise: a setting that changes the weights, the
+    schedule or the data order differs from the checkpoint's: refused, naming it."""
+    from wiola.train.loop import _check_resume
+
+    old = TrainConfig(preset="tiny", data="sample", steps=10)
+    new = TrainConfig.from_dict({**old.to_dict(), **change})
+    saved = {"model_config": old.model_config().to_dict(), "train_config": old.to_dict(), "step": 5}
+    name = next(iter(change))
+    with pytest.raises(ValueError, match=rf"training settings differ \({name}: checkpoint "):
+        _check_resume(saved, new, new.model_config(), Path("ckpt"))
+    for resumable in ({"steps": 20}, {"eval_every": 7}, {"micro_batch": 1}):  # these may change
+        _check_resume(saved, TrainConfig.from_dict({**old.to_dict(), **resumable}), old.model_config(), Path("ckpt"))
+
+
+def test_a_fractional_warmup_is_rounded_to_the_nearest_step() -> None:
+    """0.15 of 25 steps is 3.75: 4 warm-up steps; 0.05 of 30 is 1.5: 2 (half to even: 0.05 of 50 is 2)."""
+    got = [TrainConfig(steps=s, warmup=w).warmup_steps for w, s in ((0.15, 25), (0.05, 30), (0.05, 50), (3, 25))]
+    assert got == [4, 2, 2, 3], got
+
+
 def test_bad_settings() -> None:
     with pytest.raises(ValueError, match="seq_len"):
         TrainConfig(seq_len=0)
