@@ -160,6 +160,7 @@ def tuning_line(row: dict[str, Any]) -> str:
     line = (
         f"{t['matrix_bytes'] / 1e6:.1f} MB of matrices, head {'streamed' if t['stream_head'] else 'cached'}, "
         f"{t['prefetch_rows']} rows prefetched ahead, a thread per {t['bytes_per_thread'] / (1 << 20):g} MiB"
+        f" ({row['threads']} thread{'s' * (row['threads'] != 1)})"
     )
     if "balance" in row:
         parts = "; ".join(f"{kind} {[round(p, 3) for p in ps] or 'even'}" for kind, ps in row["balance"].items())
@@ -208,7 +209,8 @@ def _bench(args: argparse.Namespace) -> int:
     tg_ids = torch.randint(0, V, (B, TG_PROMPT), generator=generator)
     tests = (args.prompt_tokens > 0) + (args.new_tokens > 0)
     pp_test, tg_test = f"pp{args.prompt_tokens}", f"tg{args.new_tokens}"
-    bar = _progress(len(forms) * tests * (args.reps + 1), f"{forms[0]} {pp_test if pp_ids is not None else tg_test}")
+    bar = _progress(len(forms) * tests * args.reps, f"{forms[0]} {pp_test if pp_ids is not None else tg_test}")
+    nth = torch.get_num_threads()  # a prompt's products run on torch's threads
     rows = []
     try:
         for form in forms:
@@ -257,16 +259,16 @@ def _bench(args: argparse.Namespace) -> int:
                 if peak is not None:
                     row["fma_peak_gmacs"] = peak["macs_per_s"] / 1e9
                     row["read_ceiling_pct"] = speed.read_ceiling(base.config, B, read["s"], peak["macs_per_s"])
-                row["balance"] = decode_step_cpu.balance()  # the threads' parts the timed calls left
+                # The threads' parts the timed calls left (even, [], for a step on one thread).
+                row["balance"] = decode_step_cpu.balance(decode_step_cpu.step_threads(step.tuning))
                 rows.append(row)
             for row in rows[first:]:
                 row["tuning"] = choices
+                row["threads"] = decode_step_cpu.step_threads(step.tuning) if row["test"] == tg_test else nth
     finally:
         bar.close()
     for r in rows:
-        r.update(
-            batch=B, threads=torch.get_num_threads(), cpu=cpu["name"], isa=decode_step_cpu.select_isa(), prompt=prompt
-        )
+        r.update(batch=B, cpu=cpu["name"], isa=decode_step_cpu.select_isa(), prompt=prompt)
     if args.json:
         for r in rows:
             print(json.dumps(r))
@@ -277,7 +279,9 @@ def _bench(args: argparse.Namespace) -> int:
             if r["test"] == (tg_test if args.new_tokens else pp_test):  # a line a form
                 print(f"{r['weights']}: {tuning_line(r)}")
         notes = [
-            f"{cpu['name']}, {torch.get_num_threads()} threads; t/s: the tokens over the median time of "
+            f"{cpu['name']}, {torch.get_num_threads()} threads"
+            + (" (a decoding step: its own count, above)" if args.new_tokens else "")
+            + "; t/s: the tokens over the median time of "
             f"{args.reps} run{'s' * (args.reps != 1)}"
             + (" ± the standard deviation of their rates" if args.reps > 1 else "")
         ]
@@ -288,7 +292,8 @@ def _bench(args: argparse.Namespace) -> int:
                 "the weights and the cache's keys and values once at the best rate this process read as many bytes "
                 "between the timed calls; bound "
                 "by: the longer of that read floor and the compute floor (the products' multiply-adds at the rate "
-                "the step's own kernels reach on weights in each core's L1), and the % of it reached; most at the "
+                "the step's own kernels reach on its threads on weights in each core's L1), and the % of it reached; "
+                "most at the "
                 "FMA peak: the most of the read floor a step can reach whose products' multiply-adds run at this "
                 "CPU's fp32 multiply-add peak (chains that read no memory; every product multiplies each weight by "
                 "x in fp32)"

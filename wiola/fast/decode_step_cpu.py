@@ -57,7 +57,7 @@ import tempfile
 import warnings
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -529,6 +529,13 @@ def choose_tuning(config: WiolaConfig, scheme: str | None = None) -> dict[str, i
         "last_level_cache_bytes": llc, "matrix_bytes": matrices, "threads": torch.get_num_threads(),
         "stream_head": int(stream), "prefetch_rows": ahead, "bytes_per_thread": BYTES_PER_THREAD,
     }  # fmt: skip
+
+
+def step_threads(chosen: dict[str, Any]) -> int:
+    """The threads a step's parallel region takes with ``chosen`` (``choose_tuning``'s record): one
+    per ``bytes_per_thread`` of its matrices, at least one, at most torch's count (``threads_for``
+    in the source); a model under twice that many bytes runs on one thread."""
+    return max(1, min(torch.get_num_threads(), int(chosen["matrix_bytes"]) // int(chosen["bytes_per_thread"])))
 
 
 def tuning(config: WiolaConfig | None = None, scheme: str | None = None) -> dict[str, int | str | None]:

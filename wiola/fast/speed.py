@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from wiola.fast.decode_step_cpu import step_threads
+
 READ_REPEATS = 31  # the best of this many: a shared host's noise can slow a few reads in a row
 # Reads of the floor (each reader) after each timed tg call, so that the floor and the step see the
 # same moments of a shared machine (a floor read only before or after the runs can meet a quieter or
@@ -92,8 +94,9 @@ _PRODUCTS: dict[tuple, float] = {}  # (library, dims, N, K, batch, threads, reps
 def product_floor(step: Any, batch: int, repeats: int = PRODUCT_REPEATS) -> dict[str, Any]:
     """The compute floor of one step of ``step`` (a ``decode_step_cpu.DecodeStepCPU``) at
     ``batch`` rows: ``step_macs`` at the rate of the step's own product kernels over the head's
-    first rows (``PRODUCT_BYTES`` of them, as stored), which every thread of torch's pool reads
-    at once, again and again, so that they come from its core's cache: the best of ``repeats``
+    first rows (``PRODUCT_BYTES`` of them, as stored), which each of the step's own threads
+    (``decode_step_cpu.step_threads``: one for a small model) reads at once, again and again, so
+    that they come from its core's cache: the best of ``repeats``
     calls now and of every earlier call for the same step and batch in this process (as
     ``read_floor`` keeps its best: a call slowed by the host's other tenants would put the floor
     too high, and every row's share of it with it). ``{"s": seconds a step, "macs_per_s": the
@@ -105,7 +108,7 @@ def product_floor(step: Any, batch: int, repeats: int = PRODUCT_REPEATS) -> dict
     K = config.d_model
     row_bytes = head.numel() * head.element_size() // config.vocab_size
     N = max(4, min(config.vocab_size, PRODUCT_BYTES // row_bytes) // 4 * 4)
-    nth = torch.get_num_threads()
+    nth = step_threads(step.tuning)
     reps = max(1, PRODUCT_MACS // (N * K * batch))
     key = (step.lib._name, tuple(step.dims), N, K, batch, nth, reps)
     x = torch.randn(batch, K, generator=torch.Generator().manual_seed(0))
@@ -132,7 +135,7 @@ _PEAKS: dict[tuple, float] = {}  # (library, chains, threads, reps) -> best seco
 
 
 def fma_peak(step: Any, repeats: int = PRODUCT_REPEATS) -> dict[str, Any]:
-    """The fp32 multiply-add peak of the C++ step's variant on torch's threads: ``PRODUCT_MACS``
+    """The fp32 multiply-add peak of the C++ step's variant on the step's threads (``step_threads``): ``PRODUCT_MACS``
     multiply-adds a thread in independent chains that read no memory (``wiola_fma_peak``), for each
     chain count of ``FMA_CHAINS``, the best of ``repeats`` calls now and of every earlier call in this
     process (as ``product_floor`` keeps its best), and the fastest chain count. Every product of the
@@ -145,7 +148,7 @@ def fma_peak(step: Any, repeats: int = PRODUCT_REPEATS) -> dict[str, Any]:
     peak = getattr(step.lib, "wiola_fma_peak", None)
     if peak is None:
         return None
-    nth = torch.get_num_threads()
+    nth = step_threads(step.tuning)
     out = torch.empty(nth)
     rates = {}
     for chains in FMA_CHAINS:
