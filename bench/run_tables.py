@@ -28,14 +28,18 @@ PREFILL_ROWS = (
     ("fp32-products-int4-weights", "fp32 (oneDNN), int4"),
 )
 ONNX_FORMS = ("fp32", "int8", "int8-matmul", "int4", "int4-matmul")
+TIMED_STEPS = 127  # a tg128 record's timed steps: its first token comes from the untimed prefill
 
 
 def load_runs(folder: Path) -> list[dict[str, Any]]:
     """``bench-1.json``, ``bench-2.json``, … of ``folder``, in order, until one is missing.
-    ``ValueError`` where there is none."""
+    ``ValueError`` where there is none, or one is not JSON (naming it)."""
     runs = []
     while (path := folder / f"bench-{len(runs) + 1}.json").exists():
-        runs.append(json.loads(path.read_text()))
+        try:
+            runs.append(json.loads(path.read_text()))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
     if not runs:
         raise ValueError(f"{folder}: no bench-1.json")
     return runs
@@ -46,6 +50,13 @@ def _record(run: dict[str, Any], name: str) -> dict[str, Any]:
         if bench["name"] == name:
             return bench["extra_info"]
     raise ValueError(f"a run has no {name} row")
+
+
+def _ratio(record: dict[str, Any], baseline: str, key: str, fmt: str) -> str:
+    """A baseline's number in a record, or why there is none (a run without the package records
+    ``{"unavailable": "why"}``)."""
+    entry = record.get("baselines", {}).get(baseline, {})
+    return fmt.format(entry[key]) if key in entry else "unavailable"
 
 
 def _has(run: dict[str, Any], prefix: str) -> bool:
@@ -70,10 +81,10 @@ def tg_table(runs: list[dict[str, Any]]) -> list[str]:
         for w in ("fp32", "bf16", "int8", "int4"):
             rs = [_record(r, f"test_tg128_cpu[B{B}-P16-N128-{w}]") for r in runs]
             tps = [x["tokens_per_s"] for x in rs]
-            compute = [100 * x["compute_floor_s_per_step"] * 128 / x["time_s"] for x in rs]
+            compute = [100 * x["compute_floor_s_per_step"] * TIMED_STEPS / x["time_s"] for x in rs]
             bound = "/".join(sorted({SHORT.get(x["bound_by"], x["bound_by"]) for x in rs}))
             if w == "fp32":
-                beside = "wiola13m: " + _join([x["baselines"]["wiola13m"]["speedup"] for x in rs], "{:.1f}×")
+                beside = "wiola13m: " + " / ".join(_ratio(x, "wiola13m", "speedup", "{:.1f}×") for x in rs)
             else:
                 other = "int8" if w == "int4" else "fp32"
                 base = [_record(r, f"test_tg128_cpu[B{B}-P16-N128-{other}]")["tokens_per_s"] for r in runs]
@@ -93,7 +104,7 @@ def prefill_table(runs: list[dict[str, Any]]) -> list[str]:
     ]
     for name, label in PREFILL_ROWS:
         rs = [_record(r, f"test_prefill_cpu[{name}]") for r in runs]
-        ratios = _join([x["baselines"]["wiola13m"]["speedup"] for x in rs], "{:.2f}×")
+        ratios = " / ".join(_ratio(x, "wiola13m", "speedup", "{:.2f}×") for x in rs)
         lines.append(f"| {label} | {_join([512 / x['time_s'] for x in rs], '{:,.0f}')} | {ratios} |")
     return lines
 
@@ -106,7 +117,7 @@ def onnx_table(runs: list[dict[str, Any]]) -> list[str]:
         for B in (1, 8):
             rs = [_record(r, f"test_decode_cpu_onnx[B{B}-P16-N128-{form}]") for r in runs]
             cells.append(_join([x["tokens"] / x["time_s"] for x in rs], "{:,.0f}"))
-            cells.append(_join([x["baselines"]["wiola.fast"]["tokens_per_s"] for x in rs], "{:,.0f}"))
+            cells.append(" / ".join(_ratio(x, "wiola.fast", "tokens_per_s", "{:,.0f}") for x in rs))
         lines.append(f"| {form} | " + " | ".join(cells) + " |")
     return lines
 
@@ -127,8 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         print(tables(load_runs(args.folder)))
-    except (ValueError, KeyError) as e:
+    except ValueError as e:
         print(f"bench.run_tables: {e}", file=sys.stderr)
+        return 2
+    except KeyError as e:  # a record of another benchmark's shape
+        print(f"bench.run_tables: a record of {args.folder} has no field {e}", file=sys.stderr)
         return 2
     return 0
 

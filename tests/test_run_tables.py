@@ -20,7 +20,7 @@ def _run(scale: float, prefill: bool = True) -> dict:
             tps = 1000.0 * (i + 1) * scale * (2 if B == 8 else 1)
             info = {
                 "tokens_per_s": tps,
-                "time_s": 128 * B / tps,
+                "time_s": run_tables.TIMED_STEPS * B / tps,
                 "compute_floor_s_per_step": 0.5 * B / tps,  # half the step's time: 50%
                 "pct_read_floor": 40.0 + i,
                 "bound_by": "the multiply-adds" if i else "reading the weights",
@@ -81,6 +81,32 @@ def test_tg128_alone_where_the_runs_hold_nothing_else(tmp_path, capsys):
     assert "| int4, 8 |" in out and "products, weights" not in out
 
 
+def test_the_compute_floor_counts_the_timed_steps(tmp_path, capsys):
+    """A tg128 record times 127 steps (its first token is the untimed prefill's): the % of the
+    compute floor is 127 steps at that floor over the time, as the record's own pct_roofline."""
+    run = _run(1.0)
+    record = next(b for b in run["benchmarks"] if b["name"] == "test_tg128_cpu[B1-P16-N128-int8]")["extra_info"]
+    record.update(time_s=0.1, compute_floor_s_per_step=0.1 * 0.64 / 127)  # 64% of 127 steps' floor
+    assert run_tables.main([str(_folder(tmp_path, [run]))]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| int8, 1 |"))
+    assert row.split(" | ")[3] == "64", row
+
+
+def test_a_run_without_wiola13m_says_so(tmp_path, capsys):
+    """A run made where the ``wiola13m`` package was missing records it unavailable: the ratio
+    cells say so, the rest of the table is made."""
+    run = _run(1.0)
+    for b in run["benchmarks"]:
+        if "wiola13m" in b["extra_info"].get("baselines", {}):
+            b["extra_info"]["baselines"]["wiola13m"] = {
+                "unavailable": "ModuleNotFoundError: No module named 'wiola13m'"
+            }
+    assert run_tables.main([str(_folder(tmp_path, [run, _run(2.0)]))]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert next(line for line in out if line.startswith("| fp32, 1 |")).endswith("| wiola13m: unavailable / 10.0× |")
+    assert "| fp32 (oneDNN), fp32 | 4,000 / 8,000 | unavailable / 3.50× |" in out, out
+
+
 def test_missing_runs_and_rows_exit_2(tmp_path, capsys):
     assert run_tables.main([str(tmp_path)]) == 2
     assert "no bench-1.json" in capsys.readouterr().err
@@ -88,3 +114,6 @@ def test_missing_runs_and_rows_exit_2(tmp_path, capsys):
     run["benchmarks"] = [b for b in run["benchmarks"] if b["name"] != "test_tg128_cpu[B8-P16-N128-int8]"]
     assert run_tables.main([str(_folder(tmp_path, [run]))]) == 2
     assert "test_tg128_cpu[B8-P16-N128-int8]" in capsys.readouterr().err
+    (tmp_path / "bench-1.json").write_text('{"benchmarks": [')
+    assert run_tables.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith(f"bench.run_tables: {tmp_path / 'bench-1.json'}: not JSON (")
