@@ -184,7 +184,7 @@ def measure(checkpoint: Path, windows: int, seq_len: int, new_tokens: int, work:
         "model": {"parameters": reference.num_parameters(), "d_model": config.d_model, "n_layers": config.n_layers},
         "tokenizer": tokenizer.name,
         "validation": {"windows": windows, "seq_len": seq_len, "targets": int(targets.numel()), "bytes": n_bytes},
-        "greedy": {"prompts": PROMPTS, "prompt_tokens": PROMPT_LEN, "new_tokens": new_tokens},
+        "greedy": {"prompts": int(prompts.shape[0]), "prompt_tokens": PROMPT_LEN, "new_tokens": new_tokens},
         "rows": rows,
     }
 
@@ -221,12 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=256)
     args = p.parse_args(argv)
-    from wiola.checkpoint import CONFIG_FILE, resolve_checkpoint
+    from wiola.checkpoint import CONFIG_FILE, read_config, resolve_checkpoint
 
     for flag in ("windows", "seq_len", "new_tokens"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    resolved = []  # every checkpoint found before any work or folder is made
+    if args.out.exists() and not args.out.is_dir():
+        p.error(f"--out {args.out} is a file, not a folder")
+    resolved = []  # every checkpoint found, and the lengths checked against it, before any work or folder is made
     for checkpoint in args.checkpoints:
         try:
             folder = resolve_checkpoint(checkpoint)
@@ -234,13 +236,20 @@ def main(argv: list[str] | None = None) -> int:
             p.error(str(e))
         if not (folder / CONFIG_FILE).is_file():
             p.error(f"{checkpoint}: not a checkpoint (no {CONFIG_FILE}) nor a run folder holding one")
+        positions = read_config(folder)[0].max_seq_len
+        if args.seq_len + 1 > positions:  # a window is seq_len inputs and their seq_len targets
+            p.error(f"--seq-len {args.seq_len} + 1 is past {checkpoint}'s {positions} positions")
+        if PROMPT_LEN + args.new_tokens > positions:
+            p.error(
+                f"{PROMPT_LEN} prompt + --new-tokens {args.new_tokens} is past {checkpoint}'s {positions} positions"
+            )
         resolved.append(folder)
-    args.out.mkdir(parents=True, exist_ok=True)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for checkpoint in resolved:
             print(f"measuring {checkpoint} ...", file=sys.stderr)
             results.append(measure(checkpoint, args.windows, args.seq_len, args.new_tokens, Path(tmp)))
+    args.out.mkdir(parents=True, exist_ok=True)
     env = {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine()}
     try:
         import onnxruntime

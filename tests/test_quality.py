@@ -71,3 +71,25 @@ def test_bad_input_exits_2_before_making_out(args, message, tmp_path, capsys):
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_lengths_past_the_model_and_an_out_that_is_a_file_exit_2_before_any_work(tmp_path, capsys):
+    """A window (``--seq-len`` + 1 tokens) or the greedy prompt and ``--new-tokens`` past the
+    checkpoint's positions, and an ``--out`` that is a file: one line, exit 2, nothing made."""
+    from wiola import WiolaConfig, WiolaModel
+
+    WiolaModel(WiolaConfig.preset("tiny", max_seq_len=64)).save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "afile").write_text("kept")
+    cases = [
+        (["--seq-len", "64"], f"--seq-len 64 + 1 is past {tmp_path / 'ckpt'}'s 64 positions"),
+        (["--seq-len", "63", "--new-tokens", "49"], f"16 prompt + --new-tokens 49 is past {tmp_path / 'ckpt'}'s 64"),
+    ]
+    for flags, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(tmp_path / "ckpt"), *flags, "--out", str(tmp_path / "out")])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err, flags
+        assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "ckpt"), "--out", str(tmp_path / "afile")])
+    assert exit_info.value.code == 2 and "is a file, not a folder" in capsys.readouterr().err
+    assert (tmp_path / "afile").read_text() == "kept"
