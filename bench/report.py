@@ -117,6 +117,9 @@ def _entries_from_file(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]
         if "date" not in meta and "datetime" in data:
             meta["date"] = data["datetime"]
         return data["benchmarks"], meta
+    if data is not None and not (isinstance(data, dict) and "extra_info" in data):  # JSON of another shape
+        # (a quality.json, a config; one line of frame records is one record, kept)
+        raise ValueError(f'{path}: JSON, but not a pytest-benchmark results file (no "benchmarks" list)')
     entries = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -456,7 +459,9 @@ def _chart_series(recs: Sequence[dict[str, Any]]) -> tuple[list[str], dict[str, 
         impls = {r.get("impl", "ours"): r, **{k: v for k, v in r.get("baselines", {}).items()}}
         for name, d in impls.items():
             series.setdefault(name, [None] * len(recs))[i] = value(d)
-    return labels, series, unit
+    # A baseline measured nowhere in the group (unavailable on every record) has no bar: no legend
+    # entry, no slot beside the others.
+    return labels, {name: vals for name, vals in series.items() if any(v is not None for v in vals)}, unit
 
 
 def _draw(ax: Any, title: str, recs: Sequence[dict[str, Any]]) -> None:
@@ -633,6 +638,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--combined-chart", default=None, help="one PNG with every op group of the latest run")
     parser.add_argument("--summary", action="store_true", help="print a short table to stdout")
     args = parser.parse_args(argv)
+    out_dir = Path(args.out).parent
+    if not out_dir.is_dir():  # checked before any chart is drawn
+        parser.error(f"--out {args.out}: {out_dir} is not a folder")
 
     try:
         runs = [load_run(p) for p in args.results]

@@ -155,7 +155,12 @@ def test_chart_series_values() -> None:
     attn = [r for r in run.records if r["op"] == "attention"]
     _, series, unit = report._chart_series(attn)
     assert unit.startswith("ms")
-    assert series["ours"] == [pytest.approx(1.23)] and series["flex_attention"] == [None]
+    # flex_attention was unavailable on every record: no series (no legend entry, no bar slot)
+    assert set(series) == {"ours", "reference", "torch.compile"}, series
+    assert series["ours"] == [pytest.approx(1.23)] and series["reference"] == [pytest.approx(4.56)]
+    measured_once = [{**attn[0], "baselines": {"flex_attention": {"time_s": 2e-3}}}, attn[0]]
+    _, series, _ = report._chart_series(measured_once)
+    assert series["flex_attention"] == [pytest.approx(2.0), None], series
 
 
 def test_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -171,6 +176,15 @@ def test_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "out.md").exists()
+    other = tmp_path / "quality.json"
+    other.write_text(json.dumps({"env": {}, "results": []}, indent=2))
+    with pytest.raises(ValueError, match='JSON, but not a pytest-benchmark results file \\(no "benchmarks" list\\)'):
+        report.load_run(other)
+    (tmp_path / "afile").write_text("kept")
+    with pytest.raises(SystemExit) as exit_info:
+        report.main([str(FIXTURE), "--out", str(tmp_path / "afile" / "out.md"), "--charts", str(tmp_path / "c")])
+    assert exit_info.value.code == 2 and f"{tmp_path / 'afile'} is not a folder" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists(), "charts drawn before --out was checked"
 
 
 @pytest.mark.parametrize(
