@@ -615,9 +615,22 @@ def main(argv: Sequence[str]) -> int:
             parser.error(
                 f"{flag} must be a positive number of {'seconds' if flag == '--budget' else 'times'}, got {value}"
             )
+    if not re.fullmatch(r"sm_\d+", args.arch):
+        parser.error(f"--arch must be a CUDA architecture such as sm_90, got {args.arch!r}")
     if Path(args.aot).is_file():
-        records = load_aot_records(args.aot)
-        source = f"{args.aot} ({len(records)} records, {args.arch}), fallback where a kernel is missing"
+        try:
+            records = load_aot_records(args.aot)
+        except (ValueError, json.JSONDecodeError) as e:  # JSONDecodeError is a ValueError; said as one line
+            parser.error(f"--aot {args.aot}: {e}")
+        mine = sum(r["arch"] in (None, args.arch) for r in records)
+        if not mine:
+            held = ", ".join(sorted({str(r["arch"]) for r in records}))
+            parser.error(f"--arch {args.arch}: {args.aot} holds no build for it (its builds: {held})")
+        source = (
+            f"{args.aot} ({mine} of its {len(records)} records for {args.arch}), fallback where a kernel is missing"
+        )
+    elif args.aot != str(DEFAULT_AOT):  # a file asked for by name: not silently replaced by fallbacks
+        parser.error(f"--aot {args.aot} does not exist")
     else:
         records, source = [], f"{args.aot} not found: {FALLBACK_LABEL}"
     if args.factor != 1.0:

@@ -203,6 +203,21 @@ def test_stage_counts_what_the_real_autotuners_compile() -> None:
     )  # fmt: skip
 
 
+def test_bad_aot_and_arch_exit_2(tmp_path, capsys) -> None:
+    """An --aot file asked for by name that is missing or not JSON, an --arch that is no CUDA
+    architecture or has no build in the records: one line, exit 2 (not a plan of fallbacks)."""
+    (tmp_path / "bad.json").write_text("{")
+    for argv, message in (
+        (["--aot", str(tmp_path / "missing.json")], f"--aot {tmp_path / 'missing.json'} does not exist"),
+        (["--aot", str(tmp_path / "bad.json")], f"--aot {tmp_path / 'bad.json'}: Expecting property name"),
+        (["--arch", "hopper"], "--arch must be a CUDA architecture such as sm_90, got 'hopper'"),
+        (["--arch", "sm_99"], "--arch sm_99: "),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            plan.main(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err, argv
+
+
 def test_default_plan_puts_the_headline_first_and_fits() -> None:
     plans = plan.make_plan(plan.default_stages(420), plan.kernel_tuners(), plan.build_seconds([]))
     names = [p.stage.name for p in plans]
@@ -225,6 +240,11 @@ def test_a_short_run_shrinks_the_required_stages_as_the_script_does(capsys) -> N
     assert {s.name: s.budget_s for s in plan.default_stages(420)}["headline"] == b["headline"]
     assert plan.main(["--budget", "100"]) == 1
     assert "a required stage does NOT fit" in capsys.readouterr().out
+    assert plan.main([]) == 0
+    out = capsys.readouterr().out
+    records = plan.load_aot_records(plan.DEFAULT_AOT)
+    mine = sum(r["arch"] in (None, "sm_90") for r in records)
+    assert f"({mine} of its {len(records)} records for sm_90)" in out, out.splitlines()[0]
     for flag in ("--budget", "--factor"):
         with pytest.raises(SystemExit) as exit_info:
             plan.main([flag, "-5"])
