@@ -249,6 +249,7 @@ def test_a_checkpoint_past_steps_is_refused(tmp_path, capsys):
             "--torchrun must be >= 1 (processes per node), got 0",
         ),
         (["--out", "{d}", "--print-commands", "--torchrun", "-1"], "--torchrun must be >= 1"),
+        (["--out", "{d}", "--torchrun", "2"], "--torchrun goes with --print-commands"),
         (["--out", "{d}", "--print-commands", "--jobs", "2"], "--jobs goes with a local sweep"),
         (["--out", "{d}", "--jobs", "0"], "--jobs must be >= 1, got 0"),
     ],

@@ -15,6 +15,33 @@ def test_budget_prints_the_13m_table(capsys):
     assert "12,915,888" in out and "8,192,000" in out
 
 
+def test_budget_match_params_matches_the_preset(capsys):
+    """``--ffn swiglu --match-params`` prints the table of the swiglu model whose d_ff matches the
+    preset's parameter count (not the preset's own d_ff)."""
+    from wiola import budget
+    from wiola.budget import match_params
+
+    assert main(["budget", "--preset", "13m", "--ffn", "swiglu", "--match-params"]) == 0
+    matched = match_params(WiolaConfig.preset("13m", ffn="swiglu"), WiolaConfig.preset("13m"))
+    assert capsys.readouterr().out.strip() == budget(matched, 512).table().strip()  # --seq-len 512, the default
+    assert matched.d_ff != WiolaConfig.preset("13m").d_ff
+
+
+def test_tokenizer_train_refuses_max_documents_0(tmp_path, capsys):
+    _refuses(["tokenizer", "train", "--data", "sample:5", "--vocab-size", "300", "--out", str(tmp_path / "t"),
+              "--max-documents", "0"], capsys, "--max-documents must be >= 1, got 0")  # fmt: skip
+    assert not (tmp_path / "t").exists()
+
+
+def test_demo_takes_samples_0():
+    """``--samples 0`` is the documented "no stories" (the check is >= 0)."""
+    import argparse
+
+    from wiola.cli.demo import _check_flags
+
+    _check_flags(argparse.Namespace(steps=None, seconds=None, samples=0))
+
+
 def test_generate_from_a_checkpoint(tmp_path, capsys):
     """Greedy text from the default (wiola.fast) and --reference equals the model's own generate."""
     from wiola.tokenizer import encoding_for_vocab

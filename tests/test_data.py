@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections import Counter
 
@@ -75,6 +76,42 @@ def test_sources_and_bad_paths(tmp_path) -> None:
         resolve_source(tmp_path / "x.csv")
     with pytest.raises(ValueError, match="val_fraction"):
         resolve_source("sample", val_fraction=1.5)
+
+
+def test_what_a_folder_and_its_names_hold(tmp_path) -> None:
+    """Hidden files and folders are not data; a file named ``stories.val.txt`` is validation data;
+    a suffix is read in any case (``A.TXT``); a fraction near 1 still leaves every other document
+    to training; ``sample:N`` holds out a tenth of N (at least 100)."""
+    (tmp_path / "d" / ".hidden").mkdir(parents=True)
+    (tmp_path / "d" / ".hidden" / "notes.txt").write_text("private notes")
+    (tmp_path / "d" / ".notes.txt").write_text("more notes")
+    (tmp_path / "d" / "a.txt").write_text("a story")
+    (tmp_path / "d" / "stories.val.txt").write_text("a held story")
+    src = resolve_source(tmp_path / "d")
+    assert [p.name for p in src.train_files] == ["a.txt"] and [p.name for p in src.val_files] == ["stories.val.txt"]
+    (tmp_path / "A.TXT").write_text("a story<|endoftext|>another<|endoftext|>a third")
+    upper = resolve_source(tmp_path / "A.TXT", val_fraction=0.9)
+    assert upper.holdout_every == 2, upper
+    assert list(iter_documents(upper, "train")[0]) == ["a story", "a third"]
+    assert list(iter_documents(upper, "val")[0]) == ["another"]
+    assert resolve_source("sample:5000").sample_size == (5000, 500, 0)
+
+
+def test_the_token_cache_key_follows_the_files_and_the_split(tmp_path) -> None:
+    """The key (``source_fingerprint``) changes when a file is rewritten, even to another text of
+    the same size, and when the held-out share changes; not when nothing did."""
+    from wiola.train.sources import source_fingerprint
+
+    f = tmp_path / "s.txt"
+    f.write_text("a cat sat<|endoftext|>a dog ran")
+    os.utime(f, ns=(10**18, 10**18))
+    first = source_fingerprint(resolve_source(f))
+    assert source_fingerprint(resolve_source(f)) == first
+    f.write_text("a cow sat<|endoftext|>a dog ran")  # the same size
+    os.utime(f, ns=(10**18 + 1000, 10**18 + 1000))
+    edited = source_fingerprint(resolve_source(f))
+    assert edited != first, "an edit of the same size kept the key: the old tokens would be read"
+    assert source_fingerprint(resolve_source(f, val_fraction=0.5)) != edited, "another split kept the key"
 
 
 def test_folder_with_validation_file(tmp_path) -> None:
@@ -168,6 +205,12 @@ def test_a_parquet_text_column_of_other_values_is_named(tmp_path) -> None:
     )
     pq.write_table(pa.table({"story": [["a"], ["b"]]}), tmp_path / "lists.parquet")
     assert re.search(r": column 'story' holds list<\w+: string>, not strings$", _read_error(tmp_path / "lists.parquet"))
+    pq.write_table(
+        pa.table({"text": pa.array(["a large one", "b"], type=pa.large_string())}), tmp_path / "large.parquet"
+    )
+    assert list(iter_documents(resolve_source(tmp_path / "large.parquet", val_fraction=0.5), "train")[0]) == [
+        "a large one"
+    ]
     pq.write_table(pa.table({"text": ["a story", None, "  ", "another"]}), tmp_path / "nulls.parquet")
     assert list(iter_documents(resolve_source(tmp_path / "nulls.parquet", val_fraction=0.5), "train")[0]) == ["a story"]
     assert list(_column_texts(["a", None, " b "], "ds: 'text'")) == ["a", "b"]

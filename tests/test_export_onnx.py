@@ -438,6 +438,10 @@ def test_cli_refuses_a_run_folder_and_names_flags(tmp_path: Path, capsys: pytest
     quantized.save_pretrained(tmp_path / "q8", _checkpoint(tmp_path / "t")[1])
     assert cli_main(["export", "--checkpoint", str(tmp_path / "q8"), "--out", str(tmp_path / "hf")]) == 2
     assert "int8 weights, which the wiola13m format cannot hold" in capsys.readouterr().err
+    for flags in (["--int8-matmul"], ["--quantize", "int8"]):  # ONNX-only flags in the default format
+        assert cli_main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf2"), *flags]) == 2, flags
+        assert "are for --format onnx; the wiola13m format stores fp32 weights" in capsys.readouterr().err
+        assert not (tmp_path / "hf2").exists()
 
 
 def test_cli_refuses_an_out_that_holds_a_model_unless_overwrite(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

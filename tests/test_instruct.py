@@ -38,6 +38,43 @@ def test_instruction_examples_ask_for_words_the_story_holds() -> None:
         assert ("dialogue" in ex["features"]) == ('"' in story)
 
 
+def test_held_out_and_validation_examples_are_not_training_examples(tmp_path) -> None:
+    """``instruct_demo``'s scored examples and the corpus's validation lines share no example with
+    its training file (independent seeds, here the demo's defaults: 2,000 and 50)."""
+    from wiola.train.corpus import write_instruction_corpus
+    from wiola.train.instruct import held_out_examples
+
+    write_instruction_corpus(tmp_path, n_train=2000, n_val=50, seed=0)
+    train = set((tmp_path / "train.jsonl").read_text().splitlines())
+    validation = (tmp_path / "validation.jsonl").read_text().splitlines()
+    assert not train & set(validation), "validation lines are training lines"
+    held = [json.dumps(example) for example in held_out_examples(50, 0)]
+    assert not train & set(held), "held-out examples are training examples"
+
+
+def test_a_reply_is_scored_up_to_its_eos(monkeypatch) -> None:
+    """``follow_rate`` reads a reply up to its end-of-text token: required words written after it
+    (another document) do not count."""
+    from wiola.tokenizer import load_tokenizer
+    from wiola.train.instruct import follow_rate
+
+    tok = load_tokenizer("gpt2-32k")
+    tail = [*tok.encode(" A story."), tok.eos_token_id, *tok.encode(" ball park dog")]
+
+    class Writer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(1, 1)
+            self.config = wiola.WiolaConfig.preset("tiny", max_seq_len=512)
+
+        def generate(self, ids, n, **kwargs):
+            return torch.cat([ids, torch.tensor([tail] * ids.shape[0])], 1)
+
+    example = {"messages": [{"role": "user", "content": "Words: ball, park, dog."}], "words": ["ball", "park", "dog"]}
+    rate = follow_rate(Writer(), tok, [example])
+    assert (rate.hits, rate.n, rate.example) == (0, 1, " A story."), rate
+
+
 @pytest.mark.slow
 def test_fine_tuning_raises_the_word_following_rate(tmp_path) -> None:
     """CI-sized: a 1024-token BPE and a 2-layer model pre-trained briefly on the stories (through

@@ -195,6 +195,9 @@ def test_cli_lora_finetune_saves_peft_format_and_merges(tmp_path) -> None:
         assert (lo - base.eval()(ids).logits).abs().max() > 0, "training left the adapters at zero"
         assert_close("merged checkpoint vs adapters", lo, merged(ids).logits, FP32)
     assert main([*args, "--lora-rank", "2", "--lora-targets", "embed"]) == 2
+    assert main([*args, "--lora-rank", "2", "--lora-targets", " q_proj, v_proj,", "--overwrite"]) == 0  # as written
+    saved = json.loads((tmp_path / "lora" / "adapter_config.json").read_text())
+    assert sorted(saved["target_modules"]) == ["q_proj", "v_proj"], saved["target_modules"]
 
 
 def test_cli_lora_finetune_repeats_with_its_seed(tmp_path) -> None:

@@ -284,6 +284,21 @@ def test_tokenizer_vocab_mismatch(corpus, tmp_path) -> None:
     with pytest.raises(ValueError, match="no tokenizer has a vocabulary of 1000"):
         train(_cfg(corpus, cache, tmp_path / "o", model={**SMALL, "vocab_size": 1000}), log=_quiet)
     assert _fresh_cache_untouched(cache), "tokenisation started before the tokenizer was checked"
+    from wiola import WiolaConfig
+    from wiola.train.env import tokenizer_for
+
+    for vocab in (50257, 50304):  # a tokenizer of exactly the model's ids, and a padded embedding
+        assert tokenizer_for(WiolaConfig.preset("tiny", vocab_size=vocab), "gpt2").vocab_size == 50257
+
+
+def test_plain_progress_of_a_resumed_run_counts_from_where_it_resumed() -> None:
+    """``Progress(initial=40)``: after 10 more steps of 100 the plain line says 50/100 (50%)."""
+    from wiola.train.env import Progress
+
+    lines: list[str] = []
+    bar = Progress(100, "train", "step", show=False, log=lines.append, every=0, initial=40)
+    bar.update(10)
+    assert lines == ["train: 50/100 steps (50%)"], lines
 
 
 def test_non_writable_output_folder(corpus, tmp_path) -> None:

@@ -112,6 +112,12 @@ def follow_rate(
     return FollowRate(hits, len(examples), *wilson(hits, len(examples)), first or "")
 
 
+def held_out_examples(samples: int, seed: int, n_words: int = 3) -> list[dict[str, Any]]:
+    """The examples ``instruct_demo`` scores before and after fine-tuning: drawn from a seed neither
+    split of ``write_instruction_corpus(seed=seed)`` uses, so none is one the model was tuned on."""
+    return instruction_examples(samples, seed + 3_000_017, n_words)
+
+
 def instruct_demo(
     init: str | os.PathLike,
     out: str | os.PathLike,
@@ -153,7 +159,7 @@ def instruct_demo(
     )
     init_dir = check_demo_settings(cfg, out, n_train=n_train, samples=samples, n_words=n_words, overwrite=overwrite)
     write_instruction_corpus(out / "data", n_train=n_train, n_val=1, seed=seed, n_words=n_words)
-    held_out = instruction_examples(samples, seed + 3_000_017, n_words)  # a seed neither split used
+    held_out = held_out_examples(samples, seed, n_words)
     results: dict[str, Any] = {}
 
     def measured(when: str, folder: Path) -> FollowRate:  # a bar (or a line every 30 s) while sampling
