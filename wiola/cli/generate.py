@@ -226,7 +226,11 @@ def _generate(args: argparse.Namespace) -> int:
         from wiola.fast.decode_step_cpu import describe
 
         scheme = getattr(model, "quantization", None)
-        path = describe() if model.config.ffn == "butterfly" else f"PyTorch ({model.describe()})"
+        path = (
+            describe(config=model.config, scheme=scheme)
+            if model.config.ffn == "butterfly"
+            else f"PyTorch ({model.describe()})"
+        )
         print(f"CPU decoding: {path}{f', {scheme} weights' if scheme else ''}", file=sys.stderr)
     ids, mask, rows = encode_batch(enc, prompts, model.config.vocab_size, args.num_samples, args.device)
     # generate's own checks (a prompt plus --max-new-tokens past max_seq_len), before the prompt is echoed

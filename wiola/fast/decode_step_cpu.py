@@ -406,15 +406,16 @@ def _one_line(error: str) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def describe(isa: str | None = None) -> str:
+def describe(isa: str | None = None, config: WiolaConfig | None = None, scheme: str | None = None) -> str:
     """One line saying how one-token steps decode on this CPU, building the step if needed:
     ``"C++ step, avx2, 2 threads"`` or ``"PyTorch path: <why the step did not build>"``. (It
     applies to fp32, gradient-free steps of ``wiola.fast.WiolaModel`` outside
-    ``TRITON_INTERPRET=1``.) Raises ``ValueError`` like ``select_isa`` for a forced ISA that
-    this CPU lacks."""
+    ``TRITON_INTERPRET=1``.) The threads are torch's, or with ``config`` (and ``scheme``, its
+    weights) those that model's step runs on (``step_threads``: one for a small model). Raises
+    ``ValueError`` like ``select_isa`` for a forced ISA that this CPU lacks."""
     if load(isa) is None:
         return f"PyTorch path: the C++ step did not build ({_one_line(BUILD_ERROR or '')})"
-    n = torch.get_num_threads()
+    n = torch.get_num_threads() if config is None else step_threads(choose_tuning(config, scheme))
     return f"C++ step, {select_isa(isa)}, {n} thread{'s' if n != 1 else ''}"
 
 
