@@ -160,7 +160,7 @@ def measure(checkpoint: Path, windows: int, seq_len: int, new_tokens: int, work:
         rows.append(
             row(
                 scheme,
-                f"our step ({decode_step_cpu.describe(config=model.config, scheme=None if scheme == 'fp32' else scheme)})",
+                f"our step ({decode_step_cpu.describe(config=model.config, scheme=getattr(model, 'quantization', None))})",
                 logits,
                 tokens,
                 {"seconds": time.perf_counter() - t0},

@@ -329,6 +329,11 @@ def test_too_few_documents_to_hold_one_out_names_the_count_and_the_fix(tmp_path,
     data = prepare_data(resolve_source(tmp_path / "s50.txt", val_fraction=0.02), tok, tmp_path / "c",
                         progress=False, log=_quiet)  # fmt: skip
     assert (data.val.documents, data.train.documents) == (1, 49)
+    from wiola.train.token_cache import prepare_val_data
+
+    with pytest.raises(ValueError) as info:  # the validation split alone (wiola eval): the count is not known
+        prepare_val_data(resolve_source(tmp_path / "s50.txt"), tok, tmp_path / "v", progress=False, log=_quiet)
+    assert str(info.value).endswith("and the files hold fewer than 100; pass --val-data FILE"), str(info.value)
     for n in (2, 3, 7, 99):  # the fraction printed holds out exactly one of n
         assert resolve_source(tmp_path / "s50.txt", val_fraction=float(f"{1 / n:.10g}")).holdout_every == n
     (tmp_path / "notes.md").write_text("  \n")

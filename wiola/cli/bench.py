@@ -221,6 +221,7 @@ def _bench(args: argparse.Namespace) -> int:
             step = tg.step if tg is not None else decode_step_cpu.DecodeStepCPU(model, model.new_cache(B, 1))
             nbytes = speed.step_bytes(step)
             choices = {key: step.tuning[key] for key in TUNING_KEYS}
+            threads = decode_step_cpu.step_threads(step.tuning)  # a tg row's; a pp row runs on torch's
             first = len(rows)
             # A tg step reads its weights and the cache's keys and values (the mean over the call).
             read_bytes = nbytes + speed.cache_bytes(base.config, B, TG_PROMPT, args.new_tokens)
@@ -260,11 +261,11 @@ def _bench(args: argparse.Namespace) -> int:
                     row["fma_peak_gmacs"] = peak["macs_per_s"] / 1e9
                     row["read_ceiling_pct"] = speed.read_ceiling(base.config, B, read["s"], peak["macs_per_s"])
                 # The threads' parts the timed calls left (even, [], for a step on one thread).
-                row["balance"] = decode_step_cpu.balance(decode_step_cpu.step_threads(step.tuning))
+                row["balance"] = decode_step_cpu.balance(threads)
                 rows.append(row)
             for row in rows[first:]:
                 row["tuning"] = choices
-                row["threads"] = decode_step_cpu.step_threads(step.tuning) if row["test"] == tg_test else nth
+                row["threads"] = threads if row["test"] == tg_test else nth
     finally:
         bar.close()
     for r in rows:

@@ -292,8 +292,11 @@ def _empty_split(source: DataSource, split: str, train_documents: int | None) ->
     every = source.holdout_every
     if split == "val" and source.kind == "files" and not source.val_files:
         held = f"1 document in {every} is held out for validation (--val-fraction {source.val_fraction:g})"
-        if train_documents is None:
-            return f"the val split of {source.describe()} holds no documents: {held}, and the files hold fewer than {every}; pass --val-data FILE"
+        if train_documents is None:  # the validation split alone was asked for
+            return (
+                f"the val split of {source.describe()} holds no documents: {held}, and the files hold "
+                f"fewer than {every}; pass --val-data FILE"
+            )
         n = train_documents
         fraction = "" if n < 2 else f", or --val-fraction {1 / n:.10g} to hold out 1 of the {n}"
         return (
