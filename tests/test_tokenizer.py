@@ -287,6 +287,17 @@ def test_ids_past_the_vocabulary_have_no_text_in_every_backend(bpe):
         ids = tokenizer.encode_batch(["Once upon a time"])[0]
         assert tokenizer.decode([*ids[:2], n, n + 63, *ids[2:]]) == tokenizer.decode(ids), tokenizer
         assert tokenizer.decode([n]) == "" and tokenizer.token_bytes(n) is None, tokenizer
+        assert tokenizer.decode([*ids, 2**40]) == tokenizer.decode(ids), tokenizer  # past uint32
+
+
+def test_a_negative_id_is_refused_by_name_in_every_backend(bpe):
+    """A negative id is no token (not a padded row): ``decode`` names it, as ``ValueError``,
+    where tiktoken and ``tokenizers`` would raise ``OverflowError`` or ``KeyError``."""
+    t = load_tokenizer("gpt2-32k")
+    for tokenizer in (t, t.to_hf(), load_tokenizer(bpe)):
+        with pytest.raises(ValueError, match=r"token id -1 is negative"):
+            tokenizer.decode([5, -1])
+        assert tokenizer.token_bytes(-1) is None, tokenizer
 
 
 # ------------------------------------------------------- Metaspace and byte-fallback vocabularies

@@ -177,8 +177,21 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         """The text of ``ids``, special tokens included. An id past ``vocab_size`` (a model with
-        padded embedding rows may sample one) has no text and is left out, in every backend."""
+        padded embedding rows may sample one) has no text and is left out, in every backend; a
+        negative id is no token at all: ``ValueError`` naming it."""
         raise NotImplementedError
+
+    def _decodable(self, ids: list[int]) -> list[int]:
+        """``ids`` without those past ``vocab_size`` (``decode``'s rule); ``ValueError`` on a
+        negative one, which no backend has a text for (tiktoken and ``tokenizers`` would raise
+        ``KeyError``/``OverflowError``)."""
+        ids = [int(i) for i in ids]
+        for i in ids:
+            if i < 0:
+                raise ValueError(
+                    f"token id {i} is negative: tokenizer {self.name!r} has ids 0 to {self.vocab_size - 1}"
+                )
+        return [i for i in ids if i < self.vocab_size]
 
     def token_byte_lengths(self, at_start: bool = False) -> list[int]:
         """The UTF-8 bytes each id adds to a text (``vocab_size`` entries); special tokens count 0.
@@ -286,7 +299,7 @@ class TiktokenTokenizer(Tokenizer):
         return self.encoding.encode_ordinary_batch(texts, num_threads=num_threads)
 
     def decode(self, ids: list[int]) -> str:
-        return self.encoding.decode([i for i in ids if i < self.vocab_size])  # tiktoken raises on the rest
+        return self.encoding.decode(self._decodable(ids))  # tiktoken raises on the rest
 
     def token_bytes(self, token: int) -> bytes | None:
         return self.encoding.decode_single_token_bytes(token) if 0 <= token < self.vocab_size else None
@@ -494,7 +507,7 @@ class HFTokenizer(Tokenizer):
         return [e.ids for e in self._plain.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
-        text = self._tok.decode(list(ids), skip_special_tokens=False)
+        text = self._tok.decode(self._decodable(ids), skip_special_tokens=False)
         if self.clean_up_spaces:
             for a, b in CLEAN_UP_REPLACEMENTS:
                 text = text.replace(a, b)

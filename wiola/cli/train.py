@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
         help="train a model (TinyStories, local files or the sample corpus)",
-        description="Train a Wiola model. Flags override --config/--recipe; under "
+        description="Train a Wiola model. Flags override --config, which overrides --recipe; under "
         "torchrun --nproc_per_node N -m wiola train every rank runs this command.",
     )
     add_train_arguments(p)
@@ -27,8 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``wiola train`` flags. Every default is None: an unset flag keeps the value from the
-    checkpoint (``--resume``), the recipe, the config file or ``TrainConfig``, in that order."""
+    """The ``wiola train`` flags. Every default is None: an unset flag takes the value from the
+    config file, else the recipe, else the checkpoint (``--resume``), else ``TrainConfig``'s
+    default; so a flag overrides ``--config``, which overrides ``--recipe``."""
     from wiola.config import PRESETS
     from wiola.train.config import recipe_names
 
