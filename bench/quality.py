@@ -160,7 +160,7 @@ def measure(checkpoint: Path, windows: int, seq_len: int, new_tokens: int, work:
         rows.append(
             row(
                 scheme,
-                f"our step ({decode_step_cpu.describe(config=model.config, scheme=getattr(model, 'quantization', None))})",
+                f"our step ({decode_step_cpu.describe_model(model)})",
                 logits,
                 tokens,
                 {"seconds": time.perf_counter() - t0},

@@ -366,6 +366,23 @@ def test_bad_input_exits_2(args, message, capsys):
     assert out == ""
 
 
+def test_a_model_the_step_does_not_decode_exits_2_saying_why(step_available, checkpoint):
+    """With the kernels off (``WIOLA_FAST_KERNELS=off``, read when ``wiola.fast`` is imported) the
+    model decodes on the PyTorch path: there is nothing to time, and one line says why (the other
+    reasons: ``test_describe_model_names_what_keeps_the_step_off``)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "WIOLA_FAST_KERNELS": "off"}
+    done = subprocess.run(
+        [sys.executable, "-m", "wiola", "bench", "--checkpoint", str(checkpoint), "-p", "4", "-n", "2", "-r", "1"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300, env=env,
+    )  # fmt: skip
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert lines[-1] == (
+        "wiola bench: error: the C++ CPU step does not decode this model here, so there is nothing to time: "
+        "PyTorch path: the model's kernels are off (WIOLA_FAST_KERNELS or use_kernels(False))"
+    ), done.stderr
+
+
 def test_read_floor_refuses_less_than_a_row():
     with pytest.raises(ValueError, match="nbytes=100 must be at least 1024"):
         speed.read_floor(100)

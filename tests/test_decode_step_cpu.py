@@ -646,16 +646,56 @@ def test_forced_variant_runs_and_is_described(monkeypatch):
         assert decode_step_cpu.describe() == f"C++ step, {isa}, {threads} thread{'s' if threads != 1 else ''}"
 
 
-def test_wiola_generate_names_the_path(capsys):
-    """``wiola generate`` on a CPU prints ``describe()``'s line to stderr, once."""
+def test_wiola_generate_names_the_path(plain_cpu, capsys, monkeypatch):
+    """``wiola generate`` on a CPU prints the path that decodes to stderr, once: with torch on 16
+    threads, the C++ step's own threads (one per ``bytes_per_thread`` of the tiny preset's
+    matrices, fewer than 16); with ``WIOLA_FAST_KERNELS=off``, the PyTorch path and why."""
     from wiola.cli import main
 
-    code = main(["generate", "--preset", "tiny", "--prompt", "Hi", "--max-new-tokens", "2", "--device", "cpu"])
+    argv = ["generate", "--preset", "tiny", "--prompt", "Hi", "--max-new-tokens", "2", "--device", "cpu"]
+    chosen = decode_step_cpu.choose_tuning(wiola.WiolaConfig.preset("tiny"))
+    own = int(chosen["matrix_bytes"]) // int(chosen["bytes_per_thread"])
+    assert 1 < own < 16, chosen  # the count tells the step's threads from torch's
+    before = torch.get_num_threads()
+    torch.set_num_threads(16)
+    try:
+        code = main(argv)
+    finally:
+        torch.set_num_threads(before)
     err = capsys.readouterr().err
     assert code == 0, err
-    line = decode_step_cpu.describe(config=wiola.WiolaConfig.preset("tiny"))
-    assert line.endswith(", 1 thread"), line  # the tiny preset's step runs on one thread, whatever torch's count
+    line = f"C++ step, {decode_step_cpu.select_isa()}, {own} threads"
     assert err.count("CPU decoding: ") == 1 and f"CPU decoding: {line}\n" in err, err
+
+    # the variable is read when wiola.fast is imported: a new process, as a user runs it
+    env = {**os.environ, "WIOLA_FAST_KERNELS": "off"}
+    run = subprocess.run([sys.executable, "-m", "wiola", *argv], env=env, capture_output=True, text=True, timeout=300)
+    off = "CPU decoding: PyTorch path: the model's kernels are off (WIOLA_FAST_KERNELS or use_kernels(False))\n"
+    assert run.returncode == 0 and run.stderr.count("CPU decoding: ") == 1 and off in run.stderr, run.stderr
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton kernels decode, on the CPU
+    if wiola.fast.ops.kernels_usable(torch.empty(0)):
+        assert main(argv) == 0
+        assert "CPU decoding: Triton kernels (TRITON_INTERPRET=1)\n" in capsys.readouterr().err
+
+
+def test_describe_model_names_what_keeps_the_step_off(plain_cpu):
+    """``describe_model`` follows ``cpu_step_applies``' conditions that belong to the model: its
+    switch, a feed-forward variant without a C++ step, a LoRA adapter; else the step's line."""
+    from wiola.fast.quantize import quantize
+
+    model = wiola.fast.WiolaModel(SMALL).eval()
+    assert decode_step_cpu.describe_model(model) == decode_step_cpu.describe(config=SMALL)
+    int8 = quantize(wiola.fast.WiolaModel(SMALL).eval().requires_grad_(False), "int8")
+    assert decode_step_cpu.describe_model(int8) == decode_step_cpu.describe(config=SMALL, scheme="int8")
+    assert "kernels are off" in decode_step_cpu.describe_model(model.use_kernels(False))
+    with pytest.warns(UserWarning, match="no fused kernel"):
+        swiglu = wiola.fast.WiolaModel(dataclasses.replace(SMALL, ffn="swiglu"))
+    assert decode_step_cpu.describe_model(swiglu).startswith("PyTorch (wiola.fast: ffn='swiglu'")
+    peft = pytest.importorskip("peft")
+    lora = wiola.fast.WiolaModel(SMALL).eval()
+    lora = peft.get_peft_model(lora, peft.LoraConfig(r=2, target_modules=["q_proj"])).base_model.model
+    assert "LoRA adapter" in decode_step_cpu.describe_model(lora)
 
 
 # ------------------------------------------------------------------ use by wiola.fast

@@ -196,9 +196,10 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"int4 left out: {reason}", file=sys.stderr)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    path = decode_step_cpu.describe()
-    if not path.startswith("C++"):
-        raise RuntimeError(f"the C++ CPU step is not available here, so there is nothing to time: {path}")
+    why = decode_step_cpu.describe_model(base)
+    if not why.startswith("C++"):
+        raise RuntimeError(f"the C++ CPU step does not decode this model here, so there is nothing to time: {why}")
+    path = decode_step_cpu.describe()  # with torch's threads: each row names its own step's
     cpu = decode_step_cpu.cpu_info()
     prompt = prefill.describe()
     print(f"CPU: {cpu['name']} ({cpu['machine']}); {path}; {prompt}; torch {torch.__version__}", file=sys.stderr)
@@ -217,7 +218,9 @@ def _bench(args: argparse.Namespace) -> int:
             model = base if form in ("fp32", stored) else quantize(copy.deepcopy(base), form)
             tg = speed.decoding_only(model, tg_ids, args.new_tokens) if args.new_tokens else None
             if args.new_tokens and tg is None:
-                raise RuntimeError(f"the C++ step does not run this model's {form} weights: {path}")
+                raise RuntimeError(
+                    f"the C++ step does not run this model's {form} weights (wiola.fast.speed.decoding_only)"
+                )
             step = tg.step if tg is not None else decode_step_cpu.DecodeStepCPU(model, model.new_cache(B, 1))
             nbytes = speed.step_bytes(step)
             choices = {key: step.tuning[key] for key in TUNING_KEYS}
