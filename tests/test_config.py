@@ -12,6 +12,46 @@ import torch
 from wiola import PRESETS, WiolaConfig, WiolaModel, budget
 
 
+def _number(cell: str) -> int:
+    return int(cell.strip().strip("*").replace(",", ""))
+
+
+def test_the_readmes_budget_table_is_the_budget_of_the_13m_preset():
+    """Every number of README's "The budget of the 13m preset" (parameters, forward and training
+    FLOPs per token at T = 512, the head's FLOPs, the GPT-2-vocabulary total) and SPEC's matched
+    feed-forward widths (swiglu ``d_ff = 683``, gelu 1024, and their totals) as computed."""
+    from pathlib import Path
+
+    from wiola.budget import match_params
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    section = readme.split("## The budget of the 13m preset", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 3 and cells[1].strip("*")[-1:].isdigit():
+            rows[cells[0].strip("*")] = (cells[1], cells[2])
+    b = budget(WiolaConfig.preset("13m"), seq_len=512)
+    names = {"embedding (tied head)": "embedding (tied head)", "attention q, k, v, o": "attention q,k,v,o"}
+    names |= {"gate W1, W2, b2": "gate W1, W2, b2", "butterfly up, bypass, down": "butterfly up, bypass, down"}
+    names |= {"norms": "norms"}
+    for row, key in names.items():
+        assert _number(rows[row][0]) == b.params[key], row
+        assert rows[row][1] == f"{100 * b.params[key] / b.total_params:.1f}%", row
+    assert _number(rows["total"][0]) == b.total_params
+    assert _number(rows["forward FLOPs per token"][0]) == b.forward_flops
+    assert rows["forward FLOPs per token"][1] == f"head {b.forward_flops_per_token['head (logits)']:,}"
+    assert _number(rows["training FLOPs per token"][0]) == b.training_flops
+    gpt2 = budget(WiolaConfig.preset("13m", vocab_size=50257)).total_params
+    assert f"the same layers give {gpt2:,} parameters" in section
+    spec = (root / "docs" / "SPEC.md").read_text()
+    for ffn in ("swiglu", "gelu"):
+        matched = match_params(WiolaConfig.preset("13m", ffn=ffn), WiolaConfig.preset("13m"))
+        total = budget(matched).total_params
+        assert f"{ffn}\n`d_ff = {matched.d_ff}` ({total:,}" in spec or f"{ffn} `d_ff = {matched.d_ff}` ({total:,}" in spec, ffn
+
+
 def test_13m_preset_has_exactly_12915888_parameters():
     cfg = WiolaConfig.preset("13m")
     assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_ff, cfg.vocab_size) == (256, 6, 8, 512, 32000)

@@ -92,7 +92,7 @@ def _onnx_vs_oracle(folder: Path, mode: str, label: str) -> None:
     assert_within(f"{label} logits", want[real], got[real], allowed, "ONNX Runtime CPU")
 
 
-@pytest.mark.parametrize("mode", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("mode", ["fp32", "int8", "int4", "bf16"])
 def test_logits_equal_the_full_pass(exports: dict[str, Path], mode: str) -> None:
     _onnx_vs_oracle(exports[mode], mode, mode)
 

@@ -106,6 +106,11 @@ def test_do_sample_false_is_greedy_whatever_the_temperature(model, tokenizer):
         with pytest.raises(TypeError, match=rf"generate\(\) got an unexpected keyword argument '{name}': Wiola's"):
             model.generate(p, 2, streamer=streamer, **{name: 2})
         assert streamer.calls == ["end"]
+    for name, value in (("use_cache", True), ("past_key_values", None)):  # the cache is explicit (cache=)
+        with pytest.raises(TypeError, match=rf"generate\(\) got an unexpected keyword argument '{name}': Wiola's"):
+            model.generate(p, 2, **{name: value})
+        with pytest.raises(TypeError, match=rf"forward\(\) got an unexpected keyword argument '{name}'"):
+            model(p, **{name: value})
     # transformers' defaults that change nothing: one beam, top_k=0 (no top-k filter)
     assert torch.equal(model.generate(p, 12, num_beams=1, do_sample=False), greedy)
     assert torch.equal(

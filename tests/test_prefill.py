@@ -358,8 +358,8 @@ def _wide(scheme: str) -> wiola.fast.WiolaModel:
 @pytest.mark.parametrize("scheme", ["fp32", "int8", "bf16", "int4"])
 def test_prompt_row_alone_equals_the_row_in_a_batch(plain_cpu, monkeypatch, scheme, gemm):
     """A row's prompt logits (every position's, and the last one's alone as ``generate`` asks for
-    them) and its logits over the next 3 steps are bitwise the same alone and as row 3 of a batch
-    of 8 rows of its length, for prompts of 2 to 130 positions: up to 64 a sequence the products run
+    them) and its logits over the next 3 steps are bitwise the same alone and as any row of a batch
+    of 8 rows of its length (the first, the last and rows between, one per length), for prompts of 2 to 130 positions: up to 64 a sequence the products run
     on the C++ step's product, whose rows do not depend on the rows beside them; above, on the GEMM,
     one product of many rows either way. On the GEMM ``auto`` picks here and on each forced."""
     if gemm == "onednn" and not linear.onednn_available():
@@ -367,16 +367,16 @@ def test_prompt_row_alone_equals_the_row_in_a_batch(plain_cpu, monkeypatch, sche
     monkeypatch.setenv(prefill.GEMM_ENV, gemm)
     model = _wide(scheme)
     gen = torch.Generator().manual_seed(1)
-    for T in (2, 5, 12, 64, 65, 130):
-        _check_row_alone_and_in_a_batch(model, torch.randint(0, WIDE.vocab_size, (8, T), generator=gen), scheme)
+    for T, at in zip((2, 5, 12, 64, 65, 130), (0, 7, 3, 5, 1, 6)):
+        _check_row_alone_and_in_a_batch(model, torch.randint(0, WIDE.vocab_size, (8, T), generator=gen), scheme, at)
 
 
-def _check_row_alone_and_in_a_batch(model: wiola.fast.WiolaModel, ids: torch.Tensor, what_model: str) -> None:
-    """Row 3 of ``ids`` alone and in the batch: every position's prompt logits, the last one's,
-    and 3 greedy steps, bitwise the same."""
-    T = ids.shape[1]
+def _check_row_alone_and_in_a_batch(model: wiola.fast.WiolaModel, ids: torch.Tensor, what_model: str, row: int) -> None:
+    """Row ``row`` of ``ids`` alone and in the batch: every position's prompt logits, the last
+    one's, and 3 greedy steps, bitwise the same."""
+    T, B = ids.shape[1], ids.shape[0]
     runs = {}
-    for name, rows, at in (("alone", ids[3:4], 0), ("row 3 of 8", ids, 3)):
+    for name, rows, at in (("alone", ids[row : row + 1], 0), ("in the batch", ids, row)):
         every = model(rows, cache=model.new_cache(rows.shape[0], T)).logits[at]
         cache = model.new_cache(rows.shape[0], T + 3)
         out = model(rows, cache=cache, logits_to_keep=1).logits[:, -1]
@@ -388,9 +388,9 @@ def _check_row_alone_and_in_a_batch(model: wiola.fast.WiolaModel, ids: torch.Ten
     for i, what in enumerate(
         ("every position's prompt logits", "the prompt's last logits", "step 1", "step 2", "step 3")
     ):
-        a, b = runs["alone"][i], runs["row 3 of 8"][i]
+        a, b = runs["alone"][i], runs["in the batch"][i]
         assert torch.equal(a, b), (
-            f"{what_model}, {prefill._describe_gemm()}, {T} positions: {what} of row 3 of 8 differ from the row alone "
+            f"{what_model}, {prefill._describe_gemm()}, {T} positions: {what} of row {row} of {B} differ from the row alone "
             f"(max {float((a - b).abs().max()):.2e}); {platform_line()}"
         )
 
@@ -405,5 +405,7 @@ def test_odd_head_width_row_alone_equals_the_row_in_a_batch(plain_cpu, head_dim)
     with pytest.warns(UserWarning, match=f"head width {head_dim}"):
         model = wiola.fast.WiolaModel(config).eval().requires_grad_(False)
     gen = torch.Generator().manual_seed(3)
-    for T in (5, 17, 70):
-        _check_row_alone_and_in_a_batch(model, torch.randint(0, 101, (8, T), generator=gen), f"head width {head_dim}")
+    for T, at in zip((5, 17, 70), (7, 0, 4)):
+        _check_row_alone_and_in_a_batch(
+            model, torch.randint(0, 101, (8, T), generator=gen), f"head width {head_dim}", at
+        )

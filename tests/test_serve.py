@@ -168,6 +168,10 @@ def test_openai_client_greedy_equals_generate(server, solo):
         chunks = list(streamed)
         assert "".join(c.choices[0].text for c in chunks) == text
         assert chunks[-1].choices[0].finish_reason == reason
+    ids, text, reason = solo(PROMPTS[0], 16)
+    assert reason == "length", "the prompt ends before 16 tokens: it cannot show the default"
+    done = client.completions.create(model="x", prompt=PROMPTS[0], temperature=0)  # OpenAI's default max_tokens
+    assert (done.choices[0].text, done.choices[0].finish_reason, done.usage.completion_tokens) == (text, reason, 16)
 
 
 def test_served_text_equals_wiola_generate(server, checkpoint, solo, capsys):

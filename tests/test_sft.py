@@ -196,6 +196,24 @@ def test_cli_bad_settings_exit_2_before_loading(tmp_path, tiny_checkpoint, monke
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize(("flags", "warmup"), [([], 10), (["--steps", "4"], 4), (["--warmup", "0"], 0)])
+def test_cli_warmup_defaults_to_10_steps_at_most_steps(tmp_path, tiny_checkpoint, monkeypatch, capsys, flags, warmup):
+    """``--warmup`` unset: 10 steps, or ``--steps`` when fewer (the schedule's warm-up)."""
+    import wiola.train.finetune as ft
+
+    seen = []
+
+    def record(cfg, **_):
+        seen.append(cfg.warmup_steps)
+        raise ValueError("recorded")
+
+    monkeypatch.setattr(ft, "finetune", record)
+    data = _write(tmp_path / "d.jsonl", [{"messages": CHAT}])
+    argv = ["finetune", "--init", str(tiny_checkpoint), "--data", str(data), "--out", str(tmp_path / "o"), *flags]
+    assert main(argv) == 2 and "recorded" in capsys.readouterr().err
+    assert seen == [warmup]
+
+
 def test_cli_out_that_overlaps_the_init_checkpoint_or_is_a_file_is_refused(
     tmp_path, tiny_checkpoint, monkeypatch, capsys
 ) -> None:
