@@ -49,7 +49,9 @@ def test_the_readmes_budget_table_is_the_budget_of_the_13m_preset():
     for ffn in ("swiglu", "gelu"):
         matched = match_params(WiolaConfig.preset("13m", ffn=ffn), WiolaConfig.preset("13m"))
         total = budget(matched).total_params
-        assert f"{ffn}\n`d_ff = {matched.d_ff}` ({total:,}" in spec or f"{ffn} `d_ff = {matched.d_ff}` ({total:,}" in spec, ffn
+        assert (
+            f"{ffn}\n`d_ff = {matched.d_ff}` ({total:,}" in spec or f"{ffn} `d_ff = {matched.d_ff}` ({total:,}" in spec
+        ), ffn
 
 
 def test_13m_preset_has_exactly_12915888_parameters():
