@@ -319,6 +319,23 @@ def test_tuning_does_not_change_results(knob, values, isa, monkeypatch):
 
 
 @pytest.mark.parametrize(
+    "matrix_bytes, threads",
+    [(0, 1), (1, 1), ((2 << 20) - 1, 1), (4 << 20, 2), ((6 << 20) + 5, 3), (52 << 20, 5), (1 << 40, 5)],
+)
+def test_step_threads_take_one_per_2_mib_at_least_one_at_most_torchs(matrix_bytes, threads):
+    """``step_threads``: one thread per ``bytes_per_thread`` (2 MiB) of matrices, rounded down,
+    at least one (a model under 4 MiB runs on one), at most torch's count (here 5)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(5)
+    try:
+        chosen = {"matrix_bytes": matrix_bytes, "bytes_per_thread": decode_step_cpu.BYTES_PER_THREAD}
+        assert decode_step_cpu.step_threads(chosen) == threads
+    finally:
+        torch.set_num_threads(before)
+    assert decode_step_cpu.BYTES_PER_THREAD == 2 << 20
+
+
+@pytest.mark.parametrize(
     "vendor,family,model,llc,scheme,stream",
     [
         ("GenuineIntel", 6, 207, 260 << 20, None, 0),  # everything fits: the head stays cached
@@ -474,6 +491,11 @@ def test_every_entry_refuses_ids_slots_and_rows_out_of_range(plain_cpu):
             step.step_rows(*args, decode_step_cpu.Samplers(2, V, 1))
     with pytest.raises(ValueError, match="samplers made for"):
         step.step_rows(t(0, 1), ok, t(0, 0), decode_step_cpu.Samplers(3, V, 1))
+    for n_logprobs in ((2, 0), (0, -1)):  # more than max_k would write into the next row's top ids
+        samplers = decode_step_cpu.Samplers(2, V, 1)
+        samplers.n_logprobs.copy_(torch.tensor(n_logprobs))
+        with pytest.raises(ValueError, match=r"samplers.n_logprobs must be in \[0, max_k=1\]"):
+            step.step_rows(t(0, 1), ok, t(0, 0), samplers)
 
     def loop(start=1, steps=(0, 3), out=None, eos=5, pad=0, temperature=0.0, log_noise=None):
         out = torch.zeros(2, 3, dtype=torch.int64) if out is None else out
@@ -1132,11 +1154,16 @@ def test_prompt_attention_batch_and_threads_bitwise(isa, D):
 
 
 def test_prompt_attention_declines_what_it_does_not_cover():
-    """None (the caller's PyTorch path) for other dtypes, a tensor start and a cache of other
-    rows; any head width applies, and a single token (a step the C++ step does not take: a model
-    with adapters)."""
+    """None (the caller's PyTorch path) for other dtypes, a tensor start, a cache of other rows
+    and a start whose T positions do not all fit in the cache (nothing written); any head width
+    applies, and a single token (a step the C++ step does not take: a model with adapters)."""
     inputs = list(prompt_inputs(1, 5, 2, 32, 8, 0, 0))
     assert decode_step_cpu.decode_attention(*inputs, 0) is not None
+    assert decode_step_cpu.decode_attention(*inputs, 3) is not None, "the last 5 of 8 slots declined"
+    for start in (4, -1):
+        caches = [t.clone() for t in inputs[6:8]]
+        assert decode_step_cpu.decode_attention(*inputs, start) is None, f"start {start} of 5 positions in 8 slots"
+        assert all(torch.equal(a, b) for a, b in zip(caches, inputs[6:8])), f"start {start}: the cache was written"
     odd = list(prompt_inputs(1, 5, 2, 38, 8, 0, 0))
     assert decode_step_cpu.decode_attention(*odd, 0) is not None, "D 38 declined"
     one = list(prompt_inputs(1, 1, 2, 32, 8, 0, 0))

@@ -377,6 +377,28 @@ def test_quantized_checkpoint_with_a_misshaped_matrix_names_it(scheme, tmp_path)
         wiola.fast.WiolaModel.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("damage", ["fp16", "one short", "missing"])
+def test_quantized_checkpoint_with_a_bad_scale_names_it(scheme, damage, tmp_path):
+    """A matrix's scales stored in another dtype (fp16), of another shape or missing are refused
+    when the checkpoint loads, naming the tensor: the C++ step reads fp32 scales of that shape."""
+    from safetensors.torch import load_file, save_file
+
+    _quantized(ODD, scheme).save_pretrained(tmp_path)
+    path = str(tmp_path / "model.safetensors")
+    stored = load_file(path)
+    name = "layers.1.ffn.down_proj.weight.scale"
+    if damage == "fp16":
+        stored[name] = stored[name].half()
+    elif damage == "one short":
+        stored[name] = stored[name][:-1].contiguous()
+    else:
+        del stored[name]
+    save_file(stored, path)
+    with pytest.raises(ValueError, match=re.escape(f"{name!r} must be an fp32 tensor of shape")):
+        wiola.fast.WiolaModel.from_pretrained(tmp_path)
+
+
 def test_quantized_checkpoint_refuses_what_cannot_run_it(tmp_path):
     _quantized(ODD, "int8").save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="only wiola.fast.WiolaModel runs"):

@@ -279,6 +279,7 @@ def test_bad_input_is_named(plain_cpu):
         "seed must be an int": RowRequest([1], 4, seed="x"),
         r"seed must be in \[-2\*\*63, 2\*\*64\)": RowRequest([1], 4, seed=2**64),
         "logprobs must be an int in": RowRequest([1], 4, logprobs=-2),
+        r"logprobs must be an int in \[0, vocab_size=1000\], got 1001": RowRequest([1], 4, logprobs=1001),
         "temperature must be a number, got str '0.5'": RowRequest([1], 4, temperature="0.5"),
         "top_p must be a number, got str": RowRequest([1], 4, temperature=1.0, top_p="0.9"),
         "top_p must be a number, got bool": RowRequest([1], 4, top_p=True),
@@ -308,6 +309,32 @@ def test_bad_input_is_named(plain_cpu):
             Rows(m, 2, isa="bogus")
     big = Rows(model, np.int64(2), np.int32(30))  # numpy integers are the ints they hold
     assert (big.max_rows, big.max_len) == (2, 30)
+    whole = big.join(RowRequest([1, 2], 1, logprobs=SMALL.vocab_size))  # every id's logprob: the top end is taken
+    (token,) = big.step()
+    assert token.row == whole and len(token.top) == SMALL.vocab_size and token.finish_reason == "length"
+
+
+@pytest.mark.parametrize("backend", ["C++", "PyTorch"])
+def test_an_eos_that_is_the_last_allowed_token_ends_the_row_with_stop(backend, plain_cpu):
+    """A row whose ``max_new_tokens``-th token is its eos ends with ``"stop"`` (the token is the
+    eos), not ``"length"``; one token earlier it ends with ``"length"``."""
+    model = _model(SMALL)
+    if backend == "PyTorch":
+        model.use_kernels(False)
+    prompt = [5, 6, 7]
+    greedy = model.generate(torch.tensor([prompt]), 3, temperature=0)[0, 3:].tolist()
+    assert greedy[1] not in greedy[:1], greedy  # the second token is not also the first
+    rows = Rows(model, 2)
+    assert rows.backend == backend
+    ends = {rows.join(RowRequest(prompt, 2, eos_token_id=greedy[1])): None}
+    ends[rows.join(RowRequest(prompt, 1, eos_token_id=greedy[1]))] = None
+    tokens: dict[int, list[int]] = {h: [] for h in ends}
+    while rows.live:
+        for t in rows.step():
+            tokens[t.row].append(t.token)
+            ends[t.row] = t.finish_reason
+    assert list(tokens.values()) == [greedy[:2], greedy[:1]]
+    assert list(ends.values()) == ["stop", "length"]
 
 
 @torch.inference_mode()

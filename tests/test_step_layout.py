@@ -34,9 +34,17 @@ def test_table_names_the_cpp_enums_in_order():
 def test_library_reports_the_table_and_a_drift_is_refused():
     assert decode_step_cpu.load() is not None, decode_step_cpu.BUILD_ERROR  # load checks the counts
     layout.check_counts(layout.counts(), "here")
-    bad = (layout.counts()[0], layout.counts()[1], layout.counts()[2] + 1, layout.counts()[3])
+    names = ("dims", "global slots", "slots per layer", "cache buffers")
+    for i, name in enumerate(names):  # a drift in any one of the four counts, either way
+        for step in (1, -1):
+            bad = list(layout.counts())
+            bad[i] += step
+            with pytest.raises(
+                RuntimeError, match=rf"lib.so: the compiled step's layout differs .*\({name} {bad[i]} != "
+            ):
+                layout.check_counts(tuple(bad), "lib.so")
     with pytest.raises(RuntimeError, match=r"lib.so: the compiled step's layout differs .*slots per layer 13 != 12"):
-        layout.check_counts(bad, "lib.so")
+        layout.check_counts((*layout.counts()[:2], 13, layout.counts()[3]), "lib.so")
 
 
 @pytest.mark.parametrize("gate", [True, False])
