@@ -87,6 +87,12 @@ def test_grid_plan_matches_parameters_and_pairs_seeds(tmp_path):
         ({"grid": {"ffn": ["gelu"]}, "gate_threshold": "abc"}, r"gate_threshold must be a number in \[0, 1\]"),
         ({"grid": {"ffn": ["gelu"]}, "gate_threshold": -1}, r"gate_threshold must be a number in \[0, 1\]"),
         ({"grid": {"ffn": ["gelu"]}, "gate_threshold": math.nan}, "gate_threshold must be a number in"),
+        ({"grid": {"ffn": ["gelu"]}, "gate_threshold": 1.5}, r"gate_threshold must be a number in \[0, 1\]"),
+        (
+            {"grid": {"ffn": ["gelu"]}, "seeds": [2**64]},
+            r"distinct ints in \[0, 2\*\*64\), got \[18446744073709551616\]",
+        ),
+        ({"grid": {"ffn": ["gelu"]}, "seeds": []}, "seeds must be a non-empty list"),
         ({"grid": {"ffn": ["gelu"]}, "base": 3}, "base must be a table of TrainConfig fields, got 3"),
         ({"grid": {"ffn": ["gelu"]}, "base": {**BASE, "model": 3}}, "base.model must be a table"),
         ({"variants": [3]}, r"variants\[0\] must be a table \(name and model keys\), got 3"),
@@ -104,6 +110,13 @@ def test_grid_plan_matches_parameters_and_pairs_seeds(tmp_path):
 def test_bad_specs_are_refused(change, message):
     with pytest.raises(ValueError, match=message):
         parse_spec(_spec(**change))
+
+
+def test_the_ends_of_the_seed_and_threshold_ranges_are_taken():
+    """Seeds 0 and 2**64 - 1 (torch's range) and gate thresholds 0 and 1 are specs' values."""
+    spec = parse_spec(_spec(grid={"ffn": ["gelu"]}, seeds=[0, 2**64 - 1], gate_threshold=1))
+    assert (spec.seeds, spec.gate_threshold) == ([0, 2**64 - 1], 1.0)
+    assert parse_spec(_spec(grid={"ffn": ["gelu"]}, gate_threshold=0)).gate_threshold == 0.0
 
 
 def test_spec_file_types(tmp_path):
@@ -197,10 +210,15 @@ def test_a_sweep_folder_of_another_spec_is_refused_before_anything_is_written(tm
         assert f"already holds run {run}" in err and f"trained with other settings: {message}" in err, err
         assert "pass --overwrite to delete the sweep's runs and start again" in err
         assert _snapshot(out) == before  # configs, checkpoints: untouched; no spec.json
+    from wiola.train.ablate_report import REPORT_FILES
+
+    for name in REPORT_FILES:  # the old sweep's report, as write_report left it
+        (out / name).write_text("the old sweep's report\n")
     assert main(["ablate", str(new), "--out", str(out), "--print-commands", "--overwrite"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
     assert len(lines) == 4 and not any("--resume" in line or "--overwrite" in line for line in lines)
     assert not list(out.glob("runs/*/seed*/")), "--overwrite keeps no old run folder"
+    assert [name for name in REPORT_FILES if (out / name).exists()] == [], "--overwrite keeps the old report"
     assert not list(out.glob("runs/*/seed*.log")), "--overwrite keeps an old log (the new run would append to it)"
 
 

@@ -199,6 +199,23 @@ def test_template_survives_save_and_checkpoint_load(small_bpe, tmp_path) -> None
         assert load_checkpoint_tokenizer(tmp_path / f"{name}-chat").chat_template == custom, name
 
 
+def test_a_template_in_chat_template_jinja_is_read_before_the_configs(small_bpe, tmp_path) -> None:
+    """``chat_template.jinja`` (where transformers 5 saves a template) is read, and wins over a
+    ``chat_template`` in ``tokenizer_config.json`` (4.x's place); transformers reads the same."""
+    with_chat_template(small_bpe, CHAT_TEMPLATE).save(tmp_path)
+    assert load_tokenizer(tmp_path).chat_template == CHAT_TEMPLATE
+    custom = CHAT_TEMPLATE.replace("<|", "<<")
+    (tmp_path / "chat_template.jinja").write_text(custom)
+    tok = load_tokenizer(tmp_path)
+    assert tok.chat_template == custom
+    transformers = pytest.importorskip("transformers")
+    if int(transformers.__version__.split(".")[0]) >= 5:  # 4.x does not read the file
+        for gen in (False, True):
+            assert apply_chat_template(tok, MESSAGES, add_generation_prompt=gen) == _transformers_ids(
+                tmp_path, MESSAGES, gen
+            )
+
+
 def load_checkpoint_tokenizer_or_none(tmp_path, name, model, tok):
     from wiola.checkpoint import load_checkpoint_tokenizer
 
@@ -584,11 +601,20 @@ def test_chat_cli_refuses_a_template_that_does_not_compile_at_startup(tmp_path, 
 
 
 def test_chat_cli_default_reply_length_fits_a_short_context(tmp_path, monkeypatch, capsys) -> None:
+    """The default ``--max-new-tokens`` is ``min(200, max_seq_len // 2)``: 32 at 64 positions, 200
+    at 512 (a model that never ends its reply is cut there)."""
     checkpoint = _saved(tmp_path / "short", 64)
     code, out, err = _chat_cli(monkeypatch, capsys, checkpoint, "hello\n")
     assert code == 0 and "model> " in out, err
     code, _, err = _chat_cli(monkeypatch, capsys, checkpoint, "hello\n", "--max-new-tokens", "200")
     assert code == 2 and "--max-new-tokens must be in [1, 63]" in err  # an explicit value is not clamped
+    tok = _with_template(CHATML)
+    word = tok.encode_batch([" cat"])[0]
+    assert len(word) == 1
+    for positions, default in ((64, 32), (512, 200)):
+        model = Scripted(word, max_seq_len=positions)  # " cat" forever
+        code, out, err = _chat_cli(monkeypatch, capsys, "ckpt", "hi\n", loaded=(model, tok))
+        assert code == 0 and f"model> {' cat' * default} [cut at --max-new-tokens {default}]\n" in out, out
 
 
 def test_chat_cli_refuses_a_system_message_that_leaves_no_room(monkeypatch, capsys) -> None:

@@ -174,6 +174,7 @@ def _no_loading(monkeypatch) -> None:
         (["--lora-rank", "2", "--lora-dropout", "2"], "--lora-dropout must be in [0, 1), got 2.0"),
         (["--lora-rank", "2", "--lora-alpha", "-3"], "--lora-alpha must be a positive number, got -3.0"),
         (["--warmup", "-5"], "--warmup must be >= 0 steps, got -5"),
+        (["--lora-rank", "2", "--add-role-tokens"], "--add-role-tokens with --lora-rank: the new embedding rows"),
         (["--weight-decay", "-1"], "--weight-decay must be a finite number >= 0, got -1.0"),
         (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0, got nan"),
         (["--steps", "5", "--warmup", "6"], "--warmup 6 is more than --steps 5: the learning rate would never reach"),
@@ -473,9 +474,9 @@ def test_cli_diverged_finetune_exits_1_and_saves_nothing(tmp_path, tiny_checkpoi
     assert {p.name: p.read_bytes() for p in kept.iterdir()} == before, "the diverged run replaced the model in --out"
 
 
-def _interrupt_at_step(monkeypatch, step: int, signals: int = 1) -> None:
-    """SIGINT ``signals`` times while the batch of step ``step`` is being made (the signal comes
-    mid-step, as a Ctrl-C would)."""
+def _interrupt_at_step(monkeypatch, step: int, signals: int = 1, sig: int = signal.SIGINT) -> None:
+    """``sig`` (SIGINT) ``signals`` times while the batch of step ``step`` is being made (the signal
+    comes mid-step, as a Ctrl-C would)."""
     import wiola.train.finetune as ft
 
     collate, calls = ft.collate, [0]
@@ -484,16 +485,18 @@ def _interrupt_at_step(monkeypatch, step: int, signals: int = 1) -> None:
         calls[0] += 1
         if calls[0] == step:
             for _ in range(signals):
-                signal.raise_signal(signal.SIGINT)
+                signal.raise_signal(sig)
         return collate(*args, **kwargs)
 
     monkeypatch.setattr(ft, "collate", interrupted)
 
 
-def test_interrupted_finetune_saves_the_model_of_its_last_step(tmp_path, tiny_checkpoint, monkeypatch) -> None:
-    """Ctrl-C during step 2 of 4: the step ends, the model is saved and ``FinetuneInterrupted``
-    (a KeyboardInterrupt) names the step and folder. Under a constant learning rate the saved
-    weights are bitwise those of a 2-step run. A second Ctrl-C aborts with nothing saved."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupted_finetune_saves_the_model_of_its_last_step(tmp_path, tiny_checkpoint, monkeypatch, sig) -> None:
+    """Ctrl-C (or SIGTERM) during step 2 of 4: the step ends, the model is saved and
+    ``FinetuneInterrupted`` (a KeyboardInterrupt) names the step and folder. Under a constant
+    learning rate the saved weights are bitwise those of a 2-step run. A second Ctrl-C aborts
+    with nothing saved."""
     import wiola.train.finetune as ft
 
     data = _write(tmp_path / "d.jsonl", [{"messages": CHAT}, {"messages": CHAT[1:3]}])
@@ -506,7 +509,7 @@ def test_interrupted_finetune_saves_the_model_of_its_last_step(tmp_path, tiny_ch
 
     lines: list[str] = []
     with monkeypatch.context() as m:
-        _interrupt_at_step(m, 2)
+        _interrupt_at_step(m, 2, sig=sig)
         with pytest.raises(KeyboardInterrupt) as stopped:
             ft.finetune(config("stopped", 4), log=lines.append)
     assert getattr(stopped.value, "step", None) == 2 and getattr(stopped.value, "out", None) == tmp_path / "stopped"

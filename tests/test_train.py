@@ -165,6 +165,22 @@ def test_checkpoint_rotation(corpus, cache, tmp_path) -> None:
     assert result.checkpoint.name == "step_0000005"
 
 
+def test_layer_gradient_norms_are_logged_before_clipping(corpus, cache, tmp_path) -> None:
+    """Each logged step's ``layer_grad_norms`` (one per block) are the gradients' norms before
+    ``--grad-clip`` scales them: with a clip of 1e-3 they are far above it, and together at most
+    the whole gradient's norm (``grad_norm``, also before clipping), the blocks being part of it."""
+    clip = 1e-3
+    train(_cfg(corpus, cache, tmp_path / "r", steps=2, eval_every=100, grad_clip=clip), log=_quiet)
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        layers = r["layer_grad_norms"]
+        assert len(layers) == SMALL["n_layers"], r
+        assert min(layers) > 10 * clip and r["grad_norm"] > 10 * clip, r
+        assert math.sqrt(sum(n * n for n in layers)) <= r["grad_norm"] * (1 + 1e-5), r
+
+
 def _train_command(corpus: Path, cache: Path, out: Path, *flags: str) -> list[str]:
     """``wiola train`` arguments: the ``SMALL`` tiny model on ``corpus``, windows of 32, batches of 4,
     on the CPU into ``out`` without progress bars or plots; ``flags`` (the run's length, ...) added."""
@@ -175,7 +191,10 @@ def _train_command(corpus: Path, cache: Path, out: Path, *flags: str) -> list[st
 
 
 # --------------------------------------------------------------------------------- Ctrl-C
-def test_sigint_saves_checkpoint_and_exits_cleanly(corpus, cache, tmp_path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_sigint_saves_checkpoint_and_exits_cleanly(corpus, cache, tmp_path, sig) -> None:
+    """Ctrl-C, or SIGTERM (a scheduler's stop), during a run: the step ends, a checkpoint of it is
+    saved, exit 130, no traceback."""
     out = tmp_path / "sig"
     long_run = ("--steps", "100000", "--log-every", "1", "--eval-every", "100000", "--save-every", "100000")
     cmd = [sys.executable, "-m", "wiola", *_train_command(corpus, cache, out, *long_run)]
@@ -189,13 +208,14 @@ def test_sigint_saves_checkpoint_and_exits_cleanly(corpus, cache, tmp_path) -> N
                 break
             time.sleep(0.2)
         assert proc.poll() is None, f"trainer exited early:\n{proc.stdout.read()}"
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         output, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, f"exit code {proc.returncode}:\n{output}"
     assert "Traceback" not in output and "interrupted at step" in output, output
+    assert f"{signal.Signals(sig).name}: stopping after this step" in output, output
     trainer = json.loads(
         (out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip() / "trainer.json").read_text()
     )

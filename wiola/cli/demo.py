@@ -1,4 +1,4 @@
-"""``wiola demo``: train the tiny preset on the built-in sample corpus (~2 minutes), then generate."""
+"""``wiola demo``: train the tiny preset on the built-in sample corpus (~90 s on 2 idle CPU cores), then generate."""
 
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ DEMO_OUT = "runs/demo"  # the demo's own folder: each demo replaces the run the 
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="train the tiny model on the built-in sample corpus (~2 minutes), then generate")
+    p = sub.add_parser(
+        "demo", help="train the tiny model on the built-in sample corpus (~90 s on 2 CPU cores), then generate"
+    )
     p.add_argument("--out", type=non_empty_path, default=DEMO_OUT, help="run folder (checkpoint, metrics, PNGs)")
     p.add_argument(
         "--overwrite",
@@ -33,9 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"replace the run an --out folder already holds (else refused; the default {DEMO_OUT} is always "
         "replaced: it holds the previous demo)",
     )
-    p.add_argument(
-        "--steps", type=int, help="training steps (default 300 on CPU, ~2 minutes on 2 idle cores; 1500 on GPU)"
-    )
+    p.add_argument("--steps", type=int, help="training steps (default 300 on CPU, ~90 s on 2 idle cores; 1500 on GPU)")
     p.add_argument("--seconds", type=float, help="instead of --steps: calibrate the steps to this much training time")
     p.add_argument("--samples", type=int, default=3, help="stories to generate at the end")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
