@@ -112,6 +112,15 @@ def test_onednn_only_where_it_applies(monkeypatch):
                 L.linear(x, w)
             finally:
                 torch.set_float32_matmul_precision(before)
+            mkldnn = torch.backends.mkldnn.matmul
+            if hasattr(mkldnn, "fp32_precision"):  # the per-backend API (torch reads the legacy one then refuses)
+                old = mkldnn.fp32_precision
+                for allowed in ("bf16", "tf32"):
+                    try:
+                        mkldnn.fp32_precision = allowed
+                        L.linear(x, w)
+                    finally:
+                        mkldnn.fp32_precision = old
         assert spy.calls == 0
         wg = w.clone().requires_grad_()
         L.linear(x, wg).sum().backward()  # gradients: F.linear, which autograd differentiates

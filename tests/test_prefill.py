@@ -295,6 +295,32 @@ def test_gemm_applies_to_gradient_free_cpu_forwards(plain_cpu):
         assert not prefill.gemm_applies(model, ids)
 
 
+@pytest.mark.skipif(
+    not hasattr(torch.backends.mkldnn.matmul, "fp32_precision"), reason="this torch has no per-backend precision"
+)
+@pytest.mark.parametrize("allowed", ["bf16", "tf32"])
+def test_a_precision_lowered_through_torch_backends_mkldnn_takes_f_linear(plain_cpu, allowed):
+    """``torch.backends.mkldnn.matmul.fp32_precision`` set (torch's per-backend API, after which
+    it refuses ``get_float32_matmul_precision``): the fast model's prompt, scoring pass and
+    ``generate`` run, their products on ``F.linear`` as the caller asked; "ieee" keeps them strict."""
+    model = _model()
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 70), generator=torch.Generator().manual_seed(0))
+    mkldnn = torch.backends.mkldnn.matmul
+    old = mkldnn.fp32_precision
+    try:
+        mkldnn.fp32_precision = allowed
+        assert not linear._strict_fp32()
+        with torch.inference_mode():
+            assert model(ids, cache=model.new_cache(2, 80)).logits.shape == (2, 70, CONFIG.vocab_size)
+            assert model(ids).logits.shape == (2, 70, CONFIG.vocab_size)
+            assert model.generate(ids[:, :10], 4, temperature=0).shape == (2, 14)
+        mkldnn.fp32_precision = "ieee"
+        assert linear._strict_fp32()
+    finally:
+        mkldnn.fp32_precision = old
+    assert linear._strict_fp32()
+
+
 @pytest.mark.skipif(not linear.onednn_available(), reason="this torch has no oneDNN")
 @torch.inference_mode()
 def test_onednn_prompt_within_the_fp32_bound(plain_cpu, monkeypatch):

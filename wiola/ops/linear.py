@@ -157,7 +157,12 @@ def _strict_fp32() -> bool:
     TF32 (``torch.set_float32_matmul_precision``, ``torch.backends.mkldnn``) gets ``F.linear``'s
     behaviour, not oneDNN's strict fp32."""
     mkldnn = getattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision", "none")
-    return torch.get_float32_matmul_precision() == "highest" and mkldnn in ("none", "ieee")
+    if mkldnn not in ("none", "ieee"):  # first: torch refuses the legacy getter once this is set
+        return False
+    try:
+        return torch.get_float32_matmul_precision() == "highest"
+    except RuntimeError:  # another backend's precision set through the new API: the CPU's is strict
+        return True
 
 
 def _onednn_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
