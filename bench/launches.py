@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD TRITON_INTERPRET=1 python -m bench.launches          # 13m preset, batch 1
     PYTHONPATH=$PWD TRITON_INTERPRET=1 python -m bench.launches --autocast
+    PYTHONPATH=$PWD TRITON_INTERPRET=1 python -m bench.launches --dtype bfloat16
 
 ``LaunchCounter`` is a context manager: inside it every Triton launch (``JITFunction.run``, or
 the interpreter's ``InterpretedFunction.run`` under ``TRITON_INTERPRET=1``) is counted by kernel
@@ -18,8 +19,10 @@ The command counts one decoding step of ``wiola.fast.generation.step_generate`` 
 CUDA graph captures, run eagerly with ``capture=False``) on the CPU under the Triton interpreter:
 the 13m preset with random weights, batch 1, after a 16-token prompt, fp32 (or with
 ``--autocast``, the fp32 model under bf16 CPU autocast, as on GPU under CUDA autocast). It runs
-the step as on CUDA: the value checks a CUDA model skips are off, and the CPU-only re-laid-out
-weights of ``wiola.ops.linear`` are not used.
+the step as on CUDA: the value checks a CUDA model skips are off, the CPU-only re-laid-out
+weights of ``wiola.ops.linear`` are not used, and bf16 takes every kernel it takes on a GPU (the
+interpreter computes two of them wrongly in bf16, ``wiola.fast.ops.INTERPRETER_BF16_WRONG``: the
+values do not matter here).
 """
 
 from __future__ import annotations
@@ -155,6 +158,7 @@ def count_decode_step(model: Any, batch: int = 1, prompt: int = 16, autocast: bo
     """One graph-mode decoding step of ``model`` (a ``wiola.fast.WiolaModel``) after a prefill of
     ``prompt`` tokens, counted; the step runs twice first (warm-up: autotuning, derived weights)."""
     import wiola.model
+    from wiola.fast import ops as fast_ops
     from wiola.fast.generation import _get_step, _Mode, _run_step
 
     mode = _Mode(capture=False, batch=batch, greedy=True, top_k=None, top_p=False, eos=None, pad=None)
@@ -164,7 +168,10 @@ def count_decode_step(model: Any, batch: int = 1, prompt: int = 16, autocast: bo
     # As on CUDA: no value checks (token-id range: min, max and two host reads), no CPU decode layouts.
     model._sync_checks = lambda t: False
     gpu_like = mock.patch.object(wiola.model, "uses_decode_layout", lambda x: False)
-    with torch.inference_mode(), ctx, gpu_like:
+    # Every kernel bf16 takes on a GPU, including the two whose bf16 products the interpreter
+    # computes wrongly (their values do not matter here, only what launches).
+    every_kernel = mock.patch.object(fast_ops, "INTERPRETER_BF16_WRONG", frozenset())
+    with torch.inference_mode(), ctx, gpu_like, every_kernel:
         step = _get_step(model, mode)
         step.cache.reset()
         model(ids.to(device), cache=step.cache, logits_to_keep=1)

@@ -160,6 +160,18 @@ def test_decode_step_launches_no_per_step_weight_work(autocast):
     assert extra == (2 * L + 2 if autocast else 0), (
         f"{extra} casts under autocast beyond the fp32 step: {counter.report()}"
     )
+    # The whole step (SPEC: 69 at 13m in fp32, 83 under autocast): 10 a layer, 9 besides.
+    assert counter.total == 10 * L + 9 + extra, counter.report()
+
+
+@kernels
+def test_a_bf16_models_decode_step_launches_one_more_than_fp32():
+    """A bf16 model's step (SPEC: 70 at 13m): the fp32 step's launches and the logits' upcast,
+    no host sync (the bf16 cache takes the decoding kernels as on a GPU)."""
+    L = CONFIG["n_layers"]
+    counter = count_decode_step(_fast(torch.bfloat16), batch=1, prompt=5)
+    assert sum(counter.triton.values()) == 8 * L + 1 and counter.syncs == 0, counter.report()
+    assert counter.aten["to"] == 1 and counter.total == 10 * L + 10, counter.report()
 
 
 @pytest.mark.parametrize("B", [1, 3])

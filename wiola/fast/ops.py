@@ -152,7 +152,7 @@ _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # tests, which count kernels rather than read their numbers, empty it. The decoding kernel's
 # products take the cache's dtype: fp32 under autocast (right), bf16 in a bf16 model's cache (wrong
 # under the interpreter: a relative error of about 1.5 in the logits), so a bf16 cache on the CPU
-# also takes the PyTorch path (``_Ops.decode_attention``).
+# also takes the PyTorch path (``_Ops.decode_attention``) while "attention" is in this set.
 INTERPRETER_BF16_WRONG: frozenset[str] = frozenset({"attention", "butterfly"})
 
 
@@ -300,7 +300,12 @@ class _Ops:
         """
         T = q.shape[1]
         decode = self._kernel("decode_attention", q) if q.shape[-1] in ATTENTION_HEAD_DIMS else None
-        if decode is not None and k_cache.dtype == torch.bfloat16 and not k_cache.is_cuda:
+        if (
+            decode is not None
+            and k_cache.dtype == torch.bfloat16
+            and not k_cache.is_cuda
+            and "attention" in INTERPRETER_BF16_WRONG
+        ):
             decode = None  # the interpreter's bf16 tl.dot (see INTERPRETER_BF16_WRONG)
         if decode is not None:
             flash = self._kernel("attention", q)
