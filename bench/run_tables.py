@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 SHORT = {"reading the weights": "reading", "the multiply-adds": "multiply-adds"}
-PREFILL_ROWS = (
-    ("fp32-products-fp32-weights", "fp32 (oneDNN), fp32"),
-    ("fp32-products-fp32-weights-other-gemm", "fp32 (ATen: MKL), fp32"),
-    ("bf16-products-fp32-weights", "bf16 (oneDNN, AVX-512 BF16), fp32"),
-    ("fp32-products-bf16-weights", "fp32 (oneDNN), bf16"),
-    ("fp32-products-int8-weights", "fp32 (oneDNN), int8"),
-    ("fp32-products-int4-weights", "fp32 (oneDNN), int4"),
+PREFILL_ROWS = (  # (record, products, weights); what ran the products is read from each record
+    ("fp32-products-fp32-weights", "fp32", "fp32"),
+    ("fp32-products-fp32-weights-other-gemm", "fp32", "fp32"),
+    ("bf16-products-fp32-weights", "bf16", "fp32"),
+    ("fp32-products-bf16-weights", "fp32", "bf16"),
+    ("fp32-products-int8-weights", "fp32", "int8"),
+    ("fp32-products-int4-weights", "fp32", "int4"),
 )
 ONNX_FORMS = ("fp32", "int8", "int8-matmul", "int4", "int4-matmul")
 TIMED_STEPS = 127  # a tg128 record's timed steps: its first token comes from the untimed prefill
@@ -102,11 +102,30 @@ def prefill_table(runs: list[dict[str, Any]]) -> list[str]:
         f"| products, weights | {_runs(runs)} | against `wiola13m` in the same row |",
         "| --- | --- | --- |",
     ]
-    for name, label in PREFILL_ROWS:
+    for name, products, weights in PREFILL_ROWS:
         rs = [_record(r, f"test_prefill_cpu[{name}]") for r in runs]
         ratios = " / ".join(_ratio(x, "wiola13m", "speedup", "{:.2f}×") for x in rs)
+        ran = " or ".join(dict.fromkeys(_products(x, products) for x in rs))
+        label = f"{products} ({ran}), {weights}"
         lines.append(f"| {label} | {_join([512 / x['time_s'] for x in rs], '{:,.0f}')} | {ratios} |")
     return lines
+
+
+def _products(record: dict[str, Any], products: str) -> str:
+    """What ran a pp record's products, from its ``decode_path``: fp32 products on oneDNN or ATen
+    (MKL on x86, torch's BLAS elsewhere), bf16 products (autocast) on oneDNN with the CPU's bf16
+    unit (its ``cpu_flags``: AMX, AVX-512 BF16); "?" for a record that does not say."""
+    path = record.get("decode_path", "")
+    if products == "bf16":
+        flags = record.get("cpu_flags", "").split()
+        unit = "AMX" if "amx_bf16" in flags else "AVX-512 BF16" if "avx512_bf16" in flags else None
+        return f"oneDNN, {unit}" if unit else "oneDNN"
+    if path.startswith("oneDNN products"):
+        return "oneDNN"
+    if path.startswith("ATen products"):
+        x86 = record.get("cpu_isa") in ("avx512", "avx2") or "x86_64" in str(record.get("ceilings", ""))
+        return "ATen: MKL" if x86 else "ATen"
+    return "?"
 
 
 def onnx_table(runs: list[dict[str, Any]]) -> list[str]:

@@ -28,8 +28,11 @@ def _run(scale: float, prefill: bool = True) -> dict:
             }
             benches.append({"name": f"test_tg128_cpu[B{B}-P16-N128-{w}]", "extra_info": info})
     if prefill:
-        for name, _ in run_tables.PREFILL_ROWS:
+        for name, products, _ in run_tables.PREFILL_ROWS:
             info = {"time_s": 512 / (4000.0 * scale), "baselines": {"wiola13m": {"speedup": 3.5}}}
+            gemm = "ATen" if name.endswith("-other-gemm") else "oneDNN"
+            info |= {"cpu_isa": "avx512", "cpu_flags": "fpu avx512f avx512_bf16 avx512_vnni"}
+            info["decode_path"] = f"{gemm} products, C++ attention" if products == "fp32" else "PyTorch prompt path"
             benches.append({"name": f"test_prefill_cpu[{name}]", "extra_info": info})
     return {"benchmarks": benches}
 
@@ -51,6 +54,34 @@ def test_tables_hold_each_run_and_ratios_within_it(tmp_path, capsys):
     assert rows["| bf16, 8"].split(" | ")[1] == "4,000 / 8,000"
     assert rows["| fp32 (oneDNN), fp32"] == "| fp32 (oneDNN), fp32 | 4,000 / 8,000 | 3.50× / 3.50× |"
     assert not any(line.startswith("| form |") for line in out)  # no ONNX rows in these runs
+
+
+def test_prefill_labels_name_what_ran_each_records_products(tmp_path, capsys):
+    """The GEMM and bf16 unit of a pp row come from its records: where ``auto`` kept ATen (so the
+    "other GEMM" row is oneDNN's), the labels follow; AMX where the CPU has it; runs that differ
+    name both."""
+    runs = [_run(1.0), _run(2.0)]
+    for run in runs:
+        for bench in run["benchmarks"]:
+            info = bench["extra_info"]
+            if bench["name"] == "test_prefill_cpu[fp32-products-fp32-weights]":
+                info["decode_path"] = "ATen products, C++ attention"
+            if bench["name"] == "test_prefill_cpu[fp32-products-fp32-weights-other-gemm]":
+                info["decode_path"] = "oneDNN products, C++ attention"
+            if bench["name"].startswith("test_prefill_cpu[bf16"):
+                info["cpu_flags"] += " amx_bf16 amx_tile"
+    runs[1]["benchmarks"][-1]["extra_info"]["decode_path"] = "ATen products"  # int4 on ATen in run 2 alone
+    assert run_tables.main([str(_folder(tmp_path, runs))]) == 0
+    labels = [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines() if "products" not in line]
+    pp = [label for label in labels if label.endswith(("), fp32", "), bf16", "), int8", "), int4"))]
+    assert pp == [
+        "| fp32 (ATen: MKL), fp32",
+        "| fp32 (oneDNN), fp32",
+        "| bf16 (oneDNN, AMX), fp32",
+        "| fp32 (oneDNN), bf16",
+        "| fp32 (oneDNN), int8",
+        "| fp32 (oneDNN or ATen: MKL), int4",
+    ], pp
 
 
 def test_onnx_rows_make_their_table(tmp_path, capsys):
