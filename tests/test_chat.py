@@ -147,6 +147,11 @@ def test_role_tokens_are_one_id_each(small_bpe) -> None:
     assert len(ids) < len(plain)  # each marker was several byte-level pieces before
     assert tok.decode(ids) == render_chat(small_bpe, MESSAGES[:2])
     assert tok.fingerprint != small_bpe.fingerprint
+    # the special ids a checkpoint's config set on the tokenizer stay (GPT-2's converted one too)
+    for base in (load_tokenizer("gpt2-32k"), small_bpe):
+        ids = (5, 6, 7)
+        roles = add_role_tokens(base.with_special_ids(*ids))
+        assert (roles.bos_token_id, roles.eos_token_id, roles.pad_token_id) == ids, base
 
 
 def test_template_text_and_generation_prompt() -> None:

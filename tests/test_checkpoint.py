@@ -173,6 +173,46 @@ def test_foreign_and_corrupt_checkpoints(tmp_path):
         WiolaModel.from_pretrained(tmp_path)
 
 
+def test_what_a_checkpoint_cannot_hold_is_named(tmp_path):
+    """A weight stored as integers, a wiola13m config with an untied head, and a ``revision`` for
+    a local folder (it applies to Hub ids) are refused by name, not loaded."""
+    from safetensors.torch import load_file
+
+    from wiola.checkpoint import export_wiola13m
+
+    WiolaModel(CFG).save_pretrained(tmp_path / "ours")
+    with pytest.raises(ValueError, match=r"revision='v2' applies to Hub ids, but .* is a local path"):
+        WiolaModel.from_pretrained(tmp_path / "ours", revision="v2")
+    stored = load_file(str(tmp_path / "ours" / "model.safetensors"))
+    stored["norm.weight"] = torch.full_like(stored["norm.weight"], 3, dtype=torch.int64)
+    save_file(stored, str(tmp_path / "ours" / "model.safetensors"), metadata={"format": "wiola"})
+    with pytest.raises(ValueError, match=r"tensor 'norm.weight' has dtype torch.int64, expected a float type"):
+        WiolaModel.from_pretrained(tmp_path / "ours")
+    export_wiola13m(WiolaModel(CFG), tmp_path / "theirs")
+    raw = json.loads((tmp_path / "theirs" / "config.json").read_text())
+    (tmp_path / "theirs" / "config.json").write_text(json.dumps({**raw, "tie_word_embeddings": False}))
+    with pytest.raises(ValueError, match=r"the head is not tied to the embedding \(tie_word_embeddings=false\)"):
+        WiolaModel.from_pretrained(tmp_path / "theirs")
+
+
+def test_a_wiola13m_export_keeps_the_models_special_ids_over_the_tokenizers(tmp_path):
+    """``export_wiola13m`` with a tokenizer: the model config's eos/pad ids (a checkpoint's, which
+    win in generation) are written and read back, not the tokenizer's; the tokenizer's fill the
+    ids the config lacks."""
+    from wiola.checkpoint import export_wiola13m
+    from wiola.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("gpt2-32k")  # eos 31999, no pad
+    config = dataclasses.replace(CFG, vocab_size=32000, eos_token_id=5, pad_token_id=6)
+    export_wiola13m(WiolaModel(config), tmp_path / "ids", tok)
+    written = json.loads((tmp_path / "ids" / "config.json").read_text())
+    assert (written["eos_token_id"], written["pad_token_id"]) == (5, 6), written
+    loaded = WiolaModel.from_pretrained(tmp_path / "ids").config
+    assert (loaded.eos_token_id, loaded.pad_token_id) == (5, 6)
+    export_wiola13m(WiolaModel(dataclasses.replace(config, eos_token_id=None, pad_token_id=None)), tmp_path / "tok", tok)
+    assert json.loads((tmp_path / "tok" / "config.json").read_text())["eos_token_id"] == 31999
+
+
 def test_config_of_another_shape_is_caught(tmp_path):
     WiolaModel(CFG).save_pretrained(tmp_path)
     meta = json.loads((tmp_path / "config.json").read_text())
@@ -517,6 +557,18 @@ def test_a_sharded_checkpoint_is_checked_before_its_tensors_are_read(tmp_path, m
     index.write_text(good)
     loaded = WiolaModel.from_pretrained(folder).state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    # a tensor stored in two shards (the index naming either) is refused, not read from one of them
+    from safetensors.torch import load_file
+
+    weight_map = json.loads(good)["weight_map"]
+    name = "norm.weight"
+    other = next(shard for shard in sorted(set(weight_map.values())) if shard != weight_map[name])
+    part = load_file(str(folder / other))
+    save_file({**part, name: torch.full_like(state[name], 42.0)}, str(folder / other))
+    for named in (weight_map[name], other):
+        index.write_text(json.dumps({"weight_map": {**weight_map, name: named}}))
+        with pytest.raises(ValueError, match=rf"tensor '{name}' is in two shards"):
+            WiolaModel.from_pretrained(folder)
 
 
 def test_a_hub_download_fetches_every_shard_and_the_generation_config():

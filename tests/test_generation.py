@@ -107,6 +107,8 @@ def test_generate_rejects_bad_arguments(model):
         model.generate(p, 2, temperature=-1)
     with pytest.raises(ValueError, match="top_p"):
         model.generate(p, 2, top_p=1.5)
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):  # 0 keeps no token: not greedy, refused
+        model.generate(p, 2, top_p=0.0)
     with pytest.raises(ValueError, match="top_k"):
         model.generate(p, 2, top_k=-1)  # 0 is transformers' "no filter" (tests/test_generate_hf.py)
     with pytest.raises(ValueError, match="left padding"):
@@ -117,7 +119,8 @@ def test_generate_rejects_bad_arguments(model):
 
 
 def test_greedy_unless_sampling_is_asked_for():
-    """No temperature, top_k or top_p: greedy. top_k or top_p alone: sampling at temperature 1."""
+    """No temperature, top_k or top_p: greedy. top_k or top_p alone, or ``do_sample=True``: sampling
+    at temperature 1."""
     torch.manual_seed(2)  # the initialised model: flat distributions, so samples differ
     model = WiolaModel(WiolaConfig(vocab_size=101, d_model=64, n_layers=2, n_heads=4, d_ff=96, max_seq_len=64))
     prompt = torch.randint(0, 101, (2, 5))
@@ -127,6 +130,10 @@ def test_greedy_unless_sampling_is_asked_for():
     draws = {tuple(model.generate(prompt, 12, top_k=50, generator=torch.Generator().manual_seed(s))[0].tolist())
              for s in range(4)}  # fmt: skip
     assert len(draws) > 1, "top_k alone did not sample"
+    g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    sampled = model.generate(prompt, 12, do_sample=True, generator=g())  # transformers' do_sample: temperature 1
+    assert not torch.equal(sampled, greedy), "do_sample=True without a temperature decoded greedily"
+    assert torch.equal(sampled, model.generate(prompt, 12, temperature=1.0, generator=g()))
     assert torch.equal(model.generate(prompt, 12, temperature=0, top_k=50, top_p=0.5), greedy), (
         "temperature=0 must be greedy whatever the filters"
     )

@@ -38,6 +38,25 @@ def test_chunks_join_to_the_text_before_the_first_stop(stops):
         assert not any(x in chunk for x in stops)
 
 
+class Pieces:
+    """A tokenizer whose id i decodes to ``PIECES[i]`` (one token may complete two stop strings)."""
+
+    PIECES = ("ab", "XcdEND", "more")
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.PIECES[i] for i in ids)
+
+
+def test_of_several_stop_strings_the_one_that_occurs_first_ends_the_text():
+    """A token that completes two stop strings: the text ends before the one that occurs first
+    ("X", before "END"), whatever their order in the list."""
+    for stops in (["END", "X"], ["X", "END"]):
+        s = TextStream(Pieces(), stops)
+        chunks = [s.add(0), s.add(1)]
+        assert s.stopped and "".join(chunks) == "ab" == s.text == s.final, (stops, chunks)
+        assert s.rest() == "" and s.add(2) == "" and s.final == "ab", stops
+
+
 def test_a_tail_that_may_begin_a_stop_string_is_held_back():
     s = TextStream(Bytes(), ["cat"])
     assert [s.add(b) for b in b"a c"] == ["", "", "a"]  # the last len("cat") - 1 characters wait
