@@ -209,7 +209,9 @@ def test_a_wiola13m_export_keeps_the_models_special_ids_over_the_tokenizers(tmp_
     assert (written["eos_token_id"], written["pad_token_id"]) == (5, 6), written
     loaded = WiolaModel.from_pretrained(tmp_path / "ids").config
     assert (loaded.eos_token_id, loaded.pad_token_id) == (5, 6)
-    export_wiola13m(WiolaModel(dataclasses.replace(config, eos_token_id=None, pad_token_id=None)), tmp_path / "tok", tok)
+    export_wiola13m(
+        WiolaModel(dataclasses.replace(config, eos_token_id=None, pad_token_id=None)), tmp_path / "tok", tok
+    )
     assert json.loads((tmp_path / "tok" / "config.json").read_text())["eos_token_id"] == 31999
 
 

@@ -130,7 +130,7 @@ def test_greedy_unless_sampling_is_asked_for():
     draws = {tuple(model.generate(prompt, 12, top_k=50, generator=torch.Generator().manual_seed(s))[0].tolist())
              for s in range(4)}  # fmt: skip
     assert len(draws) > 1, "top_k alone did not sample"
-    g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    g = lambda: torch.Generator().manual_seed(3)
     sampled = model.generate(prompt, 12, do_sample=True, generator=g())  # transformers' do_sample: temperature 1
     assert not torch.equal(sampled, greedy), "do_sample=True without a temperature decoded greedily"
     assert torch.equal(sampled, model.generate(prompt, 12, temperature=1.0, generator=g()))
