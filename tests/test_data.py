@@ -305,6 +305,20 @@ def test_second_run_skips_tokenisation(tmp_path, enc, monkeypatch) -> None:
     assert len(third.train) > len(first.train) and third.directory != first.directory
 
 
+@pytest.mark.parametrize("change", [-2, 2], ids=["cut-short", "grown"])
+def test_a_cache_shard_of_the_wrong_size_is_named(tmp_path, enc, change) -> None:
+    """A shard shorter or longer than its manifest says (a copy cut short, a file appended to) is
+    refused, naming the folder to delete, not read as other tokens."""
+    write_sample_corpus(tmp_path / "c", n_train=10, n_val=3)
+    src = resolve_source(tmp_path / "c")
+    data = prepare_data(src, TiktokenTokenizer(enc), tmp_path / "cache", progress=False, log=_quiet)
+    shard = sorted(data.directory.glob("train*"))[0]
+    raw = shard.read_bytes()
+    shard.write_bytes(raw[:change] if change < 0 else raw + raw[:change])
+    with pytest.raises(ValueError, match=rf"token cache .* is damaged: {shard.name} has the wrong size; delete the"):
+        prepare_data(src, TiktokenTokenizer(enc), tmp_path / "cache", progress=False, log=_quiet)
+
+
 def test_empty_corpus_raises(tmp_path, enc) -> None:
     (tmp_path / "train.txt").write_text(f"  \n{EOT}\n \n")
     (tmp_path / "val.txt").write_text("a story")

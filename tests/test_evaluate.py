@@ -192,6 +192,10 @@ def test_position_losses_count_the_last_partial_window(enc) -> None:
     for b in got:
         want = float(sums[b["start"] : b["end"]].sum() / counts[b["start"] : b["end"]].sum())
         assert abs(b["loss"] - want) <= 1e-6 * want, f"bucket {b} vs {want}"
+    # buckets that do not divide the window: the last one ends at the window's end
+    uneven = position_losses(model, split, T, 6, batch_size=3)
+    assert [(b["start"], b["end"]) for b in uneven] == [(0, 6), (6, 12), (12, 16)], uneven
+    assert sum(b["tokens"] for b in uneven) == sum(b["tokens"] for b in got)
 
 
 def test_bits_per_byte_of_a_metaspace_tokenizer_count_the_text() -> None:

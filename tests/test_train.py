@@ -149,11 +149,23 @@ def test_run_folder_contents(runs) -> None:
     rows = [json.loads(line) for line in (full.out_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [3, 6] and all(len(r["gates"]) == 2 for r in evals)
+    steps = [r for r in rows if r["kind"] == "train"]  # tokens: the targets trained on so far
+    assert [(r["step"], r["tokens"]) for r in steps] == [(k, k * 4 * 32) for k in range(1, 7)], steps
     assert all(0 < g < 1 for r in evals for row in r["gates"] for g in row)
     for r in evals:
         assert math.isclose(r["perplexity"], math.exp(r["loss"]), rel_tol=1e-9)
     for name in ("loss_curve", "gates"):
         assert full.plots[name].read_bytes()[:4] == b"\x89PNG", f"{name} PNG"
+
+
+def test_a_stop_at_the_last_step_is_a_finished_run(corpus, cache, tmp_path) -> None:
+    """A stop asked for at the last step (``stop_at == steps``, as a signal during the last step
+    asks) leaves a finished run, not an interrupted one (which the CLI would report with exit 130
+    and a "continue with --resume")."""
+    result = train(_cfg(corpus, cache, tmp_path / "r", steps=3, eval_every=100), stop_at=3, log=_quiet)
+    assert result.step == 3 and not result.interrupted
+    early = train(_cfg(corpus, cache, tmp_path / "s", steps=3, eval_every=100), stop_at=2, log=_quiet)
+    assert early.step == 2 and early.interrupted
 
 
 def test_checkpoint_rotation(corpus, cache, tmp_path) -> None:
@@ -165,12 +177,22 @@ def test_checkpoint_rotation(corpus, cache, tmp_path) -> None:
     assert result.checkpoint.name == "step_0000005"
 
 
-def test_layer_gradient_norms_are_logged_before_clipping(corpus, cache, tmp_path) -> None:
+def test_layer_gradient_norms_are_logged_before_clipping(corpus, cache, tmp_path, monkeypatch) -> None:
     """Each logged step's ``layer_grad_norms`` (one per block) are the gradients' norms before
     ``--grad-clip`` scales them: with a clip of 1e-3 they are far above it, and together at most
-    the whole gradient's norm (``grad_norm``, also before clipping), the blocks being part of it."""
+    the whole gradient's norm (``grad_norm``, also before clipping), the blocks being part of it;
+    the clip is ``--grad-clip``'s."""
     clip = 1e-3
+    clipped_to = []
+    original = torch.nn.utils.clip_grad_norm_
+
+    def recording(parameters, max_norm, *args, **kwargs):
+        clipped_to.append(max_norm)
+        return original(parameters, max_norm, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recording)
     train(_cfg(corpus, cache, tmp_path / "r", steps=2, eval_every=100, grad_clip=clip), log=_quiet)
+    assert clipped_to == [clip, clip], f"the gradient was clipped to {clipped_to}, not --grad-clip {clip}"
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["kind"] == "train"]
     assert [r["step"] for r in steps] == [1, 2]
@@ -506,6 +528,17 @@ def test_resume_with_more_steps_keeps_a_fractional_warmups_length(corpus, cache,
     assert read_trainer_state(result.checkpoint)["train_config"]["warmup"] == 5
 
 
+def test_a_resumed_share_of_warmup_keeps_the_rounded_count_of_steps() -> None:
+    """0.15 of 10 steps is 2 warm-up steps (``warmup_steps`` rounds): resumed with 100 steps the
+    run keeps 2, not 1 (a truncation) or 15 (the share of the new length)."""
+    from wiola.train.loop import _keep_warmup
+
+    kept = _keep_warmup(TrainConfig(steps=100, warmup=0.15), {"steps": 10})
+    assert kept.warmup == 2 == TrainConfig(steps=10, warmup=0.15).warmup_steps
+    assert kept.warmup_steps == 2
+    assert _keep_warmup(TrainConfig(steps=100, warmup=0.35), {"steps": 10}).warmup == 4  # 3.5 rounds to even
+
+
 def test_a_warmup_longer_than_the_run_is_refused(corpus, cache, tmp_path) -> None:
     with pytest.raises(ValueError, match="warmup of 100 steps is longer than the run's 4 steps"):
         _cfg(corpus, cache, tmp_path / "r", steps=4, warmup=100)
@@ -821,6 +854,17 @@ def test_weight_decay_on_matrices_only() -> None:
     }
     assert len(decay) + len(no_decay) == len(names), "a parameter is in no group"
     assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["eps"] == 1e-8
+    other = build_optimizer(model, TrainConfig(betas=(0.8, 0.9), eps=0.1, lr=2e-3), torch.device("cpu"))
+    assert (other.defaults["betas"], other.defaults["eps"], other.defaults["lr"]) == ((0.8, 0.9), 0.1, 2e-3)
+
+
+def test_the_schedule_of_a_config_takes_its_warmup_steps_and_final_ratio() -> None:
+    from wiola.train.optim import schedule
+
+    f = schedule(TrainConfig(steps=110, warmup=10, min_lr_ratio=0.5))
+    assert (f.warmup, f.total, f.min_ratio) == (10, 110, 0.5)
+    assert f(110) == 0.5 and f(0) == 0.1
+    assert schedule(TrainConfig(steps=10, warmup=0.15)).warmup == 2  # a share: rounded, as warmup_steps is
 
 
 # ------------------------------------------------------------------------------------------ CLI
@@ -865,6 +909,16 @@ def test_cli_eval_and_gates(runs, capsys, tmp_path) -> None:
     assert "    0  " + "  ".join(expected) in text, f"gates table {text!r} vs trainer's {expected}"
     assert main(["eval", "--checkpoint", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert out["precision"] == "auto"  # the run's
+    # a run trained in bf16 is scored in bf16 unless --precision says otherwise
+    copy = tmp_path / "bf16-run"
+    shutil.copytree(full.checkpoint, copy)
+    trainer = json.loads((copy / "trainer.json").read_text())
+    trainer["train_config"]["precision"] = "bf16"
+    (copy / "trainer.json").write_text(json.dumps(trainer))
+    for flags, precision in (([], "bf16"), (["--precision", "fp32"], "fp32")):
+        assert main(["eval", "--checkpoint", str(copy), "--eval-windows", "2", "--json", *flags]) == 0
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["precision"] == precision, flags
 
 
 @pytest.mark.parametrize(
