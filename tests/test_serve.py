@@ -316,6 +316,32 @@ def test_prompt_list_echo_stop_and_logprobs(server, solo):
         assert chosen <= 0 and max(top.values()) == pytest.approx(chosen)  # greedy: the best is the chosen one
 
 
+def test_echo_of_ids_seeds_per_prompt_and_a_stop_that_frees_its_row(server, checkpoint, solo):
+    """``echo`` of a prompt given as ids echoes its text; each prompt of a list is seeded as it
+    would be alone (choice i: ``seed + i``); a reply a stop string ends leaves its row at once
+    (``/health``'s ``left_early``), not after decoding on to ``max_tokens``."""
+    from wiola.checkpoint import load_checkpoint_tokenizer
+
+    tok = load_checkpoint_tokenizer(checkpoint)
+    client = _client(server)
+    ids = tok.encode(PROMPTS[1])
+    text = solo(PROMPTS[1], 8)[1]
+    done = client.completions.create(model="m", prompt=ids, max_tokens=8, temperature=0, echo=True)
+    assert done.choices[0].text == tok.decode(ids) + text
+    sampled = dict(max_tokens=10, temperature=1.0, seed=7)
+    both = client.completions.create(model="m", prompt=PROMPTS[:2], **sampled)
+    alone = [client.completions.create(model="m", prompt=p, **sampled).choices[0].text for p in PROMPTS[:2]]
+    assert [c.text for c in both.choices] == alone
+    full = solo(PROMPTS[0], 200)[1]
+    stop = full[10:13]
+    before = httpx.get(server.url + "/health").json()
+    cut = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=200, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    after = httpx.get(server.url + "/health").json()
+    assert after["left_early"] == before["left_early"] + 1, (before, after)
+    assert after["steps"] - before["steps"] < 100, (before, after)
+
+
 def test_text_offset_counts_the_echoed_prompt_and_goes_on_across_chunks(server, checkpoint, solo):
     """``logprobs.text_offset``: where each token's text begins in the choice's text (the echoed
     prompt first; a token that ends a split character where the character begins), the same
@@ -339,6 +365,7 @@ def test_text_offset_counts_the_echoed_prompt_and_goes_on_across_chunks(server, 
                                                 echo=echo, stream=True))  # fmt: skip
         streamed = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
         assert streamed == lp.text_offset
+        assert "".join(c.choices[0].text for c in chunks) == whole, echo  # the echoed prompt streamed too
 
 
 def test_usage_counts_each_prompt_once_whatever_n(server, checkpoint):
@@ -380,8 +407,12 @@ def test_chat_completion_uses_the_template(server, checkpoint, solo):
     done = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
     assert done.object == "chat.completion" and done.choices[0].message.role == "assistant"
     assert done.usage.prompt_tokens == len(prompt_ids)
-    streamed = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0, stream=True)
+    streamed = list(
+        client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0, stream=True)
+    )
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == done.choices[0].message.content
+    roles = [c.choices[0].delta.role for c in streamed if c.choices]
+    assert roles[0] == "assistant" and not any(roles[1:]), roles  # the first delta names the role, as OpenAI's
     bad = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
     assert bad.status_code == 400 and "unknown role" in bad.json()["error"]["message"]
 
@@ -487,6 +518,12 @@ def test_a_step_that_fails_fails_its_jobs_and_frees_their_rows(checkpoint, caplo
         r = client.post("/v1/completions", json={**body, "n": 2})
         assert r.status_code == 500 and "injected failure" in r.text
         assert "decoding failed" in caplog.text and "injected failure" in caplog.text  # the operator sees it too
+        calls.clear()  # streamed: the failure is an error event before [DONE]
+        r = client.post("/v1/completions", json={**body, "n": 2, "stream": True})
+        events = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
+        errors = [json.loads(e)["error"] for e in events[:-1] if "error" in json.loads(e)]
+        assert events[-1] == "[DONE]" and len(errors) == 1, r.text
+        assert errors[0]["type"] == "server_error" and "decoding failed: injected failure" in errors[0]["message"]
         hook.remove()
         for _ in range(2):  # the engine's two rows were freed: n=2 joins at once
             r = client.post("/v1/completions", json={**body, "n": 2})
@@ -577,6 +614,7 @@ def test_models_health_tokenize_detokenize(server):
     ):  # OpenAI's error JSON, as every other refusal
         r = httpx.request(method, server.url + path)
         assert r.status_code == status and r.json()["error"]["message"] == message, r.text
+        assert r.headers.get("allow") == ("POST" if status == 405 else None), r.headers
     models = httpx.get(server.url + "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny-wiola"
     assert httpx.get(server.url + "/v1/models/tiny-wiola").json() == models["data"][0]
@@ -608,10 +646,15 @@ def test_serve_cli_bad_input_exits_2_with_one_line(server, checkpoint, tmp_path,
              (["--checkpoint", str(checkpoint), "--max-batch", "0", "--port", "0"], "--max-batch must be >= 1"),
              (["--checkpoint", str(checkpoint), "--body-timeout", "inf", "--port", "0"], "--body-timeout must be a positive number of seconds, got inf"),
              (["--checkpoint", str(checkpoint), "--body-timeout", "0", "--port", "0"], "--body-timeout must be a positive")]  # fmt: skip
+    cases.append((["--checkpoint", str(checkpoint), "--port", "65536"], "--port must be in [0, 65535], got 65536"))
     for args, message in cases:
         assert main(["serve", *args]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert lines[-1].startswith("wiola serve: error: ") and message in lines[-1], lines
+    from wiola.cli import build_parser
+
+    defaults = build_parser().parse_args(["serve", "--checkpoint", str(checkpoint)])
+    assert (defaults.port, defaults.max_batch, defaults.body_timeout, defaults.host) == (8000, 8, 30.0, "127.0.0.1")
 
 
 @pytest.mark.parametrize(
@@ -704,6 +747,64 @@ def test_values_at_each_bound_are_taken_and_one_past_is_a_400(server):
     assert r.status_code == 400 and r.json()["error"]["message"] == "token id 320 is outside [0, 320)", r.text
 
 
+def test_more_ends_of_the_ranges_and_defaults(server):
+    """The other ranges' ends: n 16, logprobs 20, ``best_of`` equal to n, ``top_k`` -1 (no filter,
+    as 0), a negative seed, a token id 0 are taken; n 17, logprobs 21, ``best_of`` below n, an
+    empty stop string, a bool among prompt ids (streamed too: refused before the stream starts), a
+    negative id to /detokenize are a 400 naming the parameter. ``max_completion_tokens`` is
+    ``max_tokens``; without ``temperature`` a request samples at 1 (a seeded one equals 1.0's)."""
+
+    def post(body: dict, path: str = "/v1/completions") -> httpx.Response:
+        return httpx.post(server.url + path, json=body, timeout=60)
+
+    base = {"prompt": "The cat", "max_tokens": 2}
+    for extra in ({"n": 16}, {"logprobs": 20}, {"n": 2, "best_of": 2}, {"top_k": -1}, {"seed": -5}, {"prompt": [0, 5]}):
+        r = post({**base, **extra})
+        assert r.status_code == 200, (extra, r.text)
+    assert len(post({**base, "n": 16}).json()["choices"]) == 16
+    refused = [
+        ({**base, "n": 17}, "n", "n must be in [1, 16]"),
+        ({**base, "logprobs": 21}, "logprobs", "logprobs must be in [0, 20]"),
+        ({**base, "n": 2, "best_of": 1}, "best_of", "best_of"),
+        ({**base, "stop": [""]}, "stop", "stop"),
+        ({**base, "prompt": [True, 5, 6]}, "prompt", "prompt"),
+        ({**base, "prompt": [True, 5, 6], "stream": True}, "prompt", "prompt"),
+    ]
+    for body, param, message in refused:
+        r = post(body)
+        assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), (body, r.text)
+        assert r.json()["error"]["param"] == param and message in r.json()["error"]["message"], (body, r.text)
+    r = post({"tokens": [5, -1]}, "/detokenize")
+    assert r.status_code == 400 and r.json()["error"]["message"] == "token id -1 is outside [0, 320)", r.text
+    chat = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    r = post({**chat, "max_completion_tokens": 3}, "/v1/chat/completions")
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    seeded = {**base, "max_tokens": 12, "seed": 3}
+    assert (
+        post(seeded).json()["choices"][0]["text"] == post({**seeded, "temperature": 1.0}).json()["choices"][0]["text"]
+    )
+    assert post(seeded).json()["choices"][0]["text"] != post({**seeded, "temperature": 0}).json()["choices"][0]["text"]
+
+
+def test_a_body_of_exactly_the_limit_is_taken(server):
+    """1 MiB (1,048,576 bytes) is the largest body taken, by ``Content-Length`` and chunked alike;
+    one byte more is a 413."""
+    from wiola.serve.app import MAX_BODY
+
+    def body(size: int) -> bytes:
+        head = b'{"prompt": "a", "max_tokens": 1, "pad": "'
+        return head + b"x" * (size - len(head) - 2) + b'"}'
+
+    for size, status in ((MAX_BODY, 200), (MAX_BODY + 1, 413)):
+        r = httpx.post(server.url + "/v1/completions", content=body(size), timeout=60,
+                       headers={"Content-Type": "application/json"})  # fmt: skip
+        assert r.status_code == status, (size, r.text[:200])
+        chunks = (body(size)[i : i + 65536] for i in range(0, size, 65536))
+        r = httpx.post(server.url + "/v1/completions", content=chunks, timeout=60,
+                       headers={"Content-Type": "application/json"})  # fmt: skip
+        assert r.status_code == status, ("chunked", size, r.text[:200])
+
+
 def test_a_chat_prompt_of_exactly_the_context_has_no_room():
     """``room_after``: a chat prompt of ``max_len - 1`` tokens leaves room for one, one of
     ``max_len`` tokens is ``context_length_exceeded`` (not a request for 0 tokens)."""
@@ -765,6 +866,9 @@ def test_a_chat_prompt_that_fills_the_context_without_max_tokens_is_a_400(server
         r = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "stream": stream}, timeout=60)
         if n < MAX_SEQ:  # room for MAX_SEQ - n tokens: the default max_tokens takes it all
             assert r.status_code == 200, r.text
+            if not stream:  # the special tokens' logits are 0: the reply runs to the context's end
+                usage = r.json()["usage"]
+                assert (usage["prompt_tokens"], usage["total_tokens"]) == (n, MAX_SEQ), usage
             continue
         assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
         error = r.json()["error"]
@@ -1052,6 +1156,8 @@ def test_playground_checks_its_fields_and_shows_what_it_is_given_as_text(checkpo
                 page.wait_for_selector("#stats[data-done]", timeout=60_000)
                 assert sent[-1]["stop"] == stop and page.inner_text("#completion") == plain[:at], (sent[-1], plain)
                 assert "finish: stop" in page.inner_text("#stats")
+                run(stop="cat\\nThe", max_tokens="4")  # the field's \n is a new line
+                assert sent[-1]["stop"] == "cat\nThe", sent[-1]
                 page.fill("#stop", "")
                 page.fill("#prompt", "https://example.com/" + "abcdefghij" * 8)
                 page.evaluate("document.getElementById('prompt').value += ' \\ud83d'")  # half an emoji
