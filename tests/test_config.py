@@ -150,6 +150,7 @@ def test_invalid_configs_name_the_field(kwargs, field):
         (dict(norm_eps=math.nan), "norm_eps must be a finite number, got nan"),
         (dict(init_std="0.02"), "init_std must be a finite number, got '0.02'"),
         (dict(rope_base=10**400), f"rope_base must be a finite number, got {10**400!r}"),
+        (dict(rope_base=1.0), "rope_base must be > 1, got 1.0"),  # every frequency 1: no position schedule
         (dict(eos_token_id="2"), "eos_token_id must be an int or None, got '2'"),
         (dict(pad_token_id=1.0), "pad_token_id must be an int or None, got 1.0"),
         (dict(ffn=None), "ffn must be a string, got None"),
@@ -214,6 +215,9 @@ def test_bad_inputs_raise_clear_errors(tiny):
         tiny(torch.randint(0, 50, (1, 13)))
     with pytest.raises(ValueError, match="attention_mask shape"):
         tiny(ok, attention_mask=torch.ones(2, 4))
+    for cache in (None, tiny.new_cache(2, 12)):  # one row's mask for two rows: named, never broadcast
+        with pytest.raises(ValueError, match=r"attention_mask shape \(1, 5\) does not match input_ids \(2, 5\)"):
+            tiny(ok, attention_mask=torch.ones(1, 5, dtype=torch.long), cache=cache)
     for mask in (torch.full((2, 5), 0.5), torch.full((2, 5), 2), torch.full((2, 5), -1, dtype=torch.int32)):
         with pytest.raises(ValueError, match="attention_mask must hold only 0 and 1"):
             tiny(ok, attention_mask=mask)

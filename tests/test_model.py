@@ -44,6 +44,22 @@ def test_logits_match_float64(T, gate_pre_rope, alpha):
     assert err <= 1e-10 * want.abs().max().item(), f"logits differ from the float64 SPEC computation by {err:.3e}"
 
 
+@pytest.mark.parametrize("cls", ["reference", "fast"])
+def test_logits_to_keep_is_the_last_positions_of_the_full_pass(cls):
+    """``logits_to_keep=k``: the last ``k`` positions' logits (shape ``(B, k, V)``), those of the
+    full pass (float64: equal but for the head product's order), for k of 1, 2 and the whole."""
+    import wiola.fast
+
+    cfg = small_config()
+    model = randomised((WiolaModel if cls == "reference" else wiola.fast.WiolaModel)(cfg), seed=6).double()
+    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    full = model(ids).logits
+    for k in (1, 2, 9):
+        kept = model(ids, logits_to_keep=k).logits
+        assert kept.shape == (2, k, cfg.vocab_size), (k, kept.shape)
+        torch.testing.assert_close(kept, full[:, -k:], rtol=1e-12, atol=1e-12 * full.abs().max().item())
+
+
 def test_fp32_model_close_to_float64():
     cfg = small_config()
     model = randomised(WiolaModel(cfg), seed=3)

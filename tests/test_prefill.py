@@ -233,9 +233,14 @@ def test_measured_choice_is_kept_per_cpu_torch_and_threads(monkeypatch, gemm_cac
     path.write_text(json.dumps(json.loads(path.read_text()) | {key: {"aten_s": "fast", "onednn_s": -1.0}}))
     assert prefill.measured_gemm()["source"] == "measured" and len(calls) == 4
     assert json.loads(path.read_text())[key]["aten_s"] == 1.0
+    for zero in ({"aten_s": 0.0, "onednn_s": 0.0}, {"aten_s": 1.0, "onednn_s": 0.0}):  # no time: no ratio either
+        monkeypatch.setattr(prefill, "_MEASURED", {})
+        path.write_text(json.dumps(json.loads(path.read_text()) | {key: zero}))
+        calls_before = len(calls)
+        assert prefill.measured_gemm()["source"] == "measured" and len(calls) == calls_before + 1, zero
     monkeypatch.setattr(prefill, "_MEASURED", {})
     path.write_text("{not json")
-    assert prefill.measured_gemm()["source"] == "measured" and len(calls) == 5
+    assert prefill.measured_gemm()["source"] == "measured" and len(calls) == 7
     assert len(json.loads(path.read_text())) == 1
     assert not [p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")], "a temporary file was left"
 
@@ -349,6 +354,39 @@ def test_onednn_prompt_within_the_fp32_bound(plain_cpu, monkeypatch):
     allowed = bound(CONFIG, 70, sums.head)[real_rows]
     got, want = logits["onednn"][real_rows], logits["aten"][real_rows]
     assert_within("oneDNN prompt logits against ATen's", want, got, allowed, "oneDNN fp32 GEMM")
+
+
+@torch.inference_mode()
+def test_the_configs_norm_eps_reaches_the_cpu_prompt_and_step(plain_cpu):
+    """A model with ``norm_eps`` 0.5 (not the default): the fast model's prompt (the C++ RMSNorms)
+    and its one-token steps (the C++ step) within the fp32 bound of the reference's full pass,
+    where an eps of 1e-6 moves the logits by far more."""
+    import dataclasses
+
+    config = dataclasses.replace(CONFIG, norm_eps=0.5)
+    torch.manual_seed(4)
+    fast = wiola.fast.WiolaModel(config).eval().requires_grad_(False)
+    with torch.no_grad():
+        for p in fast.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    ref = wiola.WiolaModel(config).eval()
+    ref.load_state_dict(fast.state_dict())
+    ids = torch.randint(0, config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(5))
+    cache = fast.new_cache(2, 43)
+    got = [fast(ids, cache=cache).logits]
+    tokens = ids
+    for _ in range(3):
+        nxt = got[-1][:, -1:].argmax(-1)
+        tokens = torch.cat([tokens, nxt], 1)
+        got.append(fast(nxt, cache=cache).logits)
+    got = torch.cat(got, 1)
+    with AbsSums(ref) as sums:
+        want = ref(tokens).logits
+    allowed = bound(config, tokens.shape[1], sums.head)
+    assert_within("norm_eps 0.5: the fast model's prompt and steps", want, got, allowed, "C++ prompt and step")
+    other = wiola.WiolaModel(dataclasses.replace(config, norm_eps=1e-6)).eval()
+    other.load_state_dict(fast.state_dict())
+    assert ((other(tokens).logits - want).abs() > allowed).any(), "the bound cannot tell another eps"
 
 
 @torch.inference_mode()

@@ -159,6 +159,24 @@ def test_bad_inputs_raise(monkeypatch):
         kr.rms_norm(x, weight)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_reference_takes_half_inputs_statistics_in_fp32(dtype) -> None:
+    """SPEC: statistics in float32 whatever the input's dtype. A bf16/fp16 input's output is the
+    fp32 formula's, rounded once at the end (bitwise: the same fp32 operations), with the
+    residual's sum kept in the input's dtype; the same statistics in bf16 differ (it can fail)."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 256, generator=g) * 3 + 1).to(dtype)
+    r = torch.randn(64, 256, generator=g).to(dtype)
+    w = (torch.rand(256, generator=g) + 0.5).to(dtype)
+    y, h = reference(x, w, 1e-6, r)
+    assert h.dtype == dtype and torch.equal(h, x + r)
+    hf = h.float()
+    want = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()).to(dtype)
+    assert torch.equal(y, want)
+    in_dtype = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    assert not torch.equal(in_dtype, want), "the check cannot tell statistics in the input's dtype"
+
+
 def test_eps_keeps_a_near_zero_row_finite_and_small() -> None:
     """``eps`` is inside the root: a row of zeros normalises to zeros (not NaN), and a row far
     below ``sqrt(eps)`` is scaled by about ``1/sqrt(eps)``, not to unit RMS."""
