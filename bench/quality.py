@@ -51,6 +51,14 @@ def _nll_sums(logits: torch.Tensor, targets: torch.Tensor) -> float:
 
 
 @torch.inference_mode()
+def loss_columns(logits: torch.Tensor, targets: torch.Tensor, n_bytes: int, fp32_loss: float) -> dict[str, float]:
+    """A form's validation columns: its mean loss (nats a target), bits per byte of the targets'
+    text (``n_bytes``) and the loss's difference from the fp32 reference's (positive: worse)."""
+    nats = _nll_sums(logits, targets)
+    loss = nats / targets.numel()
+    return {"val_loss": loss, "bits_per_byte": nats / math.log(2) / n_bytes, "delta_loss_vs_fp32": loss - fp32_loss}
+
+
 def step_logits(model: Any, x: torch.Tensor) -> torch.Tensor:
     """``(B, T, V)`` logits of ``x`` fed one token a call through ``model``'s cache (the C++ step)."""
     B, T = x.shape
@@ -126,14 +134,10 @@ def measure(checkpoint: Path, windows: int, seq_len: int, new_tokens: int, work:
     want = reference.generate(prompts, new_tokens, temperature=0, eos_token_id=None)  # as the runtimes: no eos
 
     def row(form: str, where: str, logits: torch.Tensor, tokens: torch.Tensor, extra: dict | None = None) -> dict:
-        nats = _nll_sums(logits, targets)
-        loss = nats / targets.numel()
         return {
             "form": form,
             "runs_in": where,
-            "val_loss": loss,
-            "bits_per_byte": nats / math.log(2) / n_bytes,
-            "delta_loss_vs_fp32": loss - full.loss,
+            **loss_columns(logits, targets, n_bytes, full.loss),
             "next_token": kl_statistics(ref_logits, logits),
             "greedy": agreement(want, tokens),
             **(extra or {}),

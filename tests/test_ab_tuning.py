@@ -52,6 +52,28 @@ def test_each_value_is_timed_with_equal_logits(knob, values, step_built, tmp_pat
     assert (tmp_path / "ab.png").stat().st_size > 0
 
 
+def test_times_are_per_step_and_speeds_relative_to_the_first_value(step_built, monkeypatch):
+    """On a clock that a step advances by 2 ms at ``prefetch_rows`` 4 and 1 ms at 16: each value's
+    median and fastest time are per step (blocks of 4 steps), and 16 runs 2.00x as fast as 4."""
+    from wiola.fast import step_layout
+
+    index = step_layout.DIMS.index("prefetch_rows")
+    clock = [0.0]
+    real = decode_step_cpu.DecodeStepCPU.__call__
+
+    def timed(self, tokens, slot):
+        clock[0] += 0.002 if self.dims[index] == 4 else 0.001
+        return real(self, tokens, slot)
+
+    monkeypatch.setattr(decode_step_cpu.DecodeStepCPU, "__call__", timed)
+    monkeypatch.setattr(ab_tuning.time, "perf_counter", lambda: clock[0])
+    rec = ab_tuning.run("prefetch_rows", [4, 16], "int8", batch=1, rounds=2, steps=4, prompt=5, config=CONFIG)
+    slow, fast = rec["values"]["4"], rec["values"]["16"]
+    assert (slow["median_us"], slow["min_us"], fast["median_us"]) == pytest.approx((2000, 2000, 1000))
+    assert (slow["speed_vs_first"], fast["speed_vs_first"]) == pytest.approx((1.0, 2.0))
+    assert rec["steps_per_block"] == 4
+
+
 def test_a_knob_that_changes_results_is_caught(step_built, monkeypatch):
     """The equality check can fail: the gate's switch (a dimension that does change the logits)
     passed off as a knob."""

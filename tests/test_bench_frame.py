@@ -100,6 +100,8 @@ def test_run_record_metrics_and_baselines() -> None:
     assert rec["gbs"] == pytest.approx(cost.bytes / t / 1e9)
     floor = max(cost.flops / 1e11, cost.bytes / 1e10)
     assert rec["floor_s"] == pytest.approx(floor) and rec["pct_floor"] == pytest.approx(100 * floor / t)
+    assert rec["mfu_pct"] == pytest.approx(100 * cost.flops / t / 1e11)  # of the matmul ceiling, in %
+    assert rec["time_iqr_s"] >= 0
     assert rec["tokens_per_s"] == pytest.approx(64 / t)
     twice = rec["baselines"]["twice"]
     assert twice["speedup"] == pytest.approx(twice["time_s"] / t)
@@ -358,3 +360,12 @@ def test_loop_time_is_a_call_in_a_loop(monkeypatch) -> None:
     monkeypatch.setattr(frame.time, "perf_counter", lambda: clock[0])
     assert frame.loop_time(fn, (7,), steps=4, rounds=3) == 0.5  # median of 0.5, 0.25, 2.0 a call
     assert calls == [7] * 14
+
+
+def test_spread_and_ceiling_units_by_hand() -> None:
+    """``time_iqr_s`` is the third quartile less the first (statistics' exclusive method: 4.5 for
+    1..8); fewer than 4 times have none; the ceilings record GB/s and TFLOP/s in decimal units."""
+    assert frame._iqr([1, 2, 3, 4, 5, 6, 7, 8]) == 4.5 and frame._iqr([1, 2, 3]) == 0.0
+    c = frame.Ceilings("cpu", "x", 2e12, 20e9, "m", "c", cache_copy_bytes_per_s=50e9)
+    d = c.as_dict()
+    assert (d["matmul_tflops"], d["copy_gbs"], d["cache_copy_gbs"]) == (2.0, 20.0, 50.0)

@@ -238,6 +238,14 @@ def test_a_short_run_shrinks_the_required_stages_as_the_script_does(capsys) -> N
     b = plan.BUDGETS
     assert budgets["headline"] == 0 and budgets["parity"] == 100 - b["setup"] - b["report"]
     assert {s.name: s.budget_s for s in plan.default_stages(420)}["headline"] == b["headline"]
+    # between: the headline leaves setup, parity and the report theirs; extra takes what every
+    # other stage (the sanitizer's and the split's included) leaves
+    for total, headline, extra in ((300, 140, 0), (320, 160, 0), (420, 160, 0), (500, 160, 60)):
+        budgets = {s.name: s.budget_s for s in plan.default_stages(total)}
+        assert (budgets["headline"], budgets["extra"]) == (headline, extra), (total, budgets)
+        assert headline == min(b["headline"], total - b["setup"] - b["parity"] - b["report"])
+        others = ("setup", "headline", "parity", "split", "sanitizer", "report")
+        assert extra == max(0, total - sum(b[k] for k in others))
     assert plan.main(["--budget", "100"]) == 1
     assert "a required stage does NOT fit" in capsys.readouterr().out
     assert plan.main([]) == 0

@@ -9,7 +9,7 @@ import statistics
 import pytest
 import torch
 
-from bench.quality import PROMPT_LEN, agreement, kl_statistics, main
+from bench.quality import PROMPT_LEN, agreement, kl_statistics, loss_columns, main, markdown
 
 
 def test_identical_distributions():
@@ -93,3 +93,25 @@ def test_lengths_past_the_model_and_an_out_that_is_a_file_exit_2_before_any_work
         main([str(tmp_path / "ckpt"), "--out", str(tmp_path / "afile")])
     assert exit_info.value.code == 2 and "is a file, not a folder" in capsys.readouterr().err
     assert (tmp_path / "afile").read_text() == "kept"
+
+
+def test_loss_columns_by_hand():
+    """Uniform logits over 3 ids: ln 3 nats a target; 2 targets of 4 bytes: 2 ln 3 / ln 2 / 4 bits
+    a byte; the difference from an fp32 loss of 0.5 is ln 3 - 0.5 (positive: worse)."""
+    got = loss_columns(torch.zeros(1, 2, 3), torch.tensor([[1, 2]]), 4, 0.5)
+    assert got["val_loss"] == pytest.approx(math.log(3), rel=1e-6)
+    assert got["bits_per_byte"] == pytest.approx(2 * math.log(3) / math.log(2) / 4, rel=1e-6)
+    assert got["delta_loss_vs_fp32"] == pytest.approx(math.log(3) - 0.5, rel=1e-6)
+
+
+def test_markdown_rows_by_hand():
+    row = {"form": "int8", "runs_in": "our step", "val_loss": 1.25, "delta_loss_vs_fp32": -0.001, "bits_per_byte": 0.5,
+           "next_token": {"kl_mean": 1e-4, "kl_mean_stderr": 2e-5, "kl_p99": 3e-3, "same_top_pct": 99.5},
+           "greedy": {"mean_before_diff": 200.0, "min_before_diff": 7, "same_pct": 90.0}}  # fmt: skip
+    res = {"checkpoint": "c", "model": {"parameters": 1234}, "tokenizer": "t", "rows": [row],
+           "validation": {"windows": 2, "seq_len": 3, "targets": 6, "bytes": 9},
+           "greedy": {"prompts": 8, "new_tokens": 256}}  # fmt: skip
+    (line,) = [line for line in markdown([res]).splitlines() if line.startswith("| int8")]
+    assert line == (
+        "| int8 | our step | 1.2500 | -0.0010 | 0.5000 | 1.00e-04 ± 2.0e-05 | 3.00e-03 | 99.50% | 200 / 7 | 90.0% |"
+    ), line

@@ -383,3 +383,16 @@ def test_loop_time_gets_a_note(tmp_path: Path) -> None:
     assert report.main([str(path), "--out", str(out)]) == 0
     note = "B1-P512-N256 (wiola.fast) in a loop (10 calls back to back, one sync): 37 ms a call, 442,811 tok/s, 3.70×"
     assert note in out.read_text()
+
+
+def test_summary_lines_by_hand() -> None:
+    """The terminal table: a row per record with its time, tokens/s, the % of its (roofline) floor,
+    and each baseline as baseline time / ours; a record without a floor shows a dash."""
+    timed = {"op": "decode", "mode": "cpu", "impl": "ours", "shape_id": "B1", "time_s": 0.002, "tokens_per_s": 500.0,
+             "pct_floor": 40.0, "pct_floor_l3": 90.0, "baselines": {"peer": {"time_s": 0.006}}}  # fmt: skip
+    bare = {"op": "prefill", "impl": "ours", "shape_id": "P8", "time_s": 1.0, "baselines": {"x": {"unavailable": "no"}}}
+    run = report.Run(Path("r.json"), {}, [timed, bare])
+    header, first, second = report.summary_lines([run])
+    assert header.split()[:5] == ["benchmark", "shape", "impl", "ours", "floor"]
+    assert first.split() == ["decode", "cpu", "B1", "ours", "2", "ms", "·", "500", "tok/s", "40%", "peer", "3.00×"]
+    assert second.split()[-3:] == ["—", "x", "n/a"], second

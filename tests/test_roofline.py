@@ -184,6 +184,8 @@ def test_quantized_weight_bytes() -> None:
     assert rl.weight_bytes(SMALL) == 2004 * 4
     assert rl.weight_bytes(SMALL, "int8") == 1936 + 226 * 4 + 68 * 4
     assert rl.weight_bytes(SMALL, "bf16") == 1936 * 2 + 68 * 4
+    assert rl.weight_bytes(SMALL, "int8", 2) == 1936 + 226 * 4 + 68 * 2  # the rest at dtype's 2 bytes
+    assert rl.weight_bytes(SMALL, None, torch.bfloat16) == 2004 * 2
     with pytest.raises(ValueError, match="scheme='int2'"):
         rl.weight_bytes(SMALL, "int2")
     # and against what a quantized model holds
@@ -202,3 +204,20 @@ def test_quantized_weight_bytes() -> None:
         assert rl.weight_bytes(SMALL, scheme) == held
     step = rl.decode_step(SMALL, 3, 5, torch.float32, weights=3112)
     assert step == rl.decode_step(SMALL, 3, 5, torch.float32) + Cost(0, 3112 - 8016)
+
+
+@pytest.mark.parametrize("gate", [True, False])
+def test_layer_products_and_weights_follow_wiola_budget_with_and_without_the_gate(gate) -> None:
+    """Every layer's matrix products (projections, gate, butterfly) as ``wiola.budget`` counts them,
+    and every weight as the model holds it: a model without the gate has neither its products nor
+    its parameters."""
+    import dataclasses
+
+    from wiola import WiolaModel, budget
+
+    config = dataclasses.replace(SMALL, gate=gate)
+    per_token = budget(config, seq_len=1).forward_flops_per_token
+    want = per_token["attention projections"] + per_token["gate"] + per_token["butterfly"]
+    assert rl._layer_matrix_flops(config) * config.n_layers == want
+    assert (per_token["gate"] > 0) == gate
+    assert rl.weight_bytes(config) == WiolaModel(config).num_parameters() * 4
