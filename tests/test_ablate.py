@@ -282,6 +282,15 @@ def test_bad_flags_exit_2_and_write_nothing(tmp_path, capsys, flags, message):
     assert afile.read_text() == "hi\n" and not folder.exists() and sorted(tmp_path.iterdir()) == [afile, spec]
 
 
+def test_without_out_a_sweep_goes_to_runs_ablate_and_the_specs_name(tmp_path, capsys, monkeypatch):
+    """No ``--out``: ``runs/ablate-<spec file name without its suffix>``, under the current folder."""
+    spec = _write_spec(tmp_path / "ffn.json", grid={"ffn": ["butterfly"]})
+    monkeypatch.chdir(tmp_path)
+    assert main(["ablate", str(spec), "--print-commands"]) == 0
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["ablate-ffn"]
+    assert "runs/ablate-ffn" in capsys.readouterr().out
+
+
 def test_the_report_hint_is_shell_quoted(tmp_path, capsys):
     import shlex
 

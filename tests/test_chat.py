@@ -473,6 +473,23 @@ def test_chat_cli_shows_and_keeps_text_held_back_for_the_marker_at_eos(monkeypat
     assert saved[-1][-2] == {"role": "assistant", "content": "Use x <"}, saved[-1]
 
 
+def test_chat_cli_reset_clears_the_history_and_the_system_message_opens_each_prompt_once(monkeypatch, capsys) -> None:
+    """After ``/reset`` the next prompt holds the new question alone; with ``--system`` each
+    prompt opens with the system message, once, then the turns."""
+    tok = _with_template(CHATML)
+    saved = []
+    monkeypatch.setattr("wiola.chat.fit_history", _recording(saved))
+    model = Scripted([*tok.encode_batch(["Yes."])[0], tok.eos_token_id])
+    code, out, _ = _chat_cli(monkeypatch, capsys, "ckpt", "hello\n/reset\nagain\n", loaded=(model, tok))
+    assert code == 0 and "(conversation cleared)" in out, out
+    assert saved[-1] == [{"role": "user", "content": "again"}], saved[-1]
+    saved.clear()
+    code, _, _ = _chat_cli(monkeypatch, capsys, "ckpt", "hello\nagain\n", "--system", "Be brief.", loaded=(model, tok))
+    assert code == 0
+    assert [m["role"] for m in saved[-1]] == ["system", "user", "assistant", "user"], saved[-1]
+    assert saved[-1][0] == {"role": "system", "content": "Be brief."}
+
+
 def _recording(saved: list):
     """``fit_history`` that also appends each conversation it is given to ``saved``."""
     from wiola.chat import fit_history

@@ -112,6 +112,9 @@ def test_every_help_shows_the_defaults():
     checked = 0
     for path, parser in _commands(build_parser()):
         text = " ".join(parser.format_help().split())
+        assert "(default: False)" not in text and "(default: True)" not in text, (
+            f"wiola {' '.join(path)} --help shows a switch's default (it says nothing)"
+        )
         for action in parser._actions:
             if not action.option_strings or action.default is None or isinstance(action.default, bool):
                 continue
@@ -320,6 +323,47 @@ def test_chat_checks_sampling_flags_before_loading(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(wiola.train.finetune, "load_finetuned", lambda *_, **__: pytest.fail("loaded first"))
     _refuses(["chat", "--checkpoint", str(tmp_path), "--top-k", "-1"], capsys, "--top-k -1: top_k must be a positive")
     _refuses(["chat", "--checkpoint", str(tmp_path), "--temperature", "inf"], capsys, "--temperature inf:")
+
+
+def test_tokenizer_train_reads_exactly_max_documents(tmp_path, capsys):
+    """``--max-documents 3`` trains on the first 3 documents: the summary says 3, and the
+    tokenizer is the one trained on those 3 alone."""
+    from wiola.cli import main
+    from wiola.tokenizer import load_tokenizer, train_tokenizer
+
+    docs = [f"Story {i}: the cat number {i} sat on mat {i * 7} and looked at sun {i * 13}." for i in range(10)]
+    (tmp_path / "c.txt").write_text("<|endoftext|>".join(docs))
+    out = tmp_path / "tok"
+    assert main(["tokenizer", "train", "--data", str(tmp_path / "c.txt"), "--vocab-size", "300", "--out", str(out),
+                 "--max-documents", "3", "--no-progress"]) == 0  # fmt: skip
+    assert "trained on 3 documents" in capsys.readouterr().err
+    want = train_tokenizer(docs[:3], 300, show_progress=False)
+    assert load_tokenizer(out).fingerprint == want.fingerprint
+
+
+def test_match_params_ties_round_down_and_the_tolerance_is_inclusive():
+    """A total exactly between two d_ff's (3,150 between 3,142 and 3,158) takes the smaller; a gap
+    equal to ``tolerance`` is taken, one just above it refused."""
+    import dataclasses
+
+    from wiola import budget
+    from wiola.budget import match_params
+
+    base = WiolaConfig(vocab_size=100, d_model=8, n_layers=1, n_heads=2, d_ff=16, max_seq_len=16)
+    gelu = dataclasses.replace(base, ffn="gelu")  # 16 parameters a unit of d_ff
+    rest = budget(dataclasses.replace(gelu, d_ff=1)).total_params - 16
+    tie = next(b for b in (dataclasses.replace(base, vocab_size=v, d_ff=64) for v in range(100, 200))
+               if (budget(b).total_params - rest) % 16 == 8)  # fmt: skip
+    target = budget(tie).total_params
+    totals = {f: budget(dataclasses.replace(gelu, d_ff=f)).total_params for f in range(1, 400)}
+    below = max(f for f, t in totals.items() if t < target)
+    assert totals[below + 1] - target == target - totals[below], "not a tie"
+    matched = match_params(gelu, tie)
+    assert matched.d_ff == below
+    gap = (target - totals[below]) / target
+    assert match_params(gelu, tie, tolerance=gap).d_ff == below
+    with pytest.raises(ValueError, match="more than"):
+        match_params(gelu, tie, tolerance=gap * 0.999)
 
 
 def test_tokenizer_train_says_when_the_corpus_gives_fewer_ids_than_asked(tmp_path, capsys):

@@ -98,6 +98,18 @@ def test_stdin_jsonl_and_num_samples(checkpoint):
     assert len(lines) == 2 and lines[0].startswith("CPU decoding:") and "6 samples" in lines[1], lines
 
 
+def test_prompt_lines_as_json_strings_and_the_lowest_seed(checkpoint):
+    """A prompt file's lines may be JSON strings (their quotes are not prompt text); a seed at the
+    bottom of the documented range [-2**63, 2**64) is taken."""
+    lines = "".join(json.dumps(p) + "\n" for p in PROMPTS[:2])
+    args = ["--checkpoint", str(checkpoint), "--max-new-tokens", "3", "--temperature", "0", "--device", "cpu"]
+    done = _run("generate", *args, "--prompt-file", "-", "--json", stdin=lines)
+    assert done.returncode == 0, done.stderr
+    assert [json.loads(line)["prompt"] for line in done.stdout.splitlines()] == PROMPTS[:2]
+    low = _run("generate", *args, "--prompt", PROMPTS[0], "--seed", str(-(2**63)))
+    assert low.returncode == 0, low.stderr
+
+
 def test_echo_and_stop_text_of_one_prompt(checkpoint, capsys):
     ids, text = _solo(checkpoint, PROMPTS[0], 20)
     stop = text[len(text) // 2 : len(text) // 2 + 2]
@@ -287,7 +299,8 @@ def test_streamed_text_ends_before_eos(gpt2_checkpoints, capsys):
         out = capsys.readouterr().out
         assert out == "The cat" + text + "\n", f"{path}: {out!r}"
     assert main([*args, "--temperature", "0", "--device", "cpu", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["text"] == text
+    row = json.loads(capsys.readouterr().out)
+    assert row["text"] == text and row["finish_reason"] == "stop" and len(row["ids"]) < 8, row  # ended at eos
 
 
 @pytest.mark.parametrize(

@@ -431,3 +431,10 @@ def test_generate_cli_quantizes(tmp_path, capsys, plain_cpu):
     assert captured.out == want and "int8 weights" in captured.err
     assert main([*args, "--device", "cpu", "--quantize", "bf16", "--reference"]) == 2
     assert capsys.readouterr().err.strip().endswith("error: --quantize runs on wiola.fast (drop --reference)")
+    fresh = wiola.fast.WiolaModel.from_pretrained(tmp_path).eval().requires_grad_(False)
+    quantize(fresh, "int8").save_pretrained(tmp_path / "int8")  # --quantize of the scheme it has: nothing to redo
+    again = ["generate", "--checkpoint", str(tmp_path / "int8"), "--prompt", "Once upon", "--max-new-tokens", "5"]
+    assert main([*again, "--temperature", "0", "--device", "cpu", "--quantize", "int8"]) == 0
+    assert capsys.readouterr().out == want
+    assert main([*again, "--temperature", "0", "--device", "cpu", "--quantize", "int4"]) == 2
+    assert "cannot redo it" in capsys.readouterr().err
