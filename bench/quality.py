@@ -112,7 +112,7 @@ def measure(checkpoint: Path, windows: int, seq_len: int, new_tokens: int, work:
     from wiola.export.onnx import export_onnx
     from wiola.export.runner import OnnxModel
     from wiola.fast import WiolaModel as FastModel
-    from wiola.fast import decode_step_cpu
+    from wiola.fast import ops as fast_ops
     from wiola.fast.quantize import quantize
     from wiola.train.evaluate import evaluate, target_bytes, token_byte_lengths
     from wiola.train.sources import resolve_source
@@ -164,7 +164,7 @@ def measure(checkpoint: Path, windows: int, seq_len: int, new_tokens: int, work:
         rows.append(
             row(
                 scheme,
-                f"our step ({decode_step_cpu.describe_model(model)})",
+                f"our step ({fast_ops.describe_cpu_decoding(model)})",
                 logits,
                 tokens,
                 {"seconds": time.perf_counter() - t0},

@@ -369,7 +369,7 @@ def test_bad_input_exits_2(args, message, capsys):
 def test_a_model_the_step_does_not_decode_exits_2_saying_why(step_available, checkpoint):
     """With the kernels off (``WIOLA_FAST_KERNELS=off``, read when ``wiola.fast`` is imported) the
     model decodes on the PyTorch path: there is nothing to time, and one line says why (the other
-    reasons: ``test_describe_model_names_what_keeps_the_step_off``)."""
+    reasons: ``test_describe_cpu_decoding_names_what_keeps_the_step_off``)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "WIOLA_FAST_KERNELS": "off"}
     done = subprocess.run(
         [sys.executable, "-m", "wiola", "bench", "--checkpoint", str(checkpoint), "-p", "4", "-n", "2", "-r", "1"],

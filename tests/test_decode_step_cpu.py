@@ -701,23 +701,23 @@ def test_wiola_generate_names_the_path(plain_cpu, capsys, monkeypatch):
         assert "CPU decoding: Triton kernels (TRITON_INTERPRET=1)\n" in capsys.readouterr().err
 
 
-def test_describe_model_names_what_keeps_the_step_off(plain_cpu):
-    """``describe_model`` follows ``cpu_step_applies``' conditions that belong to the model: its
+def test_describe_cpu_decoding_names_what_keeps_the_step_off(plain_cpu):
+    """``describe_cpu_decoding`` follows ``cpu_step_applies``' conditions that belong to the model: its
     switch, a feed-forward variant without a C++ step, a LoRA adapter; else the step's line."""
     from wiola.fast.quantize import quantize
 
     model = wiola.fast.WiolaModel(SMALL).eval()
-    assert decode_step_cpu.describe_model(model) == decode_step_cpu.describe(config=SMALL)
+    assert fast_ops.describe_cpu_decoding(model) == decode_step_cpu.describe(config=SMALL)
     int8 = quantize(wiola.fast.WiolaModel(SMALL).eval().requires_grad_(False), "int8")
-    assert decode_step_cpu.describe_model(int8) == decode_step_cpu.describe(config=SMALL, scheme="int8")
-    assert "kernels are off" in decode_step_cpu.describe_model(model.use_kernels(False))
+    assert fast_ops.describe_cpu_decoding(int8) == decode_step_cpu.describe(config=SMALL, scheme="int8")
+    assert "kernels are off" in fast_ops.describe_cpu_decoding(model.use_kernels(False))
     with pytest.warns(UserWarning, match="no fused kernel"):
         swiglu = wiola.fast.WiolaModel(dataclasses.replace(SMALL, ffn="swiglu"))
-    assert decode_step_cpu.describe_model(swiglu).startswith("PyTorch (wiola.fast: ffn='swiglu'")
+    assert fast_ops.describe_cpu_decoding(swiglu).startswith("PyTorch (wiola.fast: ffn='swiglu'")
     peft = pytest.importorskip("peft")
     lora = wiola.fast.WiolaModel(SMALL).eval()
     lora = peft.get_peft_model(lora, peft.LoraConfig(r=2, target_modules=["q_proj"])).base_model.model
-    assert "LoRA adapter" in decode_step_cpu.describe_model(lora)
+    assert "LoRA adapter" in fast_ops.describe_cpu_decoding(lora)
 
 
 # ------------------------------------------------------------------ use by wiola.fast

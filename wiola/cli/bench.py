@@ -172,6 +172,7 @@ def _bench(args: argparse.Namespace) -> int:
     from wiola import WiolaConfig
     from wiola.checkpoint import resolve_checkpoint
     from wiola.fast import WiolaModel, decode_step_cpu, prefill, speed
+    from wiola.fast import ops as fast_ops
     from wiola.fast.quantize import int4_refusal, quantize
 
     if args.revision is not None and not args.checkpoint:
@@ -196,7 +197,7 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"int4 left out: {reason}", file=sys.stderr)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    why = decode_step_cpu.describe_model(base)
+    why = fast_ops.describe_cpu_decoding(base)
     if not why.startswith("C++"):
         raise RuntimeError(f"the C++ CPU step does not decode this model here, so there is nothing to time: {why}")
     path = decode_step_cpu.describe()  # with torch's threads: each row names its own step's

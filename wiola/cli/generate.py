@@ -223,10 +223,10 @@ def _generate(args: argparse.Namespace) -> int:
     from wiola.generation import check_generate_inputs
 
     if args.fast and torch.device(args.device).type == "cpu":  # which path decodes, in one line
-        from wiola.fast.decode_step_cpu import describe_model
+        from wiola.fast.ops import describe_cpu_decoding
 
         scheme = getattr(model, "quantization", None)
-        print(f"CPU decoding: {describe_model(model)}{f', {scheme} weights' if scheme else ''}", file=sys.stderr)
+        print(f"CPU decoding: {describe_cpu_decoding(model)}{f', {scheme} weights' if scheme else ''}", file=sys.stderr)
     ids, mask, rows = encode_batch(enc, prompts, model.config.vocab_size, args.num_samples, args.device)
     # generate's own checks (a prompt plus --max-new-tokens past max_seq_len), before the prompt is echoed
     check_generate_inputs(model, ids, args.max_new_tokens, None if len(rows) == 1 else mask)

@@ -419,26 +419,6 @@ def describe(isa: str | None = None, config: WiolaConfig | None = None, scheme: 
     return f"C++ step, {select_isa(isa)}, {n} thread{'s' if n != 1 else ''}"
 
 
-def describe_model(model: Any) -> str:
-    """``describe`` for the one-token CPU steps of ``model`` (a ``wiola.fast.WiolaModel``): the
-    PyTorch path and why where the model itself keeps the step off (its kernels off, by
-    ``WIOLA_FAST_KERNELS`` or ``use_kernels(False)``; a feed-forward variant the step does not
-    implement; a LoRA adapter), the Triton kernels under ``TRITON_INTERPRET=1``, else
-    ``describe(config=, scheme=)`` with the model's own weights and threads."""
-    from wiola.fast import ops
-    from wiola.model import has_adapters
-
-    if not model.kernels_enabled:
-        return f"PyTorch path: the model's kernels are off ({ops.KERNELS_ENV} or use_kernels(False))"
-    if model.config.ffn != "butterfly":
-        return f"PyTorch ({model.describe()})"
-    if has_adapters(model):
-        return "PyTorch path: the C++ step reads the base weights, not a LoRA adapter's"
-    if ops.kernels_usable(torch.empty(0)):
-        return "Triton kernels (TRITON_INTERPRET=1)"
-    return describe(config=model.config, scheme=getattr(model, "quantization", None))
-
-
 PREFETCH_ROWS = 8  # rows ahead of the product's block that are prefetched
 # (vendor, family, models) that prefetch at least PREFETCH_BYTES ahead: rows of fewer bytes go
 # further. AMD Zen 5 (EPYC 9005 "Turin", family 26, models 0-31; measured on model 2): the 13m bf16

@@ -423,6 +423,25 @@ def cpu_decode_step(
     return step or None
 
 
+def describe_cpu_decoding(model: Any) -> str:
+    """One line saying how the one-token CPU steps of ``model`` (a ``wiola.fast.WiolaModel``)
+    decode: the PyTorch path and why where the model itself keeps the C++ step off (its kernels
+    off, by ``WIOLA_FAST_KERNELS`` or ``use_kernels(False)``; a feed-forward variant the step does
+    not implement; a LoRA adapter), the Triton kernels under ``TRITON_INTERPRET=1``, else
+    ``decode_step_cpu.describe(config=, scheme=)``, with the model's own weights and threads."""
+    if not model.kernels_enabled:
+        return f"PyTorch path: the model's kernels are off ({KERNELS_ENV} or use_kernels(False))"
+    if model.config.ffn != "butterfly":
+        return f"PyTorch ({model.describe()})"
+    if has_adapters(model):
+        return "PyTorch path: the C++ step reads the base weights, not a LoRA adapter's"
+    if kernels_usable(torch.empty(0)):
+        return "Triton kernels (TRITON_INTERPRET=1)"
+    from wiola.fast import decode_step_cpu
+
+    return decode_step_cpu.describe(config=model.config, scheme=getattr(model, "quantization", None))
+
+
 def cpu_step_applies(model: Any, cache: Any) -> bool:
     """Whether the C++ step may compute ``model`` on ``cache`` in this context (the conditions of
     ``cpu_decode_step`` that are not about the input): the model's kernels on, the paper's
