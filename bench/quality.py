@@ -50,7 +50,6 @@ def _nll_sums(logits: torch.Tensor, targets: torch.Tensor) -> float:
     return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), targets.reshape(-1), reduction="sum"))
 
 
-@torch.inference_mode()
 def loss_columns(logits: torch.Tensor, targets: torch.Tensor, n_bytes: int, fp32_loss: float) -> dict[str, float]:
     """A form's validation columns: its mean loss (nats a target), bits per byte of the targets'
     text (``n_bytes``) and the loss's difference from the fp32 reference's (positive: worse)."""
@@ -59,6 +58,7 @@ def loss_columns(logits: torch.Tensor, targets: torch.Tensor, n_bytes: int, fp32
     return {"val_loss": loss, "bits_per_byte": nats / math.log(2) / n_bytes, "delta_loss_vs_fp32": loss - fp32_loss}
 
 
+@torch.inference_mode()
 def step_logits(model: Any, x: torch.Tensor) -> torch.Tensor:
     """``(B, T, V)`` logits of ``x`` fed one token a call through ``model``'s cache (the C++ step)."""
     B, T = x.shape
