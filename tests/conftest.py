@@ -81,3 +81,19 @@ def offline_tokenizer():
         os.environ.pop("WIOLA_BPE_FILE", None)
     else:
         yield
+
+
+def count_step_calls(monkeypatch) -> list[int]:
+    """A one-element list counting the C++ step's one-token calls (``DecodeStepCPU.__call__``)
+    from now on in this test."""
+    from wiola.fast import decode_step_cpu
+
+    calls = [0]
+    original = decode_step_cpu.DecodeStepCPU.__call__
+
+    def counted(self, tokens, slot):
+        calls[0] += 1
+        return original(self, tokens, slot)
+
+    monkeypatch.setattr(decode_step_cpu.DecodeStepCPU, "__call__", counted)
+    return calls

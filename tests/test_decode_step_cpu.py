@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ISAS_HERE
+from conftest import ISAS_HERE, count_step_calls
 from cpu_prompt_oracle import (
     PROMPT_CASES,
     check_prompt_attention,
@@ -730,20 +730,8 @@ def _fast_pair(config: wiola.WiolaConfig) -> tuple[wiola.WiolaModel, wiola.fast.
     return ref, fast
 
 
-def _count_calls(monkeypatch) -> list[int]:
-    calls = [0]
-    original = decode_step_cpu.DecodeStepCPU.__call__
-
-    def counted(self, tokens, slot):
-        calls[0] += 1
-        return original(self, tokens, slot)
-
-    monkeypatch.setattr(decode_step_cpu.DecodeStepCPU, "__call__", counted)
-    return calls
-
-
 def test_fast_generate_uses_the_step_and_matches_reference(plain_cpu, monkeypatch):
-    calls = _count_calls(monkeypatch)
+    calls = count_step_calls(monkeypatch)
     loops = [0]
     original = decode_step_cpu.DecodeStepCPU.generate_loop
 
@@ -768,7 +756,7 @@ def test_fast_generate_uses_the_step_and_matches_reference(plain_cpu, monkeypatc
 def test_fast_forward_dispatch(plain_cpu, monkeypatch):
     """The step runs only for one-token, gradient-free fp32 CPU calls with a cache; the rest
     (chunks, masks, gradients, use_kernels(False)) keep the PyTorch path and still agree."""
-    calls = _count_calls(monkeypatch)
+    calls = count_step_calls(monkeypatch)
     ref, fast = _fast_pair(SMALL)
     ids, _ = left_padded_prompt(SMALL.vocab_size, 2, 9, 0)
     ref_cache, cache = ref.new_cache(2, 20), fast.new_cache(2, 20)

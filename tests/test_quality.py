@@ -120,19 +120,13 @@ def test_markdown_rows_by_hand():
 def test_step_logits_run_the_cpp_step(plain_cpu, monkeypatch):
     """``step_logits`` feeds one token a call with gradients off, so that the C++ step computes
     them (the quality table's "our step" row), and returns every position's logits."""
+    from conftest import count_step_calls
+
     import wiola
     import wiola.fast
     from bench.quality import step_logits
-    from wiola.fast import decode_step_cpu
 
-    calls = [0]
-    real = decode_step_cpu.DecodeStepCPU.__call__
-
-    def counted(self, tokens, slot):
-        calls[0] += 1
-        return real(self, tokens, slot)
-
-    monkeypatch.setattr(decode_step_cpu.DecodeStepCPU, "__call__", counted)
+    calls = count_step_calls(monkeypatch)
     config = wiola.WiolaConfig(vocab_size=100, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=16)
     model = wiola.fast.WiolaModel(config).eval()
     x = torch.randint(0, 100, (2, 5), generator=torch.Generator().manual_seed(0))
