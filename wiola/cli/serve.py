@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import socket
 import sys
 
 import torch
@@ -40,7 +39,7 @@ def _serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from wiola.cli.generate import load_model, quantize_model
-    from wiola.serve import serve
+    from wiola.serve import listening_socket, serve
 
     for module in ("starlette", "uvicorn"):
         try:
@@ -57,7 +56,7 @@ def _serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     try:  # a port in use is bad input, said before the model loads; the socket is the one served
-        sock = socket.create_server((args.host, args.port))
+        sock = listening_socket(args.host, args.port)
     except OSError as e:
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     with sock:
