@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     meta["load_average_after"] = os.getloadavg()
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     md = [f"# wiola serve: {args.requests} streamed requests, concurrent vs sequential ({today})", "",
-          f"CPU: {cpu['model']} ({os.cpu_count()} cores), flags: {cpu['flags']}", f"Step: {meta['step']}",
+          f"CPU: {meta['cpu_model']} ({os.cpu_count()} cores), flags: {cpu['flags']}", f"Step: {meta['step']}",
           f"Load average before / after: {meta['load_average_before']} / {meta['load_average_after']}",
           f"{args.note}", "", _table(rows), ""]  # fmt: skip
     (args.out / "results.md").write_text("\n".join(md))
