@@ -22,18 +22,14 @@ import wiola
 import wiola.ops.linear as linear_ops
 from wiola.fast import WiolaModel as FastModel
 from wiola.fast import decode_step_cpu
-from wiola.fast.speed import prompt_run
+from wiola.fast.speed import interleaved, prompt_run
 
 
 def median_s(fn: Callable[[], object], reps: int, warm: int = 5) -> float:
+    """``fn``'s median seconds over ``reps`` calls after ``warm`` untimed ones (``speed.interleaved``)."""
     for _ in range(warm):
         fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[reps // 2]
+    return interleaved({"fn": fn}, reps)["fn"]
 
 
 def main() -> None:
