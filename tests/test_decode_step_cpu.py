@@ -1114,6 +1114,72 @@ def test_prompt_attention_matches_float64(case, isa):
     assert bool(((off_by_one - want).abs() > allowed)[real].any()), "the bound cannot tell a causal mask off by one"
 
 
+def _divide(x: torch.Tensor, d: float, exact: bool, isa: str) -> tuple[int, torch.Tensor]:
+    """The library's ``wiola_divide`` of ``x`` by ``d`` (``exact``: ``quotient`` alone): its status
+    and the quotients."""
+    lib = decode_step_cpu.load(isa)
+    x = x.contiguous()
+    out = torch.full_like(x, float("nan"))
+    status = lib.wiola_divide(x.data_ptr(), x.numel(), d, int(exact), out.data_ptr())
+    return status, out
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Where ``got`` holds ``want``'s bits (any NaN for a NaN: the payload is not compared)."""
+    both_nan = torch.isnan(got) & torch.isnan(want)
+    return (got.view(torch.int32) == want.view(torch.int32)) | both_nan
+
+
+def test_divide_is_the_division(isa):
+    """The prompt attention's division (``divide``: Markstein's quotient from ``1/d``, where every
+    lane and ``d`` lie in its domain, else the division) gives the division's bits: the quotient
+    alone on its stated domain (``|x|`` in ``[2^-100, 2^100]`` or ``+0``, ``d`` in ``[2^-20, 2^20]``:
+    random significands and exponents, significands of all ones, powers of two, both ends), and
+    ``divide`` on anything (zeros of both signs, subnormals, values past the domain, infinities,
+    NaN, divisors outside it); a quotient without its correction (``x · RN(1/d)``) differs from the
+    division on the same sample, so the comparison can fail."""
+    gen = torch.Generator().manual_seed(7)
+    n = 1 << 16
+    significand = 1.0 + torch.rand(n, generator=gen, dtype=torch.float64)
+    exponent = torch.randint(-100, 100, (n,), generator=gen).double()
+    x = (significand * torch.exp2(exponent)).float()
+    x = torch.where(torch.rand(n, generator=gen) < 0.5, x, -x)
+    edges = [2.0**-100, -(2.0**-100), 2.0**100, -(2.0**100), 0.0, 1.0, 1.9999999, 1.5, 3.0, 2.0**-99 * 1.9999999]
+    x = torch.cat([torch.tensor(edges, dtype=torch.float32), x])
+    divisors = [2.0**-20, 2.0**20, 1.0, 1.9999999, 1.0000001, 3.0, 7.0, *(float(D) ** 0.5 for D in (10, 16, 32, 40, 64, 128))]
+    logs = torch.empty(64, dtype=torch.float64).uniform_(-20.0, 20.0, generator=gen)
+    divisors += [float(torch.exp2(e).float()) for e in logs]
+    naive_wrong = 0
+    for d in divisors:
+        want = x / torch.tensor(d, dtype=torch.float32)
+        status, got = _divide(x, d, True, isa)
+        if isa == "portable":
+            assert status == 1, "the portable variant has no vector FMA: quotient must not claim exactness"
+        else:
+            assert status == 0, f"{isa}: d={d!r} refused, though inside [2^-20, 2^20]"
+            bad = ~_same_bits(got, want)
+            assert not bad.any(), (
+                f"{isa}: quotient(x, {d!r}) differs from x / d at x={x[bad][:4].tolist()}: "
+                f"{got[bad][:4].tolist()} against {want[bad][:4].tolist()}; {platform_line(isa)}"
+            )
+        naive = x * torch.tensor(1.0 / torch.tensor(d, dtype=torch.float32).item(), dtype=torch.float32)
+        naive_wrong += int((~_same_bits(naive, want)).sum())
+    assert naive_wrong > 0, "x times 1/d never differed from x / d: the sample cannot tell the correction is there"
+    hostile = torch.tensor(
+        [0.0, -0.0, 1e-40, -1e-45, 2.0**-101, 2.0**101, 3e38, float("inf"), float("-inf"), float("nan"), 1.0, -2.5],
+        dtype=torch.float32,
+    )
+    mixed = torch.cat([x[:64], hostile, x[64:200], hostile.flip(0)])  # hostile lanes in vectors of plain ones
+    for d in [*divisors[:12], 1e-30, 1e30, 2.0**21, 2.0**-21, float("inf"), float("nan"), 0.0, -3.0]:
+        want = mixed / torch.tensor(d, dtype=torch.float32)
+        status, got = _divide(mixed, d, False, isa)
+        assert status == 0
+        bad = ~_same_bits(got, want)
+        assert not bad.any(), f"{isa}: divide(x, {d!r}) differs from x / d at x={mixed[bad][:4].tolist()}"
+        if not (2.0**-20 <= d <= 2.0**20):
+            assert _divide(mixed, d, True, isa)[0] == 1, f"{isa}: quotient claimed exact for d={d!r}"
+
+
 @pytest.mark.parametrize("D", [32, 40, 10])
 def test_prompt_attention_batch_and_threads_bitwise(isa, D):
     """A row's outputs and cached keys are bitwise the same alone and as row 1 of 3, and on 1, 2
@@ -1241,6 +1307,7 @@ GATE_CASES = [
     (2, 23, 4, 16, True, True, False),
     (3, 40, 4, 32, True, True, True),
     (1, 1, 8, 32, False, False, True),  # a decoding step's gate
+    (2, 300, 8, 32, False, True, True),  # enough positions for 2 and 3 threads to share them
 ]
 
 

@@ -72,6 +72,8 @@ constexpr int kRowBlock = 4;
 #define WIOLA_PIN(x) ((void)0)
 #endif
 
+typedef int32_t ivec __attribute__((vector_size(4 * kLanes)));  // a vec's lanes as int32
+
 // Loads and stores through memcpy: unaligned, and no aliasing assumption.
 inline vec load(const float* p) {
   vec v;
@@ -107,6 +109,51 @@ inline vec madd(vec a, vec b, vec acc) {
   return acc + a * b;
 #endif
 }
+
+// x / d by Markstein's correction, bitwise the division's quotient (round to nearest) where
+// quotient_exact says so: with r = RN(1/d), y = RN(x·r) lies within an ulp of x/d, the remainder
+// x - y·d is exact in one fused multiply-add, and RN(y + rem·r) is then the correctly rounded x/d,
+// wherever nothing on the way underflows or overflows. A vector division issues once in several
+// cycles; this is three operations of the FMA units. Checked against the division on every
+// significand of x in a binade for thousands of divisors (the result scales with powers of two of x
+// and d): bench/results/2026-12-06_cpu_exact-division/; tests/test_decode_step_cpu.py::test_divide_is_the_division.
+inline vec quotient(vec x, float d, float r) {
+  const vec y = x * r;
+  return madd(madd(vec{} - y, vec{} + d, x), vec{} + r, y);
+}
+
+// Whether quotient(x, d, 1/d) is x / d for every x with 2^-100 <= |x| <= 2^100 and for x = +0: d
+// within [2^-20, 2^20] (the quotients and remainders then stay far from both ends of the exponent
+// range), and a vector FMA in the variant (the portable one divides).
+inline bool quotient_exact(float d) {
+#if defined(WIOLA_ISA_AVX512) || defined(WIOLA_ISA_AVX2)
+  return d >= 0x1p-20f && d <= 0x1p20f;
+#else
+  (void)d;
+  return false;
+#endif
+}
+
+// Whether every lane of x has 2^-100 <= |x| <= 2^100 (no zero, NaN or infinity).
+inline bool dividend_fits(vec x) {
+  constexpr int32_t kLow = 0x0d800000, kHigh = 0x71800000;  // the bits of 2^-100 and 2^100
+  ivec bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+#if defined(WIOLA_ISA_AVX512)
+  const __m512i mag = _mm512_and_si512((__m512i)bits, _mm512_set1_epi32(0x7fffffff));
+  return _mm512_cmple_epu32_mask(_mm512_sub_epi32(mag, _mm512_set1_epi32(kLow)), _mm512_set1_epi32(kHigh - kLow)) ==
+         0xffff;
+#elif defined(WIOLA_ISA_AVX2)
+  const ivec mag = bits & 0x7fffffff;
+  return _mm256_movemask_ps((__m256)((mag >= kLow) & (mag <= kHigh))) == 0xff;
+#else
+  (void)bits;
+  return false;
+#endif
+}
+
+// x / d, bitwise: quotient where it is exact for this d and every lane of x, else the division.
+inline vec divide(vec x, float d, float r) { return quotient_exact(d) && dividend_fits(x) ? quotient(x, d, r) : x / d; }
 
 // madd for one float (a row's last K mod kLanes weights).
 inline float madd1(float a, float b, float acc) {
@@ -257,7 +304,6 @@ __attribute__((always_inline)) inline void dot4(const float* a, const float* b, 
 // under the smallest normal float), NaN for NaN. One function for every lane and every element (a tail goes through a padded vector), so an
 // element's value does not depend on where it sits.
 inline vec exp_nonpositive(vec x) {
-  typedef int32_t ivec __attribute__((vector_size(4 * kLanes)));
   const vec magic = vec{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   const vec n = (x * 1.44269504088896341f + magic) - magic;
   vec r = x - n * 0.693359375f;
@@ -1089,32 +1135,50 @@ inline void rope(const float* x, const float* cs, const float* sn, float* out, i
   }
 }
 
-// The gate at one position of a row (the step's gate_row and the prompt's gate_rows): the head mean of
-// its query q (H heads of D, head stride D), rotated by cs and sn where cs is not null (the gate after
-// RoPE); added to the row's running sum where the position is real (sum ← m + sum, seen + 1); the
-// mean of the real positions so far (0 before any); then g = σ(W_2 SiLU(W_1 c) + b_2), W_1 (H, D),
-// W_2 (H, H). D, H <= 1024 (checked by the bindings).
-inline void gate_position(const float* q, int64_t H, int64_t D, const float* cs, const float* sn, bool real,
-                          float* sum, int64_t& seen, const float* w1, const float* w2, const float* b2, float* g) {
-  float m[1024], mr[1024], c[1024], hidden[1024];
+// The gate at a position is three parts, of which only the running sum chains one position to the
+// next: gate_mean (the head mean of the position's query q, H heads of D, head stride D, rotated by
+// cs and sn where cs is not null: the gate after RoPE), the running sum of the real positions' means
+// and their mean so far (0 before any), and gate_mlp (g = σ(W_2 SiLU(W_1 c) + b_2), W_1 (H, D),
+// W_2 (H, H)). The step's gate_row runs the three at one position (gate_position); the prompt's
+// gate_rows runs the first and the last for every position at once, split between the threads, and
+// the sums between them: the same operations on the same numbers either way. D, H <= 1024 (checked
+// by the bindings).
+inline void gate_mean(const float* q, int64_t H, int64_t D, const float* cs, const float* sn, float* out) {
+  float m[1024];
   for (int64_t j = 0; j < D; ++j) {
     float s = 0.0f;
     for (int64_t hh = 0; hh < H; ++hh) s += q[hh * D + j];
     m[j] = s / static_cast<float>(H);
   }
-  const float* mm = m;
-  if (cs != nullptr) {
-    rope(m, cs, sn, mr, D);
-    mm = mr;
-  }
+  if (cs != nullptr)
+    rope(m, cs, sn, out, D);
+  else
+    std::memcpy(out, m, D * sizeof(float));
+}
+
+// sum ← m + sum and seen + 1 where the position is real; c = sum / max(seen, 1).
+inline void gate_sum(const float* m, int64_t D, bool real, float* sum, int64_t& seen, float* c) {
   if (real) {
-    for (int64_t j = 0; j < D; ++j) sum[j] = mm[j] + sum[j];
+    for (int64_t j = 0; j < D; ++j) sum[j] = m[j] + sum[j];
     ++seen;
   }
   const float denom = static_cast<float>(seen > 0 ? seen : 1);
   for (int64_t j = 0; j < D; ++j) c[j] = sum[j] / denom;
+}
+
+inline void gate_mlp(const float* c, int64_t H, int64_t D, const float* w1, const float* w2, const float* b2,
+                     float* g) {
+  float hidden[1024];
   for (int64_t hh = 0; hh < H; ++hh) hidden[hh] = silu(dot(w1 + hh * D, c, D));
   for (int64_t hh = 0; hh < H; ++hh) g[hh] = sigmoid(dot(w2 + hh * H, hidden, H) + b2[hh]);
+}
+
+inline void gate_position(const float* q, int64_t H, int64_t D, const float* cs, const float* sn, bool real,
+                          float* sum, int64_t& seen, const float* w1, const float* w2, const float* b2, float* g) {
+  float m[1024], c[1024];
+  gate_mean(q, H, D, cs, sn, m);
+  gate_sum(m, D, real, sum, seen, c);
+  gate_mlp(c, H, D, w1, w2, b2, g);
 }
 
 // How many threads a parallel region of `bytes` of streaming takes: one per `per_thread`, at
@@ -1510,7 +1574,8 @@ struct PromptAttention {
   float* out;                // (B, T, H, D)
   float* kt;                 // (B·H, Sp / kKeyChunk, D, kKeyChunk) transposed keys, one panel a key chunk
   float* scratch;            // per thread: tile_floats()
-  float sqrt_d;
+  float sqrt_d, inv_sqrt_d;
+  ivec lanes;  // 0, 1, ..., kLanes - 1
 
   int64_t tile_floats() const { return kTileRows * (D + Sp) + Sp; }
 
@@ -1579,31 +1644,40 @@ struct PromptAttention {
       const int64_t slot = start + t0 + r;
       const float gr = g[(b * T + t0 + r) * H + h];
       float* row = sc + r * Sp;
-      vec mx = vec{} - INFINITY;
-      for (int64_t s = 0; s < reach; s += kLanes) {
-        vec x = load(row + s) / sqrt_d * gr;
+      // Vectors [0, used) hold the slots up to the query's own; past it a row's probabilities are 0.
+      const int64_t used = (slot / kLanes + 1) * kLanes;
+      vec mx = vec{} - INFINITY, mn = vec{} + INFINITY;  // mn: the least score of a real or later slot
+      for (int64_t s = 0; s < used; s += kLanes) {
+        vec x = divide(load(row + s), sqrt_d, inv_sqrt_d) * gr;
         if (padded) x = load(bias + s) < 0.0f ? vec{} - INFINITY : x;
+        mn = x < mn ? x : mn;
+        if (s + kLanes > slot + 1) x = lanes > static_cast<int32_t>(slot - s) ? vec{} - INFINITY : x;  // past the slot
         store(row + s, x);
-      }
-      for (int64_t s = slot + 1; s < reach; ++s) row[s] = -INFINITY;
-      for (int64_t s = 0; s < reach; s += kLanes) {
-        const vec x = load(row + s);
         mx = x > mx ? x : mx;
       }
-      float m = mx[0];
-      for (int l = 1; l < kLanes; ++l) m = mx[l] > m ? mx[l] : m;
+      float m = mx[0], least = mn[0];
+      for (int l = 1; l < kLanes; ++l) {
+        m = mx[l] > m ? mx[l] : m;
+        least = mn[l] < least ? mn[l] : least;
+      }
       if (m == -INFINITY) {  // no real key (a padding query): zeros, as the reference
         std::fill(row, row + reach, 0.0f);
         continue;
       }
       vec total = {};
-      for (int64_t s = 0; s < reach; s += kLanes) {
+      for (int64_t s = 0; s < used; s += kLanes) {
         const vec e = exp_nonpositive(load(row + s) - m);
         store(row + s, e);
         total += e;
       }
-      const float sum = hsum(total);
-      for (int64_t s = 0; s < reach; s += kLanes) store(row + s, load(row + s) / sum);
+      // Every exponential is +0 (masked, or under e^-87.34) or at least e^-69 > 2^-100 when no real
+      // score lies more than 69 below the largest: then every vector's quotient is the division's.
+      const float sum = hsum(total), inv_sum = 1.0f / sum;
+      if (least - m >= -69.0f && quotient_exact(sum))
+        for (int64_t s = 0; s < used; s += kLanes) store(row + s, quotient(load(row + s), sum, inv_sum));
+      else
+        for (int64_t s = 0; s < used; s += kLanes) store(row + s, load(row + s) / sum);
+      std::fill(row + used, row + reach, 0.0f);
     }
     for (int64_t r = n; r < kTileRows; ++r) std::fill(sc + r * Sp, sc + r * Sp + reach, 0.0f);
     int64_t j = 0;
@@ -1688,7 +1762,6 @@ enum SampleMode { kGreedy, kSample, kModeCaller };
 constexpr int kArgmaxSets = 4;
 
 inline int64_t argmax_first(const float* x, int64_t n) {
-  typedef int32_t ivec __attribute__((vector_size(4 * kLanes)));
   constexpr int64_t kStride = kArgmaxSets * kLanes;
   constexpr int32_t none = INT32_MAX;
   int64_t best = 0, j = 0;
@@ -1902,16 +1975,23 @@ void fma_chains(int64_t reps, int nth, float* out) {
 // (B, T, D/2), mask (B, T) bytes: contiguous. Each row's numbers are its own, whatever B or thread.
 inline void gate_rows(const int64_t* n, const float* q, const float* w1, const float* w2, const float* b2,
                       const float* cos, const float* sin, const uint8_t* mask, float* run, int64_t* count, float* g) {
-  const int64_t B = n[0], T = n[1], H = n[2], D = n[3], ld_b = n[4], ld_t = n[5], half = D / 2;
-  parallel(threads_for_rows(B, T * D * H), [&](int tid, int nth) {
-    for (int64_t b = B * tid / nth; b < B * (tid + 1) / nth; ++b) {
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t at = b * T + t;
-        gate_position(q + b * ld_b + t * ld_t, H, D, cos == nullptr ? nullptr : cos + at * half,
-                      sin == nullptr ? nullptr : sin + at * half, mask == nullptr || mask[at] != 0, run + b * D,
-                      count[b], w1, w2, b2, g + at * H);
-      }
+  const int64_t B = n[0], T = n[1], H = n[2], D = n[3], ld_b = n[4], ld_t = n[5], half = D / 2, P = B * T;
+  std::unique_ptr<float[]> means(new float[P * D]);  // each position's head mean, then its c
+  float* m = means.get();
+  parallel(threads_for_rows(P, D * H), [&](int tid, int nth) {
+    for (int64_t at = P * tid / nth; at < P * (tid + 1) / nth; ++at) {
+      const int64_t b = at / T, t = at % T;
+      gate_mean(q + b * ld_b + t * ld_t, H, D, cos == nullptr ? nullptr : cos + at * half,
+                sin == nullptr ? nullptr : sin + at * half, m + at * D);
     }
+#pragma omp barrier
+    for (int64_t b = B * tid / nth; b < B * (tid + 1) / nth; ++b)  // the running sums: a row's in order
+      for (int64_t t = 0; t < T; ++t) {
+        float* c = m + (b * T + t) * D;
+        gate_sum(c, D, mask == nullptr || mask[b * T + t] != 0, run + b * D, count[b], c);
+      }
+#pragma omp barrier
+    for (int64_t at = P * tid / nth; at < P * (tid + 1) / nth; ++at) gate_mlp(m + at * D, H, D, w1, w2, b2, g + at * H);
   });
 }
 
@@ -2151,6 +2231,8 @@ void wiola_decode_attention(const int64_t* n, const float* q, const float* k, co
   a.kt = scratch;
   a.scratch = scratch + a.B * a.H * a.D * a.Sp;
   a.sqrt_d = std::sqrt(static_cast<float>(a.D));
+  a.inv_sqrt_d = 1.0f / a.sqrt_d;
+  for (int l = 0; l < kLanes; ++l) a.lanes[l] = l;
   a.run();
 }
 
@@ -2175,6 +2257,22 @@ void wiola_product_rows(const float* W, int64_t N, int64_t K, const float* x, in
 // The butterfly's middle over `rows` rows (silu_gate_rows): up (rows, 2F), bp and out (rows, F).
 void wiola_silu_gate_rows(const float* up, const float* bp, float* out, int64_t rows, int64_t F) {
   silu_gate_rows(up, bp, out, rows, F);
+}
+
+// x / d over n floats into out, a vector at a time (the last n mod kLanes through a vector padded
+// with +0), as the prompt's attention divides: with `exact` 1 by quotient alone, for testing it on its
+// stated domain (returns 1, out untouched, where quotient_exact(d) is false); with 0 by divide.
+int wiola_divide(const float* x, int64_t n, float d, int64_t exact, float* out) {
+  if (exact && !quotient_exact(d)) return 1;
+  const float r = 1.0f / d;
+  for (int64_t i = 0; i < n; i += kLanes) {
+    float part[kLanes] = {};
+    const int64_t m = std::min<int64_t>(kLanes, n - i);
+    std::memcpy(part, x + i, m * sizeof(float));
+    const vec y = exact ? quotient(load(part), d, r) : divide(load(part), d, r);
+    std::memcpy(out + i, &y, m * sizeof(float));
+  }
+  return 0;
 }
 
 }  // extern "C"

@@ -329,6 +329,9 @@ def _build(compiler: str, isa: str) -> ctypes.CDLL:
     if hasattr(lib, "wiola_fma_peak"):  # absent from a copy of an older source (bench/two_builds.py)
         lib.wiola_fma_peak.argtypes = [I, I, I, P]
         lib.wiola_fma_peak.restype = I
+    if hasattr(lib, "wiola_divide"):  # likewise
+        lib.wiola_divide.argtypes = [P, I, F, I, P]
+        lib.wiola_divide.restype = ctypes.c_int
     lib.wiola_layout_counts.argtypes = [ctypes.c_void_p]
     lib.wiola_layout_counts.restype = None
     reported = (ctypes.c_int64 * 4)()
