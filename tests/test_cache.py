@@ -202,3 +202,40 @@ def test_reorder_keeps_every_buffer_of_the_rows_it_picks() -> None:
         row_dim = 0 if name in ("key_mask", "n_real") else 1  # the per-layer buffers: (L, B, ...)
         assert not torch.equal(t, t.index_select(row_dim, index)), f"{name}: the rows do not differ"
         assert torch.equal(getattr(cache, name), t.index_select(row_dim, index)), f"reorder left {name} of other rows"
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["reference", "fast"])
+@pytest.mark.parametrize("keep", [1, 3])
+def test_logits_to_keep_prefill_writes_the_same_cache(model_13m_far, fast, keep):
+    """A prefill that keeps the last ``keep`` positions' logits (what generation and serving run:
+    the last block computes those positions alone after its keys, values and gate sums) gives the
+    full pass's logits there within the two-sided fp32 bound, writes every cache buffer bitwise as
+    the prefill of every position does, and the next step's logits are then bitwise the same. The
+    fast model on a plain CPU runs the C++ prompt attention for the kept queries alone."""
+    import wiola.fast
+
+    model = model_13m_far
+    if fast:
+        model = wiola.fast.WiolaModel(model_13m_far.config).eval().requires_grad_(False)
+        model.load_state_dict(model_13m_far.state_dict())
+    T = 100
+    ids = torch.randint(0, model.config.vocab_size, (2, T), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), AbsSums(model_13m_far) as sums:
+        full = model_13m_far(ids).logits
+    head = sums.head
+    with torch.no_grad():
+        caches, logits = {}, {}
+        for k in (0, keep):
+            caches[k] = model.new_cache(2, T + 1)
+            logits[k] = model(ids, cache=caches[k], logits_to_keep=k).logits
+        assert logits[keep].shape == (2, keep, model.config.vocab_size)
+        assert_within(f"kept logits ({'fast' if fast else 'reference'})", full[:, -keep:], logits[keep],
+                      bound(model.config, T, head[:, -keep:]))  # fmt: skip
+        a, b = caches[0], caches[keep]
+        for name in ("k", "v", "key_mask", "gate_sum", "gate_count", "n_real"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), f"logits_to_keep={keep}: cache.{name} differs"
+        assert a.length == b.length == T
+        step = torch.randint(0, model.config.vocab_size, (2, 1), generator=torch.Generator().manual_seed(4))
+        assert torch.equal(model(step, cache=a).logits, model(step, cache=b).logits), (
+            f"the step after a prefill that kept {keep} positions differs; {platform_line()}"
+        )

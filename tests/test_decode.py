@@ -122,3 +122,31 @@ def test_bad_inputs_raise():
         x = torch.zeros(1, 2, 2, 24, device=DEVICE)
         decode.decode_attention(x, x, x, g, cos[..., :12], sin[..., :12], k_cache[..., :24], v_cache[..., :24],
                                 key_mask, 4)  # fmt: skip
+
+
+@pytest.mark.parametrize("queries", [1, 3, 5])
+def test_queries_attend_with_the_last_tokens_only(queries):
+    """``decode_attention(..., queries=n)``: the last ``n`` new tokens' outputs of the full call
+    (float64: equal but for the products' shapes), every key and value written all the same;
+    the fast ops' PyTorch path likewise; the name of the problem for ``n`` outside ``1 .. T`` or not
+    an int. (The C++ path's bitwise equality: ``tests/test_decode_step_cpu.py``.)"""
+    import wiola.fast.ops as fast_ops
+
+    B, T, H, D, S, start, pad = 3, 5, 4, 16, 90, 40, 45
+    inputs = [t.cpu() for t in _inputs(B, T, H, D, S, start, pad, torch.float64)]
+    q, k, v, g, cos, sin, k_cache, v_cache, key_mask = inputs
+    g = g.double()
+    for name, op in (("reference", reference), ("fast ops, PyTorch path", fast_ops.TORCH_OPS.decode_attention)):
+        caches = {}
+        outs = {}
+        for n in (None, queries):
+            kc, vc = k_cache.clone(), v_cache.clone()
+            outs[n] = op(q, k, v, g, cos, sin, kc, vc, key_mask, start, queries=n)
+            caches[n] = (kc, vc)
+        assert outs[queries].shape == (B, queries, H, D), (name, outs[queries].shape)
+        torch.testing.assert_close(outs[queries], outs[None][:, T - queries :], rtol=1e-12, atol=1e-12)
+        for a, b in zip(caches[None], caches[queries]):
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), f"{name}: queries={queries} wrote another cache"
+    for bad in (0, T + 1, 1.5, True):
+        with pytest.raises(ValueError, match=r"queries=.*an int from 1 to T=5"):
+            reference(q, k, v, g, cos, sin, k_cache.clone(), v_cache.clone(), key_mask, start, queries=bad)

@@ -1146,7 +1146,16 @@ def test_divide_is_the_division(isa):
     x = torch.where(torch.rand(n, generator=gen) < 0.5, x, -x)
     edges = [2.0**-100, -(2.0**-100), 2.0**100, -(2.0**100), 0.0, 1.0, 1.9999999, 1.5, 3.0, 2.0**-99 * 1.9999999]
     x = torch.cat([torch.tensor(edges, dtype=torch.float32), x])
-    divisors = [2.0**-20, 2.0**20, 1.0, 1.9999999, 1.0000001, 3.0, 7.0, *(float(D) ** 0.5 for D in (10, 16, 32, 40, 64, 128))]
+    divisors = [
+        2.0**-20,
+        2.0**20,
+        1.0,
+        1.9999999,
+        1.0000001,
+        3.0,
+        7.0,
+        *(float(D) ** 0.5 for D in (10, 16, 32, 40, 64, 128)),
+    ]
     logs = torch.empty(64, dtype=torch.float64).uniform_(-20.0, 20.0, generator=gen)
     divisors += [float(torch.exp2(e).float()) for e in logs]
     naive_wrong = 0
@@ -1205,6 +1214,29 @@ def test_prompt_attention_batch_and_threads_bitwise(isa, D):
     first = runs["1 threads"]
     for name, (out, keys) in runs.items():
         assert torch.equal(out, first[0]) and torch.equal(keys, first[1]), f"{isa} D={D}: row 1 {name} != on 1 thread"
+
+
+@pytest.mark.parametrize("queries", [1, 7, 9, 45])
+def test_prompt_attention_of_the_last_queries_is_bitwise_the_full_ones(isa, queries):
+    """``queries=n``: the last ``n`` outputs of the full call bitwise (each query's numbers do not
+    depend on the tile it sits in, so fewer queries change none of them) and the same cache
+    written, with left padding and after cached tokens; the name of the problem for ``n`` past ``T``."""
+    B, T, H, D, S, start = 3, 45, 2, 32, 60, 7
+    q, k, v, g, cos, sin, k_cache, v_cache, key_mask = prompt_inputs(B, T, H, D, S, start, 5, seed=9)
+    runs = {}
+    for n in (None, queries):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out = decode_step_cpu.decode_attention(q, k, v, g, cos, sin, kc, vc, key_mask, start, queries=n, isa=isa)
+        runs[n] = (out, kc, vc)
+    out, kc, vc = runs[queries]
+    assert out.shape == (B, queries, H, D)
+    assert torch.equal(out, runs[None][0][:, T - queries :]), (
+        f"{isa}: the last {queries} queries differ from the full call"
+    )
+    assert torch.equal(kc, runs[None][1]) and torch.equal(vc, runs[None][2]), f"{isa}: another cache written"
+    with pytest.raises(ValueError, match="queries=46"):
+        decode_step_cpu.decode_attention(q, k, v, g, cos, sin, k_cache.clone(), v_cache.clone(), key_mask, start,
+                                         queries=T + 1, isa=isa)  # fmt: skip
 
 
 def test_prompt_attention_declines_what_it_does_not_cover():

@@ -304,12 +304,15 @@ class GatedHelicalAttention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
         cache_start: int | torch.Tensor = 0,
+        keep: int = 0,
     ) -> torch.Tensor:
         """``(B, T, d)`` normalised input -> ``(B, T, d)`` attention output (after ``W_o``).
 
         ``cos, sin``: ``(B, T, D/2)`` rotation tables of the tokens' positions;
         ``attention_mask``: ``(B, T)`` bool, True for real tokens. With a ``cache``, the tokens
         go to slots ``cache_start ...`` of layer ``layer_index`` and attend to everything cached.
+        ``keep`` (``0 < keep < T``): the output of the last ``keep`` positions only, ``(B, keep, d)``;
+        every position's key, value and gate sum still goes to the cache.
         """
         B, T, _ = x.shape
         H, D = self.n_heads, self.head_dim
@@ -328,13 +331,15 @@ class GatedHelicalAttention(nn.Module):
             g = self.gate(q, *self.gate_weights(), cos, sin, attention_mask, carry)
         if cache is None:
             o = self.ops.attention(q, k, v, g, cos, sin, attention_mask)
+            o = o[:, T - keep :] if keep else o
         else:
             k_cache, v_cache = cache.k[i], cache.v[i]
             unpadded = attention_mask is None
             o = self.ops.decode_attention(
-                q, k, v, g, cos, sin, k_cache, v_cache, cache.key_mask, cache_start, unpadded=unpadded
-            )
-        o = o.reshape(B, T, H * D)
+                q, k, v, g, cos, sin, k_cache, v_cache, cache.key_mask, cache_start, unpadded=unpadded,
+                queries=keep or None,
+            )  # fmt: skip
+        o = o.reshape(B, o.shape[1], H * D)
         if adapted(self.o_proj):
             return project(o, self.o_proj)
         if uses_decode_layout(o):
@@ -459,14 +464,18 @@ class Block(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
         cache_start: int | torch.Tensor = 0,
+        keep: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(hidden, residual)`` ``(B, T, d)`` each -> ``(ffn_out, residual)``; the other
-        arguments are those of ``GatedHelicalAttention.forward``."""
+        arguments are those of ``GatedHelicalAttention.forward``: with ``keep``, both outputs are
+        the last ``keep`` positions' ``(B, keep, d)``, the rest of the block computed for those alone."""
         if residual is None:
             x, residual = self.attn_norm(hidden), hidden
         else:
             x, residual = self.attn_norm(hidden, residual)
-        attn_out = self.attn(x, cos, sin, attention_mask, cache, cache_start)
+        attn_out = self.attn(x, cos, sin, attention_mask, cache, cache_start, keep)
+        if keep:  # contiguous, as every other residual: a strided one takes another norm's path
+            residual = residual[:, -keep:].contiguous()
         x, residual = self.ffn_norm(attn_out, residual)  # residual: h' = h + GSA
         return self.ffn(x), residual
 
@@ -690,7 +699,7 @@ class WiolaModel(nn.Module):
         if attention_mask is not None:
             attention_mask = attention_mask[:, -input_ids.shape[1] :].to(torch.bool)
         with context:
-            x = self._hidden_states(input_ids, attention_mask, cache)
+            x = self._hidden_states(input_ids, attention_mask, cache, logits_to_keep if labels is None else 0)
             logits, loss = self._head(x, input_ids, attention_mask, labels, return_logits, logits_to_keep)
         if cache is not None and torch.is_grad_enabled():
             logits, loss = (_NoBackwardThroughCache.apply(t) if t is not None and t.requires_grad else t
@@ -698,21 +707,32 @@ class WiolaModel(nn.Module):
         return ModelOutput(logits=logits, loss=loss, cache=cache)
 
     def _hidden_states(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache: Cache | None
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache: Cache | None, keep: int = 0
     ) -> torch.Tensor:
         """The final norm's output ``(B, T, d)``: the blocks over the embedded ids (the new tokens
-        appended to ``cache``); ``attention_mask`` ``(B, T)`` bool or None, inputs checked."""
+        appended to ``cache``); ``attention_mask`` ``(B, T)`` bool or None, inputs checked.
+
+        ``keep`` (``0 < keep < T``): that of the last ``keep`` positions, ``(B, keep, d)``. Only
+        they reach the head, and in the last block nothing else depends on the other positions'
+        outputs, so from its attention on (the attention's queries, ``W_o``, the feed-forward block
+        and the norms) it computes those positions alone; every position's key, value and gate sum
+        still goes to the cache. The kept positions' numbers are the same function as in the full
+        pass (llama.cpp's graph keeps the outputs it returns likewise)."""
         B, T = input_ids.shape
         cos, sin = self._rope(attention_mask, B, T, cache, input_ids.device)  # (B, T, D/2) fp32
         start = 0 if cache is None else self._cache_start(cache, T, attention_mask)
 
         hidden, residual = self.embed(input_ids), None  # (B, T, d); the residual stream starts at hidden
         checkpointed = self.activation_checkpointing and cache is None and torch.is_grad_enabled()
-        for block in self.layers:
+        keep = keep if 0 < keep < T and not checkpointed else 0
+        last = len(self.layers) - 1
+        for i, block in enumerate(self.layers):
             if checkpointed:
                 hidden, residual = checkpoint(block, hidden, residual, cos, sin, attention_mask, use_reentrant=False)
             else:
-                hidden, residual = block(hidden, residual, cos, sin, attention_mask, cache, start)
+                hidden, residual = block(
+                    hidden, residual, cos, sin, attention_mask, cache, start, keep if i == last else 0
+                )
         x, _ = self.norm(hidden, residual)  # the last residual add, fused into the final norm
 
         if cache is not None:

@@ -8,8 +8,8 @@
 // B int64 tokens. Output: each step's (B, V) fp32 logits, then the cache buffers' bytes.
 //
 // `harness prompt INPUT OUTPUT` runs the prompt's functions of the same source instead:
-// wiola_decode_attention, wiola_rms_norm_rows and wiola_silu_gate_rows. Input: 8 int64 (B, T, H,
-// D, S, start, ld_b, ld_t), then the buffers q, k, v, g, cos, sin, k_cache, v_cache, key_mask;
+// wiola_decode_attention (every query attending), wiola_rms_norm_rows and wiola_silu_gate_rows.
+// Input: 8 int64 (B, T, H, D, S, start, ld_b, ld_t), then the buffers q, k, v, g, cos, sin, k_cache, v_cache, key_mask;
 // int64 rows, d, float32 eps, the buffers x, residual, gamma; int64 rows, F, the buffers up, bp;
 // int64 M, N, K, the buffers x (M, K) and W (N, K).
 // Output: the attention's (B, T, H, D), the caches, the RMSNorm's out and h, the SiLU gate's out,
@@ -57,8 +57,9 @@ std::vector<void*> read_buffers(int64_t count, std::vector<int64_t>* sizes = nul
 float* floats(void* p) { return static_cast<float*>(p); }
 
 int run_prompt(const char* output) {
-  int64_t n[8];
-  read(n, sizeof(n));
+  int64_t n[9];
+  read(n, 8 * sizeof(int64_t));
+  n[8] = 0;  // the first query that attends: every one
   std::vector<int64_t> sizes;
   std::vector<void*> a = read_buffers(9, &sizes);  // q k v g cos sin k_cache v_cache key_mask
   const int64_t B = n[0], T = n[1], H = n[2], D = n[3];

@@ -1566,6 +1566,7 @@ constexpr int kValueVecs = kLanes >= 16 ? 2 : 1;  // value vectors a pass: 8 x 2
 
 struct PromptAttention {
   int64_t B, T, H, D, S, start, end, Sp;  // Sp: end rounded up to kKeyChunk, the transposed keys' row length
+  int64_t q0;  // the first new token whose query attends (the caller keeps the outputs of q0 .. T - 1)
   const float *q, *k, *v;                 // (B, T, H, D), element (b, t, h, j) at b·ld_b + t·ld_t + h·D + j
   int64_t ld_b, ld_t;
   const float *g, *cs, *sn;  // g (B, T, H); cos, sin (B, T, D/2)
@@ -1605,6 +1606,46 @@ struct PromptAttention {
     }
   }
 
+  // A query's scores row[0, reach) (its slot `slot`, its gate gr) into its probabilities: scaled,
+  // padding (bias -1, where bias is given) and the slots past its own at -inf, its softmax; 0 from
+  // the vector past its slot to reach.
+  void softmax_row(float* row, int64_t slot, int64_t reach, float gr, const float* bias) {
+    // Vectors [0, used) hold the slots up to the query's own; past it a row's probabilities are 0.
+    const int64_t used = (slot / kLanes + 1) * kLanes;
+    vec mx = vec{} - INFINITY, mn = vec{} + INFINITY;  // mn: the least score of a real or later slot
+    for (int64_t s = 0; s < used; s += kLanes) {
+      vec x = divide(load(row + s), sqrt_d, inv_sqrt_d) * gr;
+      if (bias != nullptr) x = load(bias + s) < 0.0f ? vec{} - INFINITY : x;
+      mn = x < mn ? x : mn;
+      if (s + kLanes > slot + 1) x = lanes > static_cast<int32_t>(slot - s) ? vec{} - INFINITY : x;  // past the slot
+      store(row + s, x);
+      mx = x > mx ? x : mx;
+    }
+    float m = mx[0], least = mn[0];
+    for (int l = 1; l < kLanes; ++l) {
+      m = mx[l] > m ? mx[l] : m;
+      least = mn[l] < least ? mn[l] : least;
+    }
+    if (m == -INFINITY) {  // no real key (a padding query): zeros, as the reference
+      std::fill(row, row + reach, 0.0f);
+      return;
+    }
+    vec total = {};
+    for (int64_t s = 0; s < used; s += kLanes) {
+      const vec e = exp_nonpositive(load(row + s) - m);
+      store(row + s, e);
+      total += e;
+    }
+    // Every exponential is +0 (masked, or under e^-87.34) or at least e^-69 > 2^-100 when no real
+    // score lies more than 69 below the largest: then every vector's quotient is the division's.
+    const float sum = hsum(total), inv_sum = 1.0f / sum;
+    if (least - m >= -69.0f && quotient_exact(sum))
+      for (int64_t s = 0; s < used; s += kLanes) store(row + s, quotient(load(row + s), sum, inv_sum));
+    else
+      for (int64_t s = 0; s < used; s += kLanes) store(row + s, load(row + s) / sum);
+    std::fill(row + used, row + reach, 0.0f);
+  }
+
   // Queries t0 .. t0 + n - 1 of pair p.
   void tile(int64_t p, int64_t t0, float* work) {
     const int64_t b = p / H, h = p % H, half = D / 2, n = std::min<int64_t>(kTileRows, T - t0);
@@ -1640,45 +1681,8 @@ struct PromptAttention {
     const bool padded = std::memchr(km, 0, last + 1) != nullptr;
     if (padded)  // -1 marks a padding slot (whatever its cache holds, even NaN, it is never used)
       for (int64_t s = 0; s < reach; ++s) bias[s] = s <= last && km[s] ? 0.0f : -1.0f;
-    for (int64_t r = 0; r < n; ++r) {
-      const int64_t slot = start + t0 + r;
-      const float gr = g[(b * T + t0 + r) * H + h];
-      float* row = sc + r * Sp;
-      // Vectors [0, used) hold the slots up to the query's own; past it a row's probabilities are 0.
-      const int64_t used = (slot / kLanes + 1) * kLanes;
-      vec mx = vec{} - INFINITY, mn = vec{} + INFINITY;  // mn: the least score of a real or later slot
-      for (int64_t s = 0; s < used; s += kLanes) {
-        vec x = divide(load(row + s), sqrt_d, inv_sqrt_d) * gr;
-        if (padded) x = load(bias + s) < 0.0f ? vec{} - INFINITY : x;
-        mn = x < mn ? x : mn;
-        if (s + kLanes > slot + 1) x = lanes > static_cast<int32_t>(slot - s) ? vec{} - INFINITY : x;  // past the slot
-        store(row + s, x);
-        mx = x > mx ? x : mx;
-      }
-      float m = mx[0], least = mn[0];
-      for (int l = 1; l < kLanes; ++l) {
-        m = mx[l] > m ? mx[l] : m;
-        least = mn[l] < least ? mn[l] : least;
-      }
-      if (m == -INFINITY) {  // no real key (a padding query): zeros, as the reference
-        std::fill(row, row + reach, 0.0f);
-        continue;
-      }
-      vec total = {};
-      for (int64_t s = 0; s < used; s += kLanes) {
-        const vec e = exp_nonpositive(load(row + s) - m);
-        store(row + s, e);
-        total += e;
-      }
-      // Every exponential is +0 (masked, or under e^-87.34) or at least e^-69 > 2^-100 when no real
-      // score lies more than 69 below the largest: then every vector's quotient is the division's.
-      const float sum = hsum(total), inv_sum = 1.0f / sum;
-      if (least - m >= -69.0f && quotient_exact(sum))
-        for (int64_t s = 0; s < used; s += kLanes) store(row + s, quotient(load(row + s), sum, inv_sum));
-      else
-        for (int64_t s = 0; s < used; s += kLanes) store(row + s, load(row + s) / sum);
-      std::fill(row + used, row + reach, 0.0f);
-    }
+    for (int64_t r = 0; r < n; ++r)
+      softmax_row(sc + r * Sp, start + t0 + r, reach, g[(b * T + t0 + r) * H + h], padded ? bias : nullptr);
     for (int64_t r = n; r < kTileRows; ++r) std::fill(sc + r * Sp, sc + r * Sp + reach, 0.0f);
     int64_t j = 0;
     for (; j + kValueVecs * kLanes <= D; j += kValueVecs * kLanes) values<kValueVecs>(p, b, t0, n, last, sc, j, padded);
@@ -1693,7 +1697,7 @@ struct PromptAttention {
     const bool* km = key_mask + b * S;
     const int64_t h = p % H;
     for (int64_t r = 0; r < n; ++r) {
-      float* o = out + ((b * T + t0 + r) * H + h) * D;
+      float* o = out + ((b * (T - q0) + t0 - q0 + r) * H + h) * D;
       for (int64_t j = j0; j < D; ++j) {
         float acc = 0.0f;
         for (int64_t s = 0; s <= last; ++s)
@@ -1707,27 +1711,37 @@ struct PromptAttention {
   // 0 .. last in order (a later slot's p_s is 0 for an earlier query), NV vectors a query in registers.
   template <int NV>
   void values(int64_t p, int64_t b, int64_t t0, int64_t n, int64_t last, const float* sc, int64_t j, bool padded) {
+    if (padded)
+      values_of<NV, true>(p, b, t0, n, last, sc, j);
+    else
+      values_of<NV, false>(p, b, t0, n, last, sc, j);
+  }
+
+  template <int NV, bool Padded>
+  void values_of(int64_t p, int64_t b, int64_t t0, int64_t n, int64_t last, const float* sc, int64_t j) {
     const float* vc = v_cache + p * S * D + j;
     const bool* km = key_mask + b * S;
-    const int64_t h = p % H;
+    const int64_t h = p % H, ld = D;
+    const float* pr[kTileRows];  // each query's probabilities: a register each, no address arithmetic a slot
+    for (int r = 0; r < kTileRows; ++r) pr[r] = sc + r * Sp;
     vec acc[kTileRows][NV] = {};
     for (int64_t s = 0; s <= last; ++s) {
-      if (padded && !km[s]) continue;  // a padding slot: weight 0, its values never read
+      if (Padded && !km[s]) continue;  // a padding slot: weight 0, its values never read
       vec vv[NV];
-      for (int u = 0; u < NV; ++u) vv[u] = load(vc + s * D + u * kLanes);
+      for (int u = 0; u < NV; ++u) vv[u] = load(vc + s * ld + u * kLanes);
       for (int r = 0; r < kTileRows; ++r) {
-        const float w = sc[r * Sp + s];
+        const float w = pr[r][s];
         for (int u = 0; u < NV; ++u) acc[r][u] += w * vv[u];
       }
     }
     for (int64_t r = 0; r < n; ++r) {
-      float* o = out + ((b * T + t0 + r) * H + h) * D + j;
+      float* o = out + ((b * (T - q0) + t0 - q0 + r) * H + h) * D + j;
       for (int u = 0; u < NV; ++u) store(o + u * kLanes, acc[r][u]);
     }
   }
 
   void run() {
-    const int64_t pairs = B * H, tiles = (T + kTileRows - 1) / kTileRows, tasks = pairs * tiles;
+    const int64_t pairs = B * H, tiles = (T - q0 + kTileRows - 1) / kTileRows, tasks = pairs * tiles;
     const int most = omp_get_max_threads();
     const int nth = tasks >= 2 * most ? most : 1;  // a few tiles are done sooner by one thread than a region costs
     parallel(nth, [&](int tid, int nth_) {
@@ -1736,7 +1750,8 @@ struct PromptAttention {
       float* work = scratch + tid * tile_floats();
       // The longest tiles (the last queries) first, so that the short ones even out the threads.
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t task = 0; task < tasks; ++task) tile(task % pairs, (tiles - 1 - task / pairs) * kTileRows, work);
+      for (int64_t task = 0; task < tasks; ++task)
+        tile(task % pairs, q0 + (tiles - 1 - task / pairs) * kTileRows, work);
     });
   }
 };
@@ -2210,9 +2225,10 @@ int wiola_decode_step(const int64_t* n, const void* const* weights, const float*
 
 // wiola.ops.decode_attention for T > 1 new tokens (PromptAttention). n: B, T, H, D, S, start, ld_b,
 // ld_t (q, k and v are (B, T, H, D) views with those batch and token strides, head stride D, unit
-// element stride: the fused projection's output). g (B, T, H), cos and sin (B, T, D/2), key_mask
-// (B, S): contiguous; k_cache, v_cache (B, H, S, D) contiguous, written at [start, start + T);
-// out (B, T, H, D). scratch: wiola_decode_attention_floats(B, H, D, start + T). The caller has
+// element stride: the fused projection's output), q0 (the first new token whose query attends,
+// 0 <= q0 < T). g (B, T, H), cos and sin (B, T, D/2), key_mask (B, S): contiguous; k_cache, v_cache
+// (B, H, S, D) contiguous, written at [start, start + T) (every new token's key and value); out
+// (B, T - q0, H, D): the attention of tokens q0 .. T - 1. scratch: wiola_decode_attention_floats(B, H, D, start + T). The caller has
 // checked every shape, dtype and range (D even and a multiple of 16, start + T <= S).
 int64_t wiola_decode_attention_floats(int64_t B, int64_t H, int64_t D, int64_t end) {
   const int64_t Sp = (end + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
@@ -2223,7 +2239,7 @@ void wiola_decode_attention(const int64_t* n, const float* q, const float* k, co
                             const float* cs, const float* sn, float* k_cache, float* v_cache, const bool* key_mask,
                             float* out, float* scratch) {
   PromptAttention a;
-  a.B = n[0], a.T = n[1], a.H = n[2], a.D = n[3], a.S = n[4], a.start = n[5], a.ld_b = n[6], a.ld_t = n[7];
+  a.B = n[0], a.T = n[1], a.H = n[2], a.D = n[3], a.S = n[4], a.start = n[5], a.ld_b = n[6], a.ld_t = n[7], a.q0 = n[8];
   a.end = a.start + a.T;
   a.Sp = (a.end + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
   a.q = q, a.k = k, a.v = v, a.g = g, a.cs = cs, a.sn = sn;

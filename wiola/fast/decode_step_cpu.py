@@ -63,6 +63,7 @@ import torch
 
 from wiola.fast import quantize
 from wiola.fast import step_layout as layout
+from wiola.ops.decode import check_queries
 from wiola.user_cache import CACHE_DIR_VARIABLE, standard_cache_dir, user_cache_dir
 
 if TYPE_CHECKING:
@@ -933,15 +934,17 @@ def decode_attention(
     key_mask: torch.Tensor,
     start: int,
     *,
+    queries: int | None = None,
     isa: str | None = None,
 ) -> torch.Tensor | None:
     """``wiola.ops.decode_attention`` for ``T`` new tokens on a CPU in C++ (the prompt, a chunk
     of one, or one token where the one-token step does not run, as for a model with adapters;
     ``PromptAttention`` in the source): the keys rotated and written with the
     values to slots ``[start, start + T)`` of the cache, each query's gated causal attention over
-    its row's real slots; ``(B, T, H, D)`` fp32. Its own summation order (``docs/SPEC.md``, "The
-    prompt's attention on a CPU"), each query's numbers independent of the batch, the tile and
-    the thread.
+    its row's real slots; ``(B, T, H, D)`` fp32, or with ``queries`` (``1 ≤ queries ≤ T``) that of
+    the last ``queries`` tokens only, ``(B, queries, H, D)`` (every key and value still written).
+    Its own summation order (``docs/SPEC.md``, "The prompt's attention on a CPU"), each query's
+    numbers independent of the batch, the tile, the thread and how many queries attend.
 
     None where it does not apply, for the caller's PyTorch path: the library not built, other
     than fp32 CPU tensors, ``q``/``k``/``v`` not the fused projection's views (head stride ``D``,
@@ -973,10 +976,11 @@ def decode_attention(
         or not all(t.is_contiguous() for t in (k_cache, v_cache, key_mask))
     ):
         return None
+    kept = check_queries(queries, T)
     g, cos, sin = g.contiguous(), cos.contiguous(), sin.contiguous()
-    out = torch.empty(B, T, H, D, dtype=torch.float32)
+    out = torch.empty(B, kept, H, D, dtype=torch.float32)
     scratch = torch.empty(lib.wiola_decode_attention_floats(B, H, D, start + T), dtype=torch.float32)
-    n = torch.tensor([B, T, H, D, S, start, q.stride(0), q.stride(1)], dtype=torch.int64)
+    n = torch.tensor([B, T, H, D, S, start, q.stride(0), q.stride(1), T - kept], dtype=torch.int64)
     lib.wiola_decode_attention(
         n.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         k_cache.data_ptr(), v_cache.data_ptr(), key_mask.data_ptr(), out.data_ptr(), scratch.data_ptr(),

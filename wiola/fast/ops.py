@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 import wiola.ops as reference
 from wiola.model import Ops, has_adapters
+from wiola.ops.decode import check_queries
 from wiola.ops.gate import write_carry
 from wiola.ops.linear import DecodeLayout, autocast_dtype, by_sequence, linear
 from wiola.ops.rope import apply_rope, upcast
@@ -284,8 +285,11 @@ class _Ops:
         start: int | torch.Tensor,
         *,
         unpadded: bool = False,
+        queries: int | None = None,
     ) -> torch.Tensor:
         """``wiola.ops.decode_attention``; ``start`` may be a one-element device tensor (CUDA graphs).
+        With ``queries``, the last ``queries`` tokens' outputs: the C++ prompt attention and the
+        PyTorch path attend with those queries alone, the kernels compute every one and keep those.
 
         Kernels: a prefill into an empty cache (``start == 0``, ``T > 1``) writes the cache with the
         decode write kernel and runs the training attention kernel, so it equals the full pass
@@ -299,6 +303,7 @@ class _Ops:
         attention variant (``mask=None``) and does not read ``key_mask``.
         """
         T = q.shape[1]
+        n = check_queries(queries, T)
         decode = self._kernel("decode_attention", q) if q.shape[-1] in ATTENTION_HEAD_DIMS else None
         if (
             decode is not None
@@ -311,14 +316,14 @@ class _Ops:
             flash = self._kernel("attention", q)
             if flash is not None and isinstance(start, int) and start == 0 and T > 1:
                 KERNELS["write_cache"](k, v, cos, sin, k_cache, v_cache, 0)
-                return flash(q, k, v, g, cos, sin, None if unpadded else key_mask[:, :T])
-            return decode(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start)
+                return flash(q, k, v, g, cos, sin, None if unpadded else key_mask[:, :T])[:, T - n :]
+            return decode(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start)[:, T - n :]
         if isinstance(start, torch.Tensor):
             start = int(start)  # host sync: the PyTorch path is not for CUDA graphs
         if (T > 1 or by_sequence(q)) and self.kernels and _plain_cpu(q):
             from wiola.fast import decode_step_cpu
 
-            o = decode_step_cpu.decode_attention(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start)
+            o = decode_step_cpu.decode_attention(q, k, v, g, cos, sin, k_cache, v_cache, key_mask, start, queries=n)
             if o is not None:
                 return o
         end = start + T
@@ -332,7 +337,7 @@ class _Ops:
         v_cache[:, :, start:end] = v.transpose(1, 2)
         keys = k_cache[:, :, :end].transpose(1, 2)  # (B, end, H, D)
         values = v_cache[:, :, :end].transpose(1, 2)
-        return _sdpa(q_rot, keys, values, g, real, q_start=start)
+        return _sdpa(q_rot[:, T - n :], keys, values, g[:, T - n :], real, q_start=end - n)
 
     def butterfly(
         self,
