@@ -112,6 +112,21 @@ def test_tg128_alone_where_the_runs_hold_nothing_else(tmp_path, capsys):
     assert "| int4, 8 |" in out and "products, weights" not in out
 
 
+def test_pp512_alone_where_the_runs_hold_no_tg128(tmp_path, capsys):
+    """A folder of ``-k prefill_cpu`` runs: the pp512 table alone; a run of none of the three kinds
+    of rows exits 2 saying so."""
+    run = _run(1.0)
+    run["benchmarks"] = [b for b in run["benchmarks"] if b["name"].startswith("test_prefill_cpu")]
+    assert run_tables.main([str(_folder(tmp_path, [run, run]))]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| products, weights | tok/s, runs 1 / 2 |") and "| fp32, 1 |" not in out
+    assert "| fp32 (oneDNN), fp32 | 4,000 / 4,000 | 3.50× / 3.50× |" in out
+    (tmp_path / "bench-1.json").write_text(json.dumps({"benchmarks": []}))
+    (tmp_path / "bench-2.json").unlink()
+    assert run_tables.main([str(tmp_path)]) == 2
+    assert "hold no tg128, pp512 or ONNX Runtime rows" in capsys.readouterr().err
+
+
 def test_the_compute_floor_counts_the_timed_steps(tmp_path, capsys):
     """A tg128 record times 127 steps (its first token is the untimed prefill's): the % of the
     compute floor is 127 steps at that floor over the time, as the record's own pct_roofline."""
