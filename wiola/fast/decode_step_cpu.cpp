@@ -1572,7 +1572,7 @@ struct PromptAttention {
   const float *g, *cs, *sn;  // g (B, T, H); cos, sin (B, T, D/2)
   float *k_cache, *v_cache;  // (B, H, S, D)
   const bool* key_mask;      // (B, S)
-  float* out;                // (B, T, H, D)
+  float* out;                // (B, T - q0, H, D)
   float* kt;                 // (B·H, Sp / kKeyChunk, D, kKeyChunk) transposed keys, one panel a key chunk
   float* scratch;            // per thread: tile_floats()
   float sqrt_d, inv_sqrt_d;
@@ -1981,10 +1981,11 @@ void fma_chains(int64_t reps, int nth, float* out) {
   });
 }
 
-// wiola.ops.gate over T positions of each of B rows, a row at a time, as the step's gate_row runs a
-// position: the head mean of the query (rotated by the position's cos and sin where given: the gate
-// after RoPE), added to the row's running sum where the position is real (mask null: every
-// position), the mean over the real positions so far (0 before any), and the MLP. n: B, T, H, D,
+// wiola.ops.gate over T positions of each of B rows with the parts the step's gate_position runs at
+// one: every position's head mean of the query (rotated by the position's cos and sin where given:
+// the gate after RoPE), shared between the threads; then each row's running sum over its real
+// positions in order (mask null: every position) and the mean so far (0 before any); then every
+// position's MLP, shared between the threads. n: B, T, H, D,
 // ld_b, ld_t (q's batch and token strides; head stride D, unit element stride). run (B, D) and count
 // (B,) hold the carried sum and count on entry and the new ones on return; g (B, T, H). cos and sin
 // (B, T, D/2), mask (B, T) bytes: contiguous. Each row's numbers are its own, whatever B or thread.
