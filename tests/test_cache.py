@@ -206,12 +206,13 @@ def test_reorder_keeps_every_buffer_of_the_rows_it_picks() -> None:
 
 @pytest.mark.parametrize("fast", [False, True], ids=["reference", "fast"])
 @pytest.mark.parametrize("keep", [1, 3])
-def test_logits_to_keep_prefill_writes_the_same_cache(model_13m_far, fast, keep):
+def test_logits_to_keep_prefill_writes_the_same_cache(model_13m_far, fast, keep, plain_cpu):
     """A prefill that keeps the last ``keep`` positions' logits (what generation and serving run:
     the last block computes those positions alone after its keys, values and gate sums) gives the
     full pass's logits there within the two-sided fp32 bound, writes every cache buffer bitwise as
     the prefill of every position does, and the next step's logits are then bitwise the same. The
-    fast model on a plain CPU runs the C++ prompt attention for the kept queries alone."""
+    fast model on a plain CPU (no interpreter) runs the C++ prompt attention for the kept queries
+    alone and the C++ step after."""
     import wiola.fast
 
     model = model_13m_far
