@@ -126,10 +126,14 @@ def test_bad_inputs_raise():
 
 @pytest.mark.parametrize("queries", [1, 3, 5])
 def test_queries_attend_with_the_last_tokens_only(queries):
-    """``decode_attention(..., queries=n)``: the last ``n`` new tokens' outputs of the full call
-    (float64: equal but for the products' shapes), every key and value written all the same;
-    the fast ops' PyTorch path likewise; the name of the problem for ``n`` outside ``1 .. T`` or not
-    an int. (The C++ path's bitwise equality: ``tests/test_decode_step_cpu.py``.)"""
+    """``decode_attention(..., queries=n)``: the last ``n`` new tokens' outputs of the full call,
+    every key and value written all the same, for the reference and the fast ops' PyTorch path in
+    float64 (equal but for the products' shapes: sums of at most 45 terms of magnitude about 4, so
+    about 1e-14 apart at most, within 1e-12), and for the fast ops' kernels in fp32 bitwise (they
+    compute every query and keep the last ones), both the prefill into an empty cache (flash
+    attention) and a chunk after cached tokens (flash decoding); the name of the problem for ``n``
+    outside ``1 .. T`` or not an int. (The C++ path's bitwise equality:
+    ``tests/test_decode_step_cpu.py``.)"""
     import wiola.fast.ops as fast_ops
 
     B, T, H, D, S, start, pad = 3, 5, 4, 16, 90, 40, 45
@@ -147,6 +151,22 @@ def test_queries_attend_with_the_last_tokens_only(queries):
         torch.testing.assert_close(outs[queries], outs[None][:, T - queries :], rtol=1e-12, atol=1e-12)
         for a, b in zip(caches[None], caches[queries]):
             assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), f"{name}: queries={queries} wrote another cache"
+    for start_k in (0, start):  # the kernels: the prefill's flash attention, then flash decoding
+        q, k, v, g, cos, sin, k_cache, v_cache, key_mask = _inputs(B, T, H, D, S, start_k, 0, torch.float32)
+        runs = {}
+        for n in (None, queries):
+            kc, vc = k_cache.clone(), v_cache.clone()
+            runs[n] = (
+                fast_ops.KERNEL_OPS.decode_attention(q, k, v, g, cos, sin, kc, vc, key_mask, start_k, queries=n),
+                kc,
+                vc,
+            )
+        out = runs[queries][0]
+        assert out.shape == (B, queries, H, D)
+        assert torch.equal(out, runs[None][0][:, T - queries :]), f"kernels at start {start_k}: other outputs"
+        for a, b in zip(runs[None][1:], runs[queries][1:]):
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), f"kernels at start {start_k}: another cache"
+    q, k, v, g, cos, sin, k_cache, v_cache, key_mask = inputs
     for bad in (0, T + 1, 1.5, True):
         with pytest.raises(ValueError, match=r"queries=.*an int from 1 to T=5"):
             reference(q, k, v, g, cos, sin, k_cache.clone(), v_cache.clone(), key_mask, start, queries=bad)

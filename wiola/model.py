@@ -714,8 +714,9 @@ class WiolaModel(nn.Module):
 
         ``keep`` (``0 < keep < T``): that of the last ``keep`` positions, ``(B, keep, d)``. Only
         they reach the head, and in the last block nothing else depends on the other positions'
-        outputs, so from its attention on (the attention's queries, ``W_o``, the feed-forward block
-        and the norms) it computes those positions alone; every position's key, value and gate sum
+        outputs, so from its attention on (with a cache the attention's queries, ``W_o``, the
+        feed-forward block and the norms; without one the attention runs every query and its output
+        is cut to those) it computes those positions alone; every position's key, value and gate sum
         still goes to the cache. The kept positions' numbers are the same function as in the full
         pass (llama.cpp's graph keeps the outputs it returns likewise)."""
         B, T = input_ids.shape

@@ -74,6 +74,13 @@ constexpr int kRowBlock = 4;
 
 typedef int32_t ivec __attribute__((vector_size(4 * kLanes)));  // a vec's lanes as int32
 
+// 0, 1, ..., kLanes - 1: each lane's number.
+inline ivec lane_numbers() {
+  ivec n;
+  for (int l = 0; l < kLanes; ++l) n[l] = l;
+  return n;
+}
+
 // Loads and stores through memcpy: unaligned, and no aliasing assumption.
 inline vec load(const float* p) {
   vec v;
@@ -1576,7 +1583,6 @@ struct PromptAttention {
   float* kt;                 // (B·H, Sp / kKeyChunk, D, kKeyChunk) transposed keys, one panel a key chunk
   float* scratch;            // per thread: tile_floats()
   float sqrt_d, inv_sqrt_d;
-  ivec lanes;  // 0, 1, ..., kLanes - 1
 
   int64_t tile_floats() const { return kTileRows * (D + Sp) + Sp; }
 
@@ -1612,6 +1618,7 @@ struct PromptAttention {
   void softmax_row(float* row, int64_t slot, int64_t reach, float gr, const float* bias) {
     // Vectors [0, used) hold the slots up to the query's own; past it a row's probabilities are 0.
     const int64_t used = (slot / kLanes + 1) * kLanes;
+    const ivec lanes = lane_numbers();
     vec mx = vec{} - INFINITY, mn = vec{} + INFINITY;  // mn: the least score of a real or later slot
     for (int64_t s = 0; s < used; s += kLanes) {
       vec x = divide(load(row + s), sqrt_d, inv_sqrt_d) * gr;
@@ -1782,8 +1789,8 @@ inline int64_t argmax_first(const float* x, int64_t n) {
   int64_t best = 0, j = 0;
   if (n >= kStride && n < (int64_t{1} << 31)) {
     vec mx[kArgmaxSets];
-    ivec at[kArgmaxSets], nan_at[kArgmaxSets], lane;
-    for (int u = 0; u < kLanes; ++u) lane[u] = u;
+    ivec at[kArgmaxSets], nan_at[kArgmaxSets];
+    const ivec lane = lane_numbers();
     for (int s = 0; s < kArgmaxSets; ++s) {
       mx[s] = load(x + s * kLanes);
       at[s] = lane + s * kLanes;
@@ -2249,7 +2256,6 @@ void wiola_decode_attention(const int64_t* n, const float* q, const float* k, co
   a.scratch = scratch + a.B * a.H * a.D * a.Sp;
   a.sqrt_d = std::sqrt(static_cast<float>(a.D));
   a.inv_sqrt_d = 1.0f / a.sqrt_d;
-  for (int l = 0; l < kLanes; ++l) a.lanes[l] = l;
   a.run();
 }
 
