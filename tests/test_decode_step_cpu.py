@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import math
 import os
 import platform
 import shutil
@@ -535,7 +536,14 @@ def test_variant_choice_and_refusal(monkeypatch):
     compiler = decode_step_cpu._compiler()
     monkeypatch.setattr(decode_step_cpu, "_FEATURES", {})
     monkeypatch.delenv("WIOLA_CPU_ISA", raising=False)
-    for features, best in (({"avx512f", "avx2", "fma"}, "avx512"), ({"avx2", "fma"}, "avx2"), ({"avx2"}, "portable")):
+    amx = {"avx512f", "avx2", "fma", "avx512_bf16", "amx_tile", "amx_bf16"}
+    for features, best in (
+        (amx, "amx"),
+        (amx - {"amx_tile"}, "avx512"),  # AMX that Linux did not grant (cpu_features drops it)
+        ({"avx512f", "avx2", "fma"}, "avx512"),
+        ({"avx2", "fma"}, "avx2"),
+        ({"avx2"}, "portable"),
+    ):
         decode_step_cpu._FEATURES[compiler] = (frozenset(features), "test")
         assert decode_step_cpu.select_isa() == best, features
     # an AVX2 CPU without AVX-512 (the machine that motivated the variants)
@@ -550,10 +558,78 @@ def test_variant_choice_and_refusal(monkeypatch):
     with pytest.raises(ValueError, match=r"WIOLA_CPU_ISA=avx512: this CPU lacks avx512f \(it has avx2, fma"):
         decode_step_cpu.load()
     monkeypatch.setenv("WIOLA_CPU_ISA", "sse9")
-    with pytest.raises(ValueError, match="WIOLA_CPU_ISA='sse9' is not one of auto, avx512, avx2, portable"):
+    with pytest.raises(ValueError, match="WIOLA_CPU_ISA='sse9' is not one of auto, amx, avx512, avx2, portable"):
         decode_step_cpu.load()
     with pytest.raises(ValueError, match="isa='neon' is not one of"):
         decode_step_cpu.select_isa("neon")
+
+
+def test_amx_is_chosen_only_where_linux_grants_the_tiles(monkeypatch):
+    """A CPU with AMX whose kernel refuses the process its tile registers (``amx_permitted``
+    False) gets the avx512 variant: running a tile instruction would kill the process."""
+    compiler = decode_step_cpu._compiler()
+    monkeypatch.setattr(decode_step_cpu, "_FEATURES", {})
+    monkeypatch.setattr(decode_step_cpu, "amx_permitted", lambda: False)
+    monkeypatch.delenv("WIOLA_CPU_ISA", raising=False)
+    features, where = decode_step_cpu.cpu_features(compiler)
+    assert not features & {"amx_tile", "amx_bf16"}, (features, where)
+    assert decode_step_cpu.select_isa() != "amx"
+    if "avx512f" in features:
+        assert decode_step_cpu.select_isa() == "avx512"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+@pytest.mark.parametrize(("N", "K"), [(64, 64), (37, 70), (5, 32)])
+def test_tile_matrix_places_each_weight_where_the_tile_unit_reads_it(dtype, N, K):
+    """``tile_matrix``: blocks of 16 rows by 32 columns, the blocks of each 16-row band in order of
+    K, weight (n, k) at (k // 2)·32 + 2n + k % 2 inside its block (``tile_at`` in the source);
+    rows padded with zeros to a multiple of 32, columns to a multiple of 32."""
+    q = torch.arange(1, N * K + 1).remainder(120).add(1).to(dtype).view(N, K)
+    t = decode_step_cpu.tile_matrix(q)
+    n_pad, k_pad = -(-N // 32) * 32, -(-K // 32) * 32
+    assert t.shape == (n_pad // 16, k_pad // 32, 512) and t.dtype == dtype and t.is_contiguous()
+    flat = t.reshape(-1)
+    for n in range(N):
+        for k in range(K):
+            at = ((n // 16) * (k_pad // 32) + k // 32) * 512 + (k % 32) // 2 * 32 + (n % 16) * 2 + k % 2
+            assert flat[at] == q[n, k], (n, k)
+    assert int((flat != 0).sum()) == N * K  # every other place is padding (q has no zeros)
+
+
+@pytest.mark.skipif("amx" not in ISAS_HERE, reason="this CPU (or its kernel) runs no AMX tiles")
+@pytest.mark.parametrize(("N", "K"), [(45, 70), (64, 64)])
+def test_tiled_product_rows_are_within_the_bound_and_bitwise_alone(N, K):
+    """The amx variant's bf16 product (``wiola_product_reps`` on a ``tile_matrix``): every row of
+    batches of 1, 3, 12 and 13 (two passes of the tile unit's 10 rows) within the two-sided fp32
+    bound of float64 (each product exact, sums of K terms), and bitwise the same as that row
+    multiplied alone. N = 45 ends in a part block of rows (padding), K = 70 in a part chunk of
+    x's pieces (the element-at-a-time tail)."""
+    model = wiola.fast.WiolaModel(SMALL).eval().requires_grad_(False)
+    quantize(model, "bf16")
+    step = decode_step_cpu.DecodeStepCPU(model, model.new_cache(1, 4), "amx")
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(N, K, generator=gen).to(torch.bfloat16)
+    tiled = decode_step_cpu.tile_matrix(w)
+    x = torch.randn(13, K, generator=gen) * torch.logspace(-3, 3, K)  # pieces of many magnitudes
+
+    def product(rows: torch.Tensor) -> torch.Tensor:
+        y = torch.full((1, rows.shape[0], N), float("nan"))
+        rc = step.lib.wiola_product_reps(
+            step.dims, tiled.data_ptr(), None, N, K, rows.contiguous().data_ptr(), rows.shape[0], y.data_ptr(), 1, 1
+        )
+        assert rc == 0
+        return y[0]
+
+    alone = torch.stack([product(x[i : i + 1])[0] for i in range(13)])
+    want = x.double() @ w.double().T
+    # one fp32 side against float64 (numerics' probabilistic bound): sums of K exact products, and
+    # the two adds of the three pieces' sums
+    allowed = LAMBDA * math.sqrt(K + 2) * U32 * (x.double().abs() @ w.double().abs().T)
+    assert_within(f"tiled product {N}x{K}", want, alone, allowed, "amx")
+    for B in (3, 12, 13):
+        got = product(x[:B])
+        for i in range(B):
+            assert torch.equal(got[i], alone[i]), f"amx: row {i} of {B} != the row alone ({N}x{K})"
 
 
 def test_load_answers_from_its_cache_until_the_choice_changes(monkeypatch):
@@ -1039,7 +1115,7 @@ def test_build_cache_paths_as_users_write_them(monkeypatch, tmp_path):
     "env,value,allowed",
     [
         ("WIOLA_FAST_KERNELS", "maybe", "1, true, yes, on"),
-        ("WIOLA_CPU_ISA", "sse", "auto, avx512, avx2, portable"),
+        ("WIOLA_CPU_ISA", "sse", "auto, amx, avx512, avx2, portable"),
         ("WIOLA_CPU_PREFILL", "garbage", "auto, fp32, bf16"),
         ("WIOLA_CPU_GEMM", "mkl", "auto, measure, aten, onednn"),
     ],

@@ -15,8 +15,12 @@ take, as for a model with adapters) on a plain CPU: its attention over the cache
 with a cache its products run a sequence at a time on ``product`` or the chosen GEMM
 (``wiola.ops.linear.cpu_gemm``).
 
-One source, three instruction-set variants (``ISAS``), chosen at build time:
+One source, four instruction-set variants (``ISAS``), chosen at build time:
 
+- ``amx``: ``avx512`` with the bf16 products on the AMX tile unit (``-mamx-tile -mamx-bf16
+  -mavx512bf16``), where the CPU has AMX-BF16 (Intel Sapphire Rapids and later) and Linux grants
+  the process its tile registers (``amx_permitted``); bf16 matrices are bound tiled
+  (``tile_matrix``), fp32, int8 and int4 run as on ``avx512``;
 - ``avx512``: 16 fp32 lanes (``-mavx512f -mavx2 -mfma``), where the CPU has AVX-512F;
 - ``avx2``: 8 lanes (``-mavx2 -mfma``), where it has AVX2 and FMA;
 - ``portable``: 4 lanes of the compiler's generic vectors, no x86 flags or assembly (any
@@ -24,7 +28,7 @@ One source, three instruction-set variants (``ISAS``), chosen at build time:
   ``tests/test_decode_step_arm.py`` runs it under qemu-user against the oracle).
 
 ``select_isa()`` takes the best one this CPU has, read from the compiler's predefined macros
-under ``-march=native`` (``/proc/cpuinfo``'s flags where that fails); ``WIOLA_CPU_ISA=avx512|
+under ``-march=native`` (``/proc/cpuinfo``'s flags where that fails); ``WIOLA_CPU_ISA=amx|avx512|
 avx2|portable`` forces one (``auto`` or unset: the best), and an ISA the CPU lacks is refused
 with a ``ValueError`` naming the missing flags. The x86 variants add ``-mtune=native``.
 
@@ -73,13 +77,29 @@ if TYPE_CHECKING:
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 FLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC")
-ISAS = ("avx512", "avx2", "portable")  # best first
+ISAS = ("amx", "avx512", "avx2", "portable")  # best first
 ISA_FLAGS = {
+    "amx": (
+        "-DWIOLA_ISA_AVX512",
+        "-DWIOLA_ISA_AMX",
+        "-mavx512f",
+        "-mavx2",
+        "-mfma",
+        "-mamx-tile",
+        "-mamx-bf16",
+        "-mavx512bf16",
+        "-mtune=native",
+    ),
     "avx512": ("-DWIOLA_ISA_AVX512", "-mavx512f", "-mavx2", "-mfma", "-mtune=native"),
     "avx2": ("-DWIOLA_ISA_AVX2", "-mavx2", "-mfma", "-mtune=native"),
     "portable": (),
 }
-ISA_NEEDS = {"avx512": ("avx512f", "avx2", "fma"), "avx2": ("avx2", "fma"), "portable": ()}
+ISA_NEEDS = {
+    "amx": ("avx512f", "avx2", "fma", "avx512_bf16", "amx_tile", "amx_bf16"),
+    "avx512": ("avx512f", "avx2", "fma"),
+    "avx2": ("avx2", "fma"),
+    "portable": (),
+}
 ISA_ENV = "WIOLA_CPU_ISA"
 MAX_HEAD = 1024  # the C++ keeps a head's gate vectors on the stack
 
@@ -89,7 +109,11 @@ _FEATURES: dict[str, tuple[frozenset[str], str]] = {}  # compiler -> (CPU featur
 # (isa asked, $WIOLA_CPU_ISA, compiler) -> (library, the features entry and ISA it was chosen by):
 # ``load``'s answer without choosing again, while _FEATURES and _BUILDS still hold those entries.
 _LOADED: dict[tuple[str | None, str, str], tuple[ctypes.CDLL, tuple[frozenset[str], str] | None, str]] = {}
-_MACROS = {"__AVX512F__": "avx512f", "__AVX2__": "avx2", "__FMA__": "fma"}
+_MACROS = {
+    "__AVX512F__": "avx512f", "__AVX2__": "avx2", "__FMA__": "fma", "__AVX512BF16__": "avx512_bf16",
+    "__AMX_TILE__": "amx_tile", "__AMX_BF16__": "amx_bf16",
+}  # the compiler's macro -> the feature (as /proc/cpuinfo spells it)  # fmt: skip
+_AMX_FEATURES = frozenset({"amx_tile", "amx_bf16"})
 
 
 def _cache_dir() -> Path:
@@ -189,10 +213,32 @@ def compiler_command(compiler: str) -> list[str]:
     return [path, *words[1:]]
 
 
+def amx_permitted() -> bool:
+    """Whether this process may use the AMX tile registers: Linux (5.16 and later) hands them to a
+    process only on request (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``), and a tile
+    instruction without that permission kills it with SIGILL. Asks once (granting is for the whole
+    process and cannot be undone); False where the request fails or this is not Linux on x86-64."""
+    global _AMX_PERMITTED
+    if _AMX_PERMITTED is None:
+        _AMX_PERMITTED = False
+        if platform.system() == "Linux" and platform.machine().lower() in ("x86_64", "amd64"):
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
+                _AMX_PERMITTED = libc.syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0
+            except (OSError, AttributeError):
+                pass
+    return _AMX_PERMITTED
+
+
+_AMX_PERMITTED: bool | None = None
+
+
 def cpu_features(compiler: str | None = None) -> tuple[frozenset[str], str]:
-    """The features of this CPU that the variants need (of ``avx512f``, ``avx2``, ``fma``) and
-    where they were read: the compiler's macros under ``-march=native`` (what it can target
-    here, the OS's support included), else the flags in ``/proc/cpuinfo``."""
+    """The features of this CPU that the variants need (of ``avx512f``, ``avx2``, ``fma``,
+    ``avx512_bf16``, ``amx_tile``, ``amx_bf16``) and where they were read: the compiler's macros
+    under ``-march=native`` (what it can target here, the OS's support included), else the flags
+    in ``/proc/cpuinfo``; the AMX ones only where Linux grants the tiles (``amx_permitted``)."""
     compiler = compiler or _compiler()
     if compiler not in _FEATURES:
         found: tuple[frozenset[str], str] | None = None
@@ -214,6 +260,8 @@ def cpu_features(compiler: str | None = None) -> tuple[frozenset[str], str]:
         if found is None:
             flags = set(cpu_info()["flags"].split())
             found = (frozenset(f for f in _MACROS.values() if f in flags), "/proc/cpuinfo")
+        if found[0] & _AMX_FEATURES and not amx_permitted():
+            found = (found[0] - _AMX_FEATURES, f"{found[1]}, less AMX: Linux refused the tile registers")
         _FEATURES[compiler] = found
     return _FEATURES[compiler]
 
@@ -621,6 +669,31 @@ def _packed(model: WiolaModel) -> tuple[str | None, list[torch.Tensor], list[tor
 
 
 WEIGHT_TYPES = layout.WEIGHT_TYPES
+TILED = ("bf16",)  # the weight types the amx variant multiplies on its tile unit, bound tiled
+
+
+def tile_matrix(q: torch.Tensor) -> torch.Tensor:
+    """``q`` ``(N, K)`` in the amx variant's tiled order (``tile_rows`` in the source), as a
+    ``(N' / 16, K' / 32, 512)`` tensor of its dtype: blocks of 16 rows by 32 columns, the blocks of
+    each 16-row band in order of K; inside a block, element ``(n, k)`` at ``(k // 2)·32 + 2n + k % 2``
+    (the pairs the tile unit multiplies). N is padded with zero rows to ``N'``, a multiple of 32
+    (the C++ computes two blocks of rows at once), K with zero columns to ``K'``, a multiple of 32."""
+    N, K = q.shape
+    n, k = -(-N // 32) * 32, -(-K // 32) * 32
+    padded = q.new_zeros(n, k)
+    padded[:N, :K] = q
+    return padded.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 512)
+
+
+def _tiled(model: WiolaModel, name: str, q: torch.Tensor) -> torch.Tensor:
+    """``tile_matrix(q)`` for the packed matrix ``name`` of ``model``, made once and kept on the
+    model while ``q`` is the packed matrix (``quantize`` makes new ones; nothing writes them in
+    place). A second copy of the quantized matrices: the row-major ones stay for everything else
+    that reads them (checkpoints, the export, the PyTorch path)."""
+    kept = model.__dict__.setdefault("_step_tiles", {})
+    if name not in kept or kept[name][0] is not q:
+        kept[name] = (q, tile_matrix(q))
+    return kept[name][1]
 
 
 class _Registrations:
@@ -701,6 +774,10 @@ class DecodeStepCPU:
             if self.quantization in ("int8", "int4"):
                 _check(s, f"weight #{i} scales", torch.float32, (N, K // group) if wtype == 3 else (N,))
             step_tensors[i], self.scales[i] = q, s
+        if self.isa == "amx" and self.quantization in TILED:
+            names = layout.matrix_names(cfg.n_layers)
+            for i, name, q in zip(slots, names, packed, strict=True):
+                step_tensors[i] = _tiled(model, name, q)
         self.step_tensors = step_tensors  # what the C++ reads, in its order (tests/test_decode_step_arm.py)
         self.state = tuple(getattr(cache, name) for name, _, _ in layout.STATE)
         for (name, dtype, symbols), t in zip(layout.STATE, self.state, strict=True):
