@@ -1094,9 +1094,11 @@ constexpr int kBlockRows = std::is_same_v<T, int8_t> || std::is_same_v<T, q4> ? 
 // within the fp32 error bound, as every variant's order is. Each output's three pieces are summed
 // over K by the tile unit, then y = (sum_hi + sum_mid) + sum_lo: the tile unit computes each
 // element of a tile by the same operations whichever row or column of the tile it is in, so a
-// row's numbers are the same alone or in any batch. int8 stays on the AVX-512 products: widening
-// its weights to bf16 tiles first ran the 13m int8 step 0.77x at batch 1 and 0.97x at batch 8
-// (Intel Xeon family 6 model 167, interleaved in one process).
+// row's numbers are the same alone or in any batch. int8 and int4 stay on the AVX-512 products
+// (Intel Xeon family 6 model 167, 13m step interleaved in one process): int8 widened to bf16 tiles
+// first ran 0.77x at batch 1 and 0.97x at batch 8; int4 (nibbles to bf16 by a table lookup, each
+// group's sums scaled out of the tile) 0.70x at batch 1 and 1.59x at batch 8, where a row's path
+// cannot depend on the batch (bench/results/2026-12-07_cpu_amx-products-intel-xeon/).
 //
 // The bf16 matrices are stored tiled (wiola.fast.decode_step_cpu.tile_matrix): blocks of 16 rows
 // x 32 weights, 512 a block, the blocks of each 16-row band in order of K; inside one, weight (n, k)
