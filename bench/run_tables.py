@@ -123,7 +123,7 @@ def _products(record: dict[str, Any], products: str) -> str:
     if path.startswith("oneDNN products"):
         return "oneDNN"
     if path.startswith("ATen products"):
-        x86 = record.get("cpu_isa") in ("avx512", "avx2") or "x86_64" in str(record.get("ceilings", ""))
+        x86 = record.get("cpu_isa") in ("amx", "avx512", "avx2") or "x86_64" in str(record.get("ceilings", ""))
         return "ATen: MKL" if x86 else "ATen"
     return "?"
 

@@ -124,8 +124,9 @@ def test_arm_step_matches_oracle(scheme, variant, B, prompt, steps, pad, arm_har
     ref_cache, cache = ref.new_cache(B, S), ref.new_cache(B, S)
     ref(ids, attention_mask=mask, cache=ref_cache)
     ref(ids, attention_mask=mask, cache=cache)
-    # The product's binding gathers the step's arguments (order, packed matrices, scales, checks).
-    binding = decode_step_cpu.DecodeStepCPU(model, cache)
+    # The product's binding gathers the step's arguments (order, packed matrices, scales, checks),
+    # as the portable variant that the aarch64 build is reads them (the amx variant's are tiled).
+    binding = decode_step_cpu.DecodeStepCPU(model, cache, "portable")
     assert binding.quantization == (None if scheme == "fp32" else scheme)
     tokens = torch.randint(0, config.vocab_size, (steps, B), generator=torch.Generator().manual_seed(7))
     blob = struct.pack(f"<{len(binding.dims)}q", *binding.dims) + struct.pack("<f", binding.eps)

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from bench.two_builds import model_13m  # noqa: E402
-from wiola.fast.decode_step_cpu import DecodeStepCPU, cpu_info  # noqa: E402
+from bench.two_builds import model_13m
+from wiola.fast.decode_step_cpu import DecodeStepCPU, cpu_info
 
 
 def main(scheme: str) -> None:
