@@ -600,7 +600,7 @@ def test_tile_matrix_places_each_weight_where_the_tile_unit_reads_it(dtype, N, K
 @pytest.mark.parametrize(("N", "K"), [(45, 70), (64, 64)])
 def test_tiled_product_rows_are_within_the_bound_and_bitwise_alone(N, K):
     """The amx variant's bf16 product (``wiola_product_reps`` on a ``tile_matrix``): every row of
-    batches of 1, 3, 12 and 13 (two passes of the tile unit's 10 rows) within the two-sided fp32
+    batches of 1, 3, 12 and 13 (two passes of the tile unit's 10 rows) within one fp32 side's
     bound of float64 (each product exact, sums of K terms), and bitwise the same as that row
     multiplied alone. N = 45 ends in a part block of rows (padding), K = 70 in a part chunk of
     x's pieces (the element-at-a-time tail)."""

@@ -17,7 +17,7 @@
 // own OpenMP pool (libgomp is loaded once, by torch, so the two share it), and the small ops run
 // as plain loops between barriers of one parallel region.
 //
-// One source, three instruction sets, chosen by the builder with a macro:
+// One source, four instruction-set variants, chosen by the builder with macros:
 //   WIOLA_ISA_AVX512  16 fp32 lanes (zmm), 32 vector registers: 4 weight rows x 4 batch rows
 //   WIOLA_ISA_AVX2     8 fp32 lanes (ymm, with FMA), 16 registers: 4 weight rows x 2 batch rows
 //   WIOLA_ISA_AMX      with WIOLA_ISA_AVX512: the bf16 products on the AMX tile unit (tile_rows),
@@ -1223,11 +1223,15 @@ inline void tile_rows(const bf16* W, int64_t K, const uint16_t* xa, int64_t B, f
   _tile_release();
 }
 
-// Thread tid's share of a tiled bf16 product, in passes of kTileBatch batch rows.
+// Thread tid's share of a tiled bf16 product, in passes of kTileBatch batch rows. The split's cuts
+// move to the nearest multiple of 32 rows (the same rule on both sides of a cut, so the shares
+// still cover the rows once), so that no block of 32 is computed by two threads.
 inline void tile_share(const Split& split, const bf16* W, int64_t N, int64_t K, const float* x, int64_t ldx, float* y,
                        int64_t ldy, int64_t B, int tid, int nth) {
   int64_t r0, r1;
   split.rows(N, tid, nth, r0, r1);
+  const auto snap = [N](int64_t r) { return r >= N ? N : std::min(N, (r + 16) / 32 * 32); };
+  r0 = snap(r0), r1 = snap(r1);
   if (r0 >= r1) return;
   static thread_local uint16_t* buffer = nullptr;  // the pieces of x, 64-byte aligned
   static thread_local int64_t size = 0;
