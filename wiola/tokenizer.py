@@ -185,13 +185,15 @@ class Tokenizer:
         """``ids`` without those past ``vocab_size`` (``decode``'s rule); ``ValueError`` on a
         negative one, which no backend has a text for (tiktoken and ``tokenizers`` would raise
         ``KeyError``/``OverflowError``)."""
-        ids = [int(i) for i in ids]
-        for i in ids:
-            if i < 0:
-                raise ValueError(
-                    f"token id {i} is negative: tokenizer {self.name!r} has ids 0 to {self.vocab_size - 1}"
-                )
-        return [i for i in ids if i < self.vocab_size]
+        # map, min and max loop in C: a stream decoding its whole text at every token
+        # (wiola.text_stream) calls this on thousands of ids a token
+        ids = list(map(int, ids))
+        if not ids:
+            return ids
+        if min(ids) < 0:
+            i = next(i for i in ids if i < 0)
+            raise ValueError(f"token id {i} is negative: tokenizer {self.name!r} has ids 0 to {self.vocab_size - 1}")
+        return ids if max(ids) < self.vocab_size else [i for i in ids if i < self.vocab_size]
 
     def token_byte_lengths(self, at_start: bool = False) -> list[int]:
         """The UTF-8 bytes each id adds to a text (``vocab_size`` entries); special tokens count 0.
