@@ -603,7 +603,7 @@ def test_tiled_product_rows_are_within_the_bound_and_bitwise_alone(N, K):
     batches of 1, 3, 12 and 13 (two passes of the tile unit's 10 rows) within one fp32 side's
     bound of float64 (each product exact, sums of K terms), and bitwise the same as that row
     multiplied alone. N = 45 ends in a part block of rows (padding), K = 70 in a part chunk of
-    x's pieces (the element-at-a-time tail)."""
+    x's pieces (a masked load: nothing of x past K is read)."""
     model = wiola.fast.WiolaModel(SMALL).eval().requires_grad_(False)
     quantize(model, "bf16")
     step = decode_step_cpu.DecodeStepCPU(model, model.new_cache(1, 4), "amx")
@@ -614,8 +614,12 @@ def test_tiled_product_rows_are_within_the_bound_and_bitwise_alone(N, K):
 
     def product(rows: torch.Tensor) -> torch.Tensor:
         y = torch.full((1, rows.shape[0], N), float("nan"))
+        # the rows followed by NaN: a read of x past the last row's K (into the padding of its last
+        # chunk) would put NaN · 0 into the sums
+        xs = torch.full((rows.numel() + 64,), float("nan"))
+        xs[: rows.numel()] = rows.reshape(-1)
         rc = step.lib.wiola_product_reps(
-            step.dims, tiled.data_ptr(), None, N, K, rows.contiguous().data_ptr(), rows.shape[0], y.data_ptr(), 1, 1
+            step.dims, tiled.data_ptr(), None, N, K, xs.data_ptr(), rows.shape[0], y.data_ptr(), 1, 1
         )
         assert rc == 0
         return y[0]

@@ -1086,6 +1086,21 @@ inline void packed_rows(const uint8_t* W, const float* scale, int64_t K, const f
 template <typename T>
 constexpr int kBlockRows = std::is_same_v<T, int8_t> || std::is_same_v<T, q4> ? kRowBlock : 4;
 
+// This thread's buffer of at least n elements of T, on a 64-byte boundary (grown, never shrunk;
+// one per element type): the products' rearranged x, read by vector and tile loads.
+template <typename T>
+inline T* thread_buffer(int64_t n) {
+  static thread_local T* buffer = nullptr;
+  static thread_local int64_t size = 0;
+  if (size < n) {
+    std::free(buffer);
+    buffer = static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64));
+    if (buffer == nullptr) std::abort();
+    size = n;
+  }
+  return buffer;
+}
+
 #if defined(WIOLA_ISA_AMX)
 // The AMX variant's bf16 products, on the CPU's tile unit (Intel AMX-BF16: TDPBF16PS adds the
 // products of a 16x32 bf16 tile and a 32x16 bf16 tile into a 16x16 fp32 tile). The weights are
@@ -1125,16 +1140,15 @@ constexpr int64_t kTileBatch = 10;
 // holding piece p of batch row b (M = 3B): hi = x's top 8 significant bits, mid the next 8, lo the
 // rest, each cut off (not rounded), so that hi + mid + lo == x exactly for every x whose pieces are
 // normal (|x| >= 2^-110; below, the tile unit flushes a subnormal piece: an error under 2^-126 an
-// element). K's tail past the last whole chunk is zeros.
+// element). Past K, to the last chunk's end, zeros (a masked load: x is not read there).
 inline void tile_pieces(const float* x, int64_t ldx, int64_t B, int64_t K, uint16_t* xa) {
-  const int64_t M = 3 * B, chunks = tiled_k(K) / kTileK;
-  std::memset(xa, 0, chunks * M * kTileK * sizeof(uint16_t));
+  const int64_t M = 3 * B, end = tiled_k(K);
   const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   const auto upper = [](__m512i v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)); };
-  for (int64_t b = 0; b < B; ++b) {
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {  // 16 | 32: a vector stays within its chunk
-      const __m512 v = _mm512_loadu_ps(x + b * ldx + k);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t k = 0; k < end; k += 16) {  // 16 | 32: a vector stays within its chunk
+      const __mmask16 in = K - k >= 16 ? 0xFFFF : K > k ? static_cast<__mmask16>((1u << (K - k)) - 1) : 0;
+      const __m512 v = _mm512_maskz_loadu_ps(in, x + b * ldx + k);
       const __m512i hi = _mm512_and_si512(_mm512_castps_si512(v), top);
       const __m512 r1 = _mm512_sub_ps(v, _mm512_castsi512_ps(hi));  // exact: x's bits below its top 8
       const __m512i mid = _mm512_and_si512(_mm512_castps_si512(r1), top);
@@ -1144,24 +1158,6 @@ inline void tile_pieces(const float* x, int64_t ldx, int64_t B, int64_t K, uint1
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + (3 * b + 1) * kTileK), upper(mid));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + (3 * b + 2) * kTileK), upper(_mm512_castps_si512(lo)));
     }
-    for (; k < K; ++k) {  // the same operations, one element at a time
-      float v = x[b * ldx + k], fh, fm;
-      uint32_t u, u1, u2;
-      std::memcpy(&u, &v, sizeof(u));
-      const uint32_t hi = u & 0xFFFF0000u;
-      std::memcpy(&fh, &hi, sizeof(fh));
-      const float r1 = v - fh;
-      std::memcpy(&u1, &r1, sizeof(u1));
-      const uint32_t mid = u1 & 0xFFFF0000u;
-      std::memcpy(&fm, &mid, sizeof(fm));
-      const float lo = r1 - fm;
-      std::memcpy(&u2, &lo, sizeof(u2));
-      uint16_t* row = xa + (k / kTileK) * M * kTileK + k % kTileK;
-      row[(3 * b) * kTileK] = static_cast<uint16_t>(hi >> 16);
-      row[(3 * b + 1) * kTileK] = static_cast<uint16_t>(mid >> 16);
-      row[(3 * b + 2) * kTileK] = static_cast<uint16_t>(u2 >> 16);
-    }
-  }
 }
 
 // Rows [r0, r1) of y (B rows, stride ldy) = x·Wᵀ for a tiled bf16 W (N, K), B <= kTileBatch, x
@@ -1233,16 +1229,7 @@ inline void tile_share(const Split& split, const bf16* W, int64_t N, int64_t K, 
   const auto snap = [N](int64_t r) { return r >= N ? N : std::min(N, (r + 16) / 32 * 32); };
   r0 = snap(r0), r1 = snap(r1);
   if (r0 >= r1) return;
-  static thread_local uint16_t* buffer = nullptr;  // the pieces of x, 64-byte aligned
-  static thread_local int64_t size = 0;
-  const int64_t need = 3 * kTileBatch * tiled_k(K);
-  if (size < need) {
-    std::free(buffer);
-    buffer = static_cast<uint16_t*>(std::aligned_alloc(64, (need * sizeof(uint16_t) + 63) / 64 * 64));
-    if (buffer == nullptr) std::abort();
-    size = need;
-  }
-  uint16_t* const xa = buffer;
+  uint16_t* const xa = thread_buffer<uint16_t>(3 * kTileBatch * tiled_k(K));  // the pieces of x
   for (int64_t b = 0; b < B; b += kTileBatch) {
     const int64_t nb = B - b < kTileBatch ? B - b : kTileBatch;
     tile_pieces(x + b * ldx, ldx, nb, K, xa);
@@ -1276,15 +1263,7 @@ inline void share_product(const Split& split, const T* W, const float* scale, in
     // 16 bytes: with the buffer 16 bytes past the boundary the 13m bf16 step ran 1.05-1.06x slower
     // at batch 8, 1.01-1.06x at batch 1, int4 level to 1.02x; AMD EPYC Zen 4, interleaved,
     // bench/results/2026-12-06_cpu_xt-alignment-amd-zen4/).
-    static thread_local float* buffer = nullptr;
-    static thread_local int64_t size = 0;
-    if (size < B * K) {
-      std::free(buffer);
-      buffer = static_cast<float*>(std::aligned_alloc(64, (B * K * sizeof(float) + 63) / 64 * 64));
-      if (buffer == nullptr) std::abort();
-      size = B * K;
-    }
-    float* const xt = buffer;  // one lookup of the thread-local, not one a block
+    float* const xt = thread_buffer<float>(B * K);  // one lookup of the thread-local, not one a block
     transpose<Packed<T>::kPer>(x, ldx, B, K, xt);
     const uint8_t* bytes = reinterpret_cast<const uint8_t*>(W);
     const int64_t row_bytes = Packed<T>::row_bytes(K);
