@@ -180,3 +180,46 @@ def test_the_clean_up_rewrites_up_to_3_characters_back():
     assert tok.decode_reach == 0
     tok.clean_up_spaces = True
     assert tok.decode_reach == 3 and tok.decode(tok.encode("x n't")[1:]) == "xn't"
+
+
+class WholeDecode:
+    """A tokenizer seen only through ``decode`` (no ``decoding``): the stream decodes its whole
+    list at every token."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.decode_reach = tokenizer, getattr(tokenizer, "decode_reach", 0)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("tight_hold", [False, True])
+def test_a_kept_decoding_streams_what_decoding_every_list_streams(tight_hold):
+    """A byte-level tokenizer's stream keeps its decoding as it grows (``Tokenizer.decoding``)
+    instead of decoding its whole list at every token: every chunk, offset, stop and final text
+    is the same as the whole decoding's, for tiktoken and for a ``tokenizer.json`` BPE that cleans
+    up spaces (text with characters cut between tokens, rewrites and stop strings)."""
+    import random
+
+    from wiola.tokenizer import ByteDecoding, load_tokenizer, train_tokenizer
+
+    text = "Zoë 🦊 said: it isn't so . we're here , don't you ? 東京 ü\n\nUser: more"
+    hf = train_tokenizer([text] * 4, 300, show_progress=False)
+    hf.clean_up_spaces = True
+    rng = random.Random(3)
+    for tok in (load_tokenizer("gpt2-32k"), hf):
+        assert isinstance(tok.decoding(), ByteDecoding), tok
+        ids = tok.encode_batch([text])[0]
+        by_byte = tok.encode_batch(["".join(rng.choice("é .'s東") for _ in range(60))])[0]
+        for seq in (ids, by_byte, [rng.randrange(tok.vocab_size) for _ in range(120)]):
+            for stops in ([], ["\n\nUser:"], ["'s", " ?"]):
+                runs = []
+                for t in (tok, WholeDecode(tok)):
+                    s = TextStream(t, stops, tight_hold=tight_hold)
+                    steps = []
+                    for token in seq:
+                        steps.append((s.add(token), s.offset, s.stopped))
+                        if s.stopped:
+                            break
+                    runs.append((steps, s.rest(), s.text, s.final))
+                assert runs[0] == runs[1], (tok, stops, seq)

@@ -369,3 +369,96 @@ def test_special_ids_one_past_the_vocabulary_are_refused():
     for role in ("bos", "eos", "pad"):
         with pytest.raises(ValueError, match=rf"{role}_token_id 50257 is outside 'gpt2''s 50257 ids"):
             tok.with_special_ids(**{f"{role}_token_id": tok.vocab_size})
+
+
+# ------------------------------------------------------------ decoding a growing list of ids
+def _byte_ids(t) -> list[int]:
+    """The id of each of the 256 one-byte tokens of a byte-level tokenizer, by byte."""
+    if isinstance(t, TiktokenTokenizer):
+        return [t.encoding.encode_single_token(bytes([b])) for b in range(256)]
+    return [t._tok.token_to_id(tok._bytes_to_unicode()[b]) for b in range(256)]
+
+
+def _growing_lists(t, seed: int) -> list[list[int]]:
+    """Id lists that take a decoding through what can happen to its text: a real text of
+    characters of 1 to 4 bytes, random ids of the whole vocabulary (special and added ones
+    included), one-byte tokens drawn mostly from 0x80-0xFF (every kind of malformed UTF-8:
+    stray continuation bytes, characters cut short, overlong forms, surrogates, code points past
+    U+10FFFF), ids past the vocabulary."""
+    import random
+
+    from tokenizers import decoders
+
+    rng = random.Random(seed)
+    text = "Zoë 🦊 naïve — 東京 x's don't . ?" + TEXT
+    real = t.encode_batch([text])[0]
+    n = t.vocab_size
+    mixed = [rng.randrange(n + 8) for _ in range(300)]
+    if isinstance(t, TiktokenTokenizer) or isinstance(t._tok.decoder, decoders.ByteLevel):
+        by_byte = _byte_ids(t)
+        mixed = [by_byte[rng.choice([rng.randrange(0x80, 0x100)] * 3 + [rng.randrange(0x80)])] for _ in range(400)]
+        mixed += [
+            rng.randrange(n + 8) if rng.random() < 0.3 else by_byte[rng.randrange(0x80, 0x100)] for _ in range(200)
+        ]
+    if isinstance(t, TiktokenTokenizer):
+        added = [t.eos_token_id]
+    else:
+        added = sorted(t._tok.get_added_tokens_decoder())
+    between = [rng.choice(added + real[:40]) for _ in range(200)]  # each added token beside text and bytes
+    return [real, mixed, [rng.randrange(n) for _ in range(200)], between]
+
+
+def _added_tokens_bpe(bpe: Path) -> HFTokenizer:
+    """The trained byte-level BPE with added tokens that ``tokenizers``' ``ByteLevel`` decoder reads
+    differently: ``Ã日`` (a character outside the 256: its spelling's UTF-8), ``ÿé`` (two of the
+    256: bytes 0xFF 0xE9, not UTF-8), and a special one."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTok
+
+    inner = HFTok.from_file(str(bpe / "tokenizer.json"))
+    inner.add_tokens([AddedToken("Ã日", special=False), "日本", "ÿé"])
+    inner.add_special_tokens(["<|x|>"])
+    return HFTokenizer(inner, "added", {"bos_token": "<s>", "eos_token": "</s>"})
+
+
+@pytest.mark.parametrize("kind", ["gpt2-32k", "gpt2", "gpt2-32k to_hf", "bpe added", "bpe clean-up", "llama2"])
+def test_decoding_equals_decode_after_every_id(bpe, kind):
+    """``decoding().add`` returns exactly ``decode`` of the ids added so far, after every id: the
+    kept text of a byte-level tokenizer (tiktoken; ``tokenizers``' ``ByteLevel``, whose
+    ``from_utf8_lossy`` replaces the same maximal parts as Python's UTF-8 decoder; with and without
+    the clean-up of spaces) and the whole decoding of any other (Llama-2's byte fallback)."""
+    from wiola.tokenizer import ByteDecoding
+
+    if kind == "bpe added":
+        t = _added_tokens_bpe(bpe)
+    elif kind == "bpe clean-up":
+        t = load_tokenizer(bpe)
+        t.clean_up_spaces = True
+    elif kind == "llama2":
+        t = metaspace_tokenizer("llama2")
+    else:
+        t = load_tokenizer(kind.split()[0])
+        t = t.to_hf() if kind.endswith("to_hf") else t
+    assert isinstance(t.decoding(), ByteDecoding) == (kind != "llama2"), kind
+    for seed, ids in enumerate(_growing_lists(t, 0)):
+        d = t.decoding()
+        for i, token in enumerate(ids):
+            got = d.add(token)
+            assert got == t.decode(ids[: i + 1]), (kind, seed, i, ids[max(0, i - 6) : i + 1])
+        assert d.ids == ids
+
+
+def test_a_decoding_refuses_a_negative_id_and_keeps_its_text(bpe):
+    """A negative id raises ``decode``'s ``ValueError`` and is not added: the next id goes on from
+    the text before it (a character cut short stays pending across the refusal)."""
+    g = load_tokenizer("gpt2-32k")
+    for t in (g, g.to_hf(), load_tokenizer(bpe), metaspace_tokenizer("llama2")):
+        ids = t.encode_batch(["é x"])[0]
+        first = _byte_ids(t)[0xC3] if t.name != "llama2" else ids[0]
+        d = t.decoding()
+        d.add(first)
+        with pytest.raises(ValueError, match=r"token id -1 is negative"):
+            d.add(-1)
+        assert d.ids == [first], t
+        rest = [_byte_ids(t)[0xA9]] if t.name != "llama2" else ids[1:2]
+        assert d.add(rest[0]) == t.decode([first, *rest]), t

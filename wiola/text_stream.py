@@ -12,7 +12,10 @@ from wiola.generation import find_stop
 class Decoder(Protocol):
     """What ``TextStream`` needs of a tokenizer. It may also have ``decode_reach`` (an int, 0 when
     absent): how many characters at the end of ``decode(ids)`` ``decode(ids + more)`` may rewrite
-    (``wiola.tokenizer.HFTokenizer``'s clean-up of spaces before punctuation)."""
+    (``wiola.tokenizer.HFTokenizer``'s clean-up of spaces before punctuation); and ``decoding()``
+    (``wiola.tokenizer.Tokenizer.decoding``): an object whose ``add(token)`` returns ``decode`` of
+    every id added so far, which a byte-level tokenizer keeps as it grows instead of decoding the
+    whole list at every token (without it, the stream calls ``decode`` on the whole list)."""
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -46,14 +49,19 @@ class TextStream:
         self._reach = reach = getattr(tokenizer, "decode_reach", 0)
         self._hold = max(max((len(s) - 1 for s in stops), default=0), reach)
         self._full = ""  # decode(self.ids)
+        self._decoding = tokenizer.decoding() if hasattr(tokenizer, "decoding") else None
         self._sent = ""  # the prefix of a decoding that the emitted chunks stand for
 
     def add(self, token: int) -> str:
         """Append ``token``; the newly final text (empty while a character, a stop string or a
         rewrite may be incomplete)."""
         before = self._full
+        if self._decoding is not None:
+            full = self._decoding.add(token)
+        else:
+            full = self.tokenizer.decode([*self.ids, token])
         self.ids.append(token)
-        self._full = full = self.tokenizer.decode(self.ids)
+        self._full = full
         self.offset = _token_start(before, full)
         cut = find_stop(full, self.stops)
         if cut is not None:

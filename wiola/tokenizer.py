@@ -19,6 +19,7 @@ download. So the tokenizer works without network out of the box.
 
 from __future__ import annotations
 
+import codecs
 import copy
 import functools
 import hashlib
@@ -26,7 +27,7 @@ import itertools
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +196,12 @@ class Tokenizer:
             raise ValueError(f"token id {i} is negative: tokenizer {self.name!r} has ids 0 to {self.vocab_size - 1}")
         return ids if max(ids) < self.vocab_size else [i for i in ids if i < self.vocab_size]
 
+    def decoding(self) -> Decoding:
+        """An empty ``Decoding``: ``decode`` of a list of ids that grows one id at a time, kept up
+        to date (``wiola.text_stream`` streams a sequence's text through one). This base decodes
+        the whole list at every id; a byte-level tokenizer keeps its text as it grows."""
+        return Decoding(self)
+
     def token_byte_lengths(self, at_start: bool = False) -> list[int]:
         """The UTF-8 bytes each id adds to a text (``vocab_size`` entries); special tokens count 0.
 
@@ -306,6 +313,11 @@ class TiktokenTokenizer(Tokenizer):
     def token_bytes(self, token: int) -> bytes | None:
         return self.encoding.decode_single_token_bytes(token) if 0 <= token < self.vocab_size else None
 
+    def decoding(self) -> Decoding:
+        """tiktoken's ``decode`` is the UTF-8 decoding (U+FFFD for what is not UTF-8) of its ids'
+        bytes, special tokens' text included: a ``ByteDecoding``."""
+        return ByteDecoding(self, self.encoding.decode_single_token_bytes)
+
     def token_byte_lengths(self, at_start: bool = False) -> list[int]:
         enc = self.encoding
         special = {enc.encode_single_token(s) for s in enc.special_tokens_set}
@@ -376,6 +388,58 @@ def _bpe_below(ranks: dict[bytes, int], token: bytes, max_rank: int) -> tuple[by
     if len(parts) != 2:
         raise ValueError(f"rank {max_rank} ({token!r}) is not a merge of two lower-ranked tokens")
     return parts[0], parts[1]
+
+
+class Decoding:
+    """``tokenizer.decode(ids)`` of a list of ids that grows one id at a time: ``add(token)``
+    appends it and returns the text of every id added so far, exactly what ``decode`` gives for
+    ``ids`` (the list added). This one decodes the whole list at every id (any tokenizer);
+    ``ByteDecoding`` keeps the text of a byte-level tokenizer as it grows. A token that ``decode``
+    refuses (a negative id: ``ValueError``) is not added."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+
+    def add(self, token: int) -> str:
+        text = self.tokenizer.decode([*self.ids, token])
+        self.ids.append(token)
+        return text
+
+
+class ByteDecoding(Decoding):
+    """The ``Decoding`` of a tokenizer whose ``decode`` is the UTF-8 decoding, with U+FFFD for
+    each maximal part that is not UTF-8, of the concatenation of its ids' bytes (``token_bytes``
+    of each id below ``vocab_size``; the ids past it have no text), then ``finish`` applied to the
+    whole text (the clean-up of spaces of some ``tokenizer.json`` folders; none by default).
+
+    The bytes go through Python's incremental UTF-8 decoder: the text of the bytes it has finished
+    is kept, and the at most 3 bytes of a character still incomplete are decoded, alone, at each
+    add (one U+FFFD, as ``decode`` gives while the character is incomplete). So an add costs the
+    id's bytes and a copy of the text, not a decoding of every id (tests/test_tokenizer.py
+    compares every add against ``decode``, through every kind of malformed UTF-8)."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        token_bytes: Callable[[int], bytes | None],
+        finish: Callable[[str], str] | None = None,
+    ) -> None:
+        super().__init__(tokenizer)
+        self._bytes, self._finish = token_bytes, finish
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._done = ""  # the text of the bytes the UTF-8 decoder has finished
+
+    def add(self, token: int) -> str:
+        kept = self.tokenizer._decodable([token])  # ValueError on a negative id; [] past vocab_size
+        if kept:
+            data = self._bytes(kept[0])
+            if data:
+                self._done += self._utf8.decode(data)
+        self.ids.append(token)
+        pending = self._utf8.getstate()[0]
+        text = self._done + pending.decode("utf-8", "replace") if pending else self._done
+        return text if self._finish is None else self._finish(text)
 
 
 @functools.lru_cache(maxsize=1)
@@ -510,10 +574,42 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         text = self._tok.decode(self._decodable(ids), skip_special_tokens=False)
-        if self.clean_up_spaces:
-            for a, b in CLEAN_UP_REPLACEMENTS:
-                text = text.replace(a, b)
+        return self._clean_up(text) if self.clean_up_spaces else text
+
+    @staticmethod
+    def _clean_up(text: str) -> str:
+        for a, b in CLEAN_UP_REPLACEMENTS:
+            text = text.replace(a, b)
         return text
+
+    def decoding(self) -> Decoding:
+        """A byte-level vocabulary's ``decode`` (``decoders.ByteLevel``: Wiola13M's, GPT-2's) joins
+        the bytes of every token, added ones included (``_level_bytes``), and decodes them as UTF-8
+        with U+FFFD for each maximal part that is not (Rust's ``from_utf8_lossy``, Python's
+        ``"replace"``), then cleans up spaces where the folder says so: a ``ByteDecoding``, the
+        clean-up applied to the whole text at each id as ``decode`` applies it. Other decoders
+        (Metaspace, byte fallback, WordPiece): the base's whole decoding at every id."""
+        from tokenizers import decoders
+
+        if not isinstance(self._tok.decoder, decoders.ByteLevel):
+            return Decoding(self)
+        return ByteDecoding(self, self._level_bytes, self._clean_up if self.clean_up_spaces else None)
+
+    def _level_bytes(self, token: int) -> bytes | None:
+        """What ``tokenizers``' ``ByteLevel`` decoder makes of id ``token`` (below ``vocab_size``):
+        its spelling one byte a character (``_bytes_to_unicode``) where every character is one of
+        the 256, else the spelling's UTF-8 (an added token such as ``日本``); None for an id with
+        no token. Kept per id once read."""
+        cache = self.__dict__.setdefault("_level_cache", {})
+        if token not in cache:
+            spell, byte_of = self._tok.id_to_token(token), _unicode_to_bytes()
+            if spell is None:
+                cache[token] = None
+            elif all(c in byte_of for c in spell):
+                cache[token] = bytes(byte_of[c] for c in spell)
+            else:
+                cache[token] = spell.encode()
+        return cache[token]
 
     @property
     def decode_reach(self) -> int:
