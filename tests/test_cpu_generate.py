@@ -226,6 +226,38 @@ def test_sampler_equals_sample_next_with_ties(scale, isa):
             assert_within(f"row {i}: top values", logp[i, order], samplers.top_values[i, :k], allowed[i, order], isa)
 
 
+@pytest.mark.parametrize("V", [7, 11, 203, 4099])
+def test_logprobs_hold_across_the_range_of_the_exponentials(V, isa):
+    """The sampler's log-probabilities sum their exponentials in vectors of doubles (``exp`` of
+    ``z - max z`` by a range reduction and a polynomial, the vocabulary's tail by ``std::exp``):
+    within the rounding of an fp32 log-softmax of the float64 one, where every term counts (logits
+    spread over [-30, 0]), where the terms span the whole double range and past it (down to -745,
+    where exp underflows, and -inf), and for vocabularies shorter than a vector or with a tail."""
+    lib = decode_step_cpu.load(isa)
+    gen = torch.Generator().manual_seed(V)
+    rows = [
+        -30 * torch.rand(V, generator=gen),  # many terms of the same size
+        -745 * torch.rand(V, generator=gen),  # across exp's range, some past its smallest double
+        torch.where(torch.rand(V, generator=gen) < 0.3, float("-inf"), -3 * torch.rand(V, generator=gen)),
+        -1e-3 * torch.rand(V, generator=gen),  # nearly equal: x near 0, n = 0
+        30 * torch.randn(V, generator=gen),
+    ]
+    logits = torch.stack(rows).contiguous()
+    logits[:, V // 2] = logits.amax(-1) + 0.5  # one finite maximum in every row
+    k = min(V, 6)
+    samplers = decode_step_cpu.Samplers(len(rows), V, k)
+    samplers.mode.fill_(decode_step_cpu.MODE["greedy"])
+    samplers.n_logprobs.fill_(k)
+    decode_step_cpu.sample_rows(lib, logits, samplers)
+    logp = torch.log_softmax(logits.double(), -1)
+    allowed = log_softmax_bound(0.0, logits.masked_fill(logits.isinf(), 0.0))  # the finite logits' spread
+    chosen = samplers.token[:, None]
+    assert (samplers.token == V // 2).all(), f"{isa}: greedy tokens {samplers.token.tolist()}"
+    assert_within("logprob of the chosen token", logp.gather(1, chosen)[:, 0], samplers.logprob, allowed[:, 0], isa)
+    order = logits.double().sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    assert_within("top values", logp.gather(1, order), samplers.top_values, allowed[:, :k], isa)
+
+
 @pytest.mark.parametrize("temperature", [1e-40, 1e-38])
 def test_vanishing_temperature_is_the_argmax_for_any_signs(temperature, isa):
     """A temperature at which logits / T overflow float32 gives each row's argmax (the limit of
