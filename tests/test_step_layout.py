@@ -62,5 +62,5 @@ def test_every_slot_is_a_model_tensor_of_the_table_shape(gate):
             assert t is None, path
             continue
         assert tuple(t.shape) == layout.shape(slot.shape, size), f"{path}: {tuple(t.shape)}"
-    assert quantize.matrix_names(config.n_layers) == [p for p, s in slots if s.matrix]
-    assert [slots[i][0] for i in decode_step_cpu.matrix_slots(config.n_layers)] == quantize.matrix_names(2)
+    assert quantize.matrix_names(config.n_layers) == tuple(p for p, s in slots if s.matrix)
+    assert [slots[i][0] for i in decode_step_cpu.matrix_slots(config.n_layers)] == list(quantize.matrix_names(2))

@@ -963,13 +963,22 @@ class Samplers:
     ``n_logprobs`` (how many best log-probabilities per row, at most ``max_k``); out: ``token``,
     ``logprob`` (the token's log-softmax), ``top_ids``/``top_values`` ``(n, max_k)``."""
 
-    def __init__(self, n: int, vocab_size: int, max_k: int) -> None:
+    def __init__(
+        self,
+        n: int,
+        vocab_size: int,
+        max_k: int,
+        settings: tuple[list[int], list[float], list[int], list[int]] | None = None,
+    ) -> None:
+        """``settings``: the rows' ``(mode, temperature, top_k, n_logprobs)`` as lists of ``n``
+        (default: greedy, temperature 1, no top-k, no log-probabilities)."""
         self.max_k = max(1, max_k)
-        self.mode = torch.zeros(n, dtype=torch.int64)
-        self.temperature = torch.ones(n, dtype=torch.float32)
-        self.top_k = torch.zeros(n, dtype=torch.int64)
+        mode, temperature, top_k, n_logprobs = settings or ([0] * n, [1.0] * n, [0] * n, [0] * n)
+        self.mode = torch.tensor(mode, dtype=torch.int64)
+        self.temperature = torch.tensor(temperature, dtype=torch.float32)
+        self.top_k = torch.tensor(top_k, dtype=torch.int64)
         self.log_noise = torch.empty(n, vocab_size, dtype=torch.float32)  # read for sampled rows only
-        self.n_logprobs = torch.zeros(n, dtype=torch.int64)
+        self.n_logprobs = torch.tensor(n_logprobs, dtype=torch.int64)
         self.token = torch.zeros(n, dtype=torch.int64)
         self.logprob = torch.zeros(n, dtype=torch.float32)
         self.top_ids = torch.zeros(n, self.max_k, dtype=torch.int64)

@@ -44,7 +44,6 @@ back (``wiola.checkpoint.load_pretrained``); any other class refuses such a chec
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -227,14 +226,9 @@ def _keys(tensors: Any) -> tuple:
     return tuple((t.data_ptr(), 0 if t.is_inference() else t._version) for t in tensors)
 
 
-@functools.cache
-def _names(n_layers: int) -> tuple[str, ...]:
-    return tuple(matrix_names(n_layers))
-
-
 def _matrices(model: torch.nn.Module) -> list[torch.Tensor]:
     """The model's parameters that the packed matrices stand for, in ``matrix_names`` order."""
-    return [tensor_at(model, name) for name in _names(model.config.n_layers)]
+    return [tensor_at(model, name) for name in matrix_names(model.config.n_layers)]
 
 
 def stale_matrices(model: torch.nn.Module) -> list[str]:
@@ -242,7 +236,7 @@ def stale_matrices(model: torch.nn.Module) -> list[str]:
     dequantized values (compared exactly, whatever the parameters' dtype and device)."""
     return [
         name
-        for name, p in zip(_names(model.config.n_layers), _matrices(model), strict=True)
+        for name, p in zip(matrix_names(model.config.n_layers), _matrices(model), strict=True)
         if not _holds(p, *model.quantized[name])
     ]
 
@@ -292,7 +286,7 @@ def _refuse_other_matrices(module: torch.nn.Module, state_dict: dict, prefix: st
     if getattr(module, "quantization", None) is None:
         return
     changed = []
-    for name, p in zip(_names(module.config.n_layers), _matrices(module), strict=True):
+    for name, p in zip(matrix_names(module.config.n_layers), _matrices(module), strict=True):
         new = state_dict.get(prefix + name)
         if new is None:
             continue  # not loaded (strict=False), or reported missing by load_state_dict itself

@@ -347,13 +347,15 @@ class Rows:
         slots = torch.tensor([row.slot for row in rows], dtype=torch.int64)
         logits = self._step.step_rows(index, tokens, slots, samplers)
         pending: list[RowToken] = []
+        chosen, logprobs = samplers.token.tolist(), samplers.logprob.tolist()
         for n, row in enumerate(rows):
             if row.sampling.top_p is not None:  # the nucleus: wiola.generation's own sampler
                 pending.append(self._sample(row, logits[n : n + 1]))
                 continue
-            token, k = int(samplers.token[n]), row.request.logprobs
-            ids, values = samplers.top_ids[n, :k].tolist(), samplers.top_values[n, :k].tolist()
-            pending.append(RowToken(row.handle, token, float(samplers.logprob[n]), list(zip(ids, values, strict=True))))
+            top: list[tuple[int, float]] = []
+            if k := row.request.logprobs:
+                top = list(zip(samplers.top_ids[n, :k].tolist(), samplers.top_values[n, :k].tolist(), strict=True))
+            pending.append(RowToken(row.handle, chosen[n], logprobs[n], top))
         return pending
 
     def _samplers(self, rows: list[_Row]) -> Any:
@@ -362,18 +364,17 @@ class Rows:
         from wiola.fast.decode_step_cpu import MODE, Samplers
 
         V = self.model.config.vocab_size
-        samplers = Samplers(len(rows), V, max(row.request.logprobs for row in rows))
-        for n, row in enumerate(rows):
+        modes, temperatures, top_ks, ks = [], [], [], []  # made into tensors at once, not an element at a time
+        for row in rows:
             s = row.sampling
-            samplers.n_logprobs[n] = row.request.logprobs
-            if s.greedy:
-                samplers.mode[n] = MODE["greedy"]
-            elif s.top_p is not None:
-                samplers.mode[n] = MODE["caller"]
-            else:
-                samplers.mode[n] = MODE["sample"]
-                samplers.temperature[n] = s.temperature
-                samplers.top_k[n] = s.top_k or 0
+            sampled = not s.greedy and s.top_p is None
+            modes.append(MODE["sample" if sampled else "greedy" if s.greedy else "caller"])
+            temperatures.append(s.temperature if sampled else 1.0)
+            top_ks.append((s.top_k or 0) if sampled else 0)
+            ks.append(row.request.logprobs)
+        samplers = Samplers(len(rows), V, max(ks), (modes, temperatures, top_ks, ks))
+        for n, row in enumerate(rows):
+            if modes[n] == MODE["sample"]:
                 noise = torch.empty(1, V).exponential_(generator=row.generator)
                 samplers.log_noise[n] = torch.log(noise.clamp_min(1e-30))[0]
         return samplers

@@ -17,6 +17,7 @@ projection.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -120,9 +121,11 @@ def matrix_slots(n_layers: int) -> list[int]:
     return [i for i, (_, s) in enumerate(slots(n_layers)) if s.matrix]
 
 
-def matrix_names(n_layers: int) -> list[str]:
-    """The parameter names of the packed matrices, in the step's order."""
-    return [path for path, s in slots(n_layers) if s.matrix]
+@functools.cache
+def matrix_names(n_layers: int) -> tuple[str, ...]:
+    """The parameter names of the packed matrices, in the step's order (made once per depth: the
+    binding's check before every step reads them)."""
+    return tuple(path for path, s in slots(n_layers) if s.matrix)
 
 
 def tensor_at(model: torch.nn.Module, path: str) -> torch.Tensor | None:
