@@ -228,11 +228,11 @@ def test_sampler_equals_sample_next_with_ties(scale, isa):
 
 @pytest.mark.parametrize("V", [7, 11, 203, 4099])
 def test_logprobs_hold_across_the_range_of_the_exponentials(V, isa):
-    """The sampler's log-probabilities sum their exponentials in vectors of doubles (``exp`` of
-    ``z - max z`` by a range reduction and a polynomial, the vocabulary's tail by ``std::exp``):
+    """The sampler's log-probabilities take their exponentials a vector at a time (the attention's
+    fp32 ``exp_nonpositive`` of ``z - max z``, the last vector padded) and sum them in double:
     within the rounding of an fp32 log-softmax of the float64 one, where every term counts (logits
-    spread over [-30, 0]), where the terms span the whole double range and past it (down to -745,
-    where exp underflows, and -inf), and for vocabularies shorter than a vector or with a tail."""
+    spread over [-30, 0]), where the terms span past fp32's and double's range (down to -745, and
+    -inf), and for vocabularies shorter than a vector or with a tail."""
     lib = decode_step_cpu.load(isa)
     gen = torch.Generator().manual_seed(V)
     rows = [

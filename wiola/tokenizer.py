@@ -462,6 +462,13 @@ def _unicode_to_bytes() -> dict[str, int]:
     return {c: b for b, c in _bytes_to_unicode().items()}
 
 
+def _byte_level(spell: str) -> bytes | None:
+    """The bytes of a byte-level spelling, one a character (``_bytes_to_unicode``); None where a
+    character is not one of the 256."""
+    byte_of = _unicode_to_bytes()
+    return bytes(byte_of[c] for c in spell) if all(c in byte_of for c in spell) else None
+
+
 def _template_bos_eos(tok: Any, specials: dict[str, str | None], settings: dict[str, Any], file: Path) -> None:
     """Set ``tok``'s post-processor as transformers' ``BOS_EOS_FLAG_CLASSES`` rebuild it on load:
     ``<bos> $A <eos>`` with each end present where ``add_bos_token`` (default True) /
@@ -602,13 +609,8 @@ class HFTokenizer(Tokenizer):
         no token. Kept per id once read."""
         cache = self.__dict__.setdefault("_level_cache", {})
         if token not in cache:
-            spell, byte_of = self._tok.id_to_token(token), _unicode_to_bytes()
-            if spell is None:
-                cache[token] = None
-            elif all(c in byte_of for c in spell):
-                cache[token] = bytes(byte_of[c] for c in spell)
-            else:
-                cache[token] = spell.encode()
+            spell = self._tok.id_to_token(token)
+            cache[token] = None if spell is None else _byte_level(spell) or spell.encode()
         return cache[token]
 
     @property
@@ -690,9 +692,8 @@ class HFTokenizer(Tokenizer):
         spell = self._tok.id_to_token(token)
         if spell is not None and token not in self._tok.get_added_tokens_decoder():
             if isinstance(self._tok.decoder, decoders.ByteLevel):
-                byte_of = _unicode_to_bytes()
-                if all(c in byte_of for c in spell):
-                    return bytes(byte_of[c] for c in spell)
+                if (spelled := _byte_level(spell)) is not None:
+                    return spelled
             elif self._spelled_steps is not None:
                 return self._spelled_bytes(token, at_start=False)
             elif self._byte_fallback and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", spell):
