@@ -33,6 +33,7 @@ from cpu_prompt_oracle import (
     prompt_inputs,
     rows_inputs,
 )
+from generator_states import crafted, hard_units
 from numerics import LAMBDA, U32, AbsSums, assert_within, bound, cache_bound, reference_on
 
 import wiola
@@ -202,3 +203,25 @@ def test_arm_prompt_functions_match_oracle(case, arm_harness, tmp_path):
     allowed = LAMBDA * K**0.5 * U32 * (px.double().abs() @ pw.double().abs().T)
     assert_within("ARM product rows", px.double() @ pw.double().T, product.view(M, N), allowed, where)
     assert torch.equal(alone, product), f"ARM product rows: a row alone differs from the same row among {M}"
+
+
+def test_arm_exponential_noise_equals_torchs(arm_harness, tmp_path):
+    """The C++ Exp(1) noise (``wiola_exponential``) on aarch64 equals torch's ``exponential_`` here bit
+    for bit, and leaves the generator's state as torch's draws leave it: sizes across the MT19937's
+    refills and a crafted state's extremes (u = 0, the smallest two and the largest u)."""
+    cases = [(f"seed {n}", torch.Generator().manual_seed(n), n) for n in (1, 313, 4099)]
+    units = hard_units(4, seed=0)  # 0, 1, 2, 2^53 - 1
+    cases.append(("extremes", crafted(units, seed=0), len(units)))
+    for name, g, n in cases:
+        state = g.get_state()
+        out = _run(arm_harness, tmp_path, struct.pack("<q", n) + _bytes(state), "exponential")
+        answer = struct.unpack_from("<q", out)[0]
+        values = torch.from_numpy(np.frombuffer(out, dtype=np.float32, count=n, offset=8).copy())
+        after = torch.from_numpy(np.frombuffer(out, dtype=np.uint8, offset=8 + 4 * n).copy())
+        want = torch.empty(n).exponential_(generator=g)
+        assert answer >= 0, f"ARM {name}: wiola_exponential returned {answer}"
+        differ = (values.view(torch.int32) != want.view(torch.int32)).nonzero()
+        assert differ.numel() == 0, (
+            f"ARM {name}: {differ.numel()} of {n} values differ from torch's, first at {differ[0]}"
+        )
+        assert torch.equal(after, g.get_state()), f"ARM {name}: the generator's state differs from torch's after"

@@ -14,6 +14,10 @@
 // int64 M, N, K, the buffers x (M, K) and W (N, K).
 // Output: the attention's (B, T, H, D), the caches, the RMSNorm's out and h, the SiLU gate's out,
 // wiola_product_rows over all M rows, then over each row alone (M products of one row).
+//
+// `harness exponential INPUT OUTPUT` draws Exp(1) noise (wiola_exponential). Input: int64 n, then
+// the buffer of a torch CPU generator's state. Output: int64 wiola_exponential's answer, the n fp32
+// values, then the state after.
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -101,21 +105,41 @@ int run_prompt(const char* output) {
   return std::fclose(out) == 0 ? 0 : 1;
 }
 
+int run_exponential(const char* output) {
+  const int64_t n = read_i64();
+  std::vector<int64_t> sizes;
+  std::vector<void*> state = read_buffers(1, &sizes);
+  std::vector<float> values(n);
+  const int64_t job = 0;
+  const int64_t answer = wiola_exponential(reinterpret_cast<uint8_t* const*>(state.data()), sizes[0], 1, &job, 1, n,
+                                           values.data());
+  FILE* out = std::fopen(output, "wb");
+  if (!out) {
+    std::perror(output);
+    return 2;
+  }
+  std::fwrite(&answer, sizeof(answer), 1, out);
+  std::fwrite(values.data(), sizeof(float), values.size(), out);
+  std::fwrite(state[0], 1, sizes[0], out);
+  return std::fclose(out) == 0 ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool prompt = argc == 4 && std::string(argv[1]) == "prompt";
-  if (argc != 3 && !prompt) {
-    std::fprintf(stderr, "usage: %s [prompt] INPUT OUTPUT\n", argv[0]);
+  const std::string mode = argc == 4 ? argv[1] : "";
+  if (argc != 3 && mode != "prompt" && mode != "exponential") {
+    std::fprintf(stderr, "usage: %s [prompt|exponential] INPUT OUTPUT\n", argv[0]);
     return 2;
   }
-  const char* input = argv[prompt ? 2 : 1];
+  const char* input = argv[argc == 4 ? 2 : 1];
   in = std::fopen(input, "rb");
   if (!in) {
     std::perror(input);
     return 2;
   }
-  if (prompt) return run_prompt(argv[3]);
+  if (mode == "prompt") return run_prompt(argv[3]);
+  if (mode == "exponential") return run_exponential(argv[3]);
   int64_t n[kNumDims];
   read(n, sizeof(n));
   float eps;

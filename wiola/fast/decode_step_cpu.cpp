@@ -2092,6 +2092,214 @@ inline void sample_rows(const float* logits, int64_t B, int64_t V, const Sampler
   });
 }
 
+// ---- Exp(1) noise drawn as torch's CPU exponential_ draws it, from the same generator state ----
+// torch's exponential_ (ATen's exponential_kernel: at::exponential_distribution<double>, one value at
+// a time in tensor order) makes each value from two outputs a, b of the generator's MT19937
+// (at::mt19937): u = ((a·2^32 + b) mod 2^53)·2^-53, the value float(-1.0 · log1p(-u)) through glibc's
+// scalar log1p. A sampled row draws V of them each token: 500 us for 32,000 ids (Intel(R) Xeon(R)
+// Processor, family 6 model 167), most of a 13m step. Here the same values from the same state: the
+// MT19937 refilled and tempered a vector of words at a time; -log(1 - u) (1 - u is exact: a multiple
+// of 2^-53 in (0, 1]) by fdlibm's log in double a vector at a time (a few ulp); where that double
+// lies within 2^-40 (relative) of a float's rounding boundary, and only there, glibc's value (also
+// within 1 ulp of -log1p(-u)) could round to another float, so the value is made again by
+// std::log1p exactly as torch makes it (u = 0 too: its sign of zero). wiola/fast/decode_step_cpu.py
+// checks the whole against torch's own draws once a process and keeps torch's where they differ.
+constexpr int kMtN = 624, kMtM = 397;
+// Where torch's CPUGeneratorImplState (get_state()'s bytes) keeps the engine's position and words.
+constexpr int64_t kGenBytes = 5056, kGenLeft = 8, kGenNext = 16, kGenWords = 24;
+
+inline uint32_t mt_twist(uint32_t u, uint32_t v) {
+  return (((u & 0x80000000u) | (v & 0x7fffffffu)) >> 1) ^ ((v & 1u) ? 0x9908b0dfu : 0u);
+}
+inline uvec mt_twist(uvec u, uvec v) {
+  return (((u & 0x80000000u) | (v & 0x7fffffffu)) >> 1) ^ ((0u - (v & 1u)) & 0x9908b0dfu);
+}
+inline uvec load_words(const uint32_t* p) {
+  uvec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store_words(uint32_t* p, uvec v) { std::memcpy(p, &v, sizeof(v)); }
+
+// at::mt19937's next_state(): the 624 words anew. Each vector reads the words it replaces and the
+// next ones before it writes (originals), and words 227 behind (already new): as the scalar order.
+inline void mt_refill(uint32_t* p) {
+  int i = 0;
+  for (; i + kLanes <= kMtN - kMtM; i += kLanes)
+    store_words(p + i, load_words(p + i + kMtM) ^ mt_twist(load_words(p + i), load_words(p + i + 1)));
+  for (; i < kMtN - kMtM; ++i) p[i] = p[i + kMtM] ^ mt_twist(p[i], p[i + 1]);
+  for (; i + kLanes <= kMtN - 1; i += kLanes)
+    store_words(p + i, load_words(p + i + kMtM - kMtN) ^ mt_twist(load_words(p + i), load_words(p + i + 1)));
+  for (; i < kMtN - 1; ++i) p[i] = p[i + kMtM - kMtN] ^ mt_twist(p[i], p[i + 1]);
+  p[kMtN - 1] = p[kMtM - 1] ^ mt_twist(p[kMtN - 1], p[0]);
+}
+
+template <typename W>  // uint32_t or uvec
+inline W mt_temper(W y) {
+  y ^= y >> 11;
+  y ^= (y << 7) & 0x9d2c5680u;
+  y ^= (y << 15) & 0xefc60000u;
+  return y ^ (y >> 18);
+}
+
+// torch's at::mt19937 as get_state() lays it out: `left` counts down to the next refill (left - 1
+// outputs remain before it), `next` indexes the words.
+struct TorchMT {
+  uint32_t words[kMtN];
+  int64_t left, next;
+
+  // False for a position out of range (then nothing is read past the words).
+  bool read(const uint8_t* state) {
+    int32_t left32;
+    uint64_t next64;
+    std::memcpy(&left32, state + kGenLeft, sizeof(left32));
+    std::memcpy(&next64, state + kGenNext, sizeof(next64));
+    if (left32 < 1 || next64 > static_cast<uint64_t>(kMtN) || static_cast<int64_t>(next64) + left32 - 1 > kMtN)
+      return false;
+    left = left32, next = static_cast<int64_t>(next64);
+    for (int i = 0; i < kMtN; ++i) {
+      uint64_t w;
+      std::memcpy(&w, state + kGenWords + 8 * i, sizeof(w));
+      words[i] = static_cast<uint32_t>(w);
+    }
+    return true;
+  }
+
+  void write(uint8_t* state) const {
+    for (int i = 0; i < kMtN; ++i) {
+      const uint64_t w = words[i];
+      std::memcpy(state + kGenWords + 8 * i, &w, sizeof(w));
+    }
+    const int32_t left32 = static_cast<int32_t>(left);
+    const uint64_t next64 = static_cast<uint64_t>(next);
+    std::memcpy(state + kGenLeft, &left32, sizeof(left32));
+    std::memcpy(state + kGenNext, &next64, sizeof(next64));
+  }
+
+  // n outputs into out, as n calls of at::mt19937::operator().
+  void draw(uint32_t* out, int64_t n) {
+    while (n > 0) {
+      if (left == 1) {
+        mt_refill(words);
+        left = kMtN + 1, next = 0;
+      }
+      const int64_t k = std::min(left - 1, n);
+      int64_t j = 0;
+      for (; j + kLanes <= k; j += kLanes) store_words(out + j, mt_temper(load_words(words + next + j)));
+      for (; j < k; ++j) out[j] = mt_temper(words[next + j]);
+      left -= k, next += k, out += k, n -= k;
+    }
+  }
+};
+
+typedef uint64_t qvec __attribute__((vector_size(sizeof(vec))));  // dvec's lanes as uint64
+
+// The double of each lane of x < 2^52: 2^52 + x has x for its low bits.
+inline dvec exact_double(qvec x) {
+  const qvec bits = x | 0x4330000000000000ull;
+  dvec d;
+  std::memcpy(&d, &bits, sizeof(d));
+  return d - 4503599627370496.0;
+}
+
+// -log(v) for v in [2^-53, 1], lane by lane: fdlibm's e_log.c (v = 2^k·(1 + f), 1 + f in
+// [√2/2, √2), s = f/(2 + f), log(1 + f) = f - s·(f - R(s²)) with its minimax R), a few ulp.
+inline dvec minus_log(dvec v) {
+  qvec bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const qvec hi = bits >> 32;
+  const qvec m = hi & 0x000fffffu;
+  const qvec i = (m + 0x95f64u) & 0x100000u;  // 1 << 20 where the mantissa is past √2: halve it
+  const qvec k = ((hi >> 20) & 0x7ffu) + (i >> 20) + 1;  // the exponent + 1024: 971..1024
+  const qvec fbits = ((m | (i ^ 0x3ff00000u)) << 32) | (bits & 0xffffffffu);
+  dvec f;
+  std::memcpy(&f, &fbits, sizeof(f));
+  f -= 1.0;
+  const dvec dk = exact_double(k) - 1024.0;
+  const dvec s = f / (2.0 + f), z = s * s, w = z * z;
+  const dvec t1 = w * (3.999999999940941908e-01 + w * (2.222219843214978396e-01 + w * 1.531383769920937332e-01));
+  const dvec t2 = z * (6.666666666666735130e-01 +
+                       w * (2.857142874366239149e-01 + w * (1.818357216161805012e-01 + w * 1.479819860511658591e-01)));
+  const dvec R = t1 + t2;
+  return -(dk * 6.93147180369123816490e-01 - ((s * (f - R) - dk * 1.90821492927058770002e-10) - f));
+}
+
+// All ones where r's float could differ from that of a double within 2^-40 (relative) of r: the 29
+// bits a rounding to float drops are within 2^13 (of r's ulps, each at most 2^-52·r) of half of
+// 2^29, the midpoint between two floats; or r is 0 (its sign is torch's -1.0 · log1p(-0.0)).
+inline qvec near_midpoint(dvec r) {
+  qvec bits;
+  std::memcpy(&bits, &r, sizeof(bits));
+  return (qvec)(((bits & 0x1fffffffu) - (0x10000000u - 0x2000u)) < 0x4000u) | (qvec)((bits << 1) == 0);
+}
+
+inline bool any_lane(qvec m) {
+#if defined(WIOLA_ISA_AVX512)
+  return _mm512_test_epi64_mask((__m512i)m, (__m512i)m) != 0;
+#else
+  uint64_t any = 0;
+  for (int t = 0; t < static_cast<int>(sizeof(m) / 8); ++t) any |= m[t];
+  return any != 0;
+#endif
+}
+
+// n Exp(1) values into out from mt, as torch's exponential_ makes them (above). Returns how many
+// values took std::log1p for the rounding check.
+inline int64_t exponential(TorchMT& mt, int64_t n, float* out) {
+  constexpr int kD = kLanes / 2, kChunk = 1024;  // doubles a vector; values a pass
+  alignas(64) uint32_t drawn[2 * kChunk];
+  int64_t redone = 0;
+  for (int64_t at = 0; at < n; at += kChunk) {
+    const int64_t c = std::min<int64_t>(kChunk, n - at);
+    mt.draw(drawn, 2 * c);
+    int64_t j = 0;
+    for (; j + kD <= c; j += kD) {
+      qvec pairs;  // lane t: b << 32 | a, the t-th value's two outputs as they lie in memory
+      std::memcpy(&pairs, drawn + 2 * j, sizeof(pairs));
+      const dvec u = (exact_double(pairs & 0x1fffffu) * 4294967296.0 + exact_double(pairs >> 32)) * 0x1p-53;
+      const dvec r = minus_log(1.0 - u);
+      const hvec value = __builtin_convertvector(r, hvec);
+      float* o = out + at + j;
+      std::memcpy(o, &value, sizeof(value));
+      const qvec near = near_midpoint(r);
+      if (__builtin_expect(!any_lane(near), 1)) continue;
+      for (int t = 0; t < kD; ++t)
+        if (near[t] != 0) {
+          o[t] = static_cast<float>(-1.0 * std::log1p(-u[t]));
+          ++redone;
+        }
+    }
+    for (; j < c; ++j) {
+      const uint64_t bits = (static_cast<uint64_t>(drawn[2 * j]) << 32 | drawn[2 * j + 1]) & ((1ull << 53) - 1);
+      out[at + j] = static_cast<float>(-1.0 * std::log1p(-(static_cast<double>(bits) * 0x1p-53)));
+    }
+  }
+  return redone;
+}
+
+// Row r of out (rows, n) drawn from generator state states[job[r]]; a state's rows in row order
+// (one stream, as a draw of its rows one after another), the states on separate threads. Every
+// state is read before any is written: -1 (nothing written) where one's position is out of range.
+inline int64_t exponential_rows(uint8_t* const* states, int64_t jobs, const int64_t* job, int64_t rows, int64_t n,
+                                float* out) {
+  std::unique_ptr<TorchMT[]> mts(new TorchMT[jobs]);
+  for (int64_t j = 0; j < jobs; ++j)
+    if (!mts[j].read(states[j])) return -1;
+  std::atomic<int64_t> redone{0};
+  const int most = omp_get_max_threads();
+  const int threads = jobs < 2 || rows * n < (1 << 14) ? 1 : jobs < most ? static_cast<int>(jobs) : most;
+  parallel(threads, [&](int tid, int nth) {
+    for (int64_t j = tid; j < jobs; j += nth) {
+      int64_t mine = 0;
+      for (int64_t r = 0; r < rows; ++r)
+        if (job[r] == j) mine += exponential(mts[j], n, out + r * n);
+      mts[j].write(states[j]);
+      redone += mine;
+    }
+  });
+  return redone;
+}
+
 // ---- the prompt's element-wise parts: RMSNorm after the residual add, the butterfly's middle ----
 // Each row of d (or F) floats is one independent piece of work: its numbers do not depend on the
 // number of rows, the thread count or the split. Rows go to the threads in contiguous ranges; a
@@ -2224,6 +2432,19 @@ inline void product_rows(const float* W, int64_t N, int64_t K, const float* x, i
 extern "C" {
 
 int64_t wiola_workspace_floats(const int64_t* n) { return Workspace::floats(n); }
+
+// rows x n Exp(1) values into out (rows, n) fp32, row r drawn as torch's CPU exponential_ draws
+// from the generator whose state (get_state()'s bytes, state_bytes each) is states[job[r]], each
+// state advanced in place as torch's draws of its rows, in row order, would leave it
+// (exponential_rows). Returns how many values took the scalar log1p, -1 for a state's position out
+// of range, -2 for a state of another size, a job out of [0, jobs) or a negative count.
+int64_t wiola_exponential(uint8_t* const* states, int64_t state_bytes, int64_t jobs, const int64_t* job, int64_t rows,
+                          int64_t n, float* out) {
+  if (state_bytes != kGenBytes || jobs < 0 || rows < 0 || n < 0) return -2;
+  for (int64_t r = 0; r < rows; ++r)
+    if (job[r] < 0 || job[r] >= jobs) return -2;
+  return exponential_rows(states, jobs, job, rows, n, out);
+}
 
 int64_t wiola_q4_group() { return kQ4Group; }
 

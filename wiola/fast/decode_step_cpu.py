@@ -373,6 +373,8 @@ def _build(compiler: str, isa: str) -> ctypes.CDLL:
     lib.wiola_step_rows.restype = ctypes.c_int
     lib.wiola_generate.argtypes = [P, P, P, P, F, P, I, I, I, I, P, P, I, F, I, P, I, I, P, P, P]
     lib.wiola_generate.restype = I
+    lib.wiola_exponential.argtypes = [P, I, I, P, I, I, P]
+    lib.wiola_exponential.restype = I
     lib.wiola_product_reps.argtypes = [P, P, P, I, I, P, I, P, I, I]
     lib.wiola_product_reps.restype = ctypes.c_int
     if hasattr(lib, "wiola_fma_peak"):  # absent from a copy of an older source (bench/two_builds.py)
@@ -969,20 +971,109 @@ class Samplers:
         vocab_size: int,
         max_k: int,
         settings: tuple[list[int], list[float], list[int], list[int]] | None = None,
+        log_noise: torch.Tensor | None = None,
     ) -> None:
         """``settings``: the rows' ``(mode, temperature, top_k, n_logprobs)`` as lists of ``n``
-        (default: greedy, temperature 1, no top-k, no log-probabilities)."""
+        (default: greedy, temperature 1, no top-k, no log-probabilities); ``log_noise``: the
+        ``(n, V)`` buffer to hold it (default a new one; a caller that steps often keeps one)."""
         self.max_k = max(1, max_k)
         mode, temperature, top_k, n_logprobs = settings or ([0] * n, [1.0] * n, [0] * n, [0] * n)
         self.mode = torch.tensor(mode, dtype=torch.int64)
         self.temperature = torch.tensor(temperature, dtype=torch.float32)
         self.top_k = torch.tensor(top_k, dtype=torch.int64)
-        self.log_noise = torch.empty(n, vocab_size, dtype=torch.float32)  # read for sampled rows only
+        if log_noise is None:
+            log_noise = torch.empty(n, vocab_size)
+        _check(log_noise, "Samplers: log_noise", torch.float32, (n, vocab_size))
+        self.log_noise = log_noise  # read for sampled rows only
         self.n_logprobs = torch.tensor(n_logprobs, dtype=torch.int64)
         self.token = torch.zeros(n, dtype=torch.int64)
         self.logprob = torch.zeros(n, dtype=torch.float32)
         self.top_ids = torch.zeros(n, self.max_k, dtype=torch.int64)
         self.top_values = torch.zeros(n, self.max_k, dtype=torch.float32)
+
+
+# Sizes the check of the C++ Exp(1) draws against torch's draws: across the MT19937's refills
+# of 624 words (two a value), odd tails, and one row of a 32,000-id vocabulary.
+EXPONENTIAL_PROBE = (1, 5, 311, 312, 313, 1300, 4099, 32000)
+_EXPONENTIAL_AGREES: dict[str, bool] = {}  # library path -> whether its draws are this torch's
+
+
+def _draw_exponential(lib: ctypes.CDLL, generators: list[torch.Generator], out: torch.Tensor) -> bool:
+    """Row ``i`` of ``out`` (``(len(generators), n)``, checked by the caller) drawn by the C++ from
+    ``generators[i]`` (a generator's rows one stream in row order), each generator's state read,
+    advanced and set back; False, nothing drawn, where a state is not one the C++ reads (its size
+    or position)."""
+    unique: dict[int, int] = {}
+    job = [unique.setdefault(id(g), len(unique)) for g in generators]
+    gens = list({id(g): g for g in generators}.values())
+    states = [g.get_state() for g in gens]
+    if any(s.numel() != STATE_BYTES for s in states):
+        return False
+    pointers = (ctypes.c_void_p * len(states))(*(s.data_ptr() for s in states))
+    jobs = (ctypes.c_int64 * len(job))(*job)
+    _follow_torch_threads()
+    if lib.wiola_exponential(pointers, STATE_BYTES, len(states), jobs, len(job), out.shape[1], out.data_ptr()) < 0:
+        return False
+    for g, state in zip(gens, states, strict=True):
+        g.set_state(state)
+    return True
+
+
+STATE_BYTES = 5056  # torch's CPU generator state (get_state()): the size the C++ reads (kGenBytes)
+
+
+def exponential_agrees(lib: ctypes.CDLL) -> bool:
+    """Whether ``lib``'s Exp(1) draws are this torch's ``exponential_`` draws, bit for bit, and leave
+    the generator where torch's leave it: checked once a process per library, on a probe generator
+    and ``EXPONENTIAL_PROBE``'s sizes (another torch that draws otherwise, or lays its state out
+    otherwise, gets False, and ``exponential_rows`` then keeps torch's own draws)."""
+    path = str(getattr(lib, "_name", id(lib)))
+    if path not in _EXPONENTIAL_AGREES:
+        ours, theirs = torch.Generator().manual_seed(20261207), torch.Generator().manual_seed(20261207)
+        agrees = True
+        for n in EXPONENTIAL_PROBE:
+            drawn = torch.empty(1, n)
+            expected = torch.empty(1, n).exponential_(generator=theirs)
+            agrees = (
+                _draw_exponential(lib, [ours], drawn)
+                and torch.equal(drawn.view(torch.int32), expected.view(torch.int32))
+                and torch.equal(ours.get_state(), theirs.get_state())
+            )
+            if not agrees:
+                break
+        _EXPONENTIAL_AGREES[path] = agrees
+    return _EXPONENTIAL_AGREES[path]
+
+
+def exponential_rows(
+    generators: list[torch.Generator | None], n: int, *, out: torch.Tensor | None = None, isa: str | None = None
+) -> torch.Tensor:
+    """``(len(generators), n)`` fp32 Exp(1) noise: row ``i`` is ``torch.empty(1, n).exponential_(
+    generator=generators[i])`` (None: torch's default CPU generator), drawn for ``i = 0, 1, ...``
+    in turn, bit for bit, and every generator is left where those draws leave it.
+
+    torch draws a value at a time through the scalar ``log1p`` (15 ns a value on the Intel(R)
+    Xeon(R) Processor, family 6 model 167; 500 us a row of 32,000 ids); the C++
+    (``wiola_exponential``) draws the same values from the same states 8 times as fast, different
+    generators' rows on separate threads. torch's own draws are taken where the library is not
+    built, a generator is not a CPU one, or ``exponential_agrees`` found that this torch draws
+    otherwise. A generator that another thread draws from meanwhile loses those draws (its state
+    is read and set back around the C++), as with ``get_state``/``set_state`` themselves.
+    ``out``: where to write them (a contiguous ``(len(generators), n)`` fp32 CPU tensor; default a
+    new one); returned. Raises ``ValueError`` for a negative ``n`` or another ``out``."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"exponential_rows: n must be a non-negative int, got {n!r}")
+    gens = [torch.default_generator if g is None else g for g in generators]
+    if out is None:
+        out = torch.empty(len(gens), n, dtype=torch.float32)
+    _check(out, "exponential_rows: out", torch.float32, (len(gens), n))
+    lib = load(isa)
+    if lib is not None and gens and all(g.device.type == "cpu" for g in gens) and exponential_agrees(lib):
+        if _draw_exponential(lib, gens, out):
+            return out
+    for row, g in zip(out, gens, strict=True):
+        row.exponential_(generator=g)
+    return out
 
 
 def sample_rows(lib: ctypes.CDLL, logits: torch.Tensor, samplers: Samplers) -> None:

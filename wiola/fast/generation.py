@@ -303,6 +303,8 @@ def cpu_generate(model: WiolaModel, input_ids: torch.Tensor, max_new_tokens: int
     step, the streamer called after each. Same arguments and result as ``generate``, identical
     tokens; returns None (before touching anything) where the C++ step does not apply.
     """
+    from wiola.fast.decode_step_cpu import exponential_rows
+
     args = GenerateArgs.check(model, input_ids, max_new_tokens, **kwargs)
     sampling, eos_token_id, pad, streamer = args.sampling, args.eos_token_id, args.pad_token_id, args.streamer
     if sampling.top_p is not None or max_new_tokens == 0:
@@ -325,9 +327,9 @@ def cpu_generate(model: WiolaModel, input_ids: torch.Tensor, max_new_tokens: int
         log_noise, state = None, None
         if not sampling.greedy:
             state = gen.get_state()
-            log_noise = torch.empty(i1 - i, B, V)
+            log_noise = exponential_rows([gen], (i1 - i) * B * V).view(i1 - i, B, V)  # one stream: the steps in turn
             for j in range(i1 - i):  # as sample_next: one (B, V) draw per step, its log taken on that shape
-                log_noise[j] = torch.log(torch.empty(B, V).exponential_(generator=gen).clamp_min(1e-30))
+                torch.log(log_noise[j].clamp_min(1e-30), out=log_noise[j])
         stopped = step.generate_loop(
             T, (i, i1), new, first, finished, sampling.temperature, sampling.top_k, log_noise, eos_token_id, pad
         )
@@ -338,8 +340,7 @@ def cpu_generate(model: WiolaModel, input_ids: torch.Tensor, max_new_tokens: int
             new[:, stopped:] = pad
             if state is not None:
                 gen.set_state(state)
-                for _ in range(stopped - i):
-                    torch.empty(B, V).exponential_(generator=gen)
+                exponential_rows([gen], (stopped - i) * B * V)
             break
         i = i1
     return torch.cat([input_ids.to(torch.int64), new], dim=1)

@@ -125,6 +125,7 @@ class Rows:
         self._index: dict[int, int] = {}  # handle -> row index, for the live rows
         self._next_handle = 0
         self.cache: Cache | None = None
+        self._noise: torch.Tensor | None = None  # the C++ sampler's Exp(1) draws and their logs, (2, max_rows, V)
         self._step = self._bind_cpp()
         self.backend = "C++" if self._step is not None else "PyTorch"
 
@@ -361,7 +362,7 @@ class Rows:
     def _samplers(self, rows: list[_Row]) -> Any:
         """The C++ sampler's settings for ``rows``, each sampled row's noise drawn from its own
         generator and its log taken exactly as ``wiola.generation.sample_next`` does."""
-        from wiola.fast.decode_step_cpu import MODE, Samplers
+        from wiola.fast.decode_step_cpu import MODE, Samplers, exponential_rows
 
         V = self.model.config.vocab_size
         modes, temperatures, top_ks, ks = [], [], [], []  # made into tensors at once, not an element at a time
@@ -372,18 +373,26 @@ class Rows:
             temperatures.append(s.temperature if sampled else 1.0)
             top_ks.append((s.top_k or 0) if sampled else 0)
             ks.append(row.request.logprobs)
-        samplers = Samplers(len(rows), V, max(ks), (modes, temperatures, top_ks, ks))
-        for n, row in enumerate(rows):
-            if modes[n] == MODE["sample"]:
-                noise = torch.empty(1, V).exponential_(generator=row.generator)
-                samplers.log_noise[n] = torch.log(noise.clamp_min(1e-30))[0]
+        if self._noise is None:  # kept: fresh megabytes each step would fault their pages in again
+            self._noise = torch.empty(2, self.max_rows, V)
+        draws, log_noise = self._noise[0, : len(rows)], self._noise[1, : len(rows)]
+        samplers = Samplers(len(rows), V, max(ks), (modes, temperatures, top_ks, ks), log_noise=log_noise)
+        sampled = [n for n, mode in enumerate(modes) if mode == MODE["sample"]]
+        exponential_rows([rows[n].generator for n in sampled], V, out=draws[: len(sampled)], isa=self.isa)
+        for i, n in enumerate(sampled):  # the log on a (1, V) row, as sample_next takes it
+            torch.log(draws[i : i + 1].clamp_min_(1e-30), out=log_noise[n : n + 1])
         return samplers
 
     def _sample(self, row: _Row, logits: torch.Tensor) -> RowToken:
         """The row's next token from ``(1, V)`` logits, drawn as ``wiola.generation`` draws it;
         the ``logprobs`` best as the C++ sampler orders them (ties: the lower id first)."""
         s = row.sampling
-        token = int(sample_next(logits, s.temperature, s.top_k, s.top_p, row.generator)[0])
+        noise = None
+        if not s.greedy and logits.device.type == "cpu":  # the draw sample_next would make, in C++
+            from wiola.fast.decode_step_cpu import exponential_rows
+
+            noise = exponential_rows([row.generator], logits.shape[-1], isa=self.isa)
+        token = int(sample_next(logits, s.temperature, s.top_k, s.top_p, row.generator, noise=noise)[0])
         logp = torch.log_softmax(logits[0].float(), dim=-1)
         top: list[tuple[int, float]] = []
         if row.request.logprobs:
