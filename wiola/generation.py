@@ -293,21 +293,28 @@ def decode_loop(steps: Steps | None, args: GenerateArgs, eos_check_every: int = 
     return out
 
 
-class _EagerSteps:
-    """The model's forward on a fresh static cache, one token per row and step."""
+NoiseDraw = Callable[[torch.Tensor, torch.Generator | None], torch.Tensor]
 
-    def __init__(self, model: Decoder, cache: Cache, args: GenerateArgs) -> None:
+
+class _EagerSteps:
+    """The model's forward on a fresh static cache, one token per row and step. ``draw_noise(logits,
+    generator)``: the sampler's ``(B, V)`` fp32 Exp(1) noise, the values ``sample_next`` would draw
+    (None: ``sample_next`` draws them)."""
+
+    def __init__(self, model: Decoder, cache: Cache, args: GenerateArgs, draw_noise: NoiseDraw | None = None) -> None:
         self.model, self.cache, self.sampling, self.generator = model, cache, args.sampling, args.generator
+        self.draw_noise = draw_noise
         self.eos, self.pad = args.eos_token_id, args.pad_token_id
         self.finished = torch.zeros(cache.batch_size, dtype=torch.bool, device=cache.device)
         self.token: torch.Tensor | None = None
 
     def _next(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         out = self.model(input_ids, attention_mask=attention_mask, cache=self.cache, logits_to_keep=1)
-        s = self.sampling
+        s, logits = self.sampling, out.logits[:, -1]
+        noise = None if s.greedy or self.draw_noise is None else self.draw_noise(logits, self.generator)
         self.token = next_tokens(
-            out.logits[:, -1], self.finished, self.eos, self.pad,
-            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, generator=self.generator,
+            logits, self.finished, self.eos, self.pad,
+            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, generator=self.generator, noise=noise,
         )  # fmt: skip
         return self.token
 
@@ -600,15 +607,18 @@ def check_token_type_ids(token_type_ids: torch.Tensor | None, input_ids: Any) ->
 
 
 @torch.inference_mode()
-def eager_generate(model: Decoder, input_ids: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
+def eager_generate(
+    model: Decoder, input_ids: torch.Tensor, max_new_tokens: int, *, draw_noise: NoiseDraw | None = None, **kwargs: Any
+) -> torch.Tensor:
     """The reference loop of ``generate`` (a model's forward on a fresh static cache), without the
     ``transformers``-style arguments: the keyword arguments of ``GenerateArgs.check``, where
-    ``streamer`` is a per-step callback."""
+    ``streamer`` is a per-step callback. ``draw_noise``: see ``_EagerSteps`` (the fast model's CPU
+    draws the same values in C++)."""
     args = GenerateArgs.check(model, input_ids, max_new_tokens, **kwargs)
     steps = None
     if max_new_tokens > 0:
         B, T = input_ids.shape
-        steps = _EagerSteps(model, model.new_cache(B, T + max_new_tokens), args)
+        steps = _EagerSteps(model, model.new_cache(B, T + max_new_tokens), args, draw_noise)
     return decode_loop(steps, args)
 
 

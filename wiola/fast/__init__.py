@@ -55,7 +55,14 @@ import torch
 from wiola.cache import Cache
 from wiola.config import WiolaConfig
 from wiola.fast import ops, prefill, quantize
-from wiola.fast.generation import GraphSteps, cpu_generate, cpu_loop_usable, graph_generate, graphs_usable
+from wiola.fast.generation import (
+    GraphSteps,
+    cpu_generate,
+    cpu_loop_usable,
+    cpu_noise,
+    graph_generate,
+    graphs_usable,
+)
 from wiola.fast.ops import use_kernels
 from wiola.generation import eager_generate, hf_generate
 from wiola.model import ModelOutput, has_adapters
@@ -198,9 +205,10 @@ class WiolaModel(ReferenceModel):
         """Prompt followed by up to ``max_new_tokens`` new tokens, ``(B, T + N)``; the arguments of
         ``wiola.generation.generate``. On CUDA with the kernels, the one-token step runs as a CUDA
         graph and sampling stays on the GPU (``wiola.fast.generation``); on a CPU where the C++ step
-        applies, the whole loop (steps, sampling, eos) is one C++ call (``cpu_generate``; per step
-        with a nucleus ``top_p``); elsewhere the reference loop runs on the fast ops and the static
-        cache. Greedy tokens equal the reference's.
+        applies, the whole loop (steps, sampling, eos) is one C++ call (``cpu_generate``); elsewhere,
+        and with a nucleus ``top_p``, the reference loop runs on the fast ops and the static cache
+        (on a CPU its noise drawn in C++, ``cpu_noise``: the same values). Greedy tokens equal the
+        reference's.
         """
         prompt = kwargs.get("inputs") if input_ids is None else input_ids  # transformers' name for it
         if isinstance(prompt, torch.Tensor) and graphs_usable(self, prompt) and not has_adapters(self):
@@ -214,4 +222,5 @@ def _cpu_or_eager(model: WiolaModel, input_ids: torch.Tensor, max_new_tokens: in
         out = cpu_generate(model, input_ids, max_new_tokens, **kwargs)
         if out is not None:
             return out
-    return eager_generate(model, input_ids, max_new_tokens, **kwargs)
+    draw_noise = cpu_noise if isinstance(input_ids, torch.Tensor) and input_ids.device.type == "cpu" else None
+    return eager_generate(model, input_ids, max_new_tokens, draw_noise=draw_noise, **kwargs)

@@ -278,6 +278,16 @@ def step_generate(
 NOISE_FLOATS = 1 << 22  # Exp(1) draws held at once by the CPU loop (16 MiB): steps per C++ call when sampling
 
 
+def cpu_noise(logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """The ``(B, V)`` fp32 Exp(1) noise ``sample_next`` draws for ``(B, V)`` CPU ``logits`` from
+    ``generator`` (``torch.empty_like(logits.float()).exponential_(generator=generator)``), drawn by
+    ``decode_step_cpu.exponential_rows``: the same values, the generator left in the same state."""
+    from wiola.fast.decode_step_cpu import exponential_rows
+
+    B, V = logits.shape
+    return exponential_rows([generator], B * V).view(B, V)
+
+
 def cpu_loop_usable(model: WiolaModel, input_ids: torch.Tensor, kwargs: dict) -> bool:
     """``generate`` runs its whole loop in C++ (``cpu_generate``) for CPU ids of a fast model whose
     one-token steps take the C++ step. The arguments are not read here: ``cpu_generate`` checks them
