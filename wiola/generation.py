@@ -105,22 +105,38 @@ def _real(name: str, value: Any) -> float:
     return float(value)
 
 
-def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | torch.Tensor | None) -> torch.Tensor:
+def sorted_drop(sorted_logits: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """For ``(B, V)`` logits sorted in descending order: ``(B, V)`` bool, the positions outside the
+    top-p nucleus. A token is dropped when the tokens ranked above it already cover ``top_p``; the
+    first is always kept (a ``top_p`` that float32 rounds to 0 would otherwise drop every token)."""
+    probs = torch.softmax(sorted_logits, dim=-1)
+    drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+    drop[..., 0] = False
+    return drop
+
+
+def nucleus_drop(logits: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """``(B, V)`` bool: the tokens outside the top-p nucleus of ``(B, V)`` logits."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    return torch.zeros_like(sorted_logits, dtype=torch.bool).scatter(-1, order, sorted_drop(sorted_logits, top_p))
+
+
+NucleusDrop = Callable[[torch.Tensor, float | torch.Tensor], torch.Tensor]
+
+
+def filter_logits(
+    logits: torch.Tensor, top_k: int | None, top_p: float | torch.Tensor | None, *, nucleus: NucleusDrop = nucleus_drop
+) -> torch.Tensor:
     """Set to ``-inf`` every logit outside the top-k and outside the top-p nucleus. ``(B, V)``.
 
-    ``top_p`` may be a 0-d tensor (read on the device: a CUDA graph replays with new values)."""
+    ``top_p`` may be a 0-d tensor (read on the device: a CUDA graph replays with new values).
+    ``nucleus``: the mask of the tokens outside the nucleus (``nucleus_drop``, or a function that
+    gives the same mask: the fast model's CPU one sorts in C++)."""
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and (isinstance(top_p, torch.Tensor) or top_p < 1.0):
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the tokens ranked above it already cover top_p. The first is always
-        # kept: a top_p that float32 rounds to 0 would otherwise drop every token.
-        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        drop_sorted[..., 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = logits.masked_fill(nucleus(logits, top_p), float("-inf"))
     return logits
 
 
@@ -132,9 +148,11 @@ def sample_next(
     generator: torch.Generator | None = None,
     *,
     noise: torch.Tensor | None = None,
+    nucleus: NucleusDrop = nucleus_drop,
 ) -> torch.Tensor:
     """Next token per row from ``(B, V)`` logits: argmax when ``temperature == 0``, else a draw
-    from ``softmax(filtered logits / temperature)``. Returns ``(B,)`` int64, no host sync.
+    from ``softmax(filtered logits / temperature)`` (``filter_logits``, with ``nucleus``). Returns
+    ``(B,)`` int64, no host sync.
 
     The draw is ``argmax(logits − log E)`` with ``E`` ``(B, V)`` ``Exp(1)`` noise: drawn here from
     ``generator``, or given as ``noise`` (a buffer refilled before each CUDA-graph replay).
@@ -147,7 +165,7 @@ def sample_next(
         return logits.argmax(dim=-1)
     scaled = logits.float() / temperature
     overflow = (scaled == float("inf")).any(dim=-1) | (scaled == float("-inf")).all(dim=-1)
-    scaled = filter_logits(scaled, top_k, top_p)
+    scaled = filter_logits(scaled, top_k, top_p, nucleus=nucleus)
     if noise is None:
         noise = torch.empty_like(scaled).exponential_(generator=generator)
     drawn = (scaled - torch.log(noise.clamp_min(1e-30))).argmax(dim=-1)
@@ -165,10 +183,11 @@ def next_tokens(
     top_p: float | torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     noise: torch.Tensor | None = None,
+    nucleus: NucleusDrop = nucleus_drop,
 ) -> torch.Tensor:
     """One step's ``(B,)`` tokens: ``sample_next`` of the ``(B, V)`` logits, ``pad_token_id`` for
     rows already finished; rows that emit ``eos_token_id`` are marked in ``finished`` (in place)."""
-    token = sample_next(logits, temperature, top_k, top_p, generator, noise=noise)
+    token = sample_next(logits, temperature, top_k, top_p, generator, noise=noise, nucleus=nucleus)
     if eos_token_id is not None:
         token = token.masked_fill(finished, pad_token_id)
         finished |= token == eos_token_id
@@ -296,25 +315,34 @@ def decode_loop(steps: Steps | None, args: GenerateArgs, eos_check_every: int = 
 NoiseDraw = Callable[[torch.Tensor, torch.Generator | None], torch.Tensor]
 
 
-class _EagerSteps:
-    """The model's forward on a fresh static cache, one token per row and step. ``draw_noise(logits,
-    generator)``: the sampler's ``(B, V)`` fp32 Exp(1) noise, the values ``sample_next`` would draw
-    (None: ``sample_next`` draws them)."""
+@dataclass(frozen=True)
+class SamplingOps:
+    """How ``sample_next`` gets its Exp(1) noise and its top-p nucleus: torch's own ops (the
+    reference), or functions that give the same values (the fast model's C++ ones on a CPU,
+    ``wiola.fast.generation.CPU_SAMPLING``). ``draw_noise(logits, generator)``: the ``(B, V)``
+    fp32 noise ``sample_next`` would draw (None: it draws it); ``nucleus``: as ``filter_logits``."""
 
-    def __init__(self, model: Decoder, cache: Cache, args: GenerateArgs, draw_noise: NoiseDraw | None = None) -> None:
+    draw_noise: NoiseDraw | None = None
+    nucleus: NucleusDrop = nucleus_drop
+
+
+class _EagerSteps:
+    """The model's forward on a fresh static cache, one token per row and step."""
+
+    def __init__(self, model: Decoder, cache: Cache, args: GenerateArgs, ops: SamplingOps = SamplingOps()) -> None:
         self.model, self.cache, self.sampling, self.generator = model, cache, args.sampling, args.generator
-        self.draw_noise = draw_noise
+        self.ops = ops
         self.eos, self.pad = args.eos_token_id, args.pad_token_id
         self.finished = torch.zeros(cache.batch_size, dtype=torch.bool, device=cache.device)
         self.token: torch.Tensor | None = None
 
     def _next(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         out = self.model(input_ids, attention_mask=attention_mask, cache=self.cache, logits_to_keep=1)
-        s, logits = self.sampling, out.logits[:, -1]
-        noise = None if s.greedy or self.draw_noise is None else self.draw_noise(logits, self.generator)
+        s, logits, draw = self.sampling, out.logits[:, -1], self.ops.draw_noise
+        noise = None if s.greedy or draw is None else draw(logits, self.generator)
         self.token = next_tokens(
-            logits, self.finished, self.eos, self.pad,
-            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, generator=self.generator, noise=noise,
+            logits, self.finished, self.eos, self.pad, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+            generator=self.generator, noise=noise, nucleus=self.ops.nucleus,
         )  # fmt: skip
         return self.token
 
@@ -608,17 +636,21 @@ def check_token_type_ids(token_type_ids: torch.Tensor | None, input_ids: Any) ->
 
 @torch.inference_mode()
 def eager_generate(
-    model: Decoder, input_ids: torch.Tensor, max_new_tokens: int, *, draw_noise: NoiseDraw | None = None, **kwargs: Any
+    model: Decoder,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    sampling_ops: SamplingOps = SamplingOps(),
+    **kwargs: Any,
 ) -> torch.Tensor:
     """The reference loop of ``generate`` (a model's forward on a fresh static cache), without the
     ``transformers``-style arguments: the keyword arguments of ``GenerateArgs.check``, where
-    ``streamer`` is a per-step callback. ``draw_noise``: see ``_EagerSteps`` (the fast model's CPU
-    draws the same values in C++)."""
+    ``streamer`` is a per-step callback. ``sampling_ops``: see ``SamplingOps``."""
     args = GenerateArgs.check(model, input_ids, max_new_tokens, **kwargs)
     steps = None
     if max_new_tokens > 0:
         B, T = input_ids.shape
-        steps = _EagerSteps(model, model.new_cache(B, T + max_new_tokens), args, draw_noise)
+        steps = _EagerSteps(model, model.new_cache(B, T + max_new_tokens), args, sampling_ops)
     return decode_loop(steps, args)
 
 

@@ -56,15 +56,15 @@ from wiola.cache import Cache
 from wiola.config import WiolaConfig
 from wiola.fast import ops, prefill, quantize
 from wiola.fast.generation import (
+    CPU_SAMPLING,
     GraphSteps,
     cpu_generate,
     cpu_loop_usable,
-    cpu_noise,
     graph_generate,
     graphs_usable,
 )
 from wiola.fast.ops import use_kernels
-from wiola.generation import eager_generate, hf_generate
+from wiola.generation import SamplingOps, eager_generate, hf_generate
 from wiola.model import ModelOutput, has_adapters
 from wiola.model import WiolaModel as ReferenceModel
 
@@ -207,8 +207,8 @@ class WiolaModel(ReferenceModel):
         graph and sampling stays on the GPU (``wiola.fast.generation``); on a CPU where the C++ step
         applies, the whole loop (steps, sampling, eos) is one C++ call (``cpu_generate``); elsewhere,
         and with a nucleus ``top_p``, the reference loop runs on the fast ops and the static cache
-        (on a CPU its noise drawn in C++, ``cpu_noise``: the same values). Greedy tokens equal the
-        reference's.
+        (on a CPU its noise and its nucleus' sort in C++, ``CPU_SAMPLING``: the same values).
+        Greedy tokens equal the reference's.
         """
         prompt = kwargs.get("inputs") if input_ids is None else input_ids  # transformers' name for it
         if isinstance(prompt, torch.Tensor) and graphs_usable(self, prompt) and not has_adapters(self):
@@ -222,5 +222,7 @@ def _cpu_or_eager(model: WiolaModel, input_ids: torch.Tensor, max_new_tokens: in
         out = cpu_generate(model, input_ids, max_new_tokens, **kwargs)
         if out is not None:
             return out
-    draw_noise = cpu_noise if isinstance(input_ids, torch.Tensor) and input_ids.device.type == "cpu" else None
-    return eager_generate(model, input_ids, max_new_tokens, draw_noise=draw_noise, **kwargs)
+    on_cpu = isinstance(input_ids, torch.Tensor) and input_ids.device.type == "cpu"
+    return eager_generate(
+        model, input_ids, max_new_tokens, sampling_ops=CPU_SAMPLING if on_cpu else SamplingOps(), **kwargs
+    )

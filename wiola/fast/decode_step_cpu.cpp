@@ -2300,6 +2300,49 @@ inline int64_t exponential_rows(uint8_t* const* states, int64_t jobs, const int6
   return redone;
 }
 
+// ---- logits sorted in descending order, for the nucleus (top-p) filter ----
+// Each row's values in descending order and where each came from, stable (equal values keep the
+// order of their ids; -0.0 equals 0.0; NaN first, as torch's sort puts it): an LSD radix sort of
+// 8-bit digits over keys whose ascending order is the values' descending one, a pass skipped
+// where every key shares its digit. torch.sort took 1.5 ms for a row of 32,000 here (Intel(R)
+// Xeon(R) Processor, family 6 model 167), as long as two 13m steps; this 0.2 ms.
+
+// x (n) into values (n) and order (n); a, b (n each): scratch. Each element moves as one word, its key
+// above its id: the complement of the ascending order's key (the bits, or their complement for a
+// negative value), 0 for NaN (no value's key), -0.0 read as 0.0. The key loop runs apart from the
+// counting (branch-free, vectorized): together they took 2.6 times as long.
+inline void sort_descending_row(const float* x, int64_t n, float* values, int64_t* order, uint64_t* a, uint64_t* b) {
+  constexpr int kBits = 8, kBuckets = 1 << kBits, kPasses = 4, kCopies = 4;  // copies: shorter chains of ++
+  uint32_t counts[kCopies][kPasses][kBuckets] = {};
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, sizeof(bits));
+    const uint32_t magnitude = bits & 0x7fffffffu, signed_bits = magnitude == 0 ? 0u : bits;
+    const uint32_t key = (signed_bits & 0x80000000u) ? signed_bits : ~(signed_bits | 0x80000000u);
+    a[i] = static_cast<uint64_t>(magnitude > 0x7f800000u ? 0u : key) << 32 | static_cast<uint64_t>(i);
+  }
+  for (int64_t i = 0; i < n; ++i)
+    for (int d = 0; d < kPasses; ++d) ++counts[i % kCopies][d][(a[i] >> (32 + kBits * d)) & (kBuckets - 1)];
+  for (int d = 0; d < kPasses && n > 0; ++d) {
+    uint32_t* count = counts[0][d];
+    for (int c = 1; c < kCopies; ++c)
+      for (int k = 0; k < kBuckets; ++k) count[k] += counts[c][d][k];
+    const int shift = 32 + kBits * d;
+    if (count[(a[0] >> shift) & (kBuckets - 1)] == n) continue;  // one bucket: the order stands
+    uint32_t at = 0;
+    for (int k = 0; k < kBuckets; ++k) {
+      const uint32_t c = count[k];
+      count[k] = at, at += c;
+    }
+    for (int64_t i = 0; i < n; ++i) b[count[(a[i] >> shift) & (kBuckets - 1)]++] = a[i];
+    std::swap(a, b);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    order[i] = static_cast<int64_t>(a[i] & 0xffffffffu);
+    values[i] = x[order[i]];
+  }
+}
+
 // ---- the prompt's element-wise parts: RMSNorm after the residual add, the butterfly's middle ----
 // Each row of d (or F) floats is one independent piece of work: its numbers do not depend on the
 // number of rows, the thread count or the split. Rows go to the threads in contiguous ranges; a
@@ -2432,6 +2475,18 @@ inline void product_rows(const float* W, int64_t N, int64_t K, const float* x, i
 extern "C" {
 
 int64_t wiola_workspace_floats(const int64_t* n) { return Workspace::floats(n); }
+
+// Each of the rows (n floats each) of x sorted in descending order into values, with the ids they
+// came from in order (sort_descending_row: stable, -0.0 equal to 0.0, NaN first); rows on separate
+// threads.
+void wiola_sort_descending(const float* x, int64_t rows, int64_t n, float* values, int64_t* order) {
+  const int most = omp_get_max_threads();
+  parallel(rows < 2 ? 1 : rows < most ? static_cast<int>(rows) : most, [&](int tid, int nth) {
+    std::unique_ptr<uint64_t[]> scratch(new uint64_t[2 * n]);
+    for (int64_t r = tid; r < rows; r += nth)
+      sort_descending_row(x + r * n, n, values + r * n, order + r * n, scratch.get(), scratch.get() + n);
+  });
+}
 
 // rows x n Exp(1) values into out (rows, n) fp32, row r drawn as torch's CPU exponential_ draws
 // from the generator whose state (get_state()'s bytes, state_bytes each) is states[job[r]], each

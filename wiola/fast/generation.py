@@ -27,7 +27,15 @@ import torch
 from wiola.cache import Cache
 from wiola.config import WiolaConfig
 from wiola.fast import ops
-from wiola.generation import LOOP_KEYWORDS, GenerateArgs, decode_loop, next_tokens
+from wiola.generation import (
+    LOOP_KEYWORDS,
+    GenerateArgs,
+    SamplingOps,
+    decode_loop,
+    next_tokens,
+    nucleus_drop,
+    sorted_drop,
+)
 from wiola.ops.rope import rope_tables
 
 if TYPE_CHECKING:
@@ -286,6 +294,30 @@ def cpu_noise(logits: torch.Tensor, generator: torch.Generator | None) -> torch.
 
     B, V = logits.shape
     return exponential_rows([generator], B * V).view(B, V)
+
+
+def cpu_nucleus(logits: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """``wiola.generation.nucleus_drop`` with the sort in C++ (``decode_step_cpu.sort_descending``:
+    stable, a tenth of ``torch.sort``'s time for 32,000 ids): the same mask. The sorted values are
+    torch's whatever the order of equal ones, so the nucleus found on them is too; only the ids of
+    equal logits may come in another order than ``torch.sort``'s (unstable), which matters where the
+    nucleus ends inside a run of equal logits: there, and where the C++ does not apply,
+    ``nucleus_drop`` itself gives the mask."""
+    from wiola.fast.decode_step_cpu import sort_descending
+
+    ordered = sort_descending(logits) if logits.device.type == "cpu" else None
+    if ordered is None:
+        return nucleus_drop(logits, top_p)
+    values, order = ordered
+    drop = sorted_drop(values, top_p)
+    nan = values.isnan()
+    tied = (values[:, 1:] == values[:, :-1]) | (nan[:, 1:] & nan[:, :-1])
+    if bool((tied & (drop[:, 1:] != drop[:, :-1])).any()):
+        return nucleus_drop(logits, top_p)
+    return torch.zeros_like(drop).scatter(-1, order, drop)
+
+
+CPU_SAMPLING = SamplingOps(draw_noise=cpu_noise, nucleus=cpu_nucleus)  # the reference sampler's values, in C++
 
 
 def cpu_loop_usable(model: WiolaModel, input_ids: torch.Tensor, kwargs: dict) -> bool:

@@ -47,7 +47,8 @@ from typing import Any
 import torch
 
 from wiola.cache import Cache
-from wiola.generation import SEED_RANGE, Sampling, as_int, resolve_sampling, sample_next, token_id
+from wiola.fast.generation import CPU_SAMPLING
+from wiola.generation import SEED_RANGE, Sampling, SamplingOps, as_int, resolve_sampling, sample_next, token_id
 
 
 @dataclass
@@ -386,13 +387,10 @@ class Rows:
     def _sample(self, row: _Row, logits: torch.Tensor) -> RowToken:
         """The row's next token from ``(1, V)`` logits, drawn as ``wiola.generation`` draws it;
         the ``logprobs`` best as the C++ sampler orders them (ties: the lower id first)."""
-        s = row.sampling
-        noise = None
-        if not s.greedy and logits.device.type == "cpu":  # the draw sample_next would make, in C++
-            from wiola.fast.decode_step_cpu import exponential_rows
-
-            noise = exponential_rows([row.generator], logits.shape[-1], isa=self.isa)
-        token = int(sample_next(logits, s.temperature, s.top_k, s.top_p, row.generator, noise=noise)[0])
+        s, ops = row.sampling, CPU_SAMPLING if logits.device.type == "cpu" else SamplingOps()
+        noise = None if s.greedy or ops.draw_noise is None else ops.draw_noise(logits, row.generator)
+        token = sample_next(logits, s.temperature, s.top_k, s.top_p, row.generator, noise=noise, nucleus=ops.nucleus)
+        token = int(token[0])
         logp = torch.log_softmax(logits[0].float(), dim=-1)
         top: list[tuple[int, float]] = []
         if row.request.logprobs:
