@@ -81,10 +81,13 @@ class _Server:
         self.proc.wait(120)
 
 
-async def _one(client, url: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float], int]:
-    """(start, chunk arrival times, tokens) of one streamed greedy completion."""
+async def _one(
+    client, url: str, prompt: list[int], max_tokens: int, sampling: dict | None = None
+) -> tuple[float, list[float], int]:
+    """(start, chunk arrival times, tokens) of one streamed completion: greedy, or ``sampling``'s
+    temperature and top_p."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+            "stream_options": {"include_usage": True}, **(sampling or {})}  # fmt: skip
     start, times, tokens = time.perf_counter(), [], 0
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
@@ -99,7 +102,9 @@ async def _one(client, url: str, prompt: list[int], max_tokens: int) -> tuple[fl
     return start, times, tokens
 
 
-async def _run(url: str, prompts: list[list[int]], max_tokens: int, concurrent: bool) -> dict:
+async def _run(
+    url: str, prompts: list[list[int]], max_tokens: int, concurrent: bool, sampling: dict | None = None
+) -> dict:
     import httpx
 
     limits = httpx.Limits(max_connections=len(prompts) + 8)
@@ -107,9 +112,9 @@ async def _run(url: str, prompts: list[list[int]], max_tokens: int, concurrent: 
         await _one(client, url, prompts[0], 4)  # warm: the connection, the first step
         t0 = time.perf_counter()
         if concurrent:
-            results = await asyncio.gather(*(_one(client, url, p, max_tokens) for p in prompts))
+            results = await asyncio.gather(*(_one(client, url, p, max_tokens, sampling) for p in prompts))
         else:
-            results = [await _one(client, url, p, max_tokens) for p in prompts]
+            results = [await _one(client, url, p, max_tokens, sampling) for p in prompts]
         wall = time.perf_counter() - t0
     tokens = sum(r[2] for r in results)
     ttft = [r[1][0] - r[0] for r in results if r[1]]
@@ -142,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy; else sampled")
+    p.add_argument("--top-p", type=float, default=None, help="the nucleus of sampled requests (default: none)")
     p.add_argument("--note", default="", help="a line for the results (e.g. what else ran on the machine)")
     args = p.parse_args(argv)
     from wiola.fast.decode_step_cpu import cpu_info, describe
@@ -151,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": today, "cpu_model": cpu["name"], "cpu_flags": cpu["flags"], "machine": platform.machine(),
             "cores": os.cpu_count(), "load_average_before": os.getloadavg(), "step": describe(),
             "requests": args.requests, "max_tokens": args.max_tokens, "prompt_tokens": PROMPT_TOKENS,
-            "max_batch": args.max_batch, "note": args.note}  # fmt: skip
+            "max_batch": args.max_batch, "temperature": args.temperature, "top_p": args.top_p,
+            "note": args.note}  # fmt: skip
+    sampling = {"temperature": args.temperature} | ({} if args.top_p is None else {"top_p": args.top_p})
     prompts = [[(37 * i + 11 * j) % 380 + 4 for j in range(PROMPT_TOKENS)] for i in range(args.requests)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -159,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         for scheme in args.schemes:
             server = _Server(checkpoint, scheme, args.max_batch, args.out / f"server-{scheme}.log")
             try:
-                conc = asyncio.run(_run(server.url, prompts, args.max_tokens, True))
-                seq = asyncio.run(_run(server.url, prompts, args.max_tokens, False))
+                conc = asyncio.run(_run(server.url, prompts, args.max_tokens, True, sampling))
+                seq = asyncio.run(_run(server.url, prompts, args.max_tokens, False, sampling))
             finally:
                 server.stop()
             conc["speedup"] = conc["tok_per_s"] / seq["tok_per_s"]
@@ -173,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     md = [f"# wiola serve: {args.requests} streamed requests, concurrent vs sequential ({today})", "",
           f"CPU: {meta['cpu_model']} ({os.cpu_count()} cores), flags: {cpu['flags']}", f"Step: {meta['step']}",
           f"Load average before / after: {meta['load_average_before']} / {meta['load_average_after']}",
-          f"{args.note}", "", _table(rows), ""]  # fmt: skip
+          f"Sampling: {sampling}", f"{args.note}", "", _table(rows), ""]  # fmt: skip
     (args.out / "results.md").write_text("\n".join(md))
     print("\n" + _table(rows))
     print(f"\nresults: {args.out}")
