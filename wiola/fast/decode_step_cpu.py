@@ -374,9 +374,9 @@ def _build(compiler: str, isa: str) -> ctypes.CDLL:
     lib.wiola_generate.argtypes = [P, P, P, P, F, P, I, I, I, I, P, P, I, F, I, P, I, I, P, P, P]
     lib.wiola_generate.restype = I
     lib.wiola_exponential.argtypes = [P, I, I, P, I, I, P]
+    lib.wiola_exponential.restype = I
     lib.wiola_sort_descending.argtypes = [P, I, I, P, P]
     lib.wiola_sort_descending.restype = None
-    lib.wiola_exponential.restype = I
     lib.wiola_product_reps.argtypes = [P, P, P, I, I, P, I, P, I, I]
     lib.wiola_product_reps.restype = ctypes.c_int
     if hasattr(lib, "wiola_fma_peak"):  # absent from a copy of an older source (bench/two_builds.py)
@@ -998,6 +998,7 @@ class Samplers:
 # of 624 words (two a value), odd tails, and one row of a 32,000-id vocabulary.
 EXPONENTIAL_PROBE = (1, 5, 311, 312, 313, 1300, 4099, 32000)
 _EXPONENTIAL_AGREES: dict[str, bool] = {}  # library path -> whether its draws are this torch's
+STATE_BYTES = 5056  # torch's CPU generator state (get_state()): the size the C++ reads (kGenBytes)
 
 
 def _draw_exponential(lib: ctypes.CDLL, generators: list[torch.Generator], out: torch.Tensor) -> bool:
@@ -1019,9 +1020,6 @@ def _draw_exponential(lib: ctypes.CDLL, generators: list[torch.Generator], out: 
     for g, state in zip(gens, states, strict=True):
         g.set_state(state)
     return True
-
-
-STATE_BYTES = 5056  # torch's CPU generator state (get_state()): the size the C++ reads (kGenBytes)
 
 
 def exponential_agrees(lib: ctypes.CDLL) -> bool:
