@@ -11,7 +11,7 @@ import struct
 import numpy as np
 import torch
 
-STATE_BYTES = 5056  # torch's CPUGeneratorImplState, as get_state() lays it out
+from wiola.fast.decode_step_cpu import STATE_BYTES
 
 
 def untemper(y: int) -> int:

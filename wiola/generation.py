@@ -325,6 +325,11 @@ class SamplingOps:
     draw_noise: NoiseDraw | None = None
     nucleus: NucleusDrop = nucleus_drop
 
+    def noise(self, logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor | None:
+        """The noise to hand ``sample_next`` for ``logits`` under ``sampling``: None where it draws
+        none (greedy) or draws its own."""
+        return None if sampling.greedy or self.draw_noise is None else self.draw_noise(logits, generator)
+
 
 class _EagerSteps:
     """The model's forward on a fresh static cache, one token per row and step."""
@@ -338,8 +343,8 @@ class _EagerSteps:
 
     def _next(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         out = self.model(input_ids, attention_mask=attention_mask, cache=self.cache, logits_to_keep=1)
-        s, logits, draw = self.sampling, out.logits[:, -1], self.ops.draw_noise
-        noise = None if s.greedy or draw is None else draw(logits, self.generator)
+        s, logits = self.sampling, out.logits[:, -1]
+        noise = self.ops.noise(logits, s, self.generator)
         self.token = next_tokens(
             logits, self.finished, self.eos, self.pad, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
             generator=self.generator, noise=noise, nucleus=self.ops.nucleus,

@@ -2225,8 +2225,9 @@ inline dvec minus_log(dvec v) {
 }
 
 // All ones where r's float could differ from that of a double within 2^-40 (relative) of r: the 29
-// bits a rounding to float drops are within 2^13 (of r's ulps, each at most 2^-52·r) of half of
-// 2^29, the midpoint between two floats; or r is 0 (its sign is torch's -1.0 · log1p(-0.0)).
+// bits a rounding to float drops are within 2^13 of r's ulps (each at least 2^-53·r, so 2^13 of them
+// at least 2^-40·r) of half of 2^29, the midpoint between two floats; or r is 0 (its sign is torch's
+// -1.0 · log1p(-0.0)).
 inline qvec near_midpoint(dvec r) {
   qvec bits;
   std::memcpy(&bits, &r, sizeof(bits));

@@ -1001,25 +1001,25 @@ _EXPONENTIAL_AGREES: dict[str, bool] = {}  # library path -> whether its draws a
 STATE_BYTES = 5056  # torch's CPU generator state (get_state()): the size the C++ reads (kGenBytes)
 
 
-def _draw_exponential(lib: ctypes.CDLL, generators: list[torch.Generator], out: torch.Tensor) -> bool:
+def _draw_exponential(lib: ctypes.CDLL, generators: list[torch.Generator], out: torch.Tensor) -> int:
     """Row ``i`` of ``out`` (``(len(generators), n)``, checked by the caller) drawn by the C++ from
     ``generators[i]`` (a generator's rows one stream in row order), each generator's state read,
-    advanced and set back; False, nothing drawn, where a state is not one the C++ reads (its size
-    or position)."""
+    advanced and set back. Returns how many values took the scalar ``log1p``; negative, nothing
+    drawn, where a state is not one the C++ reads (its size or position)."""
     unique: dict[int, int] = {}
     job = [unique.setdefault(id(g), len(unique)) for g in generators]
     gens = list({id(g): g for g in generators}.values())
     states = [g.get_state() for g in gens]
     if any(s.numel() != STATE_BYTES for s in states):
-        return False
+        return -2
     pointers = (ctypes.c_void_p * len(states))(*(s.data_ptr() for s in states))
     jobs = (ctypes.c_int64 * len(job))(*job)
     _follow_torch_threads()
-    if lib.wiola_exponential(pointers, STATE_BYTES, len(states), jobs, len(job), out.shape[1], out.data_ptr()) < 0:
-        return False
-    for g, state in zip(gens, states, strict=True):
-        g.set_state(state)
-    return True
+    redone = lib.wiola_exponential(pointers, STATE_BYTES, len(states), jobs, len(job), out.shape[1], out.data_ptr())
+    if redone >= 0:
+        for g, state in zip(gens, states, strict=True):
+            g.set_state(state)
+    return redone
 
 
 def exponential_agrees(lib: ctypes.CDLL) -> bool:
@@ -1035,7 +1035,7 @@ def exponential_agrees(lib: ctypes.CDLL) -> bool:
             drawn = torch.empty(1, n)
             expected = torch.empty(1, n).exponential_(generator=theirs)
             agrees = (
-                _draw_exponential(lib, [ours], drawn)
+                _draw_exponential(lib, [ours], drawn) >= 0
                 and torch.equal(drawn.view(torch.int32), expected.view(torch.int32))
                 and torch.equal(ours.get_state(), theirs.get_state())
             )
@@ -1069,7 +1069,7 @@ def exponential_rows(
     _check(out, "exponential_rows: out", torch.float32, (len(gens), n))
     lib = load(isa)
     if lib is not None and gens and all(g.device.type == "cpu" for g in gens) and exponential_agrees(lib):
-        if _draw_exponential(lib, gens, out):
+        if _draw_exponential(lib, gens, out) >= 0:
             return out
     for row, g in zip(out, gens, strict=True):
         row.exponential_(generator=g)

@@ -379,7 +379,8 @@ class Rows:
         draws, log_noise = self._noise[0, : len(rows)], self._noise[1, : len(rows)]
         samplers = Samplers(len(rows), V, max(ks), (modes, temperatures, top_ks, ks), log_noise=log_noise)
         sampled = [n for n, mode in enumerate(modes) if mode == MODE["sample"]]
-        exponential_rows([rows[n].generator for n in sampled], V, out=draws[: len(sampled)], isa=self.isa)
+        if sampled:  # greedy steps skip the draw's checks and library lookup
+            exponential_rows([rows[n].generator for n in sampled], V, out=draws[: len(sampled)], isa=self.isa)
         for i, n in enumerate(sampled):  # the log on a (1, V) row, as sample_next takes it
             torch.log(draws[i : i + 1].clamp_min_(1e-30), out=log_noise[n : n + 1])
         return samplers
@@ -388,7 +389,7 @@ class Rows:
         """The row's next token from ``(1, V)`` logits, drawn as ``wiola.generation`` draws it;
         the ``logprobs`` best as the C++ sampler orders them (ties: the lower id first)."""
         s, ops = row.sampling, CPU_SAMPLING if logits.device.type == "cpu" else SamplingOps()
-        noise = None if s.greedy or ops.draw_noise is None else ops.draw_noise(logits, row.generator)
+        noise = ops.noise(logits, s, row.generator)
         token = sample_next(logits, s.temperature, s.top_k, s.top_p, row.generator, noise=noise, nucleus=ops.nucleus)
         token = int(token[0])
         logp = torch.log_softmax(logits[0].float(), dim=-1)
