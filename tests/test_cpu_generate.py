@@ -2,10 +2,10 @@
 
 The oracle is today's loop, ``wiola.generation.generate`` on the same fast model (its one-token
 steps the C++ step, its sampler ``wiola.generation.sample_next`` in torch): the C++ loop's tokens
-equal it bitwise, greedy and sampled (temperature, top-k; top-p takes the torch loop), with left
-padding, eos and pad, an early stop inside a chunk of noise, and a streamer; the caller's
-generator is left in the same state. The C++ sampler alone equals ``sample_next`` on logits with
-ties, for every instruction-set variant this CPU runs."""
+equal it bitwise, greedy and sampled (temperature, top-k, top-p), with left padding, eos and pad,
+an early stop inside a chunk of noise, and a streamer; the caller's generator is left in the same
+state. The C++ sampler alone equals ``sample_next`` on logits with ties (nuclei that end inside a
+run of equal logits included), for every instruction-set variant this CPU runs."""
 
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ SETTINGS = {
     "greedy": {"temperature": 0},
     "temperature": {"temperature": 0.8},
     "top-k": {"temperature": 1.2, "top_k": 7},
-    "top-p": {"temperature": 0.9, "top_p": 0.8},  # the torch loop (the nucleus is torch's softmax)
+    "top-p": {"temperature": 0.9, "top_p": 0.8},
+    "top-k top-p": {"temperature": 1.1, "top_k": 12, "top_p": 0.6},
     "top-k greedy": {"temperature": 0, "top_k": 3},
 }
 
@@ -133,6 +134,9 @@ def test_loop_is_one_call_per_chunk(monkeypatch):
     monkeypatch.setattr(fast_generation, "NOISE_FLOATS", 8 * SMALL.vocab_size)
     model.generate(ids, 30, temperature=1.0, generator=torch.Generator().manual_seed(0))
     assert calls == [(0, 8), (8, 16), (16, 24), (24, 30)]
+    calls.clear()
+    model.generate(ids, 30, temperature=1.0, top_p=0.7, generator=torch.Generator().manual_seed(0))
+    assert calls == [(0, 8), (8, 16), (16, 24), (24, 30)], "a nucleus took the loop out of C++"
     first = int(model.generate(ids, 1, temperature=0)[0, -1])
     calls.clear()
     out = model.generate(ids, 30, temperature=0, eos_token_id=first, pad_token_id=1)
@@ -184,29 +188,35 @@ def test_greedy_choice_equals_torch_argmax(V, isa):
 def test_sampler_equals_sample_next_with_ties(scale, isa):
     """The C++ sampler's tokens equal ``wiola.generation.sample_next``'s on the same logits and
     the same Exp(1) draws: greedy with repeated maxima, top-k whose k-th value repeats,
-    temperatures that are not powers of two; its log-probabilities, the chosen token's and the
+    temperatures that are not powers of two, nuclei (some ending inside a run of equal logits,
+    where the reference decides; the others decided by the bound); its log-probabilities, the
+    chosen token's and the
     best ``n_logprobs`` values, are the log-softmax of the unfiltered logits: the float64
     log-softmax within the rounding of an fp32 one (``log_softmax_bound`` with no logit error)."""
     lib = decode_step_cpu.load(isa)
     gen = torch.Generator().manual_seed(3)
     V, n = 203, 64
     logits = (torch.randint(-6, 7, (n, V), generator=gen).float() / 4 * scale).contiguous()  # many ties
-    logits[1:5] = torch.randn(4, V, generator=gen) * scale
-    settings = [(0.0, None), (1.0, None), (0.7, 5), (1.3, 1), (2.1, 40), (0.9, V - 1)]
+    logits[1:9] = torch.randn(8, V, generator=gen) * scale  # rows 6-8: nuclei over distinct logits
+    settings = [(0.0, None, None), (1.0, None, None), (0.7, 5, None), (1.3, 1, None), (2.1, 40, None),
+                (0.9, V - 1, None), (1.0, None, 0.5), (0.8, 30, 0.9), (1.7, None, 0.97)]  # fmt: skip
     samplers = decode_step_cpu.Samplers(n, V, 6)
     want = []
     for i in range(n):
-        t, k = settings[i % len(settings)]
+        t, k, p = settings[i % len(settings)]
         samplers.mode[i] = decode_step_cpu.MODE["greedy" if t == 0 else "sample"]
         samplers.temperature[i], samplers.top_k[i], samplers.n_logprobs[i] = t or 1.0, k or 0, i % 7
+        samplers.top_p[i] = p or 1.0
         g = torch.Generator().manual_seed(i)
-        want.append(int(reference_loop.sample_next(logits[i : i + 1], t, k, None, g)[0]))
+        want.append(int(reference_loop.sample_next(logits[i : i + 1], t, k, p, g)[0]))
         noise = torch.empty(1, V).exponential_(generator=torch.Generator().manual_seed(i))
         samplers.log_noise[i] = torch.log(noise.clamp_min(1e-30))[0]
     decode_step_cpu.sample_rows(lib, logits, samplers)
     assert samplers.token.tolist() == want, (
         f"{isa}: the C++ sampler's tokens differ from sample_next's; {platform_line(isa)}"
     )
+    paths = {decode_step_cpu.NUCLEUS_PATHS[int(p)] for p in samplers.path}
+    assert {"bound", "caller"} <= paths, f"a nucleus path untested: {paths}"
     logp = torch.log_softmax(logits.double(), -1)
     allowed = log_softmax_bound(0.0, logits)  # the same logits: only the log-softmax's own rounding
     chosen = samplers.token[:, None]

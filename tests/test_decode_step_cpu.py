@@ -501,7 +501,7 @@ def test_every_entry_refuses_ids_slots_and_rows_out_of_range(plain_cpu):
     def loop(start=1, steps=(0, 3), out=None, eos=5, pad=0, temperature=0.0, log_noise=None):
         out = torch.zeros(2, 3, dtype=torch.int64) if out is None else out
         first, finished = torch.zeros(2, V), torch.zeros(2, dtype=torch.uint8)
-        return step.generate_loop(start, steps, out, first, finished, temperature, None, log_noise, eos, pad)
+        return step.generate_loop(start, steps, out, first, finished, temperature, None, None, log_noise, eos, pad)
 
     for kwargs, match in (
         (dict(pad=V), rf"pad must be None or an int in \[0, vocab_size={V}\), got {V}"),

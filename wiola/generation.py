@@ -107,9 +107,16 @@ def _real(name: str, value: Any) -> float:
 
 def sorted_drop(sorted_logits: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
     """For ``(B, V)`` logits sorted in descending order: ``(B, V)`` bool, the positions outside the
-    top-p nucleus. A token is dropped when the tokens ranked above it already cover ``top_p``; the
-    first is always kept (a ``top_p`` that float32 rounds to 0 would otherwise drop every token)."""
-    probs = torch.softmax(sorted_logits, dim=-1)
+    top-p nucleus. A token is dropped when the tokens ranked above it already cover ``top_p`` of the
+    softmax; the first is always kept (a tiny ``top_p`` would otherwise drop every token).
+
+    The softmax and its running sum are float64 (``top_p`` compared as given, a float or a float64
+    tensor): their rounding, about 1e-11 for 32,000 ids, then moves the nucleus' edge only where a
+    sum lies that close to ``top_p``, so a CPU decides the same mask in C++ with its own rounding and
+    a proven bound on both (``wiola.fast.decode_step_cpu.nucleus_rows``), asking this function only
+    for such a near tie; in float32 that margin (about 1e-4 in the worst case of the sum's order)
+    would be met on a good share of tokens."""
+    probs = torch.softmax(sorted_logits.double(), dim=-1)
     drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
     drop[..., 0] = False
     return drop

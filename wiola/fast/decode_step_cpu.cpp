@@ -331,15 +331,15 @@ inline vec exp_nonpositive(vec x) {
   return x < -87.3365402f ? vec{} : e;
 }
 
-// x[i] = e^(x[i] - shift) for i < n (x[i] <= shift).
-inline void exp_shifted(float* x, int64_t n, float shift) {
+// out[i] = e^(x[i] - shift) for i < n (x[i] <= shift); out may be x.
+inline void exp_shifted(const float* x, float* out, int64_t n, float shift) {
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) store(x + i, exp_nonpositive(load(x + i) - shift));
+  for (; i + kLanes <= n; i += kLanes) store(out + i, exp_nonpositive(load(x + i) - shift));
   if (i < n) {
     float tail[kLanes] = {};
     std::memcpy(tail, x + i, (n - i) * sizeof(float));
     vec t = exp_nonpositive(load(tail) - shift);
-    std::memcpy(x + i, &t, (n - i) * sizeof(float));
+    std::memcpy(out + i, &t, (n - i) * sizeof(float));
   }
 }
 
@@ -1597,7 +1597,7 @@ struct Step {
       mx = sc[s] > mx ? sc[s] : mx;
     }
     prefetch_next(next_bytes);  // the rest, where the next pair is longer than this one
-    exp_shifted(sc, slot + 1, mx);  // every slot's; the padding's are not used
+    exp_shifted(sc, sc, slot + 1, mx);  // every slot's; the padding's are not used
     float total = 0.0f;
     for (int64_t s = 0; s <= slot; ++s)
       if (real[s]) total += sc[s];
@@ -1921,15 +1921,14 @@ struct PromptAttention {
 };
 
 // ---------------------------------------------------------------------------------------- sampling
-// The sampler of wiola.generation, operation for operation in fp32, so that the tokens are the
-// Python sampler's bitwise: greedy is the first maximal logit (torch.argmax; a NaN wins, as
-// there); sampling divides by the temperature (x / float(t), as torch divides by a Python float),
-// sets to -inf every logit below the k-th largest (torch.topk's k-th value, ties kept), subtracts
-// log E (the caller's Exp(1) noise, its log taken by torch: the same draws and the same log as
-// wiola.generation.sample_next) and takes the first maximum. The nucleus (top-p) filter is not
-// here: its softmax and cumulative sum would round differently from torch's, so the caller
-// samples those rows with wiola.generation itself (kModeCaller).
-enum SampleMode { kGreedy, kSample, kModeCaller };
+// The sampler of wiola.generation, so that the tokens are the Python sampler's bitwise: greedy is
+// the first maximal logit (torch.argmax; a NaN wins, as there); sampling divides by the temperature
+// (x / float(t), as torch divides by a Python float), sets to -inf every logit below the k-th largest
+// (torch.topk's k-th value, ties kept), then every logit outside the top-p nucleus (nucleus_row:
+// wiola.generation.sorted_drop's mask, each decision proven against a bound), subtracts log E (the
+// caller's Exp(1) noise, its log taken by torch: the same draws and the same log as
+// wiola.generation.sample_next) and takes the first maximum.
+enum SampleMode { kGreedy, kSample };
 
 // torch.argmax's choice: the first NaN if there is one, else the first maximum. One vector pass
 // in kArgmaxSets interleaved sets of lanes keeps each lane's maximum with the first index holding
@@ -1988,27 +1987,272 @@ inline float kth_largest(const float* x, int64_t n, int64_t k, float* scratch) {
   return scratch[k - 1];
 }
 
-// One row's token. scratch: 2V floats.
-inline int64_t sample_row(const float* logits, int64_t V, int64_t mode, float temperature, int64_t top_k,
-                          const float* log_noise, float* scratch) {
-  if (mode == kGreedy) return argmax_first(logits, V);
-  float* x = scratch;
-  // A logit / temperature past float32 (a temperature of 1e-40): a positive logit to +inf, or,
-  // where every logit is negative, every one to -inf. The argmax then, the distribution's limit.
+typedef double dvec __attribute__((vector_size(sizeof(vec))));      // half a vec's lanes, in double
+typedef float hvec __attribute__((vector_size(sizeof(vec) / 2)));  // half a vec
+typedef uint64_t qvec __attribute__((vector_size(sizeof(vec))));   // dvec's lanes as uint64
+typedef uint16_t bvec __attribute__((vector_size(2 * kLanes)));     // a vec's lanes as uint16
+
+// e^d lane by lane for d <= 0 in double: d = n·ln 2 + r with n the nearest integer to d·log2 e and
+// |r| <= ln 2 / 2 (ln 2 in two parts, fdlibm's, so n·ln 2's first part is exact), e^r by its Taylor
+// polynomial of degree 13 (remainder under 5e-18) in Estrin's order (a chain of 5 products, not 13:
+// the sum over a row waits on the chain's latency), times 2^n built in the exponent bits. Within
+// kExpDoubleError (tests/test_nucleus.py: every variant, a sweep of [-708, 0] against std::exp);
+// 0 below -708.3 (e^d under 2^-1021), NaN for NaN.
+inline dvec exp_nonpositive_double(dvec d) {
+  const dvec magic = dvec{} + 6755399441055744.0;  // 1.5 * 2^52: adding it rounds to an integer
+  const dvec t = d * 1.4426950408889634 + magic;
+  const dvec n = t - magic;
+  const dvec r = (d - n * 6.93147180369123816490e-01) - n * 1.90821492927058770002e-10;
+  constexpr double c[14] = {1.0,           1.0,           1.0 / 2,        1.0 / 6,         1.0 / 24,
+                            1.0 / 120,     1.0 / 720,     1.0 / 5040,     1.0 / 40320,     1.0 / 362880,
+                            1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600, 1.0 / 6227020800};  // 1/k!
+  dvec q[7];
+  for (int k = 0; k < 7; ++k) q[k] = c[2 * k] + c[2 * k + 1] * r;
+  const dvec r2 = r * r, r4 = r2 * r2;
+  const dvec s0 = q[0] + r2 * q[1], s1 = q[2] + r2 * q[3], s2 = q[4] + r2 * q[5];
+  const dvec p = (s0 + r4 * s1) + (r4 * r4) * (s2 + r4 * q[6]);
+  qvec bits, magic_bits;
+  std::memcpy(&bits, &t, sizeof(bits));
+  std::memcpy(&magic_bits, &magic, sizeof(magic_bits));
+  const qvec exponent = (bits - magic_bits + 1023) << 52;  // n's two's complement sits in t's low bits
+  dvec scale;
+  std::memcpy(&scale, &exponent, sizeof(scale));
+  return d < -708.3 ? dvec{} : p * scale;
+}
+
+// ------------------------------------------------------------------------ the nucleus (top-p)
+// wiola.generation.sorted_drop's mask: the logits (scaled, top-k filtered) sorted in descending
+// order, their float64 softmax summed in that order, and a token dropped where the ones ranked above
+// it hold at least top_p of it (the first always kept). torch's float64 exp and its order of summing
+// are not reproduced here; each decision is proven instead. The weight above a rank and the total are
+// summed here in double, within a bound of their exact values (below); torch's float64 value of
+// their ratio lies within a bound of the exact one (nucleus_torch_bound); a rank is kept or dropped
+// only where that whole interval, about 1e-11 wide for 32,000 ids, lies on one side of top_p. Where
+// it straddles (an exact tie with top_p: crafted logits), or where the nucleus ends inside a run of
+// equal logits (which of them stay is then torch.sort's order of their ids), the caller's function
+// decides: the binding's runs the reference's own nucleus_drop.
+//
+// The mask is "keep what is above a cut value", so only the ranks near the cut are sorted: each
+// finite logit falls into a bucket of an eighth of a unit below the maximum (the last one holding
+// everything past 127.9), the weight of every bucket is summed, the buckets wholly inside the nucleus
+// are passed at once, and a bucket the walk must enter is gathered and sorted.
+typedef int (*NucleusCaller)(const float* x, int64_t V, double top_p, uint8_t* drop);
+
+// How a row's nucleus was decided: none (top_p >= 1, or a NaN, +inf or only -inf among the logits:
+// the reference's softmax is then NaN and drops nothing), by the bound, by the caller.
+enum NucleusPath { kNucleusNone, kNucleusBound, kNucleusCaller };
+
+constexpr int kNucleusBuckets = 1281;
+constexpr float kBucketsPerUnit = 32.0f;
+constexpr double kUnitDouble = 0x1p-53;
+// Relative error bounds of the exponentials: exp_nonpositive_double's (2 ulps measured; 2^-48 is 32),
+// torch's float64 exp (Sleef's u10 functions, 1 ulp; 2^-48 leaves room for another implementation).
+constexpr double kExpDoubleError = 0x1p-48, kTorchExpError = 0x1p-48;
+
+// A logit's bucket from d = x - max <= 0 (larger logits, lower buckets); -inf gets kNucleusBuckets,
+// which the walk skips (its weight is 0 whether it is kept or not).
+inline ivec nucleus_buckets(vec d) {
+  const vec t = -d * kBucketsPerUnit;
+  const ivec b = __builtin_convertvector(t < kNucleusBuckets - 1 ? t : vec{} + (kNucleusBuckets - 1), ivec);
+  return d == -INFINITY ? ivec{} + kNucleusBuckets : b;
+}
+
+// How far torch's float64 ratio (cumsum(probs) - probs at a rank) may lie from the exact one, for V
+// logits: each exp within kTorchExpError and its argument x - max rounded (2^-53 of |x - max| <= 746
+// where the exp is not 0), the total summed in any order ((V - 1)·2^-53 of it), each probability one
+// or two roundings from the exponential over that total, the running sum in double ((V - 1)·2^-53 of
+// at most 1), the subtraction; subnormal exponentials (under 2^-1022 each) add below 2^-1000.
+inline double nucleus_torch_bound(int64_t V) {
+  return 4 * kTorchExpError + (6.0 * static_cast<double>(V) + 2048) * kUnitDouble + 0x1p-1000;
+}
+
+// Proven decisions at a rank with `above` (the computed weight of the ranks above it) out of `total`,
+// both within `error` of their exact values, against torch's value within `torch` of the exact ratio.
+struct NucleusBound {
+  double total, error, torch, top_p;
+  bool kept(double above) const { return (above + error) / (total - error) * (1 + 4 * kUnitDouble) + torch < top_p; }
+  bool dropped(double above) const {
+    return (above - error) / (total + error) * (1 - 4 * kUnitDouble) - torch >= top_p;
+  }
+};
+
+// e^(x - mx) of one logit, as nucleus_row sums it (the same lanes' function: the same value).
+inline double nucleus_weight(float x, double mx) {
+  return exp_nonpositive_double(dvec{} + (static_cast<double>(x) - mx))[0];
+}
+
+// The ranks in descending order, from the largest logit, until the first one dropped: kWalkCut with
+// *cut its logit (every finite logit <= *cut goes), kWalkKeepAll where none is, kWalkUnsure where a
+// rank's interval straddles top_p, kWalkTied where the first dropped equals the last kept.
+// bucket: each logit's; keys: V uint64 of scratch.
+enum NucleusWalk { kWalkKeepAll, kWalkCut, kWalkUnsure, kWalkTied };
+
+inline int nucleus_walk(const float* x, int64_t V, double mx, const uint16_t* bucket, const double* mass,
+                        const NucleusBound& bound, uint64_t* keys, float* cut) {
+  double above = 0.0;
+  bool first = true;  // rank 0 is kept whatever the bound says (sorted_drop's drop[..., 0] = False)
+  for (int b = 0; b < kNucleusBuckets; ++b) {
+    if (mass[b] == 0 && b < kNucleusBuckets - 1) continue;  // empty: a weight is 0 only past -708 (the last)
+    if (bound.kept(above + mass[b])) {  // the bucket's last rank has less above it: all kept
+      above += mass[b];
+      first = false;
+      continue;
+    }
+    int64_t n = 0;
+    for (int64_t j = 0; j < V; ++j) {
+      if (j + kLanes <= V && j % kLanes == 0) {  // a vector of buckets at a time: few are b
+        bvec here;
+        std::memcpy(&here, bucket + j, sizeof(here));
+        const bvec hit = here == static_cast<uint16_t>(b);
+        uint64_t any[sizeof(bvec) / 8];
+        std::memcpy(any, &hit, sizeof(hit));
+        uint64_t bits = 0;
+        for (const uint64_t word : any) bits |= word;
+        if (bits == 0) {
+          j += kLanes - 1;
+          continue;
+        }
+      }
+      if (bucket[j] != b) continue;
+      uint32_t bits;
+      std::memcpy(&bits, x + j, sizeof(bits));
+      const uint32_t key = (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;  // ascending with x
+      keys[n++] = static_cast<uint64_t>(key) << 32 | static_cast<uint64_t>(j);
+    }
+    std::sort(keys, keys + n, [](uint64_t a, uint64_t c) { return a > c; });
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t j = static_cast<int64_t>(keys[i] & 0xffffffffu);
+      if (!first && !bound.kept(above)) {
+        if (!bound.dropped(above)) return kWalkUnsure;
+        if (i > 0 && x[j] == x[keys[i - 1] & 0xffffffffu]) return kWalkTied;  // no tie across buckets
+        *cut = x[j];
+        return kWalkCut;
+      }
+      first = false;
+      above += nucleus_weight(x[j], mx);
+    }
+  }
+  return kWalkKeepAll;
+}
+
+// Sets to -inf x's tokens outside the nucleus of top_p (< 1); x: V logits, scaled and top-k filtered.
+// scratch: V uint16 (each logit's bucket) and V uint64 (the walk's sort), 8-byte aligned. Returns the
+// NucleusPath; kNucleusCaller (x unchanged) where the caller must decide. minus_inf (null: not
+// asked): whether the reference drops the -inf logits (1), keeps them (0), or the bound cannot tell
+// (-1); they rank last with the whole weight above them. Sampling need not ask: -inf stays -inf.
+inline int nucleus_row(float* x, int64_t V, double top_p, uint16_t* bucket, uint64_t* keys, int* minus_inf = nullptr) {
+  vec m = vec{} - INFINITY;
+  ivec nans = {};
+  int64_t j = 0;
+  for (; j + kLanes <= V; j += kLanes) {
+    const vec v = load(x + j);
+    nans |= v != v;
+    m = v > m ? v : m;
+  }
+  float mx = -INFINITY;
+  bool nan = false;
+  for (int u = 0; u < kLanes; ++u) {
+    mx = m[u] > mx ? m[u] : mx;
+    nan |= nans[u] != 0;
+  }
+  for (; j < V; ++j) {
+    nan |= x[j] != x[j];
+    mx = x[j] > mx ? x[j] : mx;
+  }
+  if (nan || !std::isfinite(mx)) return kNucleusNone;  // the reference's softmax is NaN: it drops nothing
+  // Each bucket's weight, e^(x - mx) in double a vector at a time (the last padded with -inf: 0), into
+  // kCopies histograms in turn (shorter chains of adds to one bucket).
+  constexpr int kCopies = 2;
+  double mass[kCopies][kNucleusBuckets + 1] = {};
+  dvec spread = {};
+  const double md = mx;
+  for (j = 0; j < V; j += kLanes) {
+    vec v;
+    if (j + kLanes <= V) {
+      v = load(x + j);
+    } else {
+      float tail[kLanes];
+      for (int u = 0; u < kLanes; ++u) tail[u] = j + u < V ? x[j + u] : -INFINITY;
+      v = load(tail);
+    }
+    const ivec b = nucleus_buckets(v - mx);
+    hvec half[2];
+    std::memcpy(half, &v, sizeof(v));
+    double e[kLanes];
+    for (int h = 0; h < 2; ++h) {
+      const dvec d = __builtin_convertvector(half[h], dvec) - md;
+      const dvec w = exp_nonpositive_double(d);
+      spread += w > 0 ? w * -d : dvec{};
+      std::memcpy(e + h * (kLanes / 2), &w, sizeof(w));
+    }
+    for (int u = 0; u < kLanes; ++u) mass[u % kCopies][b[u]] += e[u];
+    if (j + kLanes <= V) {
+      const bvec narrow = __builtin_convertvector(b, bvec);
+      std::memcpy(bucket + j, &narrow, sizeof(narrow));
+    } else {
+      for (int u = 0; j + u < V; ++u) bucket[j + u] = static_cast<uint16_t>(b[u]);
+    }
+  }
+  double total = 0.0, spread_sum = 0.0;
+  for (int b = 0; b < kNucleusBuckets; ++b) {
+    for (int c = 1; c < kCopies; ++c) mass[0][b] += mass[c][b];
+    total += mass[0][b];
+  }
+  for (int u = 0; u < kLanes / 2; ++u) spread_sum += spread[u];
+  // Each weight within (kExpDoubleError + 2^-53·|x - mx|) of e^(x - mx) (its argument rounded to
+  // double), 0 only below e^-708.3 (< 2^-1021); the double sums within (4V + 4096)·2^-53 of the total.
+  const double n = static_cast<double>(V);
+  const double error = 1.1 * (kExpDoubleError * total + kUnitDouble * spread_sum) + n * 0x1p-1020 +
+                       (4 * n + 4096) * kUnitDouble * total;
+  float cut = 0.0f;
+  const NucleusBound bound{total, error, nucleus_torch_bound(V), top_p};
+  const int walk = nucleus_walk(x, V, md, bucket, mass[0], bound, keys, &cut);
+  if (walk == kWalkUnsure || walk == kWalkTied) return kNucleusCaller;
+  if (minus_inf != nullptr) *minus_inf = walk == kWalkCut || bound.dropped(total) ? 1 : bound.kept(total) ? 0 : -1;
+  if (walk == kWalkCut)
+    for (j = 0; j < V; ++j)
+      if (x[j] <= cut) x[j] = -INFINITY;
+  return kNucleusBound;
+}
+
+// x = logits / temperature with every logit below the k-th largest -inf (filter_logits' top-k).
+// False where a logit / temperature passes float32 (a temperature of 1e-40: a positive logit to +inf,
+// or, where every logit is negative, every one to -inf): the argmax then, the distribution's limit.
+// scratch: V floats.
+inline bool scaled_row(const float* logits, int64_t V, float temperature, int64_t top_k, float* x, float* scratch) {
   bool overflow = false, all_negative_inf = true;
   for (int64_t j = 0; j < V; ++j) {
     x[j] = logits[j] / temperature;
     overflow |= x[j] == INFINITY;
     all_negative_inf &= x[j] == -INFINITY;
   }
-  if (overflow || all_negative_inf) return argmax_first(logits, V);
+  if (overflow || all_negative_inf) return false;
   if (top_k > 0 && top_k < V) {
-    float kth = kth_largest(x, V, top_k, scratch + V);
+    float kth = kth_largest(x, V, top_k, scratch);
     for (int64_t j = 0; j < V; ++j)
       if (x[j] < kth) x[j] = -INFINITY;
   }
+  return true;
+}
+
+inline int64_t race(float* x, int64_t V, const float* log_noise) {
   for (int64_t j = 0; j < V; ++j) x[j] = x[j] - log_noise[j];
   return argmax_first(x, V);
+}
+
+// One row's token, or -1 where its nucleus falls to the caller (sample_rows then asks it). top_p >= 1:
+// none. *path: the NucleusPath. scratch: 4V floats.
+inline int64_t sample_row(const float* logits, int64_t V, int64_t mode, float temperature, int64_t top_k,
+                          double top_p, const float* log_noise, float* scratch, int64_t* path) {
+  *path = kNucleusNone;
+  if (mode == kGreedy) return argmax_first(logits, V);
+  float* x = scratch;
+  if (!scaled_row(logits, V, temperature, top_k, x, scratch + V)) return argmax_first(logits, V);
+  if (top_p < 1.0) {
+    *path = nucleus_row(x, V, top_p, reinterpret_cast<uint16_t*>(scratch + V), reinterpret_cast<uint64_t*>(scratch + 2 * V));
+    if (*path == kNucleusCaller) return -1;
+  }
+  return race(x, V, log_noise);
 }
 
 // log-softmax of the unfiltered logits at `token` and the k best (id, log-probability), best
@@ -2018,9 +2262,6 @@ inline int64_t sample_row(const float* logits, int64_t V, int64_t mode, float te
 // greedy row of 32,000 ids with its logprob took 156 us through the scalar std::exp in double (a
 // fifth of a 13m bf16 step at batch 1), 19 us so (Intel(R) Xeon(R) Processor, family 6 model 167,
 // amx/avx512 variants; avx2 172 -> 31 us, portable 171 -> 62).
-typedef double dvec __attribute__((vector_size(sizeof(vec))));
-typedef float hvec __attribute__((vector_size(sizeof(vec) / 2)));
-
 inline void logprobs_row(const float* logits, int64_t V, int64_t token, int64_t k, float* logprob, int64_t* top_ids,
                          float* top_values, int64_t* order) {
   float mx = -INFINITY;
@@ -2059,37 +2300,63 @@ inline void logprobs_row(const float* logits, int64_t V, int64_t token, int64_t 
   }
 }
 
-// Per-row sampler settings and outputs of one call (arrays of B; log_noise B x V, rows of
-// kGreedy/kModeCaller ignored; top_ids/top_values B x max_k; logprob null: none computed).
+// Per-row sampler settings and outputs of one call (arrays of B; log_noise B x V, rows of kGreedy
+// ignored; top_p null: no nucleus; top_ids/top_values B x max_k; logprob null: none computed; path
+// null: not reported). caller: where a nucleus is left to it (nucleus_row), null: such a row's token is -1.
 struct Samplers {
   const int64_t* mode;
   const float* temperature;
   const int64_t* top_k;
+  const double* top_p;
   const float* log_noise;
   const int64_t* n_logprobs;
   int64_t max_k;
+  NucleusCaller caller;
   int64_t* token;
   float* logprob;
   int64_t* top_ids;
   float* top_values;
+  int64_t* path;
 };
 
-// Every row's token (and log-probabilities), rows split between threads. scratch: the threads'
-// 2V floats + V int64 each (sample_scratch_floats).
-inline void sample_rows(const float* logits, int64_t B, int64_t V, const Samplers& s, float* scratch) {
+// Every row's token (and log-probabilities), rows split between threads; a row whose nucleus falls to
+// the caller is finished after, on this thread (the binding's caller is Python's). scratch: the
+// threads' 4V floats each (sample_scratch_floats). Returns how many rows got no token (-1): a caller
+// that failed or was absent.
+inline int64_t sample_rows(const float* logits, int64_t B, int64_t V, const Samplers& s, float* scratch) {
   int nt = threads_for(B * V * static_cast<int64_t>(sizeof(float)) * 16);  // ~16 passes over the logits
+  const auto top_p = [&s](int64_t i) { return s.top_p == nullptr ? 1.0 : s.top_p[i]; };
+  const auto logprobs = [&](int64_t i, float* mine) {
+    if (s.logprob != nullptr)
+      logprobs_row(logits + i * V, V, s.token[i], s.n_logprobs[i], s.logprob + i, s.top_ids + i * s.max_k,
+                   s.top_values + i * s.max_k, reinterpret_cast<int64_t*>(mine + 2 * V));
+  };
   parallel(nt < B ? nt : static_cast<int>(B), [&](int tid, int nth) {
     float* mine = scratch + tid * 4 * V;
     for (int64_t i = tid; i < B; i += nth) {
-      const float* row = logits + i * V;
-      const int64_t mode = s.mode[i];
-      if (mode != kModeCaller)
-        s.token[i] = sample_row(row, V, mode, s.temperature[i], s.top_k[i], s.log_noise + i * V, mine);
-      if (s.logprob != nullptr && mode != kModeCaller)
-        logprobs_row(row, V, s.token[i], s.n_logprobs[i], s.logprob + i, s.top_ids + i * s.max_k,
-                     s.top_values + i * s.max_k, reinterpret_cast<int64_t*>(mine + 2 * V));
+      int64_t path;
+      s.token[i] = sample_row(logits + i * V, V, s.mode[i], s.temperature[i], s.top_k[i], top_p(i),
+                              s.log_noise + i * V, mine, &path);
+      if (s.path != nullptr) s.path[i] = path;
+      if (s.token[i] >= 0) logprobs(i, mine);
     }
   });
+  int64_t missing = 0;
+  for (int64_t i = 0; i < B; ++i) {
+    if (s.token[i] >= 0) continue;
+    float* x = scratch;
+    uint8_t* drop = reinterpret_cast<uint8_t*>(scratch + V);
+    scaled_row(logits + i * V, V, s.temperature[i], s.top_k[i], x, scratch + V);
+    if (s.caller == nullptr || s.caller(x, V, top_p(i), drop) != 0) {
+      missing += 1;
+      continue;
+    }
+    for (int64_t j = 0; j < V; ++j)
+      if (drop[j]) x[j] = -INFINITY;
+    s.token[i] = race(x, V, s.log_noise + i * V);
+    logprobs(i, scratch);
+  }
+  return missing;
 }
 
 // ---- Exp(1) noise drawn as torch's CPU exponential_ draws it, from the same generator state ----
@@ -2191,8 +2458,6 @@ struct TorchMT {
     }
   }
 };
-
-typedef uint64_t qvec __attribute__((vector_size(sizeof(vec))));  // dvec's lanes as uint64
 
 // The double of each lane of x < 2^52: 2^52 + x has x for its low bits.
 inline dvec exact_double(qvec x) {
@@ -2299,49 +2564,6 @@ inline int64_t exponential_rows(uint8_t* const* states, int64_t jobs, const int6
     }
   });
   return redone;
-}
-
-// ---- logits sorted in descending order, for the nucleus (top-p) filter ----
-// Each row's values in descending order and where each came from, stable (equal values keep the
-// order of their ids; -0.0 equals 0.0; NaN first, as torch's sort puts it): an LSD radix sort of
-// 8-bit digits over keys whose ascending order is the values' descending one, a pass skipped
-// where every key shares its digit. torch.sort took 1.5 ms for a row of 32,000 here (Intel(R)
-// Xeon(R) Processor, family 6 model 167), as long as two 13m steps; this 0.2 ms.
-
-// x (n) into values (n) and order (n); a, b (n each): scratch. Each element moves as one word, its key
-// above its id: the complement of the ascending order's key (the bits, or their complement for a
-// negative value), 0 for NaN (no value's key), -0.0 read as 0.0. The key loop runs apart from the
-// counting (branch-free, vectorized): together they took 2.6 times as long.
-inline void sort_descending_row(const float* x, int64_t n, float* values, int64_t* order, uint64_t* a, uint64_t* b) {
-  constexpr int kBits = 8, kBuckets = 1 << kBits, kPasses = 4, kCopies = 4;  // copies: shorter chains of ++
-  uint32_t counts[kCopies][kPasses][kBuckets] = {};
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, x + i, sizeof(bits));
-    const uint32_t magnitude = bits & 0x7fffffffu, signed_bits = magnitude == 0 ? 0u : bits;
-    const uint32_t key = (signed_bits & 0x80000000u) ? signed_bits : ~(signed_bits | 0x80000000u);
-    a[i] = static_cast<uint64_t>(magnitude > 0x7f800000u ? 0u : key) << 32 | static_cast<uint64_t>(i);
-  }
-  for (int64_t i = 0; i < n; ++i)
-    for (int d = 0; d < kPasses; ++d) ++counts[i % kCopies][d][(a[i] >> (32 + kBits * d)) & (kBuckets - 1)];
-  for (int d = 0; d < kPasses && n > 0; ++d) {
-    uint32_t* count = counts[0][d];
-    for (int c = 1; c < kCopies; ++c)
-      for (int k = 0; k < kBuckets; ++k) count[k] += counts[c][d][k];
-    const int shift = 32 + kBits * d;
-    if (count[(a[0] >> shift) & (kBuckets - 1)] == n) continue;  // one bucket: the order stands
-    uint32_t at = 0;
-    for (int k = 0; k < kBuckets; ++k) {
-      const uint32_t c = count[k];
-      count[k] = at, at += c;
-    }
-    for (int64_t i = 0; i < n; ++i) b[count[(a[i] >> shift) & (kBuckets - 1)]++] = a[i];
-    std::swap(a, b);
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    order[i] = static_cast<int64_t>(a[i] & 0xffffffffu);
-    values[i] = x[order[i]];
-  }
 }
 
 // ---- the prompt's element-wise parts: RMSNorm after the residual add, the butterfly's middle ----
@@ -2477,18 +2699,6 @@ extern "C" {
 
 int64_t wiola_workspace_floats(const int64_t* n) { return Workspace::floats(n); }
 
-// Each of the rows (n floats each) of x sorted in descending order into values, with the ids they
-// came from in order (sort_descending_row: stable, -0.0 equal to 0.0, NaN first); rows on separate
-// threads.
-void wiola_sort_descending(const float* x, int64_t rows, int64_t n, float* values, int64_t* order) {
-  const int most = omp_get_max_threads();
-  parallel(rows < 2 ? 1 : rows < most ? static_cast<int>(rows) : most, [&](int tid, int nth) {
-    std::unique_ptr<uint64_t[]> scratch(new uint64_t[2 * n]);
-    for (int64_t r = tid; r < rows; r += nth)
-      sort_descending_row(x + r * n, n, values + r * n, order + r * n, scratch.get(), scratch.get() + n);
-  });
-}
-
 // rows x n Exp(1) values into out (rows, n) fp32, row r drawn as torch's CPU exponential_ draws
 // from the generator whose state (get_state()'s bytes, state_bytes each) is states[job[r]], each
 // state advanced in place as torch's draws of its rows, in row order, would leave it
@@ -2593,54 +2803,109 @@ int64_t wiola_fma_peak(int64_t chains, int64_t reps, int64_t nth, float* out) {
   return kLanes;
 }
 
-// Samples: sample_rows' scratch, in floats (4V per thread: 2V for the filter, V int64 for the top ids).
+// Samples: sample_rows' scratch, in floats (4V per thread: the filtered row, V for top-k's copy or
+// the nucleus' exponentials, V uint64 for the nucleus' sort or the top ids).
 int64_t wiola_sample_scratch_floats(int64_t V) { return 4 * V * omp_get_max_threads(); }
 
 // The tokens of B rows from their (B, V) logits: mode (B,) SampleMode, temperature (B,), top_k (B,)
-// (0: none), log_noise (B, V) (log of the Exp(1) draws; read for kSample rows), n_logprobs (B,)
-// (each <= max_k); out token (B,), logprob (B,) (null: not computed), top_ids / top_values
-// (B, max_k). kModeCaller rows are left to the caller. scratch: wiola_sample_scratch_floats(V).
-void wiola_sample_rows(const float* logits, int64_t B, int64_t V, const int64_t* mode, const float* temperature,
-                       const int64_t* top_k, const float* log_noise, const int64_t* n_logprobs, int64_t max_k,
-                       int64_t* token, float* logprob, int64_t* top_ids, float* top_values, float* scratch) {
-  Samplers s{mode, temperature, top_k, log_noise, n_logprobs, max_k, token, logprob, top_ids, top_values};
-  sample_rows(logits, B, V, s, scratch);
+// (0: none), top_p (B,) float64 (>= 1: none), log_noise (B, V) (log of the Exp(1) draws; read for
+// kSample rows), n_logprobs (B,) (each <= max_k); caller: for a nucleus the C++ cannot decide; out
+// token (B,), logprob (B,) (null: not computed), top_ids / top_values (B, max_k), path (B,)
+// NucleusPath. scratch: wiola_sample_scratch_floats(V). Returns how many rows got no token (-1).
+int64_t wiola_sample_rows(const float* logits, int64_t B, int64_t V, const int64_t* mode, const float* temperature,
+                          const int64_t* top_k, const double* top_p, const float* log_noise, const int64_t* n_logprobs,
+                          int64_t max_k, NucleusCaller caller, int64_t* token, float* logprob, int64_t* top_ids,
+                          float* top_values, int64_t* path, float* scratch) {
+  Samplers s{mode, temperature, top_k, top_p, log_noise, n_logprobs, max_k, caller, token, logprob, top_ids, top_values,
+             path};
+  return sample_rows(logits, B, V, s, scratch);
 }
 
-// One step of B rows (wiola_decode_rows) and their tokens (wiola_sample_rows) in one call.
+// One step of B rows (wiola_decode_rows) and their tokens (wiola_sample_rows) in one call. Returns
+// wiola_decode_rows' code, or -3 where a row got no token.
 int wiola_step_rows(const int64_t* n, const void* const* weights, const float* const* scales, void* const* state,
                     int64_t B, const int64_t* rows, const int64_t* tokens, const int64_t* slots, float eps,
                     float* logits, float* work, const int64_t* mode, const float* temperature, const int64_t* top_k,
-                    const float* log_noise, const int64_t* n_logprobs, int64_t max_k, int64_t* token, float* logprob,
-                    int64_t* top_ids, float* top_values, float* scratch) {
+                    const double* top_p, const float* log_noise, const int64_t* n_logprobs, int64_t max_k,
+                    NucleusCaller caller, int64_t* token, float* logprob, int64_t* top_ids, float* top_values,
+                    int64_t* path, float* scratch) {
   int rc = wiola_decode_rows(n, weights, scales, state, B, rows, tokens, slots, eps, logits, work);
   if (rc != 0) return rc;
-  wiola_sample_rows(logits, B, n[kV], mode, temperature, top_k, log_noise, n_logprobs, max_k, token, logprob, top_ids,
-                    top_values, scratch);
-  return 0;
+  return wiola_sample_rows(logits, B, n[kV], mode, temperature, top_k, top_p, log_noise, n_logprobs, max_k, caller,
+                           token, logprob, top_ids, top_values, path, scratch) == 0
+             ? 0
+             : -3;
+}
+
+// The nucleus alone: drop (B, V) uint8 = 1 where x's token is outside the nucleus of top_p (B,)
+// float64 < 1, x (B, V) scaled and top-k filtered logits; path
+// (B,) NucleusPath. Returns how many rows the caller failed (their drop left as it was).
+int64_t wiola_nucleus(const float* x, int64_t B, int64_t V, const double* top_p, NucleusCaller caller, uint8_t* drop,
+                      int64_t* path) {
+  std::unique_ptr<float[]> scratch(new float[4 * V]);
+  int64_t failed = 0;
+  for (int64_t i = 0; i < B; ++i) {
+    float* row = scratch.get();
+    std::memcpy(row, x + i * V, V * sizeof(float));
+    int minus_inf = 0;
+    path[i] = nucleus_row(row, V, top_p[i], reinterpret_cast<uint16_t*>(row + V),
+                          reinterpret_cast<uint64_t*>(row + 2 * V), &minus_inf);
+    if (path[i] == kNucleusBound && minus_inf < 0) path[i] = kNucleusCaller;
+    if (path[i] == kNucleusCaller) {
+      failed += caller == nullptr || caller(x + i * V, V, top_p[i], drop + i * V) != 0;
+      continue;
+    }
+    for (int64_t j = 0; j < V; ++j)
+      drop[i * V + j] = x[i * V + j] == -INFINITY ? path[i] == kNucleusBound && minus_inf : row[j] == -INFINITY;
+  }
+  return failed;
+}
+
+// The largest relative error of exp_nonpositive_double against std::exp over n points spread evenly
+// over [lo, 0] (tests: the bound the nucleus assumes, kExpDoubleError).
+double wiola_exp_error(double lo, int64_t n) {
+  double worst = 0.0;
+  constexpr int kHalf = kLanes / 2;
+  for (int64_t k = 0; k < n; k += kHalf) {
+    dvec d = {};
+    for (int u = 0; u < kHalf; ++u) d[u] = lo * static_cast<double>((k + u) % n) / static_cast<double>(n);
+    const dvec e = exp_nonpositive_double(d);
+    for (int u = 0; u < kHalf && k + u < n; ++u) {
+      const double exact = std::exp(d[u]);
+      const double err = std::fabs(e[u] - exact) / exact;
+      worst = err > worst ? err : worst;
+    }
+  }
+  return worst;
 }
 
 // generate's loop over steps [i0, i1) for all R rows of the cache, as wiola.generation.decode_loop
 // runs it: step i samples from the prefill's logits (i == 0, `first`) or from a step of the
 // previous tokens at slot `start + i - 1`; with an eos (>= 0) finished rows emit `pad`, and the
 // loop stops before step i once every row has finished. out (R, N) int64 gets column i of step i;
-// finished (R,) uint8 carries across calls. One sampler for every row: greedy, or temperature and
-// top_k with log_noise ((i1 - i0), R, V). logits: (R, V) scratch. Returns the step it stopped
-// before (i1 when none finished early), or -1 for an unknown weight type.
+// finished (R,) uint8 carries across calls. One sampler for every row: greedy, or temperature, top_k
+// and top_p (>= 1: none; caller: for a nucleus the C++ cannot decide) with log_noise ((i1 - i0), R,
+// V). logits: (R, V) scratch; paths (4,): how many rows' nuclei took each NucleusPath, added to.
+// Returns the step it stopped before (i1 when none finished early), -1 for an unknown weight type,
+// -2 where a row got no token (the caller failed).
 int64_t wiola_generate(const int64_t* n, const void* const* weights, const float* const* scales, void* const* state,
                        float eps, float* work, int64_t start, int64_t i0, int64_t i1, int64_t N, const float* first,
-                       float* logits, int64_t greedy, float temperature, int64_t top_k, const float* log_noise,
-                       int64_t eos, int64_t pad, uint8_t* finished, int64_t* out, float* scratch) {
+                       float* logits, int64_t greedy, float temperature, int64_t top_k, double top_p,
+                       NucleusCaller caller, const float* log_noise, int64_t eos, int64_t pad, uint8_t* finished,
+                       int64_t* out, int64_t* paths, float* scratch) {
   const int64_t R = n[kB], V = n[kV];
-  int64_t* idx = new int64_t[5 * R];
-  int64_t *rows = idx, *slots = idx + R, *tokens = idx + 2 * R, *modes = idx + 3 * R, *top_ks = idx + 4 * R;
-  float* temps = new float[R];
+  std::unique_ptr<int64_t[]> idx(new int64_t[6 * R]);
+  int64_t *rows = idx.get(), *slots = rows + R, *tokens = rows + 2 * R, *modes = rows + 3 * R, *top_ks = rows + 4 * R;
+  int64_t* path = rows + 5 * R;
+  std::unique_ptr<float[]> temps(new float[R]);
+  std::unique_ptr<double[]> top_ps(new double[R]);
   int64_t stopped = i1;
   for (int64_t i = 0; i < R; ++i) {
     rows[i] = i;
     modes[i] = greedy ? kGreedy : kSample;
     top_ks[i] = top_k;
     temps[i] = temperature;
+    top_ps[i] = top_p;
   }
   for (int64_t i = i0; i < i1; ++i) {
     const float* step_logits = first;
@@ -2661,9 +2926,14 @@ int64_t wiola_generate(const int64_t* n, const void* const* weights, const float
       }
       step_logits = logits;
     }
-    Samplers s{modes, temps, top_ks, greedy ? nullptr : log_noise + (i - i0) * R * V, nullptr, 0,
-               tokens, nullptr, nullptr, nullptr};
-    sample_rows(step_logits, R, V, s, scratch);
+    Samplers s{modes,  temps.get(), top_ks, top_ps.get(), greedy ? nullptr : log_noise + (i - i0) * R * V,
+               nullptr, 0,           caller, tokens,       nullptr,
+               nullptr, nullptr,     path};
+    if (sample_rows(step_logits, R, V, s, scratch) != 0) {
+      stopped = -2;
+      break;
+    }
+    for (int64_t b = 0; b < R; ++b) paths[path[b]] += 1;
     for (int64_t b = 0; b < R; ++b) {
       int64_t t = tokens[b];
       if (eos >= 0) {
@@ -2673,8 +2943,6 @@ int64_t wiola_generate(const int64_t* n, const void* const* weights, const float
       out[b * N + i] = t;
     }
   }
-  delete[] idx;
-  delete[] temps;
   return stopped;
 }
 

@@ -58,6 +58,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import threading
 import warnings
 import weakref
 from pathlib import Path
@@ -367,16 +368,19 @@ def _build(compiler: str, isa: str) -> ctypes.CDLL:
     P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     lib.wiola_sample_scratch_floats.argtypes = [I]
     lib.wiola_sample_scratch_floats.restype = I
-    lib.wiola_sample_rows.argtypes = [P, I, I, P, P, P, P, P, I, P, P, P, P, P]
-    lib.wiola_sample_rows.restype = None
-    lib.wiola_step_rows.argtypes = [P, P, P, P, I, P, P, P, F, P, P, P, P, P, P, P, I, P, P, P, P, P]
+    C, D = NUCLEUS_CALLER, ctypes.c_double
+    lib.wiola_sample_rows.argtypes = [P, I, I, P, P, P, P, P, P, I, C, P, P, P, P, P, P]
+    lib.wiola_sample_rows.restype = I
+    lib.wiola_step_rows.argtypes = [P, P, P, P, I, P, P, P, F, P, P, P, P, P, P, P, P, I, C, P, P, P, P, P, P]
     lib.wiola_step_rows.restype = ctypes.c_int
-    lib.wiola_generate.argtypes = [P, P, P, P, F, P, I, I, I, I, P, P, I, F, I, P, I, I, P, P, P]
+    lib.wiola_generate.argtypes = [P, P, P, P, F, P, I, I, I, I, P, P, I, F, I, D, C, P, I, I, P, P, P, P]
     lib.wiola_generate.restype = I
+    lib.wiola_nucleus.argtypes = [P, I, I, P, C, P, P]
+    lib.wiola_nucleus.restype = I
+    lib.wiola_exp_error.argtypes = [D, I]
+    lib.wiola_exp_error.restype = D
     lib.wiola_exponential.argtypes = [P, I, I, P, I, I, P]
     lib.wiola_exponential.restype = I
-    lib.wiola_sort_descending.argtypes = [P, I, I, P, P]
-    lib.wiola_sort_descending.restype = None
     lib.wiola_product_reps.argtypes = [P, P, P, I, I, P, I, P, I, I]
     lib.wiola_product_reps.restype = ctypes.c_int
     if hasattr(lib, "wiola_fma_peak"):  # absent from a copy of an older source (bench/two_builds.py)
@@ -889,7 +893,7 @@ class DecodeStepCPU:
         self, rows: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, samplers: Samplers
     ) -> torch.Tensor:
         """``rows`` (one step of some rows, each at its own slot) and their tokens sampled in the same
-        C++ call (``Samplers``: greedy, temperature, top-k; the nucleus left to the caller). Returns the
+        C++ call (``Samplers``: greedy, temperature, top-k, top-p). Returns the
         ``(n, V)`` logits; the tokens and log-probabilities land in ``samplers``. Raises
         ``ValueError`` as ``rows`` does, or for ``samplers`` made for another ``n`` or ``V``."""
         n = self._check_rows(rows, tokens, slots)
@@ -903,24 +907,28 @@ class DecodeStepCPU:
         rc = self.lib.wiola_step_rows(
             self.dims, self.weights, self.scale_ptrs, self.state_ptrs, n, rows.data_ptr(), tokens.data_ptr(),
             slots.data_ptr(), self.eps, logits.data_ptr(), self.work.data_ptr(), t.mode.data_ptr(),
-            t.temperature.data_ptr(), t.top_k.data_ptr(), t.log_noise.data_ptr(), t.n_logprobs.data_ptr(), t.max_k,
-            t.token.data_ptr(), t.logprob.data_ptr(), t.top_ids.data_ptr(), t.top_values.data_ptr(),
-            self._scratch().data_ptr(),
+            t.temperature.data_ptr(), t.top_k.data_ptr(), t.top_p.data_ptr(), t.log_noise.data_ptr(),
+            t.n_logprobs.data_ptr(), t.max_k, _NUCLEUS_CALLBACK, t.token.data_ptr(), t.logprob.data_ptr(),
+            t.top_ids.data_ptr(), t.top_values.data_ptr(), t.path.data_ptr(), self._scratch().data_ptr(),
         )  # fmt: skip
+        _raise_caller_error(rc == -3)
         if rc != 0:  # pragma: no cover - only an unknown weight type fails, and the binding never passes one
             raise RuntimeError(f"wiola_step_rows returned {rc}")
         return logits
 
     def generate_loop(
         self, start: int, steps: tuple[int, int], out: torch.Tensor, first: torch.Tensor, finished: torch.Tensor,
-        temperature: float, top_k: int | None, log_noise: torch.Tensor | None, eos: int | None, pad: int | None,
+        temperature: float, top_k: int | None, top_p: float | None, log_noise: torch.Tensor | None, eos: int | None,
+        pad: int | None, paths: torch.Tensor | None = None,
     ) -> int:  # fmt: skip
         """``generate``'s loop over steps ``[i0, i1)`` for every row of the cache, in one C++ call:
         step 0 samples from the prefill's ``first`` ``(B, V)`` logits, step ``i`` from a step of
         the previous tokens at slot ``start + i - 1``; tokens into ``out`` ``(B, N)`` int64;
         ``finished`` ``(B,)`` uint8 carries the eos bookkeeping across calls. ``temperature`` 0 is
-        greedy; else ``log_noise`` ``(i1 - i0, B, V)``: the log of each step's Exp(1) draws.
-        Returns the step it stopped before (``i1``, or earlier once every row has finished).
+        greedy; else ``log_noise`` ``(i1 - i0, B, V)``: the log of each step's Exp(1) draws, with
+        ``top_k`` and ``top_p`` (None: none). ``paths`` ``(4,)`` int64: how many rows' nuclei each
+        ``NUCLEUS_PATHS`` decided, added to. Returns the step it stopped before (``i1``, or earlier
+        once every row has finished).
         Raises ``ValueError`` for ``eos``/``pad`` outside ``[0, V)``, steps past ``out`` or the
         cache, or a tensor of another shape."""
         i0, i1 = steps
@@ -944,45 +952,88 @@ class DecodeStepCPU:
             if log_noise is None:
                 raise ValueError("CPU decode step: sampling (temperature > 0) needs log_noise")
             _check(log_noise, "log_noise", torch.float32, (i1 - i0, B, V))
+        if paths is None:
+            paths = torch.zeros(len(NUCLEUS_PATHS), dtype=torch.int64)
+        _check(paths, "paths", torch.int64, (len(NUCLEUS_PATHS),))
         logits = torch.empty(self.batch_size, self.config.vocab_size, dtype=torch.float32)
         _follow_torch_threads()
         stopped = self.lib.wiola_generate(
             self.dims, self.weights, self.scale_ptrs, self.state_ptrs, self.eps, self.work.data_ptr(), start, i0,
             i1, out.shape[1], first.data_ptr(), logits.data_ptr(), int(temperature == 0), float(temperature),
-            top_k or 0, 0 if log_noise is None else log_noise.data_ptr(), -1 if eos is None else eos,
-            0 if pad is None else pad, finished.data_ptr(), out.data_ptr(), self._scratch().data_ptr(),
+            top_k or 0, 1.0 if top_p is None else float(top_p), _NUCLEUS_CALLBACK,
+            0 if log_noise is None else log_noise.data_ptr(), -1 if eos is None else eos, 0 if pad is None else pad,
+            finished.data_ptr(), out.data_ptr(), paths.data_ptr(), self._scratch().data_ptr(),
         )  # fmt: skip
+        _raise_caller_error(stopped == -2)
         if stopped < 0:  # pragma: no cover - only an unknown weight type fails, and the binding never passes one
             raise RuntimeError("wiola_generate: unknown weight type")
         return stopped
 
 
-MODE = {"greedy": 0, "sample": 1, "caller": 2}  # the C++'s SampleMode
+MODE = {"greedy": 0, "sample": 1}  # the C++'s SampleMode
+NUCLEUS_PATHS = ("none", "bound", "caller")  # the C++'s NucleusPath: what decided a row's nucleus
+
+# The C++ nucleus' fallback (nucleus_row): where its bounds do not decide a token, or the nucleus ends
+# inside a run of equal logits, it asks this for the reference's own mask. Kept for the process: the
+# library holds its address.
+NUCLEUS_CALLER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p)
+_caller_errors = threading.local()
+
+
+def _reference_nucleus(x: int, n: int, top_p: float, drop: int) -> int:
+    """``drop`` (``n`` uint8) = ``wiola.generation.nucleus_drop`` of the ``n`` fp32 logits at ``x``
+    (scaled, top-k filtered). Returns 0, or 1 with the exception kept for the binding to raise (an
+    exception cannot cross the C++)."""
+    try:
+        from wiola.generation import nucleus_drop
+
+        logits = torch.frombuffer((ctypes.c_float * n).from_address(x), dtype=torch.float32).view(1, n)
+        mask = torch.frombuffer((ctypes.c_uint8 * n).from_address(drop), dtype=torch.uint8)
+        mask.copy_(nucleus_drop(logits, top_p)[0])
+        return 0
+    except BaseException as error:  # re-raised by _raise_caller_error on this thread
+        _caller_errors.error = error
+        return 1
+
+
+_NUCLEUS_CALLBACK = NUCLEUS_CALLER(_reference_nucleus)
+
+
+def _raise_caller_error(failed: bool) -> None:
+    """Raise what the nucleus fallback raised on this thread, where the C++ reports it failed."""
+    error = getattr(_caller_errors, "error", None)
+    _caller_errors.error = None
+    if failed:
+        raise error if error is not None else RuntimeError("the C++ nucleus fallback failed")
 
 
 class Samplers:
     """The per-row sampler settings and outputs of one C++ sampling call, for ``n`` rows:
-    ``mode`` (``MODE``), ``temperature``, ``top_k`` (0: none), ``log_noise`` ``(n, V)`` (the log of
-    each sampled row's Exp(1) draws, taken by torch as ``wiola.generation.sample_next`` takes it),
-    ``n_logprobs`` (how many best log-probabilities per row, at most ``max_k``); out: ``token``,
-    ``logprob`` (the token's log-softmax), ``top_ids``/``top_values`` ``(n, max_k)``."""
+    ``mode`` (``MODE``), ``temperature``, ``top_k`` (0: none), ``top_p`` (float64; 1: none),
+    ``log_noise`` ``(n, V)`` (the log of each sampled row's Exp(1) draws, taken by torch as
+    ``wiola.generation.sample_next`` takes it), ``n_logprobs`` (how many best log-probabilities per
+    row, at most ``max_k``); out: ``token``, ``logprob`` (the token's log-softmax),
+    ``top_ids``/``top_values`` ``(n, max_k)``, ``path`` (what decided each row's nucleus, an index
+    into ``NUCLEUS_PATHS``)."""
 
     def __init__(
         self,
         n: int,
         vocab_size: int,
         max_k: int,
-        settings: tuple[list[int], list[float], list[int], list[int]] | None = None,
+        settings: tuple[list[int], list[float], list[int], list[float], list[int]] | None = None,
         log_noise: torch.Tensor | None = None,
     ) -> None:
-        """``settings``: the rows' ``(mode, temperature, top_k, n_logprobs)`` as lists of ``n``
-        (default: greedy, temperature 1, no top-k, no log-probabilities); ``log_noise``: the
-        ``(n, V)`` buffer to hold it (default a new one; a caller that steps often keeps one)."""
+        """``settings``: the rows' ``(mode, temperature, top_k, top_p, n_logprobs)`` as lists of
+        ``n`` (default: greedy, temperature 1, no top-k or top-p, no log-probabilities);
+        ``log_noise``: the ``(n, V)`` buffer to hold it (default a new one; a caller that steps often
+        keeps one)."""
         self.max_k = max(1, max_k)
-        mode, temperature, top_k, n_logprobs = settings or ([0] * n, [1.0] * n, [0] * n, [0] * n)
+        mode, temperature, top_k, top_p, n_logprobs = settings or ([0] * n, [1.0] * n, [0] * n, [1.0] * n, [0] * n)
         self.mode = torch.tensor(mode, dtype=torch.int64)
         self.temperature = torch.tensor(temperature, dtype=torch.float32)
         self.top_k = torch.tensor(top_k, dtype=torch.int64)
+        self.top_p = torch.tensor(top_p, dtype=torch.float64)
         if log_noise is None:
             log_noise = torch.empty(n, vocab_size)
         _check(log_noise, "Samplers: log_noise", torch.float32, (n, vocab_size))
@@ -992,6 +1043,7 @@ class Samplers:
         self.logprob = torch.zeros(n, dtype=torch.float32)
         self.top_ids = torch.zeros(n, self.max_k, dtype=torch.int64)
         self.top_values = torch.zeros(n, self.max_k, dtype=torch.float32)
+        self.path = torch.zeros(n, dtype=torch.int64)
 
 
 # Sizes the check of the C++ Exp(1) draws against torch's draws: across the MT19937's refills
@@ -1076,19 +1128,23 @@ def exponential_rows(
     return out
 
 
-def sort_descending(x: torch.Tensor, *, isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``torch.sort(x, dim=-1, descending=True, stable=True)`` for a contiguous ``(B, V)`` fp32 CPU
-    ``x``: the values and their int64 ids, equal values in the order of their ids (``-0.0`` equal to
-    ``0.0``, NaN first, as torch's); in C++ (``wiola_sort_descending``, a radix sort: 0.2 ms for a row
-    of 32,000 against torch's 1.5 on the Intel(R) Xeon(R) Processor, family 6 model 167). None
+def nucleus_rows(
+    x: torch.Tensor, top_p: float | torch.Tensor, *, isa: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``wiola.generation.nucleus_drop(x, top_p)`` for ``(B, V)`` fp32 CPU logits (contiguous, no
+    row all ``-inf``, none ``+inf``) and a ``top_p`` below 1 (a float, or ``(B,)`` float64): the
+    same mask, decided in C++ (``wiola_nucleus``), with each row's path (``NUCLEUS_PATHS``). None
     where the library is not built or ``x`` is not such a tensor."""
     lib = load(isa)
     if lib is None or x.dim() != 2 or not _rows_fp32(x) or x.shape[1] >= 2**32:
         return None
-    values, order = torch.empty_like(x), torch.empty(x.shape, dtype=torch.int64)
-    _follow_torch_threads()
-    lib.wiola_sort_descending(x.data_ptr(), x.shape[0], x.shape[1], values.data_ptr(), order.data_ptr())
-    return values, order
+    B, V = x.shape
+    top = torch.full((B,), top_p, dtype=torch.float64) if not isinstance(top_p, torch.Tensor) else top_p
+    _check(top, "top_p", torch.float64, (B,))
+    drop, path = torch.zeros(B, V, dtype=torch.uint8), torch.zeros(B, dtype=torch.int64)
+    failed = lib.wiola_nucleus(x.data_ptr(), B, V, top.data_ptr(), _NUCLEUS_CALLBACK, drop.data_ptr(), path.data_ptr())
+    _raise_caller_error(failed != 0)
+    return drop.bool(), path
 
 
 def sample_rows(lib: ctypes.CDLL, logits: torch.Tensor, samplers: Samplers) -> None:
@@ -1096,11 +1152,12 @@ def sample_rows(lib: ctypes.CDLL, logits: torch.Tensor, samplers: Samplers) -> N
     n, V = logits.shape
     t = samplers
     scratch = torch.empty(lib.wiola_sample_scratch_floats(V), dtype=torch.float32)
-    lib.wiola_sample_rows(
-        logits.data_ptr(), n, V, t.mode.data_ptr(), t.temperature.data_ptr(), t.top_k.data_ptr(),
-        t.log_noise.data_ptr(), t.n_logprobs.data_ptr(), t.max_k, t.token.data_ptr(), t.logprob.data_ptr(),
-        t.top_ids.data_ptr(), t.top_values.data_ptr(), scratch.data_ptr(),
+    missing = lib.wiola_sample_rows(
+        logits.data_ptr(), n, V, t.mode.data_ptr(), t.temperature.data_ptr(), t.top_k.data_ptr(), t.top_p.data_ptr(),
+        t.log_noise.data_ptr(), t.n_logprobs.data_ptr(), t.max_k, _NUCLEUS_CALLBACK, t.token.data_ptr(),
+        t.logprob.data_ptr(), t.top_ids.data_ptr(), t.top_values.data_ptr(), t.path.data_ptr(), scratch.data_ptr(),
     )  # fmt: skip
+    _raise_caller_error(missing != 0)
 
 
 def quant_group(lib: ctypes.CDLL) -> int:

@@ -34,7 +34,6 @@ from wiola.generation import (
     decode_loop,
     next_tokens,
     nucleus_drop,
-    sorted_drop,
 )
 from wiola.ops.rope import rope_tables
 
@@ -91,7 +90,7 @@ class _Captured:
     finished: torch.Tensor  # (B,) bool
     noise: torch.Tensor | None  # (B, V) float32 Exp(1) draws, refilled before each replay
     temperature: torch.Tensor  # () float32
-    top_p: torch.Tensor  # () float32
+    top_p: torch.Tensor  # () float64: sorted_drop compares in float64, with the Python float's value
     graph: torch.cuda.CUDAGraph | None = None
     derived: tuple = ()  # the model's derived tensors the graph reads: kept alive with it
 
@@ -204,7 +203,7 @@ def _get_step(model: WiolaModel, mode: _Mode) -> _Captured:
             finished=torch.zeros(B, dtype=torch.bool, device=w.device),
             noise=None if mode.greedy else torch.ones(B, V, dtype=torch.float32, device=w.device),
             temperature=torch.ones((), dtype=torch.float32, device=w.device),
-            top_p=torch.ones((), dtype=torch.float32, device=w.device),
+            top_p=torch.ones((), dtype=torch.float64, device=w.device),
         )
         if mode.capture:
             _capture(model, step, mode)
@@ -297,24 +296,14 @@ def cpu_noise(logits: torch.Tensor, generator: torch.Generator | None) -> torch.
 
 
 def cpu_nucleus(logits: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
-    """``wiola.generation.nucleus_drop`` with the sort in C++ (``decode_step_cpu.sort_descending``:
-    stable, a tenth of ``torch.sort``'s time for 32,000 ids): the same mask. The sorted values are
-    torch's whatever the order of equal ones, so the nucleus found on them is too; only the ids of
-    equal logits may come in another order than ``torch.sort``'s (unstable), which matters where the
-    nucleus ends inside a run of equal logits: there, and where the C++ does not apply,
-    ``nucleus_drop`` itself gives the mask."""
-    from wiola.fast.decode_step_cpu import sort_descending
+    """``wiola.generation.nucleus_drop`` decided in C++ (``decode_step_cpu.nucleus_rows``: a proven
+    bound on the reference's float64 sums, the reference itself asked where it does not decide): the
+    same mask. Where the C++ does not apply (no library, a tensor ``top_p``), ``nucleus_drop``."""
+    from wiola.fast.decode_step_cpu import nucleus_rows
 
-    ordered = sort_descending(logits) if logits.device.type == "cpu" else None
-    if ordered is None:
-        return nucleus_drop(logits, top_p)
-    values, order = ordered
-    drop = sorted_drop(values, top_p)
-    nan = values.isnan()
-    tied = (values[:, 1:] == values[:, :-1]) | (nan[:, 1:] & nan[:, :-1])
-    if bool((tied & (drop[:, 1:] != drop[:, :-1])).any()):
-        return nucleus_drop(logits, top_p)
-    return torch.zeros_like(drop).scatter(-1, order, drop)
+    usable = logits.device.type == "cpu" and not isinstance(top_p, torch.Tensor) and top_p < 1.0
+    decided = nucleus_rows(logits, top_p) if usable else None
+    return nucleus_drop(logits, top_p) if decided is None else decided[0]
 
 
 CPU_SAMPLING = SamplingOps(draw_noise=cpu_noise, nucleus=cpu_nucleus)  # the reference sampler's values, in C++
@@ -323,8 +312,7 @@ CPU_SAMPLING = SamplingOps(draw_noise=cpu_noise, nucleus=cpu_nucleus)  # the ref
 def cpu_loop_usable(model: WiolaModel, input_ids: torch.Tensor, kwargs: dict) -> bool:
     """``generate`` runs its whole loop in C++ (``cpu_generate``) for CPU ids of a fast model whose
     one-token steps take the C++ step. The arguments are not read here: ``cpu_generate`` checks them
-    first (the reference's named errors) and leaves sampling with a nucleus (``top_p``, whose
-    softmax stays torch's, per step) to the reference loop."""
+    first (the reference's named errors)."""
     return (
         set(kwargs) <= LOOP_KEYWORDS  # what cpu_generate takes; other arguments keep the reference loop
         and isinstance(input_ids, torch.Tensor)
@@ -338,18 +326,20 @@ def cpu_loop_usable(model: WiolaModel, input_ids: torch.Tensor, kwargs: dict) ->
 def cpu_generate(model: WiolaModel, input_ids: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor | None:
     """``wiola.generation.generate`` with the decoding loop in C++: the prefill on the PyTorch
     path as there, then one call of the C++ loop (``DecodeStepCPU.generate_loop``) for every step,
-    sampling, the eos bookkeeping and the stop included. Greedy: one call per request. Sampling:
-    each step's Exp(1) noise is drawn here from ``generator`` exactly as ``sample_next`` draws it,
-    ``NOISE_FLOATS`` at a time (one call per chunk of steps; the generator is left where the
-    reference loop leaves it, also when every row stops early). With a ``streamer``, one call per
-    step, the streamer called after each. Same arguments and result as ``generate``, identical
-    tokens; returns None (before touching anything) where the C++ step does not apply.
+    sampling (the top-p nucleus included: ``nucleus_rows``' C++, which calls back into the
+    reference only where its bound does not decide), the eos bookkeeping and the stop included.
+    Greedy: one call per request. Sampling: each step's Exp(1) noise is drawn here from
+    ``generator`` exactly as ``sample_next`` draws it, ``NOISE_FLOATS`` at a time (one call per
+    chunk of steps; the generator is left where the reference loop leaves it, also when every row
+    stops early). With a ``streamer``, one call per step, the streamer called after each. Same
+    arguments and result as ``generate``, identical tokens; returns None (before touching anything)
+    where the C++ step does not apply.
     """
     from wiola.fast.decode_step_cpu import exponential_rows
 
     args = GenerateArgs.check(model, input_ids, max_new_tokens, **kwargs)
     sampling, eos_token_id, pad, streamer = args.sampling, args.eos_token_id, args.pad_token_id, args.streamer
-    if sampling.top_p is not None or max_new_tokens == 0:
+    if max_new_tokens == 0:
         return None
     B, T = input_ids.shape
     cache = model.new_cache(B, T + max_new_tokens)
@@ -373,8 +363,9 @@ def cpu_generate(model: WiolaModel, input_ids: torch.Tensor, max_new_tokens: int
             for j in range(i1 - i):  # as sample_next: one (B, V) draw per step, its log taken on that shape
                 torch.log(log_noise[j].clamp_min(1e-30), out=log_noise[j])
         stopped = step.generate_loop(
-            T, (i, i1), new, first, finished, sampling.temperature, sampling.top_k, log_noise, eos_token_id, pad
-        )
+            T, (i, i1), new, first, finished, sampling.temperature, sampling.top_k, sampling.top_p, log_noise,
+            eos_token_id, pad,
+        )  # fmt: skip
         if streamer is not None:
             for j in range(i, stopped):
                 streamer(new[:, j].clone())

@@ -347,13 +347,10 @@ class Rows:
         index = torch.tensor([self._index[row.handle] for row in rows], dtype=torch.int64)
         tokens = torch.tensor([row.pending.token for row in rows], dtype=torch.int64)
         slots = torch.tensor([row.slot for row in rows], dtype=torch.int64)
-        logits = self._step.step_rows(index, tokens, slots, samplers)
+        self._step.step_rows(index, tokens, slots, samplers)
         pending: list[RowToken] = []
         chosen, logprobs = samplers.token.tolist(), samplers.logprob.tolist()
         for n, row in enumerate(rows):
-            if row.sampling.top_p is not None:  # the nucleus: wiola.generation's own sampler
-                pending.append(self._sample(row, logits[n : n + 1]))
-                continue
             top: list[tuple[int, float]] = []
             if k := row.request.logprobs:
                 top = list(zip(samplers.top_ids[n, :k].tolist(), samplers.top_values[n, :k].tolist(), strict=True))
@@ -366,18 +363,18 @@ class Rows:
         from wiola.fast.decode_step_cpu import MODE, Samplers, exponential_rows
 
         V = self.model.config.vocab_size
-        modes, temperatures, top_ks, ks = [], [], [], []  # made into tensors at once, not an element at a time
+        modes, temperatures, top_ks, top_ps, ks = [], [], [], [], []  # made into tensors at once
         for row in rows:
             s = row.sampling
-            sampled = not s.greedy and s.top_p is None
-            modes.append(MODE["sample" if sampled else "greedy" if s.greedy else "caller"])
-            temperatures.append(s.temperature if sampled else 1.0)
-            top_ks.append((s.top_k or 0) if sampled else 0)
+            modes.append(MODE["greedy" if s.greedy else "sample"])
+            temperatures.append(1.0 if s.greedy else s.temperature)
+            top_ks.append(0 if s.greedy else s.top_k or 0)
+            top_ps.append(1.0 if s.greedy or s.top_p is None else s.top_p)
             ks.append(row.request.logprobs)
         if self._noise is None:  # kept: fresh megabytes each step would fault their pages in again
             self._noise = torch.empty(2, self.max_rows, V)
         draws, log_noise = self._noise[0, : len(rows)], self._noise[1, : len(rows)]
-        samplers = Samplers(len(rows), V, max(ks), (modes, temperatures, top_ks, ks), log_noise=log_noise)
+        samplers = Samplers(len(rows), V, max(ks), (modes, temperatures, top_ks, top_ps, ks), log_noise=log_noise)
         sampled = [n for n, mode in enumerate(modes) if mode == MODE["sample"]]
         if sampled:  # greedy steps skip the draw's checks and library lookup
             exponential_rows([rows[n].generator for n in sampled], V, out=draws[: len(sampled)], isa=self.isa)
