@@ -205,9 +205,9 @@ class WiolaModel(ReferenceModel):
         """Prompt followed by up to ``max_new_tokens`` new tokens, ``(B, T + N)``; the arguments of
         ``wiola.generation.generate``. On CUDA with the kernels, the one-token step runs as a CUDA
         graph and sampling stays on the GPU (``wiola.fast.generation``); on a CPU where the C++ step
-        applies, the whole loop (steps, sampling, eos) is one C++ call (``cpu_generate``); elsewhere,
-        and with a nucleus ``top_p``, the reference loop runs on the fast ops and the static cache
-        (on a CPU its noise and its nucleus' sort in C++, ``CPU_SAMPLING``: the same values).
+        applies, the whole loop (steps, sampling with its nucleus, eos) runs in C++ (``cpu_generate``);
+        elsewhere the reference loop runs on the fast ops and the static cache (on a CPU its noise and
+        its nucleus in C++, ``CPU_SAMPLING``: the same values).
         Greedy tokens equal the reference's.
         """
         prompt = kwargs.get("inputs") if input_ids is None else input_ids  # transformers' name for it

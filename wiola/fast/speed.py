@@ -250,8 +250,9 @@ class DecodingOnly:
                 t.copy_(copy_)
             self.finished.zero_()
             self.step.generate_loop(
-                self.prompt_len, (0, self.new), self.out, self.first, self.finished, 0.0, None, None, None, None
-            )
+                self.prompt_len, (0, self.new), self.out, self.first, self.finished,
+                temperature=0.0, top_k=None, top_p=None, log_noise=None, eos=None, pad=None,
+            )  # fmt: skip
         return self.out
 
 
