@@ -268,6 +268,40 @@ def test_logprobs_hold_across_the_range_of_the_exponentials(V, isa):
     assert_within("top values", logp.gather(1, order), samplers.top_values, allowed[:, :k], isa)
 
 
+@pytest.mark.parametrize("V", [4099, 32000])
+def test_top_k_keeps_what_torch_topk_keeps(V, isa):
+    """The C++ top-k filter's k-th value (block maxima, then the few logits that reach theirs) keeps
+    exactly ``torch.topk``'s: noise made to favour the best of the tokens the reference drops, and
+    then the worst of those it keeps, makes any token wrongly kept, or wrongly dropped, win. Ties at
+    the k-th value, ±0, infinities and NaN (ranked above everything, as torch.topk ranks it); k from 1
+    to V - 1, so both the block path and the whole-row path run."""
+    lib = decode_step_cpu.load(isa)
+    gen = torch.Generator().manual_seed(V)
+    rows = [torch.randn(V, generator=gen) * 3, (torch.randn(V, generator=gen) * 4).round() / 2]
+    signed = (torch.randn(V, generator=gen) * 2).round()
+    signed[signed == 0] = torch.where(torch.rand(int((signed == 0).sum()), generator=gen) < 0.5, 0.0, -0.0)
+    rows.append(signed)
+    special = torch.randn(V, generator=gen)
+    special[[3, 50]], special[[7, 9]] = float("-inf"), float("nan")
+    rows.append(special)
+    logits = torch.stack(rows)
+    for k in (1, 7, 40, 301, V // 3, V - 1):
+        for favour in ("dropped", "kept"):
+            n = len(rows)
+            samplers = decode_step_cpu.Samplers(n, V, 1, ([1] * n, [0.75] * n, [k] * n, [1.0] * n, [0] * n))
+            want = []
+            for i in range(n):
+                scaled = logits[i : i + 1] / 0.75
+                kth = torch.topk(scaled, k).values[0, -1]
+                noise = torch.ones(1, V)
+                target = (scaled < kth) if favour == "dropped" else (scaled == kth)
+                noise[target] = 1e-20  # -log E = 46: such a token wins wherever it is not -inf
+                want.append(int(reference_loop.sample_next(logits[i : i + 1], 0.75, k, None, noise=noise)[0]))
+                samplers.log_noise[i] = torch.log(noise.clamp_min(1e-30))[0]
+            decode_step_cpu.sample_rows(lib, logits, samplers)
+            assert samplers.token.tolist() == want, f"{isa} V={V} k={k} favour {favour}: {platform_line(isa)}"
+
+
 @pytest.mark.parametrize("temperature", [1e-40, 1e-38])
 def test_vanishing_temperature_is_the_argmax_for_any_signs(temperature, isa):
     """A temperature at which logits / T overflow float32 gives each row's argmax (the limit of
