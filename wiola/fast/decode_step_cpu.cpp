@@ -2271,8 +2271,20 @@ inline int nucleus_row(float* x, int64_t V, double top_p, uint16_t* bucket, uint
 // or, where every logit is negative, every one to -inf): the argmax then, the distribution's limit.
 // scratch: V floats.
 inline bool scaled_row(const float* logits, int64_t V, float temperature, int64_t top_k, float* x, float* scratch) {
+  ivec positive_inf = {}, finite_or_nan = {};  // lanes' flags: a vector at a time, no chain per element
+  int64_t j = 0;
+  for (; j + kLanes <= V; j += kLanes) {
+    const vec v = load(logits + j) / temperature;  // a division per lane, rounded as torch's
+    store(x + j, v);
+    positive_inf |= v == INFINITY;
+    finite_or_nan |= v != -INFINITY;
+  }
   bool overflow = false, all_negative_inf = true;
-  for (int64_t j = 0; j < V; ++j) {
+  for (int u = 0; u < kLanes; ++u) {
+    overflow |= positive_inf[u] != 0;
+    all_negative_inf &= finite_or_nan[u] == 0;
+  }
+  for (; j < V; ++j) {
     x[j] = logits[j] / temperature;
     overflow |= x[j] == INFINITY;
     all_negative_inf &= x[j] == -INFINITY;
