@@ -2948,18 +2948,16 @@ double wiola_exp_error(double lo, int64_t n) {
 // loop stops before step i once every row has finished. out (R, N) int64 gets column i of step i;
 // finished (R,) uint8 carries across calls. One sampler for every row: greedy, or temperature, top_k
 // and top_p (>= 1: none; caller: for a nucleus the C++ cannot decide) with log_noise ((i1 - i0), R,
-// V). logits: (R, V) scratch; paths (4,): how many rows' nuclei took each NucleusPath, added to.
-// Returns the step it stopped before (i1 when none finished early), -1 for an unknown weight type,
-// -2 where a row got no token (the caller failed).
+// V). logits: (R, V) scratch. Returns the step it stopped before (i1 when none finished early), -1
+// for an unknown weight type, -2 where a row got no token (the caller failed).
 int64_t wiola_generate(const int64_t* n, const void* const* weights, const float* const* scales, void* const* state,
                        float eps, float* work, int64_t start, int64_t i0, int64_t i1, int64_t N, const float* first,
                        float* logits, int64_t greedy, float temperature, int64_t top_k, double top_p,
                        NucleusCaller caller, const float* log_noise, int64_t eos, int64_t pad, uint8_t* finished,
-                       int64_t* out, int64_t* paths, float* scratch) {
+                       int64_t* out, float* scratch) {
   const int64_t R = n[kB], V = n[kV];
-  std::unique_ptr<int64_t[]> idx(new int64_t[6 * R]);
+  std::unique_ptr<int64_t[]> idx(new int64_t[5 * R]);
   int64_t *rows = idx.get(), *slots = rows + R, *tokens = rows + 2 * R, *modes = rows + 3 * R, *top_ks = rows + 4 * R;
-  int64_t* path = rows + 5 * R;
   std::unique_ptr<float[]> temps(new float[R]);
   std::unique_ptr<double[]> top_ps(new double[R]);
   int64_t stopped = i1;
@@ -2989,14 +2987,13 @@ int64_t wiola_generate(const int64_t* n, const void* const* weights, const float
       }
       step_logits = logits;
     }
-    Samplers s{modes,  temps.get(), top_ks, top_ps.get(), greedy ? nullptr : log_noise + (i - i0) * R * V,
-               nullptr, 0,           caller, tokens,       nullptr,
-               nullptr, nullptr,     path};
+    const float* noise = greedy ? nullptr : log_noise + (i - i0) * R * V;
+    Samplers s{modes, temps.get(), top_ks, top_ps.get(), noise, nullptr, 0, caller, tokens, nullptr, nullptr, nullptr,
+               nullptr};
     if (sample_rows(step_logits, R, V, s, scratch) != 0) {
       stopped = -2;
       break;
     }
-    for (int64_t b = 0; b < R; ++b) paths[path[b]] += 1;
     for (int64_t b = 0; b < R; ++b) {
       int64_t t = tokens[b];
       if (eos >= 0) {

@@ -373,7 +373,7 @@ def _build(compiler: str, isa: str) -> ctypes.CDLL:
     lib.wiola_sample_rows.restype = I
     lib.wiola_step_rows.argtypes = [P, P, P, P, I, P, P, P, F, P, P, P, P, P, P, P, P, I, C, P, P, P, P, P, P]
     lib.wiola_step_rows.restype = ctypes.c_int
-    lib.wiola_generate.argtypes = [P, P, P, P, F, P, I, I, I, I, P, P, I, F, I, D, C, P, I, I, P, P, P, P]
+    lib.wiola_generate.argtypes = [P, P, P, P, F, P, I, I, I, I, P, P, I, F, I, D, C, P, I, I, P, P, P]
     lib.wiola_generate.restype = I
     lib.wiola_nucleus.argtypes = [P, I, I, P, C, P, P]
     lib.wiola_nucleus.restype = I
@@ -893,9 +893,9 @@ class DecodeStepCPU:
         self, rows: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, samplers: Samplers
     ) -> torch.Tensor:
         """``rows`` (one step of some rows, each at its own slot) and their tokens sampled in the same
-        C++ call (``Samplers``: greedy, temperature, top-k, top-p). Returns the
-        ``(n, V)`` logits; the tokens and log-probabilities land in ``samplers``. Raises
-        ``ValueError`` as ``rows`` does, or for ``samplers`` made for another ``n`` or ``V``."""
+        C++ call (``Samplers``: greedy, temperature, top-k, top-p). Returns the ``(n, V)`` logits;
+        the tokens and log-probabilities land in ``samplers``. Raises ``ValueError`` as ``rows``
+        does, or for ``samplers`` made for another ``n`` or ``V``."""
         n = self._check_rows(rows, tokens, slots)
         t = samplers
         if t.log_noise.shape != (n, self.config.vocab_size) or t.top_ids.shape != (n, t.max_k):
@@ -919,17 +919,15 @@ class DecodeStepCPU:
     def generate_loop(
         self, start: int, steps: tuple[int, int], out: torch.Tensor, first: torch.Tensor, finished: torch.Tensor,
         temperature: float, top_k: int | None, top_p: float | None, log_noise: torch.Tensor | None, eos: int | None,
-        pad: int | None, paths: torch.Tensor | None = None,
+        pad: int | None,
     ) -> int:  # fmt: skip
         """``generate``'s loop over steps ``[i0, i1)`` for every row of the cache, in one C++ call:
         step 0 samples from the prefill's ``first`` ``(B, V)`` logits, step ``i`` from a step of
         the previous tokens at slot ``start + i - 1``; tokens into ``out`` ``(B, N)`` int64;
         ``finished`` ``(B,)`` uint8 carries the eos bookkeeping across calls. ``temperature`` 0 is
         greedy; else ``log_noise`` ``(i1 - i0, B, V)``: the log of each step's Exp(1) draws, with
-        ``top_k`` and ``top_p`` (None: none). ``paths`` ``(4,)`` int64: how many rows' nuclei each
-        ``NUCLEUS_PATHS`` decided, added to. Returns the step it stopped before (``i1``, or earlier
-        once every row has finished).
-        Raises ``ValueError`` for ``eos``/``pad`` outside ``[0, V)``, steps past ``out`` or the
+        ``top_k`` and ``top_p`` (None: none). Returns the step it stopped before (``i1``, or earlier
+        once every row has finished). Raises ``ValueError`` for ``eos``/``pad`` outside ``[0, V)``, steps past ``out`` or the
         cache, or a tensor of another shape."""
         i0, i1 = steps
         B, V = self.batch_size, self.config.vocab_size
@@ -952,9 +950,6 @@ class DecodeStepCPU:
             if log_noise is None:
                 raise ValueError("CPU decode step: sampling (temperature > 0) needs log_noise")
             _check(log_noise, "log_noise", torch.float32, (i1 - i0, B, V))
-        if paths is None:
-            paths = torch.zeros(len(NUCLEUS_PATHS), dtype=torch.int64)
-        _check(paths, "paths", torch.int64, (len(NUCLEUS_PATHS),))
         logits = torch.empty(self.batch_size, self.config.vocab_size, dtype=torch.float32)
         _follow_torch_threads()
         stopped = self.lib.wiola_generate(
@@ -962,7 +957,7 @@ class DecodeStepCPU:
             i1, out.shape[1], first.data_ptr(), logits.data_ptr(), int(temperature == 0), float(temperature),
             top_k or 0, 1.0 if top_p is None else float(top_p), _NUCLEUS_CALLBACK,
             0 if log_noise is None else log_noise.data_ptr(), -1 if eos is None else eos, 0 if pad is None else pad,
-            finished.data_ptr(), out.data_ptr(), paths.data_ptr(), self._scratch().data_ptr(),
+            finished.data_ptr(), out.data_ptr(), self._scratch().data_ptr(),
         )  # fmt: skip
         _raise_caller_error(stopped == -2)
         if stopped < 0:  # pragma: no cover - only an unknown weight type fails, and the binding never passes one
