@@ -225,3 +225,51 @@ def test_arm_exponential_noise_equals_torchs(arm_harness, tmp_path):
             f"ARM {name}: {differ.numel()} of {n} values differ from torch's, first at {differ[0]}"
         )
         assert torch.equal(after, g.get_state()), f"ARM {name}: the generator's state differs from torch's after"
+
+
+def test_arm_sampler_equals_sample_next(arm_harness, tmp_path):
+    """The C++ sampler on aarch64 (``wiola_sample_rows`` with no Python to call back): temperature,
+    top-k and top-p rows, the noise made to favour the best token the reference's filters drop and
+    then the worst one they keep, so a token wrongly kept or dropped wins. Its tokens equal
+    ``wiola.generation.sample_next``'s here, except rows whose nucleus ends inside equal logits (no
+    caller: token -1), which the tied rows must hit; the double exponential within 2^-50 there too."""
+    from wiola.generation import filter_logits, sample_next
+
+    V, gen = 4099, torch.Generator().manual_seed(5)
+    settings = [(0.8, 0, 1.0), (1.1, 40, 1.0), (0.9, 0, 0.95), (1.3, 0, 0.5), (0.7, 25, 0.9)]
+    rows = []
+    for favour in ("dropped", "kept"):
+        for tied in (False, True):
+            for t, k, p in settings:
+                x = torch.randn(V, generator=gen) * 3
+                if tied:
+                    x = (x * 2).round() / 2  # the nucleus' edge inside a run of equal logits
+                rows.append((t, k, p, x, favour, tied))
+    B = len(rows)
+    logits = torch.stack([r[3] for r in rows])
+    noise = torch.ones(B, V)
+    for i, (t, k, p, x, favour, _) in enumerate(rows):
+        keep = torch.isfinite(filter_logits(x[None] / t, k or None, p if p < 1 else None))[0]
+        if favour == "dropped":
+            noise[i, ~keep] = 1e-20  # -log E = 46: such a token wins wherever it is not -inf
+        else:
+            noise[i, torch.where(keep, x, torch.inf).argmin()] = 1e-20
+    log_noise = torch.log(noise.clamp_min(1e-30))
+    head = struct.pack("<qq", B, V) + b"".join(struct.pack("<fqd", t, k, p) for t, k, p, *_ in rows)
+    raw = logits.numpy().tobytes() + log_noise.numpy().tobytes()
+    out = _run(arm_harness, tmp_path, head + raw, "sampler")
+    exp_error = struct.unpack_from("<d", out)[0]
+    tokens = np.frombuffer(out, dtype=np.int64, count=B, offset=8).tolist()
+    paths = np.frombuffer(out, dtype=np.int64, count=B, offset=8 + 8 * B).tolist()
+    assert exp_error <= 2**-50, f"ARM: the double exponential's error {exp_error:.3g} past 2^-50"
+    names = decode_step_cpu.NUCLEUS_PATHS
+    for i, (t, k, p, x, favour, tied) in enumerate(rows):
+        want = int(sample_next(x[None], t, k or None, p if p < 1 else None, noise=noise[i : i + 1])[0])
+        where = f"ARM row {i} (temperature {t}, top_k {k}, top_p {p}, favour {favour}, tied {tied})"
+        if names[paths[i]] == "caller":
+            assert tied and tokens[i] == -1, f"{where}: handed over ({tokens[i]}) where the bound should decide"
+            continue
+        assert tokens[i] == want, f"{where}: token {tokens[i]} != sample_next's {want}"
+    assert any(names[paths[i]] == "caller" for i in range(B)), "no row's nucleus ended inside equal logits"
+    untied = [names[paths[i]] for i, r in enumerate(rows) if r[2] < 1 and not r[5]]
+    assert untied and set(untied) == {"bound"}, f"nuclei over distinct logits not decided by the bound: {untied}"

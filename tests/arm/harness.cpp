@@ -18,6 +18,11 @@
 // `harness exponential INPUT OUTPUT` draws Exp(1) noise (wiola_exponential). Input: int64 n, then
 // the buffer of a torch CPU generator's state. Output: int64 wiola_exponential's answer, the n fp32
 // values, then the state after.
+//
+// `harness sampler INPUT OUTPUT` samples rows (wiola_sample_rows, no caller for the nucleus). Input:
+// int64 B, V; per row float32 temperature, int64 top_k, float64 top_p; the (B, V) fp32 logits, then
+// the (B, V) fp32 log-noise. Output: float64 wiola_exp_error(-708, 10^5), the B int64 tokens (-1
+// where the nucleus needs the caller), the B int64 nucleus paths.
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -124,12 +129,40 @@ int run_exponential(const char* output) {
   return std::fclose(out) == 0 ? 0 : 1;
 }
 
+int run_sampler(const char* output) {
+  const int64_t B = read_i64(), V = read_i64();
+  std::vector<float> temperature(B);
+  std::vector<int64_t> mode(B, kSample), top_k(B), n_logprobs(B, 0), token(B), path(B);
+  std::vector<double> top_p(B);
+  for (int64_t i = 0; i < B; ++i) {
+    read(&temperature[i], sizeof(float));
+    top_k[i] = read_i64();
+    read(&top_p[i], sizeof(double));
+  }
+  std::vector<float> logits(B * V), log_noise(B * V), scratch(wiola_sample_scratch_floats(V));
+  read(logits.data(), logits.size() * sizeof(float));
+  read(log_noise.data(), log_noise.size() * sizeof(float));
+  wiola_sample_rows(logits.data(), B, V, mode.data(), temperature.data(), top_k.data(), top_p.data(),
+                    log_noise.data(), n_logprobs.data(), 1, nullptr, token.data(), nullptr, nullptr, nullptr,
+                    path.data(), scratch.data());
+  const double exp_error = wiola_exp_error(-708.0, 100000);
+  FILE* out = std::fopen(output, "wb");
+  if (!out) {
+    std::perror(output);
+    return 2;
+  }
+  std::fwrite(&exp_error, sizeof(exp_error), 1, out);
+  std::fwrite(token.data(), sizeof(int64_t), B, out);
+  std::fwrite(path.data(), sizeof(int64_t), B, out);
+  return std::fclose(out) == 0 ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::string mode = argc == 4 ? argv[1] : "";
-  if (argc != 3 && mode != "prompt" && mode != "exponential") {
-    std::fprintf(stderr, "usage: %s [prompt|exponential] INPUT OUTPUT\n", argv[0]);
+  if (argc != 3 && mode != "prompt" && mode != "exponential" && mode != "sampler") {
+    std::fprintf(stderr, "usage: %s [prompt|exponential|sampler] INPUT OUTPUT\n", argv[0]);
     return 2;
   }
   const char* input = argv[argc == 4 ? 2 : 1];
@@ -140,6 +173,7 @@ int main(int argc, char** argv) {
   }
   if (mode == "prompt") return run_prompt(argv[3]);
   if (mode == "exponential") return run_exponential(argv[3]);
+  if (mode == "sampler") return run_sampler(argv[3]);
   int64_t n[kNumDims];
   read(n, sizeof(n));
   float eps;
