@@ -1987,6 +1987,28 @@ inline uint32_t order_key(float v) {
   return (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
 }
 
+// The largest of x[0, n), NaN left out (-inf where there is none); *nan set where a NaN is among them.
+inline float max_and_nan(const float* x, int64_t n, bool* nan) {
+  vec m = vec{} - INFINITY;
+  ivec nans = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const vec v = load(x + j);
+    nans |= v != v;
+    m = v > m ? v : m;
+  }
+  float most = -INFINITY;
+  for (int u = 0; u < kLanes; ++u) {
+    most = m[u] > most ? m[u] : most;
+    *nan |= nans[u] != 0;
+  }
+  for (; j < n; ++j) {
+    *nan |= x[j] != x[j];
+    most = x[j] > most ? x[j] : most;
+  }
+  return most;
+}
+
 // The k-th largest of x[0, n) counting repeats (torch.topk(x, k).values[-1]). The k-th largest of the
 // maxima of 4k blocks is at most the k-th largest of x (k blocks hold an element at least that large),
 // and usually few elements reach it: only those go through nth_element (a copy of all 32,000 logits
@@ -2000,24 +2022,7 @@ inline float kth_largest(const float* x, int64_t n, int64_t k, float* scratch) {
   if (width >= 4 * kLanes) {
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t lo = b * width, hi = b + 1 == blocks ? n : lo + width;
-      vec m = load(x + lo);
-      ivec nans = m != m;
-      int64_t j = lo + kLanes;
-      for (; j + kLanes <= hi; j += kLanes) {
-        const vec v = load(x + j);
-        nans |= v != v;
-        m = v > m ? v : m;
-      }
-      float most = m[0];
-      for (int u = 0; u < kLanes; ++u) {
-        most = m[u] > most ? m[u] : most;
-        nan |= nans[u] != 0;
-      }
-      for (; j < hi; ++j) {
-        nan |= x[j] != x[j];
-        most = x[j] > most ? x[j] : most;
-      }
-      scratch[b] = most;
+      scratch[b] = max_and_nan(x + lo, hi - lo, &nan);
     }
     if (!nan) {
       const auto greater = [](float a, float c) { return a > c; };
@@ -2192,24 +2197,8 @@ inline int nucleus_walk(const float* x, int64_t V, double mx, const uint16_t* bu
 // asked): whether the reference drops the -inf logits (1), keeps them (0), or the bound cannot tell
 // (-1); they rank last with the whole weight above them. Sampling need not ask: -inf stays -inf.
 inline int nucleus_row(float* x, int64_t V, double top_p, uint16_t* bucket, uint64_t* keys, int* minus_inf = nullptr) {
-  vec m = vec{} - INFINITY;
-  ivec nans = {};
-  int64_t j = 0;
-  for (; j + kLanes <= V; j += kLanes) {
-    const vec v = load(x + j);
-    nans |= v != v;
-    m = v > m ? v : m;
-  }
-  float mx = -INFINITY;
   bool nan = false;
-  for (int u = 0; u < kLanes; ++u) {
-    mx = m[u] > mx ? m[u] : mx;
-    nan |= nans[u] != 0;
-  }
-  for (; j < V; ++j) {
-    nan |= x[j] != x[j];
-    mx = x[j] > mx ? x[j] : mx;
-  }
+  const float mx = max_and_nan(x, V, &nan);
   if (nan || !std::isfinite(mx)) return kNucleusNone;  // the reference's softmax is NaN: it drops nothing
   // Each bucket's weight, e^(x - mx) in double a vector at a time (the last padded with -inf: 0), into
   // kCopies histograms in turn (shorter chains of adds to one bucket).
@@ -2217,7 +2206,7 @@ inline int nucleus_row(float* x, int64_t V, double top_p, uint16_t* bucket, uint
   double mass[kCopies][kNucleusBuckets + 1] = {};
   dvec spread = {};
   const double md = mx;
-  for (j = 0; j < V; j += kLanes) {
+  for (int64_t j = 0; j < V; j += kLanes) {
     vec v;
     if (j + kLanes <= V) {
       v = load(x + j);
@@ -2261,7 +2250,7 @@ inline int nucleus_row(float* x, int64_t V, double top_p, uint16_t* bucket, uint
   if (walk == kWalkUnsure || walk == kWalkTied) return kNucleusCaller;
   if (minus_inf != nullptr) *minus_inf = walk == kWalkCut || bound.dropped(total) ? 1 : bound.kept(total) ? 0 : -1;
   if (walk == kWalkCut)
-    for (j = 0; j < V; ++j)
+    for (int64_t j = 0; j < V; ++j)
       if (x[j] <= cut) x[j] = -INFINITY;
   return kNucleusBound;
 }
