@@ -1126,10 +1126,10 @@ def exponential_rows(
 def nucleus_rows(
     x: torch.Tensor, top_p: float | torch.Tensor, *, isa: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``wiola.generation.nucleus_drop(x, top_p)`` for ``(B, V)`` fp32 CPU logits (contiguous, no
-    row all ``-inf``, none ``+inf``) and a ``top_p`` below 1 (a float, or ``(B,)`` float64): the
-    same mask, decided in C++ (``wiola_nucleus``), with each row's path (``NUCLEUS_PATHS``). None
-    where the library is not built or ``x`` is not such a tensor."""
+    """``wiola.generation.nucleus_drop(x, top_p)`` for contiguous ``(B, V)`` fp32 CPU logits and a
+    ``top_p`` below 1 (a float, or ``(B,)`` float64): the same mask, decided in C++
+    (``wiola_nucleus``), with each row's path (``NUCLEUS_PATHS``). None where the library is not
+    built or ``x`` is not such a tensor."""
     lib = load(isa)
     if lib is None or x.dim() != 2 or not _rows_fp32(x) or x.shape[1] >= 2**32:
         return None
