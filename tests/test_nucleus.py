@@ -146,6 +146,10 @@ def test_an_error_in_the_reference_reaches_the_caller(monkeypatch):
     with pytest.raises(MemoryError, match="no room for the sort"):
         decode_step_cpu.nucleus_rows(torch.zeros(1, 8), 0.5)  # all tied: the reference is asked
     assert decode_step_cpu.nucleus_rows(torch.arange(8.0)[None], 0.5) is not None  # nothing left over
+    samplers = decode_step_cpu.Samplers(2, 8, 1, ([1, 1], [1.0, 1.0], [0, 0], [1.0, 0.5], [0, 0]))
+    samplers.log_noise.zero_()
+    with pytest.raises(MemoryError, match="no room for the sort"):  # the sampler: its second row tied
+        decode_step_cpu.sample_rows(decode_step_cpu.load(), torch.zeros(2, 8), samplers)
 
 
 @pytest.mark.parametrize("top_p", [1e-9, 0.3, 0.95, torch.tensor(0.8, dtype=torch.float64)], ids=str)
