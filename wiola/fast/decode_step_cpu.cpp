@@ -2013,13 +2013,13 @@ inline float max_and_nan(const float* x, int64_t n, bool* nan) {
 // maxima of 4k blocks is at most the k-th largest of x (k blocks hold an element at least that large),
 // and usually few elements reach it: only those go through nth_element (a copy of all 32,000 logits
 // through nth_element took 130 us a row of the 13m preset, Intel(R) Xeon(R) Processor, family 6 model
-// 167). Where blocks would be shorter than 4 vectors, or x holds a NaN (torch.topk ranks NaN above
+// 167). Where blocks would be shorter than a vector, or x holds a NaN (torch.topk ranks NaN above
 // everything, which a > b cannot order), all of x goes through nth_element ordered as torch ranks.
 // scratch: n floats.
 inline float kth_largest(const float* x, int64_t n, int64_t k, float* scratch) {
   const int64_t blocks = 4 * k, width = n / blocks;
   bool nan = false;
-  if (width >= 4 * kLanes) {
+  if (width >= kLanes) {
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t lo = b * width, hi = b + 1 == blocks ? n : lo + width;
       scratch[b] = max_and_nan(x + lo, hi - lo, &nan);
