@@ -193,9 +193,9 @@ def test_sampler_equals_sample_next_with_ties(scale, isa):
     the same Exp(1) draws: greedy with repeated maxima, top-k whose k-th value repeats,
     temperatures that are not powers of two, nuclei (some ending inside a run of equal logits,
     where the reference decides; the others decided by the bound); its log-probabilities, the
-    chosen token's and the
-    best ``n_logprobs`` values, are the log-softmax of the unfiltered logits: the float64
-    log-softmax within the rounding of an fp32 one (``log_softmax_bound`` with no logit error)."""
+    chosen token's and the best ``n_logprobs`` values, are the log-softmax of the unfiltered
+    logits: the float64 log-softmax within the rounding of an fp32 one (``log_softmax_bound`` with
+    no logit error)."""
     lib = decode_step_cpu.load(isa)
     gen = torch.Generator().manual_seed(3)
     V, n = 203, 64
@@ -276,8 +276,8 @@ def test_top_k_keeps_what_torch_topk_keeps(V, isa):
     """The C++ top-k filter's k-th value (block maxima, then the few logits that reach theirs) keeps
     exactly ``torch.topk``'s: noise made to favour the best of the tokens the reference drops, and
     then the worst of those it keeps, makes any token wrongly kept, or wrongly dropped, win. Ties at
-    the k-th value, ±0, infinities and NaN (ranked above everything, as torch.topk ranks it); k from 1
-    to V - 1, so both the block path and the whole-row path run."""
+    the k-th value, ±0, -inf and NaN (ranked above everything, as torch.topk ranks it); k from 1 to
+    V - 1, so both the block path and the whole-row path run."""
     lib = decode_step_cpu.load(isa)
     gen = torch.Generator().manual_seed(V)
     rows = [torch.randn(V, generator=gen) * 3, (torch.randn(V, generator=gen) * 4).round() / 2]
