@@ -136,7 +136,8 @@ def test_loop_is_one_call_per_chunk(monkeypatch):
     assert calls == [(0, 8), (8, 16), (16, 24), (24, 30)]
     calls.clear()
     asked = []  # the C++ nucleus' fallback into Python: only for near ties, which these logits lack
-    monkeypatch.setattr(reference_loop, "nucleus_drop", lambda *a: asked.append(a) or reference_loop.sorted_drop(*a))
+    nucleus_drop = reference_loop.nucleus_drop
+    monkeypatch.setattr(reference_loop, "nucleus_drop", lambda *a: asked.append(a) or nucleus_drop(*a))
     model.generate(ids, 30, temperature=1.0, top_p=0.7, generator=torch.Generator().manual_seed(0))
     assert calls == [(0, 8), (8, 16), (16, 24), (24, 30)], "a nucleus took the loop out of C++"
     assert asked == [], "the nucleus called back into Python"

@@ -105,10 +105,10 @@ def _real(name: str, value: Any) -> float:
     return float(value)
 
 
-def sorted_drop(sorted_logits: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
-    """For ``(B, V)`` logits sorted in descending order: ``(B, V)`` bool, the positions outside the
-    top-p nucleus. A token is dropped when the tokens ranked above it already cover ``top_p`` of the
-    softmax; the first is always kept (a tiny ``top_p`` would otherwise drop every token).
+def nucleus_drop(logits: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """``(B, V)`` bool: the tokens outside the top-p nucleus of ``(B, V)`` logits. Sorted in
+    descending order, a token is dropped when the tokens ranked above it already cover ``top_p`` of
+    the softmax; the first is always kept (a tiny ``top_p`` would otherwise drop every token).
 
     The softmax and its running sum are float64 (``top_p`` compared as given, a float or a float64
     tensor): their rounding, about 1e-11 for 32,000 ids, then moves the nucleus' edge only where a
@@ -116,16 +116,11 @@ def sorted_drop(sorted_logits: torch.Tensor, top_p: float | torch.Tensor) -> tor
     a proven bound on both (``wiola.fast.decode_step_cpu.nucleus_rows``), asking this function only
     for such a near tie; in float32 that margin (about 1e-4 in the worst case of the sum's order)
     would be met on a good share of tokens."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     probs = torch.softmax(sorted_logits.double(), dim=-1)
     drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
     drop[..., 0] = False
-    return drop
-
-
-def nucleus_drop(logits: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
-    """``(B, V)`` bool: the tokens outside the top-p nucleus of ``(B, V)`` logits."""
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    return torch.zeros_like(sorted_logits, dtype=torch.bool).scatter(-1, order, sorted_drop(sorted_logits, top_p))
+    return torch.zeros_like(drop).scatter(-1, order, drop)
 
 
 NucleusDrop = Callable[[torch.Tensor, float | torch.Tensor], torch.Tensor]
@@ -138,7 +133,7 @@ def filter_logits(
 
     ``top_p`` may be a 0-d tensor (read on the device: a CUDA graph replays with new values).
     ``nucleus``: the mask of the tokens outside the nucleus (``nucleus_drop``, or a function that
-    gives the same mask: the fast model's CPU one sorts in C++)."""
+    gives the same mask: the fast model's CPU one decides it in C++)."""
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -1925,7 +1925,7 @@ struct PromptAttention {
 // the first maximal logit (torch.argmax; a NaN wins, as there); sampling divides by the temperature
 // (x / float(t), as torch divides by a Python float), sets to -inf every logit below the k-th largest
 // (torch.topk's k-th value, ties kept), then every logit outside the top-p nucleus (nucleus_row:
-// wiola.generation.sorted_drop's mask, each decision proven against a bound), subtracts log E (the
+// wiola.generation.nucleus_drop's mask, each decision proven against a bound), subtracts log E (the
 // caller's Exp(1) noise, its log taken by torch: the same draws and the same log as
 // wiola.generation.sample_next) and takes the first maximum.
 enum SampleMode { kGreedy, kSample };
@@ -2078,7 +2078,7 @@ inline dvec exp_nonpositive_double(dvec d) {
 }
 
 // ------------------------------------------------------------------------ the nucleus (top-p)
-// wiola.generation.sorted_drop's mask: the logits (scaled, top-k filtered) sorted in descending
+// wiola.generation.nucleus_drop's mask: the logits (scaled, top-k filtered) sorted in descending
 // order, their float64 softmax summed in that order, and a token dropped where the ones ranked above
 // it hold at least top_p of it (the first always kept). torch's float64 exp and its order of summing
 // are not reproduced here; each decision is proven instead. The weight above a rank and the total are
@@ -2093,8 +2093,9 @@ inline dvec exp_nonpositive_double(dvec d) {
 // finite logit falls into a bucket of 1/32 of a unit below the maximum (the last one holding
 // everything past 40), the weight of every bucket is summed, the buckets wholly inside the nucleus are
 // passed at once, and a bucket the walk must enter is gathered and sorted (tens of ids). A row of
-// 32,000 ids: 67-76 us here, 105-115 through the binding (avx512 and amx variants, Intel(R) Xeon(R)
-// Processor, family 6 model 167), about half of it the exponentials; the reference took 1.8 ms.
+// 32,000 ids: about 55 us of the sampler's time (a top-p row 82-88 us, a row at a temperature alone
+// 29-31; amx variant, Intel(R) Xeon(R) Processor, family 6 model 167), about half of it the
+// exponentials; the reference took 1.8 ms.
 typedef int (*NucleusCaller)(const float* x, int64_t V, double top_p, uint8_t* drop);
 
 // How a row's nucleus was decided: none (top_p >= 1, or a NaN, +inf or only -inf among the logits:
@@ -2149,7 +2150,7 @@ enum NucleusWalk { kWalkKeepAll, kWalkCut, kWalkUnsure, kWalkTied };
 inline int nucleus_walk(const float* x, int64_t V, double mx, const uint16_t* bucket, const double* mass,
                         const NucleusBound& bound, uint64_t* keys, float* cut) {
   double above = 0.0;
-  bool first = true;  // rank 0 is kept whatever the bound says (sorted_drop's drop[..., 0] = False)
+  bool first = true;  // rank 0 is kept whatever the bound says (nucleus_drop keeps the first)
   for (int b = 0; b < kNucleusBuckets; ++b) {
     if (mass[b] == 0 && b < kNucleusBuckets - 1) continue;  // empty: a weight is 0 only past -708 (the last)
     if (bound.kept(above + mass[b])) {  // the bucket's last rank has less above it: all kept
@@ -2158,23 +2159,21 @@ inline int nucleus_walk(const float* x, int64_t V, double mx, const uint16_t* bu
       continue;
     }
     int64_t n = 0;
-    for (int64_t j = 0; j < V; ++j) {
-      if (j + kLanes <= V && j % kLanes == 0) {  // a vector of buckets at a time: few are b
-        bvec here;
-        std::memcpy(&here, bucket + j, sizeof(here));
-        const bvec hit = here == static_cast<uint16_t>(b);
-        uint64_t any[sizeof(bvec) / 8];
-        std::memcpy(any, &hit, sizeof(hit));
-        uint64_t bits = 0;
-        for (const uint64_t word : any) bits |= word;
-        if (bits == 0) {
-          j += kLanes - 1;
-          continue;
-        }
-      }
-      if (bucket[j] != b) continue;
-      keys[n++] = static_cast<uint64_t>(order_key(x[j])) << 32 | static_cast<uint64_t>(j);
+    const auto take = [&](int64_t j) {
+      if (bucket[j] == b) keys[n++] = static_cast<uint64_t>(order_key(x[j])) << 32 | static_cast<uint64_t>(j);
+    };
+    int64_t at = 0;
+    for (; at + kLanes <= V; at += kLanes) {  // a vector of buckets at a time: few are b
+      bvec here;
+      std::memcpy(&here, bucket + at, sizeof(here));
+      const bvec hit = here == static_cast<uint16_t>(b);
+      uint64_t words[sizeof(bvec) / 8], any = 0;
+      std::memcpy(words, &hit, sizeof(hit));
+      for (const uint64_t word : words) any |= word;
+      if (any != 0)
+        for (int u = 0; u < kLanes; ++u) take(at + u);
     }
+    for (; at < V; ++at) take(at);
     std::sort(keys, keys + n, [](uint64_t a, uint64_t c) { return a > c; });
     for (int64_t i = 0; i < n; ++i) {
       const int64_t j = static_cast<int64_t>(keys[i] & 0xffffffffu);
@@ -2903,7 +2902,8 @@ int64_t wiola_nucleus(const float* x, int64_t B, int64_t V, const double* top_p,
     int minus_inf = 0;
     path[i] = nucleus_row(row, V, top_p[i], reinterpret_cast<uint16_t*>(row + V),
                           reinterpret_cast<uint64_t*>(row + 2 * V), &minus_inf);
-    if (path[i] == kNucleusBound && minus_inf < 0) path[i] = kNucleusCaller;
+    const bool any_minus_inf = std::find(x + i * V, x + (i + 1) * V, -INFINITY) != x + (i + 1) * V;
+    if (path[i] == kNucleusBound && minus_inf < 0 && any_minus_inf) path[i] = kNucleusCaller;
     if (path[i] == kNucleusCaller) {
       failed += caller == nullptr || caller(x + i * V, V, top_p[i], drop + i * V) != 0;
       continue;

@@ -927,8 +927,8 @@ class DecodeStepCPU:
         ``finished`` ``(B,)`` uint8 carries the eos bookkeeping across calls. ``temperature`` 0 is
         greedy; else ``log_noise`` ``(i1 - i0, B, V)``: the log of each step's Exp(1) draws, with
         ``top_k`` and ``top_p`` (None: none). Returns the step it stopped before (``i1``, or earlier
-        once every row has finished). Raises ``ValueError`` for ``eos``/``pad`` outside ``[0, V)``, steps past ``out`` or the
-        cache, or a tensor of another shape."""
+        once every row has finished). Raises ``ValueError`` for ``eos``/``pad`` outside ``[0, V)``,
+        steps past ``out`` or the cache, or a tensor of another shape."""
         i0, i1 = steps
         B, V = self.batch_size, self.config.vocab_size
         for name, value in (("eos", eos), ("pad", pad)):

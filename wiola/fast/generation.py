@@ -90,7 +90,7 @@ class _Captured:
     finished: torch.Tensor  # (B,) bool
     noise: torch.Tensor | None  # (B, V) float32 Exp(1) draws, refilled before each replay
     temperature: torch.Tensor  # () float32
-    top_p: torch.Tensor  # () float64: sorted_drop compares in float64, with the Python float's value
+    top_p: torch.Tensor  # () float64: nucleus_drop compares in float64, with the Python float's value
     graph: torch.cuda.CUDAGraph | None = None
     derived: tuple = ()  # the model's derived tensors the graph reads: kept alive with it
 
