@@ -127,6 +127,10 @@ class Rows:
         self._next_handle = 0
         self.cache: Cache | None = None
         self._noise: torch.Tensor | None = None  # the C++ sampler's Exp(1) draws and their logs, (2, max_rows, V)
+        # The last step's rows (handles, in order), their Samplers and which of them sample: a
+        # row's settings are fixed for its life and a handle is never reused, so while the same
+        # rows go on the next step reuses them, and the C++ overwrites every output it reads.
+        self._settings: tuple[tuple[int, ...], Any, list[int]] | None = None
         self._step = self._bind_cpp()
         self.backend = "C++" if self._step is not None else "PyTorch"
 
@@ -363,19 +367,24 @@ class Rows:
         from wiola.fast.decode_step_cpu import MODE, Samplers, exponential_rows
 
         V = self.model.config.vocab_size
-        modes, temperatures, top_ks, top_ps, ks = [], [], [], [], []  # made into tensors at once
-        for row in rows:
-            s = row.sampling
-            modes.append(MODE["greedy" if s.greedy else "sample"])
-            temperatures.append(1.0 if s.greedy else s.temperature)
-            top_ks.append(0 if s.greedy else s.top_k or 0)
-            top_ps.append(1.0 if s.greedy or s.top_p is None else s.top_p)
-            ks.append(row.request.logprobs)
         if self._noise is None:  # kept: fresh megabytes each step would fault their pages in again
             self._noise = torch.empty(2, self.max_rows, V)
         draws, log_noise = self._noise[0, : len(rows)], self._noise[1, : len(rows)]
-        samplers = Samplers(len(rows), V, max(ks), (modes, temperatures, top_ks, top_ps, ks), log_noise=log_noise)
-        sampled = [n for n, mode in enumerate(modes) if mode == MODE["sample"]]
+        handles = tuple(row.handle for row in rows)
+        if self._settings is not None and self._settings[0] == handles:
+            samplers, sampled = self._settings[1], self._settings[2]
+        else:
+            modes, temperatures, top_ks, top_ps, ks = [], [], [], [], []  # made into tensors at once
+            for row in rows:
+                s = row.sampling
+                modes.append(MODE["greedy" if s.greedy else "sample"])
+                temperatures.append(1.0 if s.greedy else s.temperature)
+                top_ks.append(0 if s.greedy else s.top_k or 0)
+                top_ps.append(1.0 if s.greedy or s.top_p is None else s.top_p)
+                ks.append(row.request.logprobs)
+            samplers = Samplers(len(rows), V, max(ks), (modes, temperatures, top_ks, top_ps, ks), log_noise=log_noise)
+            sampled = [n for n, mode in enumerate(modes) if mode == MODE["sample"]]
+            self._settings = (handles, samplers, sampled)
         if sampled:  # greedy steps skip the draw's checks and library lookup
             exponential_rows([rows[n].generator for n in sampled], V, out=draws[: len(sampled)], isa=self.isa)
         for i, n in enumerate(sampled):  # the log on a (1, V) row, as sample_next takes it
