@@ -208,8 +208,9 @@ def test_arm_prompt_functions_match_oracle(case, arm_harness, tmp_path):
 def test_arm_exponential_noise_equals_torchs(arm_harness, tmp_path):
     """The C++ Exp(1) noise (``wiola_exponential``) on aarch64 equals torch's ``exponential_`` here bit
     for bit, and leaves the generator's state as torch's draws leave it: sizes across the MT19937's
-    refills and a crafted state's extremes (u = 0, the smallest two and the largest u)."""
-    cases = [(f"seed {n}", torch.Generator().manual_seed(n), n) for n in (1, 313, 4099)]
+    refills, a stream long enough for the threads to share (40,000 values) and a crafted state's
+    extremes (u = 0, the smallest two and the largest u)."""
+    cases = [(f"seed {n}", torch.Generator().manual_seed(n), n) for n in (1, 313, 4099, 40_000)]
     units = hard_units(4, seed=0)  # 0, 1, 2, 2^53 - 1
     cases.append(("extremes", crafted(units, seed=0), len(units)))
     for name, g, n in cases:

@@ -78,6 +78,56 @@ def test_values_at_zero_and_next_to_a_rounding_boundary_equal_torchs(isa):
     assert redone >= 6, f"the scalar log1p took {redone} of the 1,800 values next to a boundary ({platform_line(isa)})"
 
 
+@pytest.fixture
+def threads():
+    """Sets torch's (and so the C++'s) thread count for a test, and puts it back."""
+    saved = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(saved)
+
+
+# (rows, n, values drawn before): one generator's stream long enough that the threads share it
+# (each skips to its own part: 2^14 values and up), from the start of a refill's words and from
+# the middle, the last thread's part ending inside a refill or on one.
+SHARED = ((1, 2**14 - 1, 0), (1, 2**14, 0), (1, 2**14 + 1, 5), (8, 32000, 311), (1, 100_003, 623), (3, 49_921, 1))
+
+
+@pytest.mark.parametrize("isa", ISAS_HERE)
+@pytest.mark.parametrize("count", (2, 3, 4))
+def test_one_stream_shared_by_the_threads_equals_torchs(isa, count, threads):
+    """One generator's rows (``generate``'s noise, ``Rows`` without seeds) drawn by ``count`` threads
+    at once: every value equals torch's, bit for bit, and the generator is left where torch leaves it."""
+    lib = decode_step_cpu.load(isa)
+    threads(count)
+    for rows, n, before in SHARED:
+        mine, theirs = torch.Generator().manual_seed(n + before), torch.Generator().manual_seed(n + before)
+        for g in (mine, theirs):
+            torch.empty(before).exponential_(generator=g)
+        want = torch.empty(rows, n).exponential_(generator=theirs)
+        got = torch.full((rows, n), float("nan"))
+        assert _draw_exponential(lib, [mine] * rows, got) >= 0
+        _assert_same(f"{rows} rows of {n}, {before} drawn before, {count} threads", want, got, isa)
+        assert torch.equal(mine.get_state(), theirs.get_state()), f"{rows} x {n}, {count} threads: {platform_line(isa)}"
+
+
+@pytest.mark.parametrize("isa", ISAS_HERE)
+def test_hard_values_in_a_shared_stream_equal_torchs(isa, threads):
+    """The crafted hard cases at the head of a stream the threads share: handed to the scalar log1p
+    there too, and every value after them (the next refills', in the other thread's part) torch's."""
+    lib = decode_step_cpu.load(isa)
+    threads(2)
+    redone = 0
+    for seed in range(3):
+        units = hard_units(300, seed)
+        want = torch.empty(1, 40_000).exponential_(generator=crafted(units, seed))
+        got = torch.full((1, 40_000), float("nan"))
+        count = _draw_exponential(lib, [crafted(units, seed)], got)
+        assert count >= 0, count
+        redone += count
+        _assert_same(f"crafted seed {seed}, shared", want, got, isa)
+    assert redone >= 3, f"the scalar log1p took {redone} values of the shared streams ({platform_line(isa)})"
+
+
 def test_the_cpp_draws_are_this_torchs():
     """The once-a-process check passes on this torch (the C++ draws are in use), for every variant."""
     for isa in ISAS_HERE:
