@@ -361,7 +361,7 @@ def cpu_generate(model: WiolaModel, input_ids: torch.Tensor, max_new_tokens: int
             state = gen.get_state()
             log_noise = exponential_rows([gen], (i1 - i) * B * V).view(i1 - i, B, V)  # one stream: the steps in turn
             for j in range(i1 - i):  # as sample_next: one (B, V) draw per step, its log taken on that shape
-                torch.log(log_noise[j].clamp_min(1e-30), out=log_noise[j])
+                torch.log(log_noise[j].clamp_min_(1e-30), out=log_noise[j])
         stopped = step.generate_loop(
             T, (i, i1), new, first, finished, sampling.temperature, sampling.top_k, sampling.top_p, log_noise,
             eos_token_id, pad,
