@@ -72,7 +72,7 @@ for M, K, N in [
         ts.sort()
         return ts[n // 2] * 1e3
 
-    ta, tm = t(lambda: amx(x, w)), t(lambda: x @ w.T)
+    ta, tm = t(lambda x=x, w=w: amx(x, w)), t(lambda x=x, w=w: x @ w.T)
     print(
         f"{M}x{K}x{N}: amx {ta:.3f} ms, mkl {tm:.3f} ms ({tm / ta:.2f}x); rel err/Σ|wx|: amx {ea:.2e}, mkl {em:.2e}; rows alone equal: {torch.equal(amx(x[:5], w), ya[:5])}"
     )
