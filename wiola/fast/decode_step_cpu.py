@@ -1101,11 +1101,11 @@ def exponential_rows(
 
     torch draws a value at a time through the scalar ``log1p`` (15 ns a value on the Intel(R)
     Xeon(R) Processor, family 6 model 167; 500 us a row of 32,000 ids); the C++
-    (``wiola_exponential``) draws the same values from the same states 8 times as fast a thread,
-    different generators' rows on separate threads and one generator's long stream (from 2^14
-    values) shared by the threads, each skipping to its own part. torch's own draws are taken where the library is not
-    built, a generator is not a CPU one, or ``exponential_agrees`` found that this torch draws
-    otherwise. A generator that another thread draws from meanwhile loses those draws (its state
+    (``wiola_exponential``) draws the same values from the same states 8 times as fast a thread:
+    different generators' rows on separate threads, one generator's stream from 2^14 values on
+    shared by the threads (each skipping to its own part). torch's own draws are taken where the
+    library is not built, a generator is not a CPU one, or ``exponential_agrees`` found that this
+    torch draws otherwise. A generator that another thread draws from meanwhile loses those draws (its state
     is read and set back around the C++), as with ``get_state``/``set_state`` themselves.
     ``out``: where to write them (a contiguous ``(len(generators), n)`` fp32 CPU tensor; default a
     new one); returned. Raises ``ValueError`` for a negative ``n`` or another ``out``."""
