@@ -521,6 +521,73 @@ def test_tg128_cpu(cpu_bench, model, hf_model, batch: int, scheme: str, monkeypa
         )
 
 
+# Sampled decoding's settings: temperature alone, and with a nucleus (``wiola generate``'s default).
+SAMPLINGS = {"t0.8": {"temperature": 0.8}, "t0.8-p0.95": {"temperature": 0.8, "top_p": 0.95}}
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+@pytest.mark.parametrize("batch", BATCHES, ids=lambda b: f"B{b}-P{PROMPT}-N{NEW_TOKENS}")
+def test_sampled_cpu(cpu_bench, model, batch: int, sampling: str, monkeypatch) -> None:
+    """Sampled decoding, bf16 weights: ``generate`` of 128 tokens after a 16-token prompt (its
+    prefill included) from one seeded generator, at temperature 0.8 alone and with top-p 0.95,
+    with the % of its steps' read floor (a lower bound: the prompt stays in the time). Beside it in
+    the same run: greedy ``generate`` of the same model (what sampling adds: the Exp(1) noise, one
+    stream that the step's threads share, and the C++ sampler) and ``wiola.generation.generate``'s
+    loop on the same model (the one-token steps through the C++ step, the sampler in torch), whose
+    tokens are asserted equal to ours."""
+    from wiola import generation as reference_loop
+    from wiola.fast import WiolaModel as FastModel
+    from wiola.fast.quantize import quantize
+
+    monkeypatch.delenv("WIOLA_CPU_ISA", raising=False)
+    path = decode_step_cpu.describe()
+    if not path.startswith("C++"):
+        pytest.skip(f"the C++ step is not available here: {path}")
+    new = SMOKE_TOKENS if cpu_bench.quick else NEW_TOKENS
+    ids = _prompt(batch)
+    ours = FastModel(model.config).eval().requires_grad_(False)
+    ours.load_state_dict(model.state_dict())
+    quantize(ours, "bf16")
+    settings = SAMPLINGS[sampling]
+
+    def sampled(loop: Any) -> Any:
+        return lambda: loop(ids, new, generator=torch.Generator().manual_seed(0), **settings)
+
+    run, python_loop = sampled(ours.generate), sampled(lambda *a, **k: reference_loop.generate(ours, *a, **k))
+    differ = (run() != python_loop()).nonzero()
+    assert differ.numel() == 0, f"{sampling}: tokens differ from wiola.generation's loop first at {differ[0].tolist()}"
+    weights = roofline.weight_bytes(model.config, "bf16")
+    cpu = _cpu_notes(decode_step_cpu.select_isa(), f"{path}, bf16 weights", "bf16")
+    rec = cpu_bench.run(
+        run,
+        op="decode_cpu",
+        mode="tg-sampled",
+        name=f"generate {new} bf16 {sampling}",
+        cost=roofline.decode(model.config, batch, PROMPT, new - 1, torch.float32, weights),
+        shape={"B": batch, "P": PROMPT, "N": new},
+        dtype=torch.float32,
+        tokens=batch * new,
+        baselines={"greedy": lambda: ours.generate(ids, new, temperature=0), "Python sampler loop": python_loop},
+        notes=[
+            f"sampled generate: 13m preset, random weights, bf16, {settings}, one generator seeded 0, after a "
+            f"{PROMPT}-token prompt whose prefill is in the time; tokens identical to wiola.generation's loop",
+            *cpu[1],
+        ],
+        between=_floor_reads(model.config, "bf16", batch, new),
+    )
+    cpu_bench.benchmark.extra_info.update(cpu[0])
+    rec.update(cpu[0])
+    if not cpu_bench.quick and "tokens_per_s" in rec:
+        _read_floor_pct(rec, model.config, batch, new, "bf16")
+        for key in READ_KEYS:
+            cpu_bench.benchmark.extra_info[key] = rec.get(key)
+        beside = ", ".join(f"{k} {v['tokens_per_s']:.0f}" for k, v in rec["baselines"].items() if "tokens_per_s" in v)
+        print(
+            f"\nsampled generate CPU B{batch} {sampling}: {rec['tokens_per_s']:.0f} tok/s, at least "
+            f"{rec.get('pct_read_floor', float('nan')):.0f}% of the read floor; beside it (tok/s): {beside}"
+        )
+
+
 ONNX_MODES = ["fp32", "int8", "int8-matmul", "int4", "int4-matmul"]
 
 
