@@ -232,40 +232,49 @@ BOUND_KEYS = (
 )  # fmt: skip
 
 
-def _record(
-    cpu_bench, fn, config: wiola.WiolaConfig, batch: int, new: int, name: str, baselines: dict, notes: list[str],
-    cpu: tuple[dict[str, Any], list[str]], scheme: str | None = None,
+def _timed(
+    cpu_bench, fn, config: wiola.WiolaConfig, batch: int, new: int, scheme: str | None, cpu: tuple[dict[str, Any], list[str]],
+    **run: Any,
 ) -> dict:  # fmt: skip
-    """Time ``fn`` (greedy decoding of ``batch`` rows, ``new`` tokens) with its baselines, the CPU
-    recorded with the result; prints the ratio to wiola13m."""
-    rec = cpu_bench.run(
-        fn,
-        op="decode_cpu",
-        mode="greedy",
-        name=name,
-        cost=_cost(config, batch, new, scheme),
-        shape={"B": batch, "P": PROMPT, "N": new},
-        dtype=torch.float32,
-        tokens=batch * new,
-        baselines=baselines,
-        notes=notes + cpu[1],
-        between=_floor_reads(config, scheme, batch, new),
-    )
+    """``cpu_bench.run`` of a decoding call ``fn`` (``batch`` rows, ``new`` tokens after the
+    ``PROMPT``-token prompt) with ``run``'s other arguments (``mode``, ``name``, ``cost``, ``tokens``,
+    ``baselines``, ``notes``, ``between``), the CPU's facts (``cpu``, ``_cpu_notes``) recorded with it
+    and after its notes, and, where it was timed, the share of the read floor (``_read_floor_pct``)."""
+    notes = [*run.pop("notes"), *cpu[1]]
+    shape = {"B": batch, "P": PROMPT, "N": new}
+    rec = cpu_bench.run(fn, op="decode_cpu", shape=shape, dtype=torch.float32, notes=notes, **run)
     cpu_bench.benchmark.extra_info.update(cpu[0])
     rec.update(cpu[0])
     if not cpu_bench.quick and "tokens_per_s" in rec:
         _read_floor_pct(rec, config, batch, new, scheme)
         for key in READ_KEYS:
             cpu_bench.benchmark.extra_info[key] = rec.get(key)
+    return rec
+
+
+def _beside(rec: dict, digits: int = 0) -> str:
+    """The baselines' tokens/s of a record, ``name rate`` each, for a printed line."""
+    return ", ".join(f"{k} {v['tokens_per_s']:.{digits}f}" for k, v in rec["baselines"].items() if "tokens_per_s" in v)
+
+
+def _record(
+    cpu_bench, fn, config: wiola.WiolaConfig, batch: int, new: int, name: str, baselines: dict, notes: list[str],
+    cpu: tuple[dict[str, Any], list[str]], scheme: str | None = None,
+) -> dict:  # fmt: skip
+    """Time ``fn`` (greedy decoding of ``batch`` rows, ``new`` tokens) with its baselines, the CPU
+    recorded with the result; prints the ratio to wiola13m."""
+    rec = _timed(
+        cpu_bench, fn, config, batch, new, scheme, cpu, mode="greedy", name=name,
+        cost=_cost(config, batch, new, scheme), tokens=batch * new, baselines=baselines, notes=notes,
+        between=_floor_reads(config, scheme, batch, new),
+    )  # fmt: skip
     if not cpu_bench.quick:
         _summary(batch, name, rec)
         if scheme is not None:
             goal = {"int8": "2,000 tok/s", "bf16": "1,000 tok/s", "int4": "1.6x int8"}[scheme]
             pct, pct_l3, pct_read = rec.get("pct_floor"), rec.get("pct_floor_l3"), rec.get("pct_read_floor")
             reader = rec.get("read_floor_reader")
-            beside = ", ".join(
-                f"{k} {v['tokens_per_s']:.1f}" for k, v in rec["baselines"].items() if "tokens_per_s" in v
-            )
+            beside = _beside(rec, 1)
             print(
                 f"decode CPU B{batch}: {name} {rec['tokens_per_s']:.1f} tok/s (goal at B1: >= {goal}), "
                 f"{'' if pct_read is None else f'{pct_read:.0f}% of the read floor ({reader}, same run), '}"
@@ -484,35 +493,35 @@ def test_tg128_cpu(cpu_bench, model, hf_model, batch: int, scheme: str, monkeypa
             baselines["wiola13m"] = hf_run
     weights = roofline.weight_bytes(model.config, None if scheme == "fp32" else scheme)
     cpu = _cpu_notes(decode_step_cpu.select_isa(), f"{path}, {scheme} weights", scheme)
-    rec = cpu_bench.run(
+    quantized = None if scheme == "fp32" else scheme
+    rec = _timed(
+        cpu_bench,
         run,
-        op="decode_cpu",
+        model.config,
+        batch,
+        new,
+        quantized,
+        cpu,
         mode="tg",
         name=f"tg{new} {scheme}",
         cost=roofline.decode(model.config, batch, PROMPT, new - 1, torch.float32, weights),
-        shape={"B": batch, "P": PROMPT, "N": new},
-        dtype=torch.float32,
         tokens=batch * (new - 1),  # the timed steps' tokens: the first comes from the untimed prefill
         baselines=baselines,
         notes=[
             f"tg{new}: 13m preset, random weights, {scheme} weights ({weights / 1e6:.1f} MB read a step, and "
             f"{cache_bytes(model.config, batch, PROMPT, new) / 1e6:.1f} MB of the cache's keys and values on average), "
             f"after a {PROMPT}-token prompt whose prefill is not timed; tokens identical to generate's",
-            *cpu[1],
         ],
-        between=_floor_reads(model.config, None if scheme == "fp32" else scheme, batch, new, run),
+        between=_floor_reads(model.config, quantized, batch, new, run),
     )
-    cpu_bench.benchmark.extra_info.update(cpu[0])
-    rec.update(cpu[0])
     # the threads' parts of the rows as the timed calls left them (learned from their rates)
     balance = decode_step_cpu.balance()
     cpu_bench.benchmark.extra_info["balance"] = rec["balance"] = balance
     if not cpu_bench.quick and "tokens_per_s" in rec:
-        _read_floor_pct(rec, model.config, batch, new, None if scheme == "fp32" else scheme)
         bound_note = _bound(rec, run, batch, new)
-        for key in (*READ_KEYS, *BOUND_KEYS):
+        for key in BOUND_KEYS:
             cpu_bench.benchmark.extra_info[key] = rec.get(key)
-        beside = ", ".join(f"{k} {v['tokens_per_s']:.0f}" for k, v in rec["baselines"].items() if "tokens_per_s" in v)
+        beside = _beside(rec)
         print(
             f"\ntg{new} CPU B{batch}: {scheme} {rec['tokens_per_s']:.0f} tok/s, "
             f"{rec.get('pct_read_floor', float('nan')):.0f}% of the read floor "
@@ -558,33 +567,29 @@ def test_sampled_cpu(cpu_bench, model, batch: int, sampling: str, monkeypatch) -
     assert differ.numel() == 0, f"{sampling}: tokens differ from wiola.generation's loop first at {differ[0].tolist()}"
     weights = roofline.weight_bytes(model.config, "bf16")
     cpu = _cpu_notes(decode_step_cpu.select_isa(), f"{path}, bf16 weights", "bf16")
-    rec = cpu_bench.run(
+    rec = _timed(
+        cpu_bench,
         run,
-        op="decode_cpu",
+        model.config,
+        batch,
+        new,
+        "bf16",
+        cpu,
         mode="tg-sampled",
         name=f"generate {new} bf16 {sampling}",
         cost=roofline.decode(model.config, batch, PROMPT, new - 1, torch.float32, weights),
-        shape={"B": batch, "P": PROMPT, "N": new},
-        dtype=torch.float32,
         tokens=batch * new,
         baselines={"greedy": lambda: ours.generate(ids, new, temperature=0), "Python sampler loop": python_loop},
         notes=[
             f"sampled generate: 13m preset, random weights, bf16, {settings}, one generator seeded 0, after a "
             f"{PROMPT}-token prompt whose prefill is in the time; tokens identical to wiola.generation's loop",
-            *cpu[1],
         ],
         between=_floor_reads(model.config, "bf16", batch, new),
     )
-    cpu_bench.benchmark.extra_info.update(cpu[0])
-    rec.update(cpu[0])
     if not cpu_bench.quick and "tokens_per_s" in rec:
-        _read_floor_pct(rec, model.config, batch, new, "bf16")
-        for key in READ_KEYS:
-            cpu_bench.benchmark.extra_info[key] = rec.get(key)
-        beside = ", ".join(f"{k} {v['tokens_per_s']:.0f}" for k, v in rec["baselines"].items() if "tokens_per_s" in v)
         print(
             f"\nsampled generate CPU B{batch} {sampling}: {rec['tokens_per_s']:.0f} tok/s, at least "
-            f"{rec.get('pct_read_floor', float('nan')):.0f}% of the read floor; beside it (tok/s): {beside}"
+            f"{rec.get('pct_read_floor', float('nan')):.0f}% of the read floor; beside it (tok/s): {_beside(rec)}"
         )
 
 
@@ -795,5 +800,4 @@ def test_prefill_cpu(cpu_bench, model, hf_model, prefill_mode: str, weights: str
     )
     cpu_bench.benchmark.extra_info.update(cpu[0])
     if not cpu_bench.quick:
-        beside = ", ".join(f"{k} {v['tokens_per_s']:.0f}" for k, v in rec["baselines"].items() if "tokens_per_s" in v)
-        print(f"\nprefill CPU pp{T}: {name} {rec['tokens_per_s']:.0f} tok/s; beside it: {beside}")
+        print(f"\nprefill CPU pp{T}: {name} {rec['tokens_per_s']:.0f} tok/s; beside it: {_beside(rec)}")
