@@ -252,6 +252,27 @@ def _timed(
     return rec
 
 
+def _fast_copy(model: wiola.WiolaModel, scheme: str | None) -> Any:
+    """A ``wiola.fast.WiolaModel`` with ``model``'s weights, gradients off, quantized to ``scheme``
+    unless it is None or ``"fp32"``."""
+    from wiola.fast import WiolaModel as FastModel
+    from wiola.fast.quantize import quantize
+
+    fast = FastModel(model.config).eval().requires_grad_(False)
+    fast.load_state_dict(model.state_dict())
+    return fast if scheme in (None, "fp32") else quantize(fast, scheme)
+
+
+def _cpp_step_path(monkeypatch) -> str:
+    """``decode_step_cpu.describe()`` of the variant this CPU gets (``$WIOLA_CPU_ISA`` unset for
+    the test); skips where the C++ step is not available."""
+    monkeypatch.delenv("WIOLA_CPU_ISA", raising=False)
+    path = decode_step_cpu.describe()
+    if not path.startswith("C++"):
+        pytest.skip(f"the C++ step is not available here: {path}")
+    return path
+
+
 def _beside(rec: dict, digits: int = 0) -> str:
     """The baselines' tokens/s of a record, ``name rate`` each, for a printed line."""
     return ", ".join(f"{k} {v['tokens_per_s']:.{digits}f}" for k, v in rec["baselines"].items() if "tokens_per_s" in v)
@@ -455,22 +476,10 @@ def test_tg128_cpu(cpu_bench, model, hf_model, batch: int, scheme: str, monkeypa
     it, in the same run: fp32 (for a quantized row), int8 (for int4: the goal is 1.6x) and
     wiola13m's own decoding after the same prompt (``hf_decoding_only``: fp32 rows; its tokens
     asserted equal to ours). Tokens asserted equal to ``generate``'s."""
-    from wiola.fast import WiolaModel as FastModel
-    from wiola.fast.quantize import quantize
-
-    monkeypatch.delenv("WIOLA_CPU_ISA", raising=False)
-    path = decode_step_cpu.describe()
-    if not path.startswith("C++"):
-        pytest.skip(f"the C++ step is not available here: {path}")
+    path = _cpp_step_path(monkeypatch)
     new = SMOKE_TOKENS if cpu_bench.quick else NEW_TOKENS
     ids = _prompt(batch)
-
-    def fast(kind: str) -> Any:
-        m = FastModel(model.config).eval().requires_grad_(False)
-        m.load_state_dict(model.state_dict())
-        return m if kind == "fp32" else quantize(m, kind)
-
-    ours = fast(scheme)
+    ours = _fast_copy(model, scheme)
     run = decoding_only(ours, ids, new)
     got = run().clone()
     want = ours.generate(ids, new, temperature=0)[:, PROMPT:]
@@ -480,9 +489,9 @@ def test_tg128_cpu(cpu_bench, model, hf_model, batch: int, scheme: str, monkeypa
     )
     baselines: dict[str, Any] = {}
     if scheme != "fp32":
-        baselines["fp32"] = decoding_only(fast("fp32"), ids, new)
+        baselines["fp32"] = decoding_only(_fast_copy(model, "fp32"), ids, new)
     if scheme == "int4":
-        baselines["int8"] = decoding_only(fast("int8"), ids, new)
+        baselines["int8"] = decoding_only(_fast_copy(model, "int8"), ids, new)
     if scheme == "fp32":
         if isinstance(hf_model, str):
             baselines["wiola13m"] = hf_model
@@ -545,18 +554,11 @@ def test_sampled_cpu(cpu_bench, model, batch: int, sampling: str, monkeypatch) -
     loop on the same model (the one-token steps through the C++ step, the sampler in torch), whose
     tokens are asserted equal to ours."""
     from wiola import generation as reference_loop
-    from wiola.fast import WiolaModel as FastModel
-    from wiola.fast.quantize import quantize
 
-    monkeypatch.delenv("WIOLA_CPU_ISA", raising=False)
-    path = decode_step_cpu.describe()
-    if not path.startswith("C++"):
-        pytest.skip(f"the C++ step is not available here: {path}")
+    path = _cpp_step_path(monkeypatch)
     new = SMOKE_TOKENS if cpu_bench.quick else NEW_TOKENS
     ids = _prompt(batch)
-    ours = FastModel(model.config).eval().requires_grad_(False)
-    ours.load_state_dict(model.state_dict())
-    quantize(ours, "bf16")
+    ours = _fast_copy(model, "bf16")
     settings = SAMPLINGS[sampling]
 
     def sampled(loop: Any) -> Any:
@@ -612,13 +614,8 @@ def _onnx_export(cache: dict, model: wiola.WiolaModel, mode: str, folder) -> Any
     if mode not in cache:
         try:
             from wiola.export.onnx import export_onnx
-            from wiola.fast import WiolaModel as FastModel
-            from wiola.fast.quantize import quantize
 
-            fast = FastModel(model.config).eval().requires_grad_(False)
-            fast.load_state_dict(model.state_dict())
-            if mode != "fp32":
-                quantize(fast, _onnx_scheme(mode))
+            fast = _fast_copy(model, _onnx_scheme(mode))
             export_onnx(fast, folder, int8_matmul=mode.endswith("-matmul"))
             cache[mode] = (fast, folder)
         except ImportError as exc:
@@ -729,9 +726,7 @@ def test_prefill_cpu(cpu_bench, model, hf_model, prefill_mode: str, weights: str
     so that one run compares the two on this CPU. fp32 products: the next token asserted equal to
     the reference's; bf16: the largest logit difference from fp32 is recorded (its loss cost:
     ``bench.quality``)."""
-    from wiola.fast import WiolaModel as FastModel
     from wiola.fast import prefill
-    from wiola.fast.quantize import quantize
     from wiola.ops.linear import onednn_available
 
     monkeypatch.setenv(prefill.ENV, prefill_mode)
@@ -744,12 +739,7 @@ def test_prefill_cpu(cpu_bench, model, hf_model, prefill_mode: str, weights: str
     T = SMOKE_PP if cpu_bench.quick else PP
     ids = torch.randint(0, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(512))
 
-    def fast_model(kind: str) -> Any:
-        m = FastModel(model.config).eval().requires_grad_(False)
-        m.load_state_dict(model.state_dict())
-        return m if kind == "fp32" else quantize(m, kind)
-
-    fast = fast_model(weights)
+    fast = _fast_copy(model, weights)
     oracle = model
     if weights != "fp32":  # the reference on the weights the quantized model stands for
         oracle = type(model)(model.config).eval().requires_grad_(False)
@@ -763,7 +753,7 @@ def test_prefill_cpu(cpu_bench, model, hf_model, prefill_mode: str, weights: str
         )
     baselines: dict[str, Any] = {"reference": reference}
     if weights != "fp32":
-        baselines["fp32"] = prompt_run(fast_model("fp32"), ids)
+        baselines["fp32"] = prompt_run(_fast_copy(model, "fp32"), ids)
     if isinstance(hf_model, str):
         baselines["wiola13m"] = hf_model
     else:
