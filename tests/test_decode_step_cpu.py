@@ -347,6 +347,9 @@ def test_step_threads_take_one_per_2_mib_at_least_one_at_most_torchs(matrix_byte
         ("AuthenticAMD", 25, 17, 64 << 20, None, 1),  # Zen 4 of a larger L3 (not measured): by the size rule
         ("AuthenticAMD", 25, 1, 32 << 20, None, 0),  # Zen 3: cached whatever the sizes
         ("AuthenticAMD", 25, 1, 32 << 20, "bf16", 0),
+        ("GenuineIntel", 6, 106, 48 << 20, None, 0),  # Ice Lake-SP: fp32's 52 MB past its 48 MiB L3: cached
+        ("GenuineIntel", 6, 106, 48 << 20, "bf16", 0),  # and bf16's 26 MB past half of it
+        ("GenuineIntel", 6, 108, 48 << 20, None, 1),  # Ice Lake-D (not measured): by the size rule
         ("AuthenticAMD", 25, 97, 32 << 20, None, 1),  # Zen 4 desktop (not measured): 52 MB past 32 MiB, streamed
         ("AuthenticAMD", 25, 97, 32 << 20, "int8", 0),  # its int8's 13 MB fits
         ("AuthenticAMD", 23, 49, 16 << 20, None, 1),  # Zen 2: streamed

@@ -500,7 +500,14 @@ PREFETCH_NEAR_CPUS = (("AuthenticAMD", 25, range(16, 32)),)  # Zen 4 EPYC
 # non-temporal prefetch streams DRAM more slowly than a plain one (a 200 MB fp32 product on 2
 # threads: 15.3 GB/s against 18.4), and the layers' weights were not kept in its L3 either way
 # (the 13m fp32 step at batch 1: 1.07-1.10x faster with the head cached, three interleaved runs).
-CACHED_HEAD_CPUS = (("AuthenticAMD", 25, range(0, 16)),)  # Zen 3 EPYC
+# Intel Xeon of family 6 model 106 (Ice Lake-SP; 48 MiB L3): the 13m fp32 step (52 MB of matrices)
+# ran 1.69-1.72x faster with the head cached at batch 1 and 1.51-1.55x at batch 8, bf16 (26 MB)
+# 1.51-1.73x and 1.17-1.24x (three interleaved A/Bs each,
+# bench/results/2026-12-07_cpu_tuning-ab-intel-icelake/).
+CACHED_HEAD_CPUS = (
+    ("AuthenticAMD", 25, range(0, 16)),  # Zen 3 EPYC
+    ("GenuineIntel", 6, range(106, 107)),  # Ice Lake-SP Xeon
+)
 # (vendor, family, models) whose tied head is read through the caches where the matrices outgrow the
 # whole last-level cache; between half of it and all of it the size rule streams the head. AMD Zen 4
 # (EPYC 9004 "Genoa", family 25, models 16-31; measured on model 17; the A/Bs of
@@ -563,7 +570,7 @@ def choose_tuning(config: WiolaConfig, scheme: str | None = None) -> dict[str, i
       layers' weights) when the matrices do not fit in half the last-level cache (the 13m fp32
       step's 52 MB against a 32 MiB L3), else keep it cached: where everything fits (an
       Intel Xeon's shared L3 of a few hundred MiB), a non-temporal head is fetched again from
-      DRAM every step. Never on the CPUs of ``CACHED_HEAD_CPUS`` (Zen 3), whatever the sizes, nor on
+      DRAM every step. Never on the CPUs of ``CACHED_HEAD_CPUS`` (Zen 3, Ice Lake-SP), whatever the sizes, nor on
       those of ``CACHED_HEAD_PAST_LLC_CPUS`` (Zen 4) where the matrices outgrow the whole cache;
     - ``prefetch_rows``: rows of each product prefetched ahead (``PREFETCH_ROWS``; on the CPUs of
       ``PREFETCH_BYTES_CPUS`` (Zen 5) at least ``PREFETCH_BYTES`` of ``d_model``-weight rows: 16
