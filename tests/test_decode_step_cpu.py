@@ -337,52 +337,50 @@ def test_step_threads_take_one_per_2_mib_at_least_one_at_most_torchs(matrix_byte
 
 
 @pytest.mark.parametrize(
-    "vendor,family,model,llc,scheme,stream",
+    "vendor,family,model,llc,scheme",
     [
-        ("GenuineIntel", 6, 207, 260 << 20, None, 0),  # everything fits: the head stays cached
-        ("AuthenticAMD", 25, 17, 32 << 20, None, 0),  # Zen 4: fp32's 52 MB past the whole L3: cached
-        ("AuthenticAMD", 25, 17, 32 << 20, "bf16", 1),  # Zen 4: bf16's 26 MB between half and all of it: streamed
-        ("AuthenticAMD", 25, 17, 32 << 20, "int8", 0),  # Zen 4: int8's 13 MB within half: cached
-        ("AuthenticAMD", 25, 17, 32 << 20, "int4", 0),  # and int4's 8 MB
-        ("AuthenticAMD", 25, 17, 64 << 20, None, 1),  # Zen 4 of a larger L3 (not measured): by the size rule
-        ("AuthenticAMD", 25, 1, 32 << 20, None, 0),  # Zen 3: cached whatever the sizes
-        ("AuthenticAMD", 25, 1, 32 << 20, "bf16", 0),
-        ("GenuineIntel", 6, 106, 48 << 20, None, 0),  # Ice Lake-SP: fp32's 52 MB past its 48 MiB L3: cached
-        ("GenuineIntel", 6, 106, 48 << 20, "bf16", 0),  # and bf16's 26 MB past half of it
-        ("GenuineIntel", 6, 108, 48 << 20, None, 1),  # Ice Lake-D (not measured): by the size rule
-        ("AuthenticAMD", 25, 97, 32 << 20, None, 1),  # Zen 4 desktop (not measured): 52 MB past 32 MiB, streamed
-        ("AuthenticAMD", 25, 97, 32 << 20, "int8", 0),  # its int8's 13 MB fits
-        ("AuthenticAMD", 23, 49, 16 << 20, None, 1),  # Zen 2: streamed
-        ("GenuineIntel", 6, 143, None, None, 1),  # no cache size known: streamed
+        ("GenuineIntel", 6, 207, 260 << 20, None),  # everything fits
+        ("GenuineIntel", 6, 106, 48 << 20, None),  # Ice Lake-SP: fp32's 52 MB past its 48 MiB L3
+        ("GenuineIntel", 6, 106, 48 << 20, "bf16"),  # and bf16's 26 MB past half of it
+        ("AuthenticAMD", 25, 17, 32 << 20, None),  # Zen 4: fp32 past the whole L3
+        ("AuthenticAMD", 25, 17, 32 << 20, "bf16"),  # Zen 4: bf16 between half and all of it
+        ("AuthenticAMD", 25, 17, 32 << 20, "int8"),  # Zen 4: int8's 13 MB within half
+        ("AuthenticAMD", 25, 1, 32 << 20, None),  # Zen 3
+        ("AuthenticAMD", 23, 49, 16 << 20, None),  # Zen 2 (not measured)
+        ("GenuineIntel", 6, 143, None, None),  # no cache size known
     ],
 )
-def test_head_prefetch_choice(vendor, family, model, llc, scheme, stream, monkeypatch):
-    """``choose_tuning`` streams the 13m head past the cache when the matrices outgrow half the
-    last-level cache, except on the CPUs of ``CACHED_HEAD_CPUS`` and, where they outgrow all of it,
-    of ``CACHED_HEAD_PAST_LLC_CPUS``; it records what it chose from."""
+def test_head_read_through_the_caches(vendor, family, model, llc, scheme, monkeypatch):
+    """``choose_tuning`` reads the tied head through the caches (``STREAM_HEAD`` 0) on every CPU,
+    whatever the matrices' size against the last-level cache, and records what it chose from."""
     lines = (f"vendor_id\t: {vendor}", f"cpu family\t: {family}", f"model\t\t: {model}", "model name\t: test CPU")
     monkeypatch.setattr(decode_step_cpu, "_cpuinfo_lines", lambda: lines)
     monkeypatch.setattr(decode_step_cpu, "last_level_cache_bytes", lambda: llc)
     config = wiola.WiolaConfig.preset("13m")
     got = decode_step_cpu.choose_tuning(config, scheme)
-    assert got["stream_head"] == stream, got
+    assert got["stream_head"] == 0, got
     assert (got["vendor"], got["family"], got["model"], got["last_level_cache_bytes"]) == (
         vendor, str(family), str(model), llc,
     )  # fmt: skip
     assert got["matrix_bytes"] == matrix_bytes(config, scheme), got
 
 
-@pytest.mark.parametrize("d_ff,stream", [(512, 1), (384, 0)])
-def test_head_prefetch_counts_every_matrix(d_ff, stream, monkeypatch):
-    """The size rule counts all four feed-forward matrices' weights (up is 2F x d): fp32 matrices of
-    vocabulary 6,000, width 256, 4 layers and d_ff 512 are 18.7 MB, past half a 32 MiB cache
-    (16.8 MB), though three of them (16.6 MB) are not; d_ff 384 is 16.6 MB, within it."""
-    lines = ("vendor_id\t: AuthenticAMD", "cpu family\t: 23", "model\t\t: 49", "model name\t: test CPU")
-    monkeypatch.setattr(decode_step_cpu, "_cpuinfo_lines", lambda: lines)
-    monkeypatch.setattr(decode_step_cpu, "last_level_cache_bytes", lambda: 32 << 20)
-    config = wiola.WiolaConfig(vocab_size=6000, d_model=256, n_layers=4, n_heads=8, d_ff=d_ff, max_seq_len=64)
-    got = decode_step_cpu.choose_tuning(config)
-    assert got["stream_head"] == stream, got
+@pytest.mark.parametrize("scheme", [None, "bf16", "int8", "int4"])
+def test_matrix_bytes_are_what_the_step_streams(scheme):
+    """``matrix_bytes`` (which sets the step's threads) counts every matrix the step streams, as
+    stored, scales included: the fp32 model's embedding and seven projections a layer (W_up is
+    2F x d), or a quantized model's packed matrices and scales."""
+    config = wiola.WiolaConfig(vocab_size=600, d_model=64, n_layers=3, n_heads=4, d_ff=128, max_seq_len=32)
+    torch.manual_seed(0)
+    model = wiola.fast.WiolaModel(config).eval().requires_grad_(False)
+    if scheme is None:
+        slots = decode_step_cpu.matrix_slots(config.n_layers)
+        params = decode_step_cpu.step_parameters(model)
+        streamed = sum(params[i].numel() * params[i].element_size() for i in slots)
+    else:
+        _, packed, scales = decode_step_cpu._packed(quantize(model, scheme))
+        streamed = sum(t.numel() * t.element_size() for t in packed + [s for s in scales if s is not None])
+    assert matrix_bytes(config, scheme) == streamed
 
 
 @pytest.mark.parametrize(

@@ -495,28 +495,25 @@ PREFETCH_BYTES = 8 << 10
 # at batches 2 to 8; int8 and int4 level (0.96-1.06x). One product of the 33 MB fp32 head alone at
 # 16 rows: 1.6-1.8x.
 PREFETCH_NEAR_CPUS = (("AuthenticAMD", 25, range(16, 32)),)  # Zen 4 EPYC
-# (vendor, family, models) whose tied head is read through the caches even when the matrices
-# outgrow the last-level cache. AMD Zen 3 (EPYC 7003 "Milan", family 25, models 0-15): its
-# non-temporal prefetch streams DRAM more slowly than a plain one (a 200 MB fp32 product on 2
-# threads: 15.3 GB/s against 18.4), and the layers' weights were not kept in its L3 either way
-# (the 13m fp32 step at batch 1: 1.07-1.10x faster with the head cached, three interleaved runs).
-# Intel Xeon of family 6 model 106 (Ice Lake-SP; 48 MiB L3): the 13m fp32 step (52 MB of matrices)
-# ran 1.69-1.72x faster with the head cached at batch 1 and 1.51-1.55x at batch 8, bf16 (26 MB)
-# 1.51-1.73x and 1.17-1.24x (three interleaved A/Bs each,
-# bench/results/2026-12-07_cpu_tuning-ab-intel-icelake/).
-CACHED_HEAD_CPUS = (
-    ("AuthenticAMD", 25, range(0, 16)),  # Zen 3 EPYC
-    ("GenuineIntel", 6, range(106, 107)),  # Ice Lake-SP Xeon
-)
-# (vendor, family, models) whose tied head is read through the caches where the matrices outgrow the
-# whole last-level cache; between half of it and all of it the size rule streams the head. AMD Zen 4
-# (EPYC 9004 "Genoa", family 25, models 16-31; measured on model 17; the A/Bs of
-# bench/results/2026-12-05_cpu_tuning-ab-amd-zen4/): the 13m fp32 step (52 MB of matrices against
-# its 32 MiB L3) ran 1.08-1.10x faster with the head cached at batch 1 and 1.04-1.07x at batch 8;
-# the bf16 step (26 MB) ran 1.01-1.14x faster with it streamed at batch 1 in eight interleaved
-# runs of eight, batch 8 0.94-1.02x. (Both with 8 rows prefetched ahead; with none, the Zen 4's
-# distance since, the two kinds were level: 0.98-1.04x.)
-CACHED_HEAD_PAST_LLC_CPUS = (("AuthenticAMD", 25, range(16, 32)),)  # Zen 4 EPYC
+# Whether the step prefetches the tied head non-temporally (``stream_head``), so that where the
+# matrices outgrow the last-level cache the head would not evict the layers' weights: on no CPU
+# measured was that faster than reading it through the caches with the step's current prefetch
+# distances, and on four it was slower, so every CPU reads it through the caches. Cached over
+# streamed, the 13m step in interleaved A/Bs: Intel Ice Lake-SP Xeon (family 6 model 106, 48 MiB
+# L3) fp32 (52 MB of matrices, past all of it) 1.69-1.72x at batch 1 and 1.51-1.55x at batch 8,
+# bf16 (26 MB, past half of it) 1.51-1.73x and 1.17-1.24x
+# (bench/results/2026-12-07_cpu_tuning-ab-intel-icelake/); Intel Xeon with AMX (model 167, 480 MiB
+# L3) fp32 2.5x (bench/results/2026-12-06_cpu_tuning-ab-intel-xeon/); Intel Xeon of model 207 (260
+# MiB L3) fp32 1.45x and int8 1.7x at batch 1 (one thread, a loaded machine); AMD Zen 3 EPYC (family 25
+# model 1, 32 MiB L3), whose non-temporal prefetch streams DRAM more slowly than a plain one (a 200
+# MB fp32 product on 2 threads: 15.3 GB/s against 18.4), fp32 1.07-1.10x; AMD Zen 4 EPYC (family 25
+# model 17, 32 MiB L3) level with no rows prefetched ahead, its distance (streamed 0.98-1.04x as
+# fast in fp32 and bf16 at batches 1 and 8; with 8 rows ahead bf16 at batch 1 had run 1.01-1.14x
+# faster streamed and fp32 0.91-0.93x, bench/results/2026-12-05_cpu_tuning-ab-amd-zen4/); AMD Zen 5
+# EPYC (family 26 model 2, 32 MiB L3) level in fp32 and bf16 (0.99-1.02x,
+# bench/results/2026-12-03_cpu_tuning-ab-amd-zen5/).
+# The knob stays for ``bench.ab_tuning``, to measure it on a new CPU.
+STREAM_HEAD = 0
 BYTES_PER_THREAD = 1 << 21  # a parallel region takes one thread per this many bytes streamed
 
 
@@ -566,12 +563,8 @@ def choose_tuning(config: WiolaConfig, scheme: str | None = None) -> dict[str, i
     """The step's tuning for this CPU and a model of ``config`` whose matrices are stored as
     ``scheme`` (None: fp32; ``quantize.matrix_bytes`` counts them, scales included):
 
-    - ``stream_head``: prefetch the tied head non-temporally (so that it does not evict the
-      layers' weights) when the matrices do not fit in half the last-level cache (the 13m fp32
-      step's 52 MB against a 32 MiB L3), else keep it cached: where everything fits (an
-      Intel Xeon's shared L3 of a few hundred MiB), a non-temporal head is fetched again from
-      DRAM every step. Never on the CPUs of ``CACHED_HEAD_CPUS`` (Zen 3, Ice Lake-SP), whatever the sizes, nor on
-      those of ``CACHED_HEAD_PAST_LLC_CPUS`` (Zen 4) where the matrices outgrow the whole cache;
+    - ``stream_head``: ``STREAM_HEAD`` (0: the tied head is read through the caches on every CPU;
+      1, measured with ``bench.ab_tuning``, prefetches it non-temporally);
     - ``prefetch_rows``: rows of each product prefetched ahead (``PREFETCH_ROWS``; on the CPUs of
       ``PREFETCH_BYTES_CPUS`` (Zen 5) at least ``PREFETCH_BYTES`` of ``d_model``-weight rows: 16
       for bf16, 32 for int8 and int4, 8 for fp32 (int4's rows counted at a byte a weight, as
@@ -585,17 +578,12 @@ def choose_tuning(config: WiolaConfig, scheme: str | None = None) -> dict[str, i
     cpu = cpu_info()
     llc = last_level_cache_bytes()
     matrices = quantize.matrix_bytes(config, scheme)
-    stream = llc is None or matrices > llc // 2  # half: the cache also holds the cache and activations
     vendor, family, model = cpu["vendor"], cpu["family"], cpu["model_number"]
-    outgrown = llc is not None and matrices > llc
-    stream = (
-        stream and not _listed(cpu, CACHED_HEAD_CPUS) and not (outgrown and _listed(cpu, CACHED_HEAD_PAST_LLC_CPUS))
-    )
     ahead = prefetch_rows(WEIGHT_TYPES[scheme][1].itemsize * config.d_model)
     return {
         "vendor": vendor or platform.machine(), "family": family or None, "model": model or None, "cpu": cpu["model"],
         "last_level_cache_bytes": llc, "matrix_bytes": matrices, "threads": torch.get_num_threads(),
-        "stream_head": int(stream), "prefetch_rows": ahead, "bytes_per_thread": BYTES_PER_THREAD,
+        "stream_head": STREAM_HEAD, "prefetch_rows": ahead, "bytes_per_thread": BYTES_PER_THREAD,
     }  # fmt: skip
 
 
