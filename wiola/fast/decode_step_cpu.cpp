@@ -579,13 +579,13 @@ inline void dot_rows(const T* W, const float* scale, int64_t K, const float* x, 
 // Rows [r0, r1) of y = x Wᵀ, the block of 4 rows `ahead` rows ahead prefetched. The layers' weights
 // (19 MB for the 13m preset) mostly come from L3, into L1 here: the hardware prefetcher alone
 // does not keep up (measured on an AMD EPYC, one thread: the AVX2 step took about a third longer
-// without it, the AVX-512 one about a tenth). With `stream` the prefetch is non-temporal: chosen
-// for the tied head when the matrices do not fit in the last-level cache together (the EPYC's
-// 32 MiB per CCD), where it keeps the head from evicting the layers' weights and halved the step;
-// where they fit (an Intel Xeon's 260 MiB L3) a non-temporal head comes from DRAM every step, and
-// keeping it cached ran the 13m step 1.45x (fp32) and 1.7x (int8) faster at batch 1 (interleaved,
-// one thread, a loaded machine). 8 rows ahead: level with 16 and 32 on the Xeon, about 5% faster
-// than 16 on the EPYC; on a Zen 5 EPYC about 8 KB ahead (16 bf16 rows of 256 weights: 1.10x at
+// without it, the AVX-512 one about a tenth). With `stream` the prefetch is non-temporal, so that
+// the tied head would not evict the layers' weights where the matrices outgrow the last-level
+// cache; no CPU chooses it (STREAM_HEAD in decode_step_cpu.py: it was level or slower on every CPU
+// measured, 1.5-1.7x slower on an Ice Lake-SP Xeon whose 48 MiB L3 the fp32 matrices outgrow,
+// since its non-temporal lines come from DRAM every step); the knob stays for bench.ab_tuning.
+// 8 rows ahead: level with 16 and 32 on the Xeons (faster than none on the Ice Lake-SP: 1.00-1.25x
+// with the head cached), about 5% faster than 16 on the EPYC; on a Zen 5 EPYC about 8 KB ahead (16 bf16 rows of 256 weights: 1.10x at
 // batch 1); on a Zen 4 EPYC 0 rows ahead, each block's own lines requested at once just before its
 // loads (fp32 at batch 8 1.31-1.49x faster than 8 rows ahead, batch 1 1.01-1.09x); the distance
 // chosen per CPU and weight type (choose_tuning).
