@@ -567,7 +567,6 @@ def test_sampled_cpu(cpu_bench, model, batch: int, sampling: str, monkeypatch) -
     run, python_loop = sampled(ours.generate), sampled(lambda *a, **k: reference_loop.generate(ours, *a, **k))
     differ = (run() != python_loop()).nonzero()
     assert differ.numel() == 0, f"{sampling}: tokens differ from wiola.generation's loop first at {differ[0].tolist()}"
-    weights = roofline.weight_bytes(model.config, "bf16")
     cpu = _cpu_notes(decode_step_cpu.select_isa(), f"{path}, bf16 weights", "bf16")
     rec = _timed(
         cpu_bench,
@@ -579,7 +578,7 @@ def test_sampled_cpu(cpu_bench, model, batch: int, sampling: str, monkeypatch) -
         cpu,
         mode="tg-sampled",
         name=f"generate {new} bf16 {sampling}",
-        cost=roofline.decode(model.config, batch, PROMPT, new - 1, torch.float32, weights),
+        cost=_cost(model.config, batch, new, "bf16"),  # the prompt's prefill is in the timed call
         tokens=batch * new,
         baselines={"greedy": lambda: ours.generate(ids, new, temperature=0), "Python sampler loop": python_loop},
         notes=[
