@@ -9,6 +9,10 @@ logits on each GEMM within the fp32 bound of each other."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -118,7 +122,8 @@ def test_auto_picks_only_modes_within_a_thousandth_of_a_nat(plain_cpu, monkeypat
 @pytest.fixture
 def gemm_cache(monkeypatch, tmp_path):
     """An empty build cache and no measurement yet in this process; ``times`` sets what
-    ``measure_gemms`` returns (ATen's and oneDNN's seconds) and counts its calls."""
+    ``measure_gemms`` returns (ATen's and oneDNN's seconds) and counts its calls; the machine reads
+    as quiet while it runs (``times["busy"]``, the share of the CPUs others used, sets otherwise)."""
     monkeypatch.setenv("WIOLA_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv(prefill.GEMM_ENV, raising=False)
     monkeypatch.setattr(prefill, "_MEASURED", {})
@@ -127,9 +132,10 @@ def gemm_cache(monkeypatch, tmp_path):
 
     def measure(shapes=prefill.GEMM_SHAPES, rounds=prefill.GEMM_ROUNDS):
         calls.append((shapes, rounds))
-        return dict(times)
+        return {name: times[name] for name in ("aten", "onednn")}
 
     monkeypatch.setattr(prefill, "measure_gemms", measure)
+    monkeypatch.setattr(prefill, "others_busy", lambda work: (work(), times.get("busy", 0.0)))
     return times, calls, tmp_path / "cache" / prefill.GEMM_CACHE
 
 
@@ -240,6 +246,65 @@ def test_measured_choice_is_kept_per_cpu_torch_and_threads(monkeypatch, gemm_cac
     assert prefill.measured_gemm()["source"] == "measured" and len(calls) == 7
     assert len(json.loads(path.read_text())) == 1
     assert not [p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")], "a temporary file was left"
+
+
+@pytest.mark.parametrize("busy", [0.5, prefill.GEMM_QUIET])
+def test_a_busy_machines_measurement_is_not_kept(monkeypatch, gemm_cache, busy):
+    """Timed while others used ``GEMM_QUIET`` or more of the CPUs' time, the choice holds for this
+    process and is not written; the next process times again, and keeps a quiet measurement."""
+    times, calls, path = gemm_cache
+    times.update(aten=1.33, onednn=1.0, busy=busy)
+    monkeypatch.setattr(prefill, "GEMM_AUTO", {})
+    monkeypatch.setattr(linear, "onednn_available", lambda: True)
+    m = prefill.measured_gemm()
+    assert (m["chosen"], m["source"], m["busy"]) == ("onednn", "measured", busy) and not path.exists(), m
+    assert prefill._describe_gemm().endswith(
+        f"; timed now, not kept: others used {busy:.0%} of the CPUs' time meanwhile)"
+    ), prefill._describe_gemm()
+    assert prefill.measured_gemm() is m and len(calls) == 1  # once a process all the same
+    for quiet in (None, prefill.GEMM_QUIET / 2):  # unreadable, or quiet: kept
+        monkeypatch.setattr(prefill, "_MEASURED", {})
+        times.update(aten=1.0, busy=quiet)
+        assert prefill.measured_gemm()["chosen"] == "aten" and path.exists()
+        assert prefill._describe_gemm().endswith("; timed now)"), prefill._describe_gemm()
+        path.unlink()
+    assert len(calls) == 3
+
+
+def test_others_busy_counts_other_processes_cpu_time():
+    """A process spinning on a CPU while this one sleeps uses at least a share of the CPUs' time
+    it could have had alone (1/cpus, less the time others take from it), which ``others_busy``
+    sees."""
+    if prefill._cpu_jiffies() is None:
+        pytest.skip("no /proc/stat on this system")
+    spin = "import time\nend = time.time() + 0.6\nwhile time.time() < end: pass"
+    child = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.1)  # the child's interpreter is up and spinning
+        result, busy = prefill.others_busy(lambda: time.sleep(0.4) or "done")
+    finally:
+        child.wait()
+    cpus = os.cpu_count() or 1
+    assert result == "done" and busy is not None and busy >= 0.5 / cpus, (busy, cpus, prefill._cpu()["name"])
+
+
+def test_others_busy_subtracts_this_process(monkeypatch):
+    """The share is the CPUs' busy ticks less this process's own CPU time, over all the ticks;
+    None where /proc/stat cannot be read or too few ticks passed."""
+    tick = 1.0 / os.sysconf("SC_CLK_TCK")
+    cpus = os.cpu_count() or 1
+    span = 400 * cpus  # ticks of all the CPUs while the work ran
+    for busy_ticks, own_s, want in ((150 * cpus, 100 * cpus * tick, 0.125), (40, 0.0, 0.1 / cpus), (10, 9.0, 0.0)):
+        jiffies = iter([(1000, 5000), (1000 + busy_ticks, 5000 + span)])
+        own = iter([2.0, 2.0 + own_s])
+        monkeypatch.setattr(prefill, "_cpu_jiffies", jiffies.__next__)
+        monkeypatch.setattr(prefill.time, "process_time", own.__next__)
+        assert prefill.others_busy(lambda: 7) == (7, pytest.approx(want)), (busy_ticks, own_s)
+    for before, after in (((1000, 5000), None), (None, (2000, 9000)), ((1000, 5000), (1001, 5001))):
+        jiffies = iter([before, after])
+        monkeypatch.setattr(prefill, "_cpu_jiffies", jiffies.__next__)
+        monkeypatch.setattr(prefill.time, "process_time", lambda: 0.0)
+        assert prefill.others_busy(lambda: 7) == (7, None), (before, after)
 
 
 def test_measured_choice_without_a_usable_cache(monkeypatch, gemm_cache, tmp_path):
