@@ -520,13 +520,16 @@ def test_every_entry_refuses_ids_slots_and_rows_out_of_range(plain_cpu):
 
 # ------------------------------------------------------------------ variants and their choice
 @pytest.mark.parametrize("variant", decode_step_cpu.ISAS)
-def test_every_variant_compiles(variant, tmp_path):
+def test_every_variant_compiles(variant):
     """Every variant this compiler can target builds, whatever this CPU runs (the x86 ones on
-    any x86-64 compiler, the portable one everywhere), and exports the step."""
+    any x86-64 compiler, the portable one everywhere), and exports the step. Taken from the build
+    cache where this source, variant, compiler and CPU were built before (its name hashes all of
+    them, its digest proves the file whole), else compiled into it."""
     if variant != "portable" and not X86:
         pytest.skip(f"{variant} is an x86 variant; this is {platform.machine()}")
-    target = tmp_path / f"{variant}.so"
-    decode_step_cpu.compile_variant(variant, target)
+    target = decode_step_cpu.cached_build(variant)
+    assert target == decode_step_cpu.library_path(decode_step_cpu._compiler(), variant)
+    assert decode_step_cpu._intact(target)
     symbols = target.read_bytes()
     assert b"wiola_decode_step" in symbols and b"wiola_workspace_floats" in symbols
 
@@ -1052,18 +1055,24 @@ def _load_in_a_process(env: dict[str, str]) -> Path:
 
 def test_a_damaged_cached_library_is_built_again(tmp_path):
     """A cached library cut short or overwritten after its build (a full disk, a partial copy of
-    the cache) is built again, never loaded: loading a cut-off one killed the process (SIGBUS
-    inside dlopen). The compiler is given as a launcher and its program (``CXX="env g++"``, the
-    form of ``ccache g++``)."""
+    the cache) fails its digest and is built again, never loaded: loading a cut-off one killed the
+    process (SIGBUS inside dlopen). The compiler is given as a launcher and its program
+    (``CXX="env g++"``, the form of ``ccache g++``): a fresh process finds the intact library
+    under the name it computes, then builds a cut-off one again."""
     env = {**os.environ, "WIOLA_CACHE_DIR": str(tmp_path), "WIOLA_CPU_ISA": "portable"}
     env["CXX"] = f"env {decode_step_cpu._compiler()}"
-    target = _load_in_a_process(env)
-    assert target.parent == tmp_path and decode_step_cpu._intact(target)
-    size = target.stat().st_size
-    for damage in (target.read_bytes()[: size // 3], b"", os.urandom(4096)):
+    built = decode_step_cpu.cached_build("portable")  # this session's build cache
+    target = tmp_path / built.name
+    for source in (built, decode_step_cpu._digest_path(built)):
+        shutil.copyfile(source, tmp_path / source.name)
+    whole = target.read_bytes()
+    assert _load_in_a_process(env) == target and target.read_bytes() == whole  # loaded, not built
+    cut = whole[: len(whole) // 3]
+    for damage in (b"", os.urandom(4096), whole[:-1] + bytes([whole[-1] ^ 1]), cut):
         target.write_bytes(damage)
-        assert _load_in_a_process(env) == target
-        assert decode_step_cpu._intact(target) and target.stat().st_size > len(damage), "not built again"
+        assert not decode_step_cpu._intact(target), f"a damaged library of {len(damage)} bytes passed as whole"
+    assert _load_in_a_process(env) == target
+    assert decode_step_cpu._intact(target) and target.stat().st_size > len(cut), "not built again"
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc driver")

@@ -348,10 +348,19 @@ def library_path(compiler: str, isa: str) -> Path:
     return _cache_dir() / f"decode_step_cpu-{isa}-{key.hexdigest()[:20]}.so"
 
 
-def _build(compiler: str, isa: str) -> ctypes.CDLL:
+def cached_build(isa: str, compiler: str | None = None) -> Path:
+    """The build cache's library of the ``isa`` variant (``library_path``), compiled first where
+    it is missing or damaged since its build (``_intact``); a variant this CPU cannot run builds
+    all the same. Raises ``RuntimeError`` with the compiler's error."""
+    compiler = compiler or _compiler()
     target = library_path(compiler, isa)
-    if not _intact(target):  # missing, or damaged since it was built
+    if not _intact(target):
         compile_variant(isa, target, compiler)
+    return target
+
+
+def _build(compiler: str, isa: str) -> ctypes.CDLL:
+    target = cached_build(isa, compiler)
     try:
         lib = ctypes.CDLL(str(target))
     except OSError:  # built, but not loadable (a missing symbol): not kept for the next process
