@@ -208,7 +208,7 @@ def test_measured_choice_is_kept_per_cpu_torch_and_threads(monkeypatch, gemm_cac
     ((key, record),) = records.items()
     assert record["aten_s"] == 2.0 and record["onednn_s"] == 1.0 and record["torch"] == torch.__version__
     assert record["threads"] == torch.get_num_threads() and record["shapes"] == [list(s) for s in prefill.GEMM_SHAPES]
-    assert record["cpu"] == prefill._cpu()["name"]
+    assert record["cpu"] == prefill._cpu()["name"] and record["busy"] == 0.0
 
     # Another process on this machine (nothing measured in it yet) reads the file: no timing, same choice.
     monkeypatch.setattr(prefill, "_MEASURED", {})
@@ -236,14 +236,21 @@ def test_measured_choice_is_kept_per_cpu_torch_and_threads(monkeypatch, gemm_cac
     path.write_text(json.dumps(json.loads(path.read_text()) | {key: {"aten_s": "fast", "onednn_s": -1.0}}))
     assert prefill.measured_gemm()["source"] == "measured" and len(calls) == 4
     assert json.loads(path.read_text())[key]["aten_s"] == 1.0
-    for zero in ({"aten_s": 0.0, "onednn_s": 0.0}, {"aten_s": 1.0, "onednn_s": 0.0}):  # no time: no ratio either
+    # no time (no ratio either), or no proof of a quiet machine (a record without "busy", or a busy one)
+    for zero in (
+        {"aten_s": 0.0, "onednn_s": 0.0, "busy": 0.0},
+        {"aten_s": 1.0, "onednn_s": 0.0, "busy": 0.0},
+        {"aten_s": 2.0, "onednn_s": 1.0},
+        {"aten_s": 2.0, "onednn_s": 1.0, "busy": prefill.GEMM_QUIET},
+        {"aten_s": 2.0, "onednn_s": 1.0, "busy": "idle"},
+    ):
         monkeypatch.setattr(prefill, "_MEASURED", {})
         path.write_text(json.dumps(json.loads(path.read_text()) | {key: zero}))
         calls_before = len(calls)
         assert prefill.measured_gemm()["source"] == "measured" and len(calls) == calls_before + 1, zero
     monkeypatch.setattr(prefill, "_MEASURED", {})
     path.write_text("{not json")
-    assert prefill.measured_gemm()["source"] == "measured" and len(calls) == 7
+    assert prefill.measured_gemm()["source"] == "measured" and len(calls) == 10
     assert len(json.loads(path.read_text())) == 1
     assert not [p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")], "a temporary file was left"
 
@@ -267,6 +274,11 @@ def test_a_busy_machines_measurement_is_not_kept(monkeypatch, gemm_cache, busy):
         times.update(aten=1.0, busy=quiet)
         assert prefill.measured_gemm()["chosen"] == "aten" and path.exists()
         assert prefill._describe_gemm().endswith("; timed now)"), prefill._describe_gemm()
+        monkeypatch.setattr(prefill, "_MEASURED", {})  # the next process reads it
+        assert (
+            prefill.measured_gemm()["source"] == str(path)
+            and json.loads(path.read_text()).popitem()[1]["busy"] == quiet
+        )
         path.unlink()
     assert len(calls) == 3
 

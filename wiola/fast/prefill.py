@@ -252,6 +252,15 @@ def _write_records(path: Path, records: dict[str, Any]) -> None:
             Path(tmp).unlink(missing_ok=True)
 
 
+def _quiet_record(stored: dict[str, Any]) -> bool:
+    """Whether a ``gemm.json`` record holds two positive times measured on a quiet machine: its
+    ``busy`` share under ``GEMM_QUIET``, or None where it could not be read. A record without
+    ``busy`` proves nothing of the machine's load and is measured again."""
+    times = all(isinstance(stored.get(k), float) and stored[k] > 0.0 for k in ("aten_s", "onednn_s"))
+    busy = stored.get("busy", GEMM_QUIET)
+    return times and (busy is None or (isinstance(busy, float) and busy < GEMM_QUIET))
+
+
 def measured_gemm() -> dict[str, Any]:
     """The GEMM ``auto`` takes on a CPU outside ``GEMM_AUTO``, at torch's current thread count:
     ``{"chosen", "ratio" (ATen's time over oneDNN's), "aten_s", "onednn_s", "threads", "source"
@@ -259,7 +268,7 @@ def measured_gemm() -> dict[str, Any]:
     the CPUs' time others used meanwhile, ``others_busy``)}``, oneDNN chosen where the ratio is at
     least ``GEMM_MARGIN``; ``{"chosen": "aten", "threads", "source": "oneDNN failed: why"}``
     where oneDNN's product raised. The times are read from the cache file where it holds them for
-    this CPU, torch, thread count and ``GEMM_SHAPES``; else measured (``measure_gemms``) and written
+    this CPU, torch, thread count and ``GEMM_SHAPES`` from a quiet machine (``_quiet_record``); else measured (``measure_gemms``) and written
     there with the CPU's name and torch's version where the machine was quiet meanwhile (others
     used under ``GEMM_QUIET`` of the CPUs' time, or that could not be read); a busy machine's
     measurement decides for this process only. A file that cannot be read or written is measured
@@ -275,9 +284,7 @@ def measured_gemm() -> dict[str, Any]:
         records = _read_records(path)
         stored = records.get(key)
         busy = None
-        if isinstance(stored, dict) and all(
-            isinstance(stored.get(k), float) and stored[k] > 0.0 for k in ("aten_s", "onednn_s")
-        ):
+        if isinstance(stored, dict) and _quiet_record(stored):
             aten_s, onednn_s, source = stored["aten_s"], stored["onednn_s"], str(path)
         else:
             try:
@@ -290,7 +297,7 @@ def measured_gemm() -> dict[str, Any]:
             if path is not None and (busy is None or busy < GEMM_QUIET):
                 _write_records(path, records | {key: {
                     "aten_s": aten_s, "onednn_s": onednn_s, "cpu": _cpu()["name"], "torch": torch.__version__,
-                    "threads": threads, "shapes": [list(shape) for shape in GEMM_SHAPES],
+                    "threads": threads, "shapes": [list(shape) for shape in GEMM_SHAPES], "busy": busy,
                 }})  # fmt: skip
         ratio = aten_s / onednn_s
         _MEASURED[threads] = {
