@@ -86,7 +86,8 @@ GEMM_ROUNDS = 7
 GEMM_MARGIN = 1.1
 GEMM_CACHE = "gemm.json"
 # A measurement is kept in the cache file only where other processes (and, in a virtual machine, the
-# host's other guests: steal time) used less than this share of all the CPUs' time while it ran.
+# host's other guests: steal time) used less than this share of the time of the CPUs this process
+# may run on while it ran.
 # On the 2-core Ice Lake-SP Xeon, timed beside a test suite's other worker, oneDNN ran the products
 # 1.33x as fast as ATen; on the idle machine 0.87-1.03x.
 GEMM_QUIET = 0.1
@@ -179,29 +180,51 @@ def measure_gemms(
         return interleaved(runs, rounds)
 
 
-def _cpu_jiffies() -> tuple[int, int] | None:
-    """(busy, all) clock ticks of every CPU since boot from ``/proc/stat``'s first line (busy:
-    everything but idle and iowait, steal included), or None where there is no such file."""
+def _cpus() -> set[int] | None:
+    """The CPUs this process may run on (its affinity), or None where the system does not say."""
     try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-        ticks = [int(t) for t in fields[1:9]]  # user nice system idle iowait irq softirq steal
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+def _cpu_jiffies(stat: str = "/proc/stat") -> tuple[int, int] | None:
+    """(busy, all) clock ticks since boot of the CPUs this process may run on (``_cpus``; every
+    CPU where that is unknown), from ``/proc/stat``'s ``cpuN`` lines (busy: everything but idle
+    and iowait, steal included), or None where there is no such file or it names none of them."""
+    cpus = _cpus()
+    busy = total = 0
+    found = False
+    try:
+        with open(stat) as f:
+            for line in f:
+                fields = line.split()
+                if not fields or not fields[0].startswith("cpu") or fields[0] == "cpu":
+                    continue
+                if not fields[0][3:].isdigit() or (cpus is not None and int(fields[0][3:]) not in cpus):
+                    continue
+                ticks = [int(t) for t in fields[1:9]]  # user nice system idle iowait irq softirq steal
+                if len(ticks) < 8:
+                    return None
+                busy += sum(ticks) - ticks[3] - ticks[4]
+                total += sum(ticks)
+                found = True
     except (OSError, ValueError):
         return None
-    if fields[:1] != ["cpu"] or len(ticks) < 8:
-        return None
-    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+    return (busy, total) if found else None
 
 
 def others_busy(work: Callable[[], Any]) -> tuple[Any, float | None]:
-    """``work()``'s result and the share of all the CPUs' time that anything but this process used
-    while it ran (0: the machine was otherwise idle; 1: every CPU was busy with others throughout),
-    from ``/proc/stat``'s ticks less this process's own CPU time; None where ``/proc/stat`` is
-    missing or too little time passed to tell (a tick each)."""
+    """``work()``'s result and the share of the time of the CPUs this process may run on that
+    anything but this process used while it ran (0: they were otherwise idle; 1: others kept
+    every one of them busy throughout), from ``/proc/stat``'s ticks less this process's own CPU
+    time; None where ``/proc/stat`` cannot be read or too little time passed to tell (two ticks a
+    CPU). CPUs outside the process's affinity do not count: work there does not slow it."""
     before, own_before = _cpu_jiffies(), time.process_time()
     result = work()
     after, own_after = _cpu_jiffies(), time.process_time()
-    if before is None or after is None or after[1] - before[1] < 2 * (os.cpu_count() or 1):
+    cpus = _cpus()
+    if before is None or after is None or after[1] - before[1] < 2 * (len(cpus) if cpus else os.cpu_count() or 1):
         return result, None
     tick = 1.0 / os.sysconf("SC_CLK_TCK")
     others = (after[0] - before[0]) * tick - (own_after - own_before)
@@ -268,11 +291,12 @@ def measured_gemm() -> dict[str, Any]:
     the CPUs' time others used meanwhile, ``others_busy``)}``, oneDNN chosen where the ratio is at
     least ``GEMM_MARGIN``; ``{"chosen": "aten", "threads", "source": "oneDNN failed: why"}``
     where oneDNN's product raised. The times are read from the cache file where it holds them for
-    this CPU, torch, thread count and ``GEMM_SHAPES`` from a quiet machine (``_quiet_record``); else measured (``measure_gemms``) and written
-    there with the CPU's name and torch's version where the machine was quiet meanwhile (others
-    used under ``GEMM_QUIET`` of the CPUs' time, or that could not be read); a busy machine's
-    measurement decides for this process only. A file that cannot be read or written is measured
-    past, never an error. Once a process and thread count."""
+    this CPU, torch, thread count and ``GEMM_SHAPES``, timed on a quiet machine (``_quiet_record``);
+    else measured (``measure_gemms``) and written there with the CPU's name and torch's version
+    where the machine was quiet meanwhile (others used under ``GEMM_QUIET`` of the CPUs' time, or
+    that could not be read); a busy machine's measurement decides for this process only. A file
+    that cannot be read or written is measured past, never an error. Once a process and thread
+    count."""
     threads = torch.get_num_threads()
     known = _MEASURED.get(threads)
     if known is not None:  # every forward asks: no lock once measured
