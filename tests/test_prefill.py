@@ -287,7 +287,7 @@ def test_others_busy_counts_other_processes_cpu_time():
     """A process spinning on one of this process's CPUs while this one sleeps takes that CPU's
     time, 1/cpus of theirs: ``others_busy`` sees at least half of that (start-up and scheduler
     ticks aside), more where others run too."""
-    if prefill._cpu_jiffies() is None:
+    if prefill._cpu_jiffies(prefill._cpus()) is None:
         pytest.skip("no /proc/stat on this system")
     spin = "import time\nend = time.time() + 0.6\nwhile time.time() < end: pass"
     child = subprocess.Popen([sys.executable, "-c", spin])
@@ -301,28 +301,34 @@ def test_others_busy_counts_other_processes_cpu_time():
 
 
 def test_others_busy_subtracts_this_process(monkeypatch):
-    """The share is the CPUs' busy ticks less this process's own CPU time, over all the ticks;
-    None where /proc/stat cannot be read or too few ticks passed."""
+    """The share is the busy ticks of this process's CPUs less its own CPU time, over all their
+    ticks; None where /proc/stat cannot be read or too few ticks passed."""
     tick = 1.0 / os.sysconf("SC_CLK_TCK")
-    cpus = 4
-    monkeypatch.setattr(prefill, "_cpus", lambda: {0, 1, 2, 3})
-    span = 400 * cpus  # ticks of all the CPUs while the work ran
+    affinity = {0, 2, 5, 7}
+    cpus = len(affinity)
+    monkeypatch.setattr(prefill, "_cpus", lambda: affinity)
+    asked: list[set[int] | None] = []
+
+    def ticks(values):
+        values = iter(values)
+        return lambda cpus: asked.append(cpus) or next(values)
+
+    span = 400 * cpus  # ticks of those CPUs while the work ran
     for busy_ticks, own_s, want in ((150 * cpus, 100 * cpus * tick, 0.125), (40, 0.0, 0.1 / cpus), (10, 9.0, 0.0)):
-        jiffies = iter([(1000, 5000), (1000 + busy_ticks, 5000 + span)])
         own = iter([2.0, 2.0 + own_s])
-        monkeypatch.setattr(prefill, "_cpu_jiffies", jiffies.__next__)
+        monkeypatch.setattr(prefill, "_cpu_jiffies", ticks([(1000, 5000), (1000 + busy_ticks, 5000 + span)]))
         monkeypatch.setattr(prefill.time, "process_time", own.__next__)
         assert prefill.others_busy(lambda: 7) == (7, pytest.approx(want)), (busy_ticks, own_s)
+    assert asked == [affinity] * 6, f"the ticks were read for {asked}, not the process's CPUs {affinity}"
     for before, after in (((1000, 5000), None), (None, (2000, 9000)), ((1000, 5000), (1001, 5000 + 2 * cpus - 1))):
-        jiffies = iter([before, after])
-        monkeypatch.setattr(prefill, "_cpu_jiffies", jiffies.__next__)
+        monkeypatch.setattr(prefill, "_cpu_jiffies", ticks([before, after]))
         monkeypatch.setattr(prefill.time, "process_time", lambda: 0.0)
         assert prefill.others_busy(lambda: 7) == (7, None), (before, after)
 
 
-def test_cpu_ticks_of_the_cpus_this_process_may_run_on(monkeypatch, tmp_path):
-    """``/proc/stat``'s cpuN lines of the process's CPUs summed (busy: all but idle and iowait),
-    every cpuN line where the affinity is unknown; None for a file without them or a short line."""
+def test_cpu_ticks_of_the_cpus_this_process_may_run_on(tmp_path):
+    """``/proc/stat``'s cpuN lines of the given CPUs summed (busy: all but idle and iowait), every
+    cpuN line where they are unknown; None for a file without them or a short line."""
     stat = tmp_path / "stat"
     stat.write_text(
         "cpu  60 0 6 600 6 0 0 6 0 0\n"
@@ -332,12 +338,10 @@ def test_cpu_ticks_of_the_cpus_this_process_may_run_on(monkeypatch, tmp_path):
         "intr 1 2 3\n"
     )
     for cpus, want in (({1}, (24, 226)), ({0, 2}, (48, 452)), (None, (72, 678)), ({7}, None)):
-        monkeypatch.setattr(prefill, "_cpus", lambda cpus=cpus: cpus)
-        assert prefill._cpu_jiffies(str(stat)) == want, cpus
-    monkeypatch.setattr(prefill, "_cpus", lambda: None)
+        assert prefill._cpu_jiffies(cpus, str(stat)) == want, cpus
     stat.write_text("cpu0 10 0 1 100\n")
-    assert prefill._cpu_jiffies(str(stat)) is None
-    assert prefill._cpu_jiffies(str(tmp_path / "missing")) is None
+    assert prefill._cpu_jiffies(None, str(stat)) is None
+    assert prefill._cpu_jiffies(None, str(tmp_path / "missing")) is None
 
 
 def test_measured_choice_without_a_usable_cache(monkeypatch, gemm_cache, tmp_path):

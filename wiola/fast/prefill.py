@@ -188,11 +188,10 @@ def _cpus() -> set[int] | None:
         return None
 
 
-def _cpu_jiffies(stat: str = "/proc/stat") -> tuple[int, int] | None:
-    """(busy, all) clock ticks since boot of the CPUs this process may run on (``_cpus``; every
-    CPU where that is unknown), from ``/proc/stat``'s ``cpuN`` lines (busy: everything but idle
-    and iowait, steal included), or None where there is no such file or it names none of them."""
-    cpus = _cpus()
+def _cpu_jiffies(cpus: set[int] | None, stat: str = "/proc/stat") -> tuple[int, int] | None:
+    """(busy, all) clock ticks since boot of ``cpus`` (every CPU where None), from ``/proc/stat``'s
+    ``cpuN`` lines (busy: everything but idle and iowait, steal included), or None where there is
+    no such file or it names none of them."""
     busy = total = 0
     found = False
     try:
@@ -220,10 +219,10 @@ def others_busy(work: Callable[[], Any]) -> tuple[Any, float | None]:
     every one of them busy throughout), from ``/proc/stat``'s ticks less this process's own CPU
     time; None where ``/proc/stat`` cannot be read or too little time passed to tell (two ticks a
     CPU). CPUs outside the process's affinity do not count: work there does not slow it."""
-    before, own_before = _cpu_jiffies(), time.process_time()
-    result = work()
-    after, own_after = _cpu_jiffies(), time.process_time()
     cpus = _cpus()
+    before, own_before = _cpu_jiffies(cpus), time.process_time()
+    result = work()
+    after, own_after = _cpu_jiffies(cpus), time.process_time()
     if before is None or after is None or after[1] - before[1] < 2 * (len(cpus) if cpus else os.cpu_count() or 1):
         return result, None
     tick = 1.0 / os.sysconf("SC_CLK_TCK")
@@ -275,13 +274,19 @@ def _write_records(path: Path, records: dict[str, Any]) -> None:
             Path(tmp).unlink(missing_ok=True)
 
 
+def _quiet(busy: float | None) -> bool:
+    """Whether a measurement may be kept: others used under ``GEMM_QUIET`` of the CPUs' time
+    while it ran, or that could not be read (None)."""
+    return busy is None or busy < GEMM_QUIET
+
+
 def _quiet_record(stored: dict[str, Any]) -> bool:
     """Whether a ``gemm.json`` record holds two positive times measured on a quiet machine: its
     ``busy`` share under ``GEMM_QUIET``, or None where it could not be read. A record without
     ``busy`` proves nothing of the machine's load and is measured again."""
     times = all(isinstance(stored.get(k), float) and stored[k] > 0.0 for k in ("aten_s", "onednn_s"))
     busy = stored.get("busy", GEMM_QUIET)
-    return times and (busy is None or (isinstance(busy, float) and busy < GEMM_QUIET))
+    return times and (busy is None or isinstance(busy, float)) and _quiet(busy)
 
 
 def measured_gemm() -> dict[str, Any]:
@@ -318,7 +323,7 @@ def measured_gemm() -> dict[str, Any]:
                 _MEASURED[threads] = {"chosen": "aten", "threads": threads, "source": f"oneDNN failed: {reason}"}
                 return _MEASURED[threads]
             aten_s, onednn_s, source = times["aten"], times["onednn"], "measured"
-            if path is not None and (busy is None or busy < GEMM_QUIET):
+            if path is not None and _quiet(busy):
                 _write_records(path, records | {key: {
                     "aten_s": aten_s, "onednn_s": onednn_s, "cpu": _cpu()["name"], "torch": torch.__version__,
                     "threads": threads, "shapes": [list(shape) for shape in GEMM_SHAPES], "busy": busy,
@@ -356,7 +361,7 @@ def _describe_gemm() -> str:
         return f"fp32 GEMM {chosen} ({asked}: {why}{m['source']})"
     if m["source"] != "measured":
         where = f"timed before, {m['source']}"
-    elif m.get("busy") is not None and m["busy"] >= GEMM_QUIET:
+    elif not _quiet(m.get("busy")):
         where = f"timed now, not kept: others used {m['busy']:.0%} of the CPUs' time meanwhile"
     else:
         where = "timed now"
