@@ -1061,7 +1061,7 @@ def test_a_damaged_cached_library_is_built_again(tmp_path):
     under the name it computes, then builds a cut-off one again."""
     env = {**os.environ, "WIOLA_CACHE_DIR": str(tmp_path), "WIOLA_CPU_ISA": "portable"}
     env["CXX"] = f"env {decode_step_cpu._compiler()}"
-    built = decode_step_cpu.cached_build("portable")  # this session's build cache
+    built = decode_step_cpu.cached_build("portable")  # the build cache of the test run's environment
     target = tmp_path / built.name
     for source in (built, decode_step_cpu._digest_path(built)):
         shutil.copyfile(source, tmp_path / source.name)

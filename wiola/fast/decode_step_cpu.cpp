@@ -583,7 +583,7 @@ inline void dot_rows(const T* W, const float* scale, int64_t K, const float* x, 
 // the tied head would not evict the layers' weights where the matrices outgrow the last-level
 // cache; no CPU chooses it (STREAM_HEAD in decode_step_cpu.py: it was level or slower on every CPU
 // measured, 1.5-1.7x slower on an Ice Lake-SP Xeon whose 48 MiB L3 the fp32 matrices outgrow,
-// since its non-temporal lines come from DRAM every step); the knob stays for bench.ab_tuning.
+// since its non-temporal lines come from DRAM every step); the knob is for bench.ab_tuning's A/Bs.
 // 8 rows ahead: level with 16 and 32 on the Xeons (faster than none on the Ice Lake-SP: 1.00-1.25x
 // with the head cached), about 5% faster than 16 on the EPYC; on a Zen 5 EPYC about 8 KB ahead (16
 // bf16 rows of 256 weights: 1.10x at batch 1); on a Zen 4 EPYC 0 rows ahead, each block's own lines requested at once just before its
