@@ -42,8 +42,9 @@ def test_demo_takes_samples_0():
     _check_flags(argparse.Namespace(steps=None, seconds=None, samples=0))
 
 
-def test_generate_from_a_checkpoint(tmp_path, capsys):
-    """Greedy text from the default (wiola.fast) and --reference equals the model's own generate."""
+def test_generate_from_a_checkpoint(tmp_path, capsys, plain_cpu):
+    """Greedy text from the default (wiola.fast; on a plain CPU, the C++ step) and --reference equals
+    the model's own generate."""
     from wiola.tokenizer import encoding_for_vocab
 
     torch.manual_seed(0)
@@ -66,7 +67,7 @@ def test_generate_reports_a_bad_checkpoint(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_generate_accepts_a_training_run_folder(tmp_path, capsys):
+def test_generate_accepts_a_training_run_folder(tmp_path, capsys, plain_cpu):
     """A run folder (checkpoints/latest -> step_N) resolves to its latest checkpoint."""
     from wiola.train.run_folder import LATEST_FILE, TRAINER_FILE
 

@@ -26,6 +26,10 @@ from wiola.cli import main
 from wiola.tokenizer import HFTokenizer, load_tokenizer, train_tokenizer
 from wiola.train.corpus import sample_corpus
 
+# A CPU user's path: the C++ step, not the Triton kernels under the interpreter (which prove the
+# kernels in their own tests and would only slow these, here and in the subprocesses).
+pytestmark = pytest.mark.usefixtures("plain_cpu")
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Once upon a time, Lily"
 NEW_TOKENS = 12
