@@ -285,6 +285,64 @@ def test_a_copy_of_a_quantized_model_runs_its_packed_matrices(plain_cpu):
         assert torch.equal(copied.generate(ids, 6), model.generate(ids, 6))
 
 
+def _mapping_flags(address: int) -> list[str] | None:
+    """The ``VmFlags`` of this process's mapping that holds ``address`` (``/proc/self/smaps``), or
+    None where there is no such file."""
+    try:
+        smaps = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in smaps:
+        head = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if head:
+            inside = int(head[1], 16) <= address < int(head[2], 16)
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping of /proc/self/smaps holds {address:#x}")
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_packed_matrices_lie_in_one_mapping_advised_for_huge_pages(scheme, tmp_path, plain_cpu):
+    """The packed matrices of a model whose matrices fill 2 MiB or more are copied, in order, into one
+    private mapping that starts on a 2 MiB boundary and is advised MADV_HUGEPAGE (smaps flag ``hg``),
+    each on a cache line; their values are quantize_tensor's; a copy, a pickle and a saved and
+    loaded checkpoint (loaded into such a mapping again) decode the same tokens. Under 2 MiB they
+    stay where they are."""
+    config = dataclasses.replace(SHAPE_13M, vocab_size=12000)  # int4: 3.4 MB of matrices
+    torch.manual_seed(0)
+    model = wiola.fast.WiolaModel(config).eval().requires_grad_(False)
+    params = dict(model.named_parameters())
+    want = {name: quantize_tensor(params[name], scheme)[0] for name in matrix_names(config.n_layers)}
+    quantize(model, scheme)
+    names = list(model.quantized)
+    matrices = [model.quantized[name][0] for name in names]
+    sizes = [q.numel() * q.element_size() for q in matrices]
+    assert sum(sizes) >= quantize_module.HUGE_PAGE, "the test's model is too small to be moved"
+    assert matrices[0].data_ptr() % quantize_module.HUGE_PAGE == 0
+    for i, q in enumerate(matrices):
+        assert torch.equal(q, want[names[i]]), names[i]
+        assert q.data_ptr() % 64 == 0, names[i]
+        if i:
+            gap = q.data_ptr() - matrices[i - 1].data_ptr() - sizes[i - 1]
+            assert 0 <= gap < 64, f"{names[i]} lies {gap} bytes past the matrix before it"
+    flags = _mapping_flags(matrices[0].data_ptr())
+    if flags is not None:
+        assert "hg" in flags, f"the packed matrices' mapping is not advised MADV_HUGEPAGE: {flags}"
+    ids = torch.tensor([[3, 7, 11]])
+    with torch.inference_mode():
+        tokens = model.generate(ids, 6, temperature=0)
+        for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            assert torch.equal(copied.generate(ids, 6, temperature=0), tokens)
+        model.save_pretrained(tmp_path)  # safetensors refuses tensors that share memory
+        loaded = wiola.fast.WiolaModel.from_pretrained(tmp_path)
+        first = next(iter(loaded.quantized.values()))[0]
+        assert first.data_ptr() % quantize_module.HUGE_PAGE == 0
+        assert torch.equal(loaded.generate(ids, 6, temperature=0), tokens)
+    small = torch.zeros(1000, dtype=torch.uint8)
+    assert quantize_module.on_huge_pages([small])[0] is small
+
+
 # ----------------------------------------------------------------------------- bad input
 def test_bad_input_is_refused():
     torch.manual_seed(0)
