@@ -18,7 +18,8 @@ fp32 parameters are overwritten, in place, with the **dequantized** weights (``q
 bf16 value), so every PyTorch path (prefill, training-free evaluation, CUDA) computes with exactly
 the weights the C++ step reads: that path is the oracle the step is tested against
 (``tests/test_quantize.py``). The packed tensors live beside the parameters in
-``model.quantized`` (not in ``state_dict()``), and ``model.quantization`` names the scheme.
+``model.quantized`` (not in ``state_dict()``; from 2 MiB of them on, in one mapping advised for
+2 MiB pages: ``on_huge_pages``), and ``model.quantization`` names the scheme.
 
 The packed matrices stand for the parameters only while the parameters hold their dequantized
 values, so a quantized model keeps them so (``require_current``):
@@ -221,9 +222,9 @@ def on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     matrices are about 6,300 pages, more than a core's second-level TLB holds (a few thousand
     entries), so every step walks the page tables again. On 2 MiB pages the bf16 step at batch 1
     ran 1.03-1.08x faster, int8 1.01-1.05x, int4 1.01-1.02x, in one process beside a copy on
-    4 KiB pages (Intel Xeon, Ice Lake-SP; docs/SPEC.md, "Huge pages"). The tensors themselves
-    where there is nothing to gain or no way to ask: under 2 MiB in all, or a platform without
-    ``MADV_HUGEPAGE`` (or where the mapping fails)."""
+    4 KiB pages (Intel Xeon, Ice Lake-SP; docs/SPEC.md, "The packed matrices on huge pages"). The
+    tensors themselves where there is nothing to gain or no way to ask: under 2 MiB in all, or a
+    platform without ``MADV_HUGEPAGE`` (or where the mapping fails)."""
     total = sum(-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in tensors)
     if total < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE") or not hasattr(mmap, "MAP_PRIVATE"):
         return tensors
