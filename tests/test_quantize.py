@@ -343,6 +343,21 @@ def test_packed_matrices_lie_in_one_mapping_advised_for_huge_pages(scheme, tmp_p
     assert quantize_module.on_huge_pages([small])[0] is small
 
 
+def test_packed_matrices_stay_where_no_mapping_can_be_made(monkeypatch):
+    """A mapping that cannot be made leaves the matrices as they are (the step reads them there);
+    one that can holds their values, each on a cache line, whatever their types."""
+    big = [torch.arange(3 << 20, dtype=torch.int32).to(torch.int8), torch.ones(1000, dtype=torch.bfloat16)]
+
+    def refused(*args, **kwargs):
+        raise OSError("mmap refused")
+
+    monkeypatch.setattr(quantize_module.mmap, "mmap", refused)
+    assert all(a is b for a, b in zip(quantize_module.on_huge_pages(big), big))
+    monkeypatch.undo()
+    moved = quantize_module.on_huge_pages(big)
+    assert [m.data_ptr() % 64 for m in moved] == [0, 0] and all(torch.equal(a, b) for a, b in zip(moved, big))
+
+
 # ----------------------------------------------------------------------------- bad input
 def test_bad_input_is_refused():
     torch.manual_seed(0)

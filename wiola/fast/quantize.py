@@ -225,24 +225,24 @@ def on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     4 KiB pages (Intel Xeon, Ice Lake-SP; docs/SPEC.md, "The packed matrices on huge pages"). The
     tensors themselves where there is nothing to gain or no way to ask: under 2 MiB in all, or a
     platform without ``MADV_HUGEPAGE`` (or where the mapping fails)."""
-    total = sum(-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in tensors)
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    offsets = [0]
+    for n in sizes:
+        offsets.append(offsets[-1] + -(-n // _ALIGN) * _ALIGN)
+    total = offsets.pop()
     if total < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE") or not hasattr(mmap, "MAP_PRIVATE"):
         return tensors
     try:
         region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        first = torch.frombuffer(region, dtype=torch.uint8, count=1)
-        start = -first.data_ptr() % HUGE_PAGE  # a multiple of the base page: the mapping starts on one
-        region.madvise(mmap.MADV_HUGEPAGE, start, total)
+        start = -torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
+        region.madvise(mmap.MADV_HUGEPAGE, start, total)  # start: a multiple of the base page
     except (OSError, ValueError):
         return tensors
-    out, at = [], start
-    for t in tensors:
-        n = t.numel() * t.element_size()
+    out = []
+    for t, n, at in zip(tensors, sizes, offsets):
         # a storage of its own per matrix (each keeps the mapping alive), as the tensors it replaces had
-        view = torch.frombuffer(region, dtype=torch.uint8, count=n, offset=at).view(t.dtype).view(t.shape)
-        view.copy_(t)
-        out.append(view)
-        at += -(-n // _ALIGN) * _ALIGN
+        view = torch.frombuffer(region, dtype=torch.uint8, count=n, offset=start + at).view(t.dtype).view(t.shape)
+        out.append(view.copy_(t))
     return out
 
 
