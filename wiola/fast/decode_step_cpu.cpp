@@ -944,6 +944,16 @@ inline void packed_fma(uvec lanes, const float* xt, int64_t ldx, vec* sum) {
   if constexpr (J + 1 < Packed<P>::kPer) packed_fma<P, J + 1, NB>(lanes, xt, ldx, sum);
 }
 
+// Whether packed_fma_rows pins the parts of x in registers: everywhere but in the AVX-512
+// variant's bf16 blocks of more than one batch row. There GCC keeps them in registers by itself,
+// and pinned under -mtune=icelake-server it stored and reloaded them through the stack (12 vector
+// stack accesses in the block of 4 rows and 4 batch rows against 4 unpinned); unpinned, the 13m
+// bf16 step at batch 8 ran 1.03-1.07x faster on the Ice Lake-SP Xeon, batches 4 and 6 within the
+// noise, the same tokens. Unpinned, int4 at batch 2 ran 0.96-0.99x there, and the AVX2 variant's
+// bf16 0.93-0.96x at batch 2 (bench/results/2026-12-08_cpu_packed-x-pins-intel-icelake/).
+template <typename P, int NB>
+constexpr bool kPinX = NB == 1 || Packed<P>::kScaled || kLanes < 16;
+
 // sum[i][b] += part J of lanes[i] · x of batch row b, for J..kPer-1 and the NR rows: each part of
 // x loaded once for all NR rows (as dot_block does), each (row, lane) summing its parts in order.
 template <typename P, int J, int NR, int NB>
@@ -951,7 +961,7 @@ inline void packed_fma_rows(const uvec* lanes, const float* xt, int64_t ldx, vec
   vec xv[NB];
   for (int b = 0; b < NB; ++b) {
     xv[b] = load(xt + b * ldx + J * kLanes);
-    WIOLA_PIN(xv[b]);
+    if constexpr (kPinX<P, NB>) WIOLA_PIN(xv[b]);
   }
 #pragma GCC unroll 8
   for (int i = 0; i < NR; ++i) {
