@@ -198,11 +198,9 @@ def attach(model: torch.nn.Module, scheme: str, packed: dict[str, tuple[torch.Te
         for name, (q, scale) in packed.items():
             params[name].copy_(dequantize(q, scale))
     model.requires_grad_(False)
-    names = list(packed)
-    matrices = on_huge_pages([packed[name][0].cpu().contiguous() for name in names])
+    matrices = on_huge_pages([q.cpu().contiguous() for q, _ in packed.values()])
     model.quantized = {
-        name: (q, None if s is None else s.cpu().contiguous())
-        for name, q, (_, s) in zip(names, matrices, packed.values())
+        name: (q, None if s is None else s.cpu().contiguous()) for (name, (_, s)), q in zip(packed.items(), matrices)
     }
     model.quantization = scheme
     model.quantized_from = Stamp(_matrices(model))  # the weights the packed matrices stand for

@@ -5,15 +5,13 @@ greedy tokens after a 16-token prompt, the sampling between steps counted) asser
 `rounds` rounds of one call each, the order reversed every round; the median microseconds a step
 of each and the pinned build's median over the unpinned one's (above 1: unpinned faster)."""
 
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the checkout root, for bench
-from bench.two_builds import build, model_13m, rebind
+from bench.two_builds import build, interleaved, model_13m, rebind
 from wiola.fast import speed
 
 pinned, rounds, cases = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
@@ -26,13 +24,8 @@ with torch.no_grad():
         runs = {"unpinned": speed.decoding_only(model, ids, 128), "pinned": speed.decoding_only(model, ids, 128)}
         rebind(runs["pinned"].step, lib_pinned)
         assert torch.equal(runs["unpinned"]().clone(), runs["pinned"]().clone()), f"{case}: tokens differ"
-        times = {name: [] for name in runs}
-        for r in range(rounds):
-            for name in list(runs)[:: 1 if r % 2 == 0 else -1]:
-                start = time.perf_counter()
-                runs[name]()
-                times[name].append((time.perf_counter() - start) / 127)
-        u, p = statistics.median(times["unpinned"]), statistics.median(times["pinned"])
+        median = interleaved(runs, rounds)  # seconds a call; a call is 127 steps
+        u, p = median["unpinned"] / 127, median["pinned"] / 127
         print(
             f"{scheme} B{batch}: unpinned {u * 1e6:.0f} us, pinned {p * 1e6:.0f} us a step; pinned/unpinned {p / u:.3f}"
         )
